@@ -1,0 +1,42 @@
+"""The full KV cache: every token of the sequence, in order."""
+from __future__ import annotations
+
+import torch
+
+from .base import KVCache, causal_mask, check_capacity
+
+
+class FullCache(KVCache):
+    """Preallocated [n_layers, B, Hkv, capacity, D] keys and values.
+
+    With `record_queries=True`, the post-RoPE queries of the last forward are kept per layer
+    (`queries[layer]`: [B, Hq, T, D]) so that a retrieval cache can be (re)built from them.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
+                 batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 record_queries: bool = False):
+        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_layers, self.capacity, self.length = n_layers, capacity, 0
+        self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
+        self._mask: torch.Tensor | None = None
+        self._n_new = 0
+
+    def prepare(self, n_new: int) -> None:
+        check_capacity(self.length + n_new, self.capacity, "the KV cache")
+        self._n_new = n_new
+        self._mask = None if n_new == 1 else causal_mask(n_new, self.length, self.k.device)
+
+    def update(self, layer, q, k, v):
+        start, end = self.length, self.length + self._n_new
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        if self.queries is not None:
+            self.queries[layer] = q
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], self._mask
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length

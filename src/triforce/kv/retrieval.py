@@ -1,0 +1,100 @@
+"""TriForce retrieval cache: a budget of the most relevant KV chunks, chosen per layer and KV head.
+
+Built from a full cache and the query of one token:
+  * the keys of positions [0, n_sel) are cut into chunks of `chunk_size`; a chunk's representative
+    is its mean post-RoPE key; its score is q . mean summed over the query heads that share the KV
+    head (GQA), i.e. (sum of the group's queries) . mean;
+  * kept: chunk 0 (attention sinks), the top-scoring other chunks, and the recent tokens
+    [n_sel, length), with n_sel = floor((length - recent) / chunk_size) * chunk_size;
+  * at most `budget` tokens in all, the same count for every layer and head.
+Tokens generated after the build are appended; `rollback` may not go below the build point
+(rebuild instead). A context that fits in the budget is kept whole (the cache degrades to full).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TriforceError
+from .base import KVCache, causal_mask, check_capacity
+from .full import FullCache
+
+
+class RetrievalCache(KVCache):
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, budget: int, chunk_size: int = 8,
+                 recent: int = 64, max_new: int = 512, batch: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if chunk_size < 1:
+            raise TriforceError(f"chunk size must be >= 1, got {chunk_size}")
+        if budget < 2 * chunk_size + recent:
+            raise TriforceError(
+                f"retrieval budget {budget} is too small: it must hold the sink chunk, one more chunk and the "
+                f"{recent} recent tokens (>= {2 * chunk_size + recent})"
+            )
+        self.budget, self.chunk_size, self.recent, self.max_new = budget, chunk_size, recent, max_new
+        self.capacity = budget + max_new
+        shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_layers, self.length = n_layers, 0
+        self.built_at = 0  # sequence length at the last build
+        self.base = 0  # tokens selected at the last build
+        self.indices: list[torch.Tensor] = []  # per layer [B, Hkv, base]: positions kept at the last build
+        self._mask: torch.Tensor | None = None
+        self._n_new = 0
+
+    def select(self, keys: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """keys [B, Hkv, N, D], query [B, Hq, D] -> kept positions [B, Hkv, M] (ascending)."""
+        B, Hkv, N, D = keys.shape
+        c = self.chunk_size
+        if N <= self.budget:
+            return torch.arange(N, device=keys.device).expand(B, Hkv, N)
+        n_sel = (N - self.recent) // c * c
+        n_chunks = n_sel // c
+        k_top = min((self.budget - c - (N - n_sel)) // c, n_chunks - 1)
+        means = keys[:, :, :n_sel].reshape(B, Hkv, n_chunks, c, D).mean(dim=3)
+        q = query.reshape(B, Hkv, -1, D).sum(dim=2).to(means.dtype)
+        scores = torch.einsum("bhd,bhnd->bhn", q, means)
+        top = scores[..., 1:].topk(k_top, dim=-1).indices.add_(1).sort(dim=-1).values
+        offsets = torch.arange(c, device=keys.device)
+        chunk_tokens = (top[..., None] * c + offsets).flatten(-2)
+        head = offsets.expand(B, Hkv, c)
+        tail = torch.arange(n_sel, N, device=keys.device).expand(B, Hkv, N - n_sel)
+        return torch.cat([head, chunk_tokens, tail], dim=-1)
+
+    def build(self, full: FullCache, query_index: int = -1) -> None:
+        """(Re)build from `full` and the queries its last forward recorded (`record_queries=True`).
+
+        `query_index` picks the token whose query scores the chunks (default: the last one fed).
+        """
+        if full.queries is None or full.queries[0] is None:
+            raise ValueError("the full cache recorded no queries: create it with record_queries=True")
+        n = full.length
+        self.indices = []
+        for layer in range(self.n_layers):
+            q = full.queries[layer][:, :, query_index]
+            idx = self.select(full.k[layer, :, :, :n], q)
+            gather = idx[..., None].expand(-1, -1, -1, full.k.shape[-1])
+            m = idx.shape[-1]
+            self.k[layer, :, :, :m] = torch.gather(full.k[layer, :, :, :n], 2, gather)
+            self.v[layer, :, :, :m] = torch.gather(full.v[layer, :, :, :n], 2, gather)
+            self.indices.append(idx)
+        self.base, self.built_at, self.length = m, n, n
+
+    def prepare(self, n_new: int) -> None:
+        end = self.base + self.length - self.built_at + n_new
+        check_capacity(end, self.capacity, "the retrieval cache (rebuild it more often)")
+        self._n_new = n_new
+        past = end - n_new
+        self._mask = None if n_new == 1 else causal_mask(n_new, past, self.k.device)
+
+    def update(self, layer, q, k, v):
+        a = self.base + self.length - self.built_at
+        b = a + self._n_new
+        self.k[layer, :, :, a:b] = k
+        self.v[layer, :, :, a:b] = v
+        return self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._mask
+
+    def rollback(self, length: int) -> None:
+        if length < self.built_at:
+            raise ValueError(f"retrieval cache built at {self.built_at} cannot roll back to {length}: rebuild it")
+        self.length = length

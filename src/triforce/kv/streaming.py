@@ -1,0 +1,79 @@
+"""StreamingLLM cache: the first `sink` tokens plus a window of the most recent tokens.
+
+Keys keep their absolute RoPE positions, so a forward through this cache equals full attention
+under the mask "key j is visible to query i iff j < sink or i - window < j <= i". (StreamingLLM
+re-numbers positions inside the cache to run past the trained context; our targets are run within
+their context, where absolute positions are both valid and exactly testable.)
+
+Layout per layer: [sink slots | region]. The region holds positions [start, length) contiguously.
+When it would overflow, its newest `window + max_rollback` tokens are moved to its front (an
+O(window) copy every `slack` tokens), so a rollback of up to `max_rollback` tokens keeps the exact
+window semantics.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TriforceError
+from .base import KVCache
+
+
+class StreamingCache(KVCache):
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, sink: int, window: int,
+                 max_rollback: int = 64, slack: int | None = None, batch: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if sink < 0 or window < 1:
+            raise TriforceError(f"streaming cache needs sink >= 0 and window >= 1 (got sink={sink}, window={window})")
+        self.sink, self.window, self.max_rollback = sink, window, max_rollback
+        self.keep = window + max_rollback
+        self.slack = slack if slack is not None else max(window, 512)
+        self.capacity = sink + self.keep + self.slack
+        shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.pos = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
+        self.n_layers, self.length, self.start = n_layers, 0, sink
+        self._mask: torch.Tensor | None = None
+        self._slot = 0
+        self._n_new = 0
+
+    def _phys(self, position: int) -> int:
+        return position if position < self.sink else self.sink + position - self.start
+
+    def _compact(self) -> None:
+        keep_from = max(self.start, self.length - self.keep)
+        a, b = self._phys(keep_from), self._phys(self.length)
+        n = b - a
+        s = self.sink
+        self.k[:, :, :, s:s + n] = self.k[:, :, :, a:b].clone()
+        self.v[:, :, :, s:s + n] = self.v[:, :, :, a:b].clone()
+        self.pos[s:s + n] = self.pos[a:b].clone()
+        self.start = keep_from
+
+    def prepare(self, n_new: int) -> None:
+        if n_new > self.slack:
+            raise ValueError(f"streaming cache takes at most {self.slack} tokens per forward, got {n_new}")
+        if self._phys(self.length) + n_new > self.capacity:
+            self._compact()
+        slot = self._phys(self.length)
+        end = slot + n_new
+        positions = torch.arange(self.length, self.length + n_new, device=self.pos.device)
+        self.pos[slot:end] = positions
+        keys = self.pos[:end][None, :]
+        q = positions[:, None]
+        visible = (keys >= 0) & (keys <= q) & ((keys < self.sink) | (keys > q - self.window))
+        self._mask, self._slot, self._n_new = visible, slot, n_new
+
+    def update(self, layer, q, k, v):
+        a, b = self._slot, self._slot + self._n_new
+        self.k[layer, :, :, a:b] = k
+        self.v[layer, :, :, a:b] = v
+        return self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._mask
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        if self.start > self.sink and length - self.window + 1 < self.start:
+            raise ValueError(
+                f"streaming cache cannot roll back {self.length - length} tokens (max_rollback={self.max_rollback})"
+            )
+        self.length = length

@@ -1,0 +1,144 @@
+"""The Llama-family forward (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5) in one file.
+
+Native grouped-query attention: the g = Hq / Hkv query heads sharing a KV head are folded into the
+query-length axis ([B, Hkv, g*T, D]), so K/V are never repeated per query head. The KV cache is an
+argument of every forward (see kv/base.py); positions are the cache's logical length onwards.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kv.base import KVCache
+from .rope import Rotary, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask [T, S] bool or None -> [B, Hq, T, D].
+
+    Query head h uses KV head h // g (the transformers convention).
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    q = q.reshape(B, Hkv, g * T, D)
+    if mask is not None and g > 1:
+        mask = mask.repeat(g, 1)  # rows are (group head, token)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(B, Hq, T, D)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.wqkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # fused: one weight read
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(self.attn_norm(x))
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rotary(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)
+        k = apply_rotary(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        keys, values, mask = cache.update(self.index, q, k, v)
+        a = attention(q, keys, values, mask)
+        x = x + self.wo(a.transpose(1, 2).reshape(B, T, Hq * D))
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_context)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def to(self, *args, **kwargs):  # keep RoPE frequencies on the model's device
+        out = super().to(*args, **kwargs)
+        out.rotary.inv_freq = out.rotary.inv_freq.to(out.device)
+        return out
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] at positions cache.length .. cache.length + T - 1 -> fp32 logits [B, T, V]
+        (or [B, 1, V] with `last_only`). The tokens are committed to the cache."""
+        B, T = tokens.shape
+        cache.prepare(T)
+        positions = torch.arange(cache.length, cache.length + T, device=tokens.device)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        cache.commit(T)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)).float()
+
+    def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1):
+        from .kv import FullCache
+
+        cfg = self.cfg
+        return FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context,
+                         batch=batch, dtype=self.dtype, device=self.device, record_queries=record_queries)
+
+
+def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
+    """Load a Hugging Face Llama-style state dict, fusing q/k/v and gate/up projections."""
+    cfg = model.cfg
+    ours: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        ours["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        ours[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+        ours[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        ours[f"layers.{i}.wqkv.weight"] = torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]])
+        if cfg.qkv_bias:
+            ours[f"layers.{i}.wqkv.bias"] = torch.cat([sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
+        ours[f"layers.{i}.wo.weight"] = sd[a + "o_proj.weight"]
+        ours[f"layers.{i}.w_gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        ours[f"layers.{i}.w_down.weight"] = sd[p + "mlp.down_proj.weight"]
+    dtype = model.dtype
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight

@@ -1,0 +1,68 @@
+"""From logits to the distribution we sample from, and the seeded draws.
+
+Temperature 0 is greedy decoding expressed as a distribution: a one-hot vector on the argmax. The
+speculative acceptance rule applied to one-hot distributions is exactly "accept iff the argmax
+matches", so greedy needs no separate code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import TriforceError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+
+    def __post_init__(self):
+        if not (self.temperature >= 0) or self.temperature != self.temperature:
+            raise TriforceError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise TriforceError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise TriforceError(f"--top-k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] (fp32) after temperature, top-k and top-p."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """probs [..., V] -> token ids [...] (long), drawn with `generator` (a one-hot row always gives its token)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.view(probs.shape[:-1])
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
