@@ -9,7 +9,7 @@ import torch
 from .errors import TriforceError
 from .kv import KVCache
 from .model import Transformer
-from .sampling import SamplingParams, make_generator, probs_from_logits, sample
+from .sampling import SamplingParams, make_generator
 
 
 @dataclass
@@ -51,41 +51,45 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
     with tqdm(total=n, desc="prefill", unit="tok", disable=not progress or n <= chunk_size, leave=False) as bar:
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits = model(ids[:, start:end], cache, last_only=True)
+            logits = model(ids[:, start:end], cache, last=1)
             bar.update(end - start)
     return logits[:, -1]
 
 
-@torch.inference_mode()
-def generate_ar(model: Transformer, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
-                *, eos_ids: tuple[int, ...] = (), seed: int | None = 0, cache: KVCache | None = None,
-                prefill_chunk: int = 512, progress: bool = False) -> GenerationResult:
-    """Plain autoregressive decoding of `prompt` (batch size 1)."""
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
+             *, method: str = "ar", config=None, draft_model: Transformer | None = None,
+             eos_ids: tuple[int, ...] = (), seed: int | None = 0, progress: bool = False) -> GenerationResult:
+    """Generate with `method` (see spec/methods.py). Every method gives the target's output exactly:
+    the same tokens as `ar` at temperature 0, the same distribution when sampling."""
+    from .spec.methods import Decoder, SpecConfig
+
+    if prompt and isinstance(prompt[0], (list, tuple)):
+        raise TriforceError("batch size 1 only for now: pass one prompt (a list of token ids)")
     check_request(len(prompt), max_new_tokens, model.cfg.max_context)
-    device = model.device
-    if cache is None:
-        cache = model.new_cache(len(prompt) + max_new_tokens)
-    gen = make_generator(seed, device)
+    config = config or SpecConfig()
+    gen = make_generator(seed, model.device)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, torch.tensor([prompt], device=device), prefill_chunk, progress)
+    dec = Decoder(method, model, params, config, gen, len(prompt), max_new_tokens, draft_model)
+    dec.prefill(list(prompt), progress)
     t1 = time.perf_counter()
-    out: list[int] = []
-    finish = "length"
+    seq = list(prompt)
     eos = set(eos_ids)
-    token = torch.empty(1, 1, dtype=torch.long, device=device)
-    while True:
-        if params.greedy:
-            nxt = logits.argmax(-1)
-        else:
-            nxt = sample(probs_from_logits(logits, params), gen)
-        t = int(nxt)
-        out.append(t)
-        if t in eos:
-            finish = "eos"
-            break
-        if len(out) >= max_new_tokens:
-            break
-        token[0, 0] = t
-        logits = model(token, cache)[:, -1]
+    finish = "length"
+    with torch.inference_mode():
+        while finish == "length" and len(seq) - len(prompt) < max_new_tokens:
+            limit = max_new_tokens - (len(seq) - len(prompt))
+            for t in dec.top.step(seq, len(seq), limit):
+                seq.append(t)
+                if t in eos:
+                    finish = "eos"  # tokens drafted past EOS are dropped: AR would have stopped here
+                    break
+            dec.after_commit(seq, len(seq))
     t2 = time.perf_counter()
-    return GenerationResult(out, len(prompt), t1 - t0, t2 - t1, finish, "ar")
+    finish = finish if finish == "eos" else "length"
+    return GenerationResult(seq[len(prompt):], len(prompt), t1 - t0, t2 - t1, finish, method, dec.stats())
+
+
+def generate_ar(model: Transformer, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                **kwargs) -> GenerationResult:
+    """Plain autoregressive decoding: the baseline of every speedup."""
+    return generate(model, prompt, max_new_tokens, params, method="ar", **kwargs)

@@ -95,9 +95,9 @@ class Transformer(nn.Module):
         out.rotary.inv_freq = out.rotary.inv_freq.to(out.device)
         return out
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | None = None) -> torch.Tensor:
         """tokens [B, T] at positions cache.length .. cache.length + T - 1 -> fp32 logits [B, T, V]
-        (or [B, 1, V] with `last_only`). The tokens are committed to the cache."""
+        (only the last `last` positions if given). The tokens are committed to the cache."""
         B, T = tokens.shape
         cache.prepare(T)
         positions = torch.arange(cache.length, cache.length + T, device=tokens.device)
@@ -106,8 +106,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, cache)
         cache.commit(T)
-        if last_only:
-            x = x[:, -1:]
+        if last is not None:
+            x = x[:, -last:]
         return self.lm_head(self.norm(x)).float()
 
     def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1):

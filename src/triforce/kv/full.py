@@ -10,7 +10,8 @@ class FullCache(KVCache):
     """Preallocated [n_layers, B, Hkv, capacity, D] keys and values.
 
     With `record_queries=True`, the post-RoPE queries of the last forward are kept per layer
-    (`queries[layer]`: [B, Hq, T, D]) so that a retrieval cache can be (re)built from them.
+    (`queries[layer]`: [B, Hq, T, D], for positions `query_start` onwards) so that a retrieval
+    cache can be (re)built from them.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
@@ -21,12 +22,14 @@ class FullCache(KVCache):
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
         self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
+        self.query_start = 0
         self._mask: torch.Tensor | None = None
         self._n_new = 0
 
     def prepare(self, n_new: int) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")
         self._n_new = n_new
+        self.query_start = self.length
         self._mask = None if n_new == 1 else causal_mask(n_new, self.length, self.k.device)
 
     def update(self, layer, q, k, v):

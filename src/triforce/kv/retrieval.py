@@ -61,14 +61,15 @@ class RetrievalCache(KVCache):
         tail = torch.arange(n_sel, N, device=keys.device).expand(B, Hkv, N - n_sel)
         return torch.cat([head, chunk_tokens, tail], dim=-1)
 
-    def build(self, full: FullCache, query_index: int = -1) -> None:
-        """(Re)build from `full` and the queries its last forward recorded (`record_queries=True`).
-
-        `query_index` picks the token whose query scores the chunks (default: the last one fed).
-        """
-        if full.queries is None or full.queries[0] is None:
-            raise ValueError("the full cache recorded no queries: create it with record_queries=True")
+    def build(self, full: FullCache) -> None:
+        """(Re)build from the first `full.length` tokens of `full`, scoring chunks with the query of
+        its last token (position full.length - 1), which its last forward must have recorded
+        (`record_queries=True`; rolling `full` back after that forward is fine)."""
         n = full.length
+        query_index = n - 1 - full.query_start
+        if full.queries is None or full.queries[0] is None or not 0 <= query_index < full.queries[0].shape[2]:
+            raise ValueError("the full cache holds no recorded query for its last token: create it with "
+                             "record_queries=True and build right after a forward that fed that token")
         self.indices = []
         for layer in range(self.n_layers):
             q = full.queries[layer][:, :, query_index]

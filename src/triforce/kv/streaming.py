@@ -70,6 +70,13 @@ class StreamingCache(KVCache):
         self.v[layer, :, :, a:b] = v
         return self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._mask
 
+    def skip_to(self, position: int) -> None:
+        """Continue at `position` without feeding the tokens in between (they fall outside the window
+        anyway): a draft can read the sinks and the prompt's tail instead of the whole prompt. The
+        keys it then stores differ from a full streaming prefill, which is harmless for a draft."""
+        assert position >= self.length and position >= self.sink, (position, self.length)
+        self.start = self.length = position
+
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)
         if self.start > self.sink and length - self.window + 1 < self.start:

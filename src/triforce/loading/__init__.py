@@ -125,6 +125,17 @@ def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None, progress: 
     return p, str(p), False
 
 
+def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Transformer:
+    """Our Transformer holding the weights of a Hugging Face-named state dict (no random init)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to(dtype=dtype)
+    load_hf_state_dict(model, hf_state_dict)
+    model.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_context)  # the one built on "meta" holds no values
+    return model.to(device).eval()
+
+
 def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | None = None,
                max_context: int | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", cache_dir=None, progress: bool = True) -> LoadedModel:
@@ -138,12 +149,7 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
         rope_theta = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta
         max_context = DEFAULT_MAX_CONTEXT if max_context is None else max_context
     cfg = cfg.with_overrides(rope_theta=rope_theta, max_context=max_context)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to(dtype=dtype)
-    load_hf_state_dict(model, sd)
-    model.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_context)  # the one built on "meta" holds no values
-    model = model.to(device).eval()
+    model = build_model(cfg, sd, dtype=dtype, device=device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:

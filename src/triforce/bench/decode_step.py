@@ -1,0 +1,92 @@
+"""Time one decode step at long context: ours vs transformers' generate vs the physical floor.
+
+    python -m triforce.bench.decode_step --contexts 8192,32768 [--no-transformers]
+
+Decode time does not depend on the cache's contents, so both engines get a KV cache of N tokens
+filled with random values instead of a multi-minute prefill: the work per step is exactly that of
+a real step at context N (same shapes, same bytes read).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def time_ours(model, n_ctx: int, steps: int) -> float:
+    cache = model.new_cache(n_ctx + 1)
+    cache.k[:, :, :, :n_ctx].normal_()
+    cache.v[:, :, :, :n_ctx].normal_()
+    cache.length = n_ctx
+    tok = torch.tensor([[42]])
+    times = []
+    with torch.inference_mode():
+        for i in range(steps + 2):
+            cache.rollback(n_ctx)
+            t = time.perf_counter()
+            model(tok, cache)
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def time_transformers(hf_dir, rope_theta: float, n_ctx: int, steps: int) -> float:
+    """ms per step of transformers' own `generate` (its default DynamicCache), prefill excluded:
+    (time for 1 + steps new tokens - time for 1 new token) / steps."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}).eval()
+    c = hf.config
+    kv = [(torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim), torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim))
+          for _ in range(c.num_hidden_layers)]
+    ids = torch.full((1, n_ctx + 1), 42)
+
+    def run(new: int) -> float:
+        cache = transformers.DynamicCache(config=c)
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k, v, layer)
+        t = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                    min_new_tokens=new, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        run(2)
+        one = min(run(1) for _ in range(2))
+        many = min(run(1 + steps) for _ in range(2))
+    return (many - one) / steps
+
+
+def main(argv=None) -> None:
+    from ..loading import load_model
+    from .hardware import floor_seconds, measure_bandwidth, weight_bytes
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="8192,32768", help="comma-separated context lengths")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per context (median)")
+    ap.add_argument("--model", default=None, help="model (default: embedded SmolLM2-135M, long-context profile)")
+    ap.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
+    args = ap.parse_args(argv)
+    loaded = load_model(args.model, progress=False)
+    model = loaded.model
+    bw = measure_bandwidth()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s, "
+          f"weights {weight_bytes(model) / 1e6:.0f} MB, KV {model.cfg.kv_bytes_per_token / 1e3:.1f} KB/token")
+    print("| context | ours ms/step | floor ms | ours / floor | transformers ms/step | transformers / ours |")
+    print("|---|---|---|---|---|---|")
+    for n in [int(x) for x in args.contexts.split(",")]:
+        ours = time_ours(model, n, args.steps)
+        floor = floor_seconds(model, n, bw)
+        if args.no_transformers:
+            hf_s, ratio = "-", "-"
+        else:
+            hf = time_transformers(loaded.hf_dir, model.cfg.rope.theta, n, args.steps)
+            hf_s, ratio = f"{hf * 1e3:.1f}", f"{hf / ours:.2f}x"
+        print(f"| {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | {hf_s} | {ratio} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

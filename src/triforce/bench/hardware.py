@@ -1,0 +1,37 @@
+"""The machine's memory bandwidth and the physical floor of a decode step."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: a sum over a `gib` GiB fp32 tensor, best of `repeats`."""
+    x = torch.ones(int(gib * 2**30 / 4))
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights read by one decode step (tied embeddings counted once, as the LM head;
+    the embedding lookup itself reads one row)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    if not model.cfg.tie_word_embeddings:
+        total -= model.embed.weight.numel() * model.embed.weight.element_size()
+    return total
+
+
+def floor_seconds(model, kv_tokens: int, bandwidth: float) -> float:
+    """(weight bytes + KV bytes read) / bandwidth for one decode step attending to `kv_tokens`."""
+    kv = kv_tokens * model.cfg.kv_bytes_per_token * model.dtype.itemsize // 4
+    return (weight_bytes(model) + kv) / bandwidth

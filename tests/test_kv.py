@@ -1,0 +1,178 @@
+"""KV caches: full, rollback, StreamingLLM (sink + window) and retrieval selection."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triforce.kv import FullCache, RetrievalCache, StreamingCache
+
+V = 96
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _streaming(model, sink, window, **kw):
+    c = model.cfg
+    return StreamingCache(c.n_layers, c.n_kv_heads, c.head_dim, sink=sink, window=window, **kw)
+
+
+class MaskedFullCache(FullCache):
+    """Full cache whose attention is restricted by the StreamingLLM mask (the reference)."""
+
+    def __init__(self, model, sink, window, capacity):
+        c = model.cfg
+        super().__init__(c.n_layers, c.n_kv_heads, c.head_dim, capacity)
+        self.sink, self.window = sink, window
+
+    def prepare(self, n_new):
+        super().prepare(n_new)
+        q = torch.arange(self.length, self.length + n_new)[:, None]
+        k = torch.arange(self.length + n_new)[None, :]
+        self._mask = (k <= q) & ((k < self.sink) | (k > q - self.window))
+
+
+@torch.no_grad()
+def test_full_cache_reproduces_no_cache_logits(tiny_llama):
+    ids = _ids(80)
+    whole = tiny_llama(ids, tiny_llama.new_cache(80))
+    cache = tiny_llama.new_cache(80)
+    parts = [tiny_llama(ids[:, :30], cache), tiny_llama(ids[:, 30:37], cache)]
+    parts += [tiny_llama(ids[:, i:i + 1], cache) for i in range(37, 80)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_rollback_then_redecode_reproduces_logits(tiny_llama):
+    ids = _ids(60)
+    cache = tiny_llama.new_cache(80)
+    tiny_llama(ids[:, :40], cache)
+    first = tiny_llama(ids[:, 40:50], cache)
+    tiny_llama(_ids(8, seed=5), cache)  # a rejected draft
+    cache.rollback(40)
+    again = tiny_llama(ids[:, 40:50], cache)
+    torch.testing.assert_close(again, first, atol=1e-6, rtol=1e-6)
+    assert cache.length == 50
+
+
+@pytest.mark.parametrize("sink,window", [(4, 16), (0, 8), (2, 1)])
+@torch.no_grad()
+def test_streaming_cache_equals_sink_window_mask(tiny_llama, sink, window):
+    ids = _ids(150, seed=3)
+    ref = tiny_llama(ids, MaskedFullCache(tiny_llama, sink, window, 160))
+    # small slack: the cache compacts many times along the way
+    cache = _streaming(tiny_llama, sink, window, max_rollback=4, slack=8)
+    parts, pos = [], 0
+    for n in [8, 5, 1, 1, 7, 3] + [1] * 60 + [8] * 8 + [1] * 1000:
+        if pos >= 150:
+            break
+        n = min(n, 150 - pos)
+        parts.append(tiny_llama(ids[:, pos:pos + n], cache))
+        pos += n
+    torch.testing.assert_close(torch.cat(parts, dim=1), ref, atol=1e-4, rtol=1e-4)
+    assert cache.capacity == sink + window + 4 + 8  # nothing grew
+
+
+@torch.no_grad()
+def test_streaming_cache_rollback_keeps_window(tiny_llama):
+    sink, window = 4, 16
+    ids = _ids(120, seed=4)
+    ref = tiny_llama(ids, MaskedFullCache(tiny_llama, sink, window, 128))
+    cache = _streaming(tiny_llama, sink, window, max_rollback=6, slack=8)
+    got, pos = [], 0
+    while pos < 120:
+        n = min(6, 120 - pos)
+        tiny_llama(_ids(n, seed=100 + pos), cache)  # a draft, all rejected
+        cache.rollback(pos)
+        got.append(tiny_llama(ids[:, pos:pos + n], cache))
+        pos += n
+    torch.testing.assert_close(torch.cat(got, dim=1), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        cache.rollback(pos - 40)  # deeper than max_rollback: refused, not silently wrong
+
+
+def _brute_force_selection(keys, query, budget, chunk, recent):
+    """Kept positions per (head) by explicit loops, following the documented rule."""
+    _, hkv, n, d = keys.shape
+    g = query.shape[1] // hkv
+    n_sel = (n - recent) // chunk * chunk
+    k_top = (budget - chunk - (n - n_sel)) // chunk
+    out = []
+    for h in range(hkv):
+        scores = []
+        for c in range(1, n_sel // chunk):
+            mean = keys[0, h, c * chunk:(c + 1) * chunk].mean(0)
+            s = sum(float(query[0, h * g + j] @ mean) for j in range(g))
+            scores.append((s, c))
+        best = sorted(scores, reverse=True)[:k_top]
+        kept = set(range(chunk)) | set(range(n_sel, n))
+        for _, c in best:
+            kept |= set(range(c * chunk, (c + 1) * chunk))
+        out.append(kept)
+    return out
+
+
+@pytest.mark.parametrize("n_prompt,budget,chunk,recent", [(300, 64, 8, 16), (257, 100, 4, 10), (200, 48, 16, 0)])
+@torch.no_grad()
+def test_retrieval_cache_keeps_brute_force_chunks(tiny_llama, n_prompt, budget, chunk, recent):
+    c = tiny_llama.cfg
+    full = tiny_llama.new_cache(n_prompt + 8, record_queries=True)
+    tiny_llama(_ids(n_prompt, seed=7), full)
+    r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=budget, chunk_size=chunk, recent=recent)
+    r.build(full)
+    assert r.base <= budget and r.length == n_prompt
+    for layer in range(c.n_layers):
+        q = full.queries[layer][:, :, -1]
+        expected = _brute_force_selection(full.k[layer, :, :, :n_prompt], q, budget, chunk, recent)
+        for h in range(c.n_kv_heads):
+            kept = r.indices[layer][0, h].tolist()
+            assert len(kept) == len(set(kept)) == r.base
+            assert set(kept) == expected[h], (layer, h)
+            # the gathered keys are the full cache's keys at those positions
+            torch.testing.assert_close(r.k[layer, 0, h, :r.base], full.k[layer, 0, h, kept])
+
+
+@torch.no_grad()
+def test_retrieval_cache_within_budget_equals_full(tiny_llama):
+    """A context that fits in the budget is kept whole: decoding equals the full cache."""
+    c = tiny_llama.cfg
+    ids = _ids(70, seed=8)
+    full = tiny_llama.new_cache(80, record_queries=True)
+    tiny_llama(ids[:, :50], full)
+    r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=64, chunk_size=8, recent=8)
+    r.build(full)
+    assert r.base == 50
+    a = tiny_llama(ids[:, 50:60], full)
+    b = tiny_llama(ids[:, 50:60], r)
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    r.rollback(55)
+    full.rollback(55)
+    torch.testing.assert_close(tiny_llama(ids[:, 55:70], r), tiny_llama(ids[:, 55:70], full), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        r.rollback(40)  # below the build point: must rebuild instead
+
+
+@torch.no_grad()
+def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
+    """A decode step through the retrieval cache equals attention restricted to the kept positions."""
+    from triforce.model import attention
+
+    c = tiny_llama.cfg
+    full = tiny_llama.new_cache(200, record_queries=True)
+    tiny_llama(_ids(160, seed=9), full)
+    r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=48, chunk_size=8, recent=8)
+    r.build(full)
+    tiny_llama(_ids(1, seed=10), r)  # writes layer-0 K/V of the new token at position 160 into r
+    q = torch.randn(1, c.n_heads, 1, c.head_dim)
+    k_new = r.k[0, :, :, r.base:r.base + 1]
+    v_new = r.v[0, :, :, r.base:r.base + 1]
+    got = attention(q, r.k[0, :, :, :r.base + 1], r.v[0, :, :, :r.base + 1], None)
+    g = c.n_heads // c.n_kv_heads
+    for h in range(c.n_heads):
+        kv = h // g
+        idx = r.indices[0][0, kv]
+        keys = torch.cat([full.k[0, 0, kv, idx], k_new[0, kv]])
+        vals = torch.cat([full.v[0, 0, kv, idx], v_new[0, kv]])
+        w = torch.softmax(q[0, h, 0] @ keys.T / c.head_dim ** 0.5, -1)
+        torch.testing.assert_close(got[0, h, 0], w @ vals, atol=1e-4, rtol=1e-4)
