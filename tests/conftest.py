@@ -9,6 +9,10 @@ import torch
 from triforce.config import ModelConfig
 from triforce.loading import build_model
 
+# Tiny models run fastest on one thread (and a second busy process cannot stall them);
+# tests that time nothing lose nothing by it. The embedded-model tests raise it again.
+torch.set_num_threads(1)
+
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             rms_norm_eps=1e-6, initializer_range=0.25, tie_word_embeddings=False)
@@ -69,3 +73,13 @@ def smollm():
     from triforce.loading import load_model
 
     return load_model(progress=False)
+
+
+@pytest.fixture
+def all_threads():
+    import os
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)

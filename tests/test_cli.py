@@ -65,6 +65,8 @@ needs_model = pytest.mark.skipif(not embedded_available(), reason="embedded mode
     (["--prompt", "hi", "--top-p", "2"], ["--top-p"]),
     (["--demo-tokens", "200", "--max-context", "100"], ["exceeds the context", "--max-context"]),
     (["--prompt-file", "/nonexistent/prompt.txt"], ["cannot read the prompt file"]),
+    (["--demo-tokens", "100", "--budget", "40000"], ["--budget 40000", "context"]),
+    (["--demo-tokens", "100", "--method", "draft"], ["--draft PATH"]),
 ])
 def test_bad_requests_are_clear_errors(args, words):
     _assert_user_error(run("generate", "--quiet", *args), *words)
@@ -79,8 +81,9 @@ def test_generate_json_on_embedded_model(tmp_path):
     out = json.loads(r.stdout)
     for key in ("text", "token_ids", "prompt_tokens", "method", "seconds", "tokens_per_second"):
         assert key in out
-    assert out["method"] == "ar" and len(out["token_ids"]) == 8 and out["prompt_tokens"] > 5
-    # the same greedy tokens through the library
+    assert out["method"] == "triforce" and len(out["token_ids"]) == 8 and out["prompt_tokens"] > 5
+    assert out["stats"]["levels"][0]["level"] == "full"
+    # lossless: the same greedy tokens as plain autoregressive decoding through the library
     from triforce.generate import generate_ar
     from triforce.loading import load_model
 

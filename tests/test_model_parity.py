@@ -48,7 +48,7 @@ def test_rope_variants_match_transformers(rope):
 
 
 @torch.no_grad()
-def test_embedded_model_matches_transformers_at_2k(smollm):
+def test_embedded_model_matches_transformers_at_2k(smollm, all_threads):
     """The embedded SmolLM2 (RoPE base 4e5): logits after a 2K-token prompt and 64 greedy tokens."""
     import transformers
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from .errors import TriforceError
+from .spec.methods import METHODS, SpecConfig
 
-METHODS = ("ar",)
 
 
 def _positive_int(s: str) -> int:
@@ -35,6 +35,42 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where converted GGUF models are cached (default $TRIFORCE_CACHE_DIR or ~/.cache/triforce)")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    d = SpecConfig()
+    g = p.add_argument_group("speculation (defaults measured on the embedded model: docs/triforce.md)")
+    g.add_argument("--gamma", type=_positive_int, default=d.gamma, metavar="N",
+                   help=f"tokens drafted per verification by the full target (default {d.gamma})")
+    g.add_argument("--gamma-draft", type=_positive_int, default=d.gamma_draft, metavar="N",
+                   help=f"triforce: tokens the bottom drafter proposes per retrieval-level verification (default {d.gamma_draft})")
+    g.add_argument("--draft", default=d.draft, metavar="KIND",
+                   help="bottom drafter of triforce: ngram (default), streaming (the target with a StreamingLLM "
+                        "cache), or PATH of a small model sharing the target's tokenizer; for --method draft, the PATH")
+    g.add_argument("--budget", type=_positive_int, default=d.budget, metavar="N",
+                   help=f"retrieval cache budget in tokens per layer and KV head (default {d.budget})")
+    g.add_argument("--chunk-size", type=_positive_int, default=d.chunk_size, metavar="N",
+                   help=f"retrieval chunk size (default {d.chunk_size})")
+    g.add_argument("--recent", type=int, default=d.recent, metavar="N",
+                   help=f"newest tokens the retrieval cache always keeps (default {d.recent})")
+    g.add_argument("--rebuild-every", type=_positive_int, default=d.rebuild_every, metavar="N",
+                   help=f"rebuild the retrieval cache after N new tokens (default {d.rebuild_every})")
+    g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
+    g.add_argument("--window", type=_positive_int, default=d.window, metavar="N",
+                   help=f"StreamingLLM recent window (default {d.window})")
+
+
+def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
+    """-> (config, path of a draft model or None)."""
+    draft, path = args.draft, None
+    if draft not in ("ngram", "streaming"):
+        path, draft = draft, "model"
+    if args.method == "draft" and path is None:
+        raise TriforceError("--method draft needs --draft PATH: a small model sharing the target's tokenizer")
+    cfg = SpecConfig(gamma=args.gamma, gamma_draft=args.gamma_draft, draft=draft, budget=args.budget,
+                     chunk_size=args.chunk_size, recent=args.recent, rebuild_every=args.rebuild_every,
+                     sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk)
+    return cfg, path
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="triforce",
@@ -52,7 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     _add_model_args(gen)
     d = gen.add_argument_group("decoding")
-    d.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default ar)")
+    d.add_argument("--method", choices=METHODS, default="triforce",
+                   help="triforce (default): drafter -> target with retrieval cache -> target with full cache; "
+                        "ar: plain autoregressive; retrieval: retrieval-cache self-speculation; streaming: "
+                        "StreamingLLM-cache self-speculation; ngram: prompt lookup; draft: a small draft model. "
+                        "All give the target's exact output.")
     d.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="tokens to generate (default 128)")
     d.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     d.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: off)")
@@ -60,9 +100,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     d.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N",
                    help="prompt tokens per prefill forward (default 512)")
+    _add_spec_args(gen)
     o = gen.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     o.add_argument("--quiet", action="store_true", help="no progress bars or timing lines on stderr")
+    b = sub.add_parser("bench", help="benchmark every method on the same long prompts",
+                       description="Run every method on the same long prompts in one process and report ms/token, "
+                                   "speedup over ar, acceptance per level, and whether greedy output equals ar's. "
+                                   "Writes DIR/results.json and DIR/results.md.")
+    b.add_argument("--context-lengths", default="8192,16384", metavar="N,N", help="prompt lengths in tokens")
+    b.add_argument("--methods", default="ar,triforce,retrieval,streaming,ngram", metavar="M,M",
+                   help=f"methods to run, from {', '.join(METHODS)} (ar is always run: it is the baseline)")
+    b.add_argument("--temperatures", default="0,0.6", metavar="T,T", help="temperatures (top-p 0.9 when T > 0)")
+    b.add_argument("--prompts", type=_positive_int, default=1, metavar="N", help="prompts per context length")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
+    b.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default bench-out)")
+    b.add_argument("--quiet", action="store_true")
+    b.set_defaults(method="triforce")
+    _add_model_args(b)
+    _add_spec_args(b)
     return parser
 
 
@@ -94,7 +152,7 @@ def _read_prompt(args, tokenizer) -> list[int]:
 def cmd_generate(args) -> int:
     import torch
 
-    from .generate import check_request, generate_ar
+    from .generate import check_request, generate
     from .loading import load_model
     from .sampling import SamplingParams
 
@@ -105,10 +163,15 @@ def cmd_generate(args) -> int:
         raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=not args.quiet)
+    spec, draft_path = spec_config_from_args(args)
     prompt = _read_prompt(args, loaded.tokenizer)
     check_request(len(prompt), args.max_new_tokens, loaded.config.max_context)
-    res = generate_ar(loaded.model, prompt, args.max_new_tokens, params, eos_ids=loaded.eos_token_ids,
-                      seed=args.seed, prefill_chunk=args.prefill_chunk, progress=progress)
+    draft_model = None
+    if draft_path is not None and args.method in ("triforce", "draft"):
+        draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
+                                 max_context=loaded.config.max_context, progress=not args.quiet).model
+    res = generate(loaded.model, prompt, args.max_new_tokens, params, method=args.method, config=spec,
+                   draft_model=draft_model, eos_ids=loaded.eos_token_ids, seed=args.seed, progress=progress)
     text = loaded.tokenizer.decode(res.tokens, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -127,6 +190,13 @@ def cmd_generate(args) -> int:
     else:
         print(text)
         if not args.quiet:
+            for lvl in res.stats.get("levels", []):
+                if lvl.get("role") == "verify":
+                    print(f"  level {lvl['level']}: {lvl['accepted']}/{lvl['proposed']} drafted tokens accepted "
+                          f"({lvl['acceptance_rate']}), {lvl['tokens_per_round']} tokens per verification, "
+                          f"{lvl['seconds']:.2f} s", file=sys.stderr)
+            for note in res.stats.get("notes", []):
+                print(f"  note: {note}", file=sys.stderr)
             print(f"[{res.method}] prompt {res.prompt_tokens} tokens, prefill {res.prefill_seconds:.1f} s; "
                   f"{len(res.tokens)} tokens in {res.decode_seconds:.2f} s = {res.tokens_per_second:.2f} tok/s "
                   f"({res.finish_reason})", file=sys.stderr)
@@ -140,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        if args.command == "bench":
+            from .bench.methods import main as bench_main
+
+            unknown = set(args.methods.split(",")) - set(METHODS)
+            if unknown:
+                raise TriforceError(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
+            return bench_main(args)
+        return cmd_generate(args)
     except TriforceError as e:
         print(f"triforce: error: {e}", file=sys.stderr)
         return 2

@@ -58,9 +58,11 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
 
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
              *, method: str = "ar", config=None, draft_model: Transformer | None = None,
-             eos_ids: tuple[int, ...] = (), seed: int | None = 0, progress: bool = False) -> GenerationResult:
+             eos_ids: tuple[int, ...] = (), seed: int | None = 0, progress: bool = False,
+             shared_prefill=None) -> GenerationResult:
     """Generate with `method` (see spec/methods.py). Every method gives the target's output exactly:
-    the same tokens as `ar` at temperature 0, the same distribution when sampling."""
+    the same tokens as `ar` at temperature 0, the same distribution when sampling.
+    `shared_prefill` (spec.methods.SharedPrefill of this prompt) skips the full prefill."""
     from .spec.methods import Decoder, SpecConfig
 
     if prompt and isinstance(prompt[0], (list, tuple)):
@@ -69,7 +71,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, params:
     config = config or SpecConfig()
     gen = make_generator(seed, model.device)
     t0 = time.perf_counter()
-    dec = Decoder(method, model, params, config, gen, len(prompt), max_new_tokens, draft_model)
+    dec = Decoder(method, model, params, config, gen, len(prompt), max_new_tokens, draft_model, shared_prefill)
     dec.prefill(list(prompt), progress)
     t1 = time.perf_counter()
     seq = list(prompt)

@@ -53,12 +53,35 @@ class SpecConfig:
             raise TriforceError(f"unknown drafter {self.draft!r}: use ngram, streaming, or a draft model")
 
 
+class SharedPrefill:
+    """A full cache holding a prompt's prefill, reused by several runs (benchmarks): each run rolls
+    it back to the prompt, so the prefill is paid once. Keeps the last token's queries for the
+    retrieval build."""
+
+    def __init__(self, model: Transformer, prompt: list[int], capacity: int, chunk_size: int = 512,
+                 progress: bool = False):
+        from ..generate import prefill
+
+        self.head = list(prompt[:-1])
+        self.cache = model.new_cache(capacity, record_queries=True)
+        prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress)
+        self.queries = [q[:, :, -1:].clone() for q in self.cache.queries]
+
+    def restore(self, head: list[int]):
+        if head != self.head:
+            raise ValueError("the shared prefill belongs to another prompt")
+        self.cache.rollback(len(self.head))
+        self.cache.queries = list(self.queries)
+        self.cache.query_start = len(self.head) - 1
+        return self.cache
+
+
 class Decoder:
     """Holds a method's model states and its top proposer; runs prefill and the rebuild policy."""
 
     def __init__(self, method: str, model: Transformer, params: SamplingParams, config: SpecConfig,
                  generator: torch.Generator, prompt_len: int, max_new_tokens: int,
-                 draft_model: Transformer | None = None):
+                 draft_model: Transformer | None = None, shared: SharedPrefill | None = None):
         if method not in METHODS:
             raise TriforceError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
         config.validate(model.cfg.max_context, method)
@@ -67,8 +90,14 @@ class Decoder:
         self.rebuilds = 0
         self.rebuild_seconds = 0.0
         capacity = prompt_len + max_new_tokens + config.gamma + 2
-        self.full = ModelState("full", model, model.new_cache(capacity, record_queries=method in ("triforce", "retrieval")),
-                               params)
+        self.shared = shared
+        if shared is not None:
+            full_cache = shared.cache
+            if full_cache.capacity < capacity:
+                raise ValueError(f"the shared prefill's cache holds {full_cache.capacity} tokens, {capacity} needed")
+        else:
+            full_cache = model.new_cache(capacity, record_queries=method in ("triforce", "retrieval"))
+        self.full = ModelState("full", model, full_cache, params)
         self.retrieval: ModelState | None = None
         self.streaming: ModelState | None = None
         self.draft_state: ModelState | None = None
@@ -126,10 +155,15 @@ class Decoder:
         return dm
 
     def prefill(self, prompt: list[int], progress: bool = False) -> None:
-        """Every state reads the prompt but its last token (fed with the first draft)."""
+        """Every state reads the prompt but its last token (fed with the first draft); with a shared
+        prefill, the full cache is just rolled back to it."""
         head = prompt[:-1]
         chunk = self.config.prefill_chunk
-        self.full.prefill(head, chunk, progress)
+        if self.shared is not None:
+            self.shared.restore(head)
+            self.full.fed, self.full.stable = list(head), len(head)
+        else:
+            self.full.prefill(head, chunk, progress)
         if self.retrieval is not None:
             self._build_retrieval()
         if self.draft_state is not None:
