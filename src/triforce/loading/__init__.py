@@ -133,7 +133,9 @@ def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dty
     model = model.to(dtype=dtype)
     load_hf_state_dict(model, hf_state_dict)
     model.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_context)  # the one built on "meta" holds no values
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.pack_weights()
+    return model
 
 
 def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | None = None,
