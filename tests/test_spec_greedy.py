@@ -88,3 +88,23 @@ def test_bad_configurations_are_user_errors(target):
         generate(target, [[1, 2], [3, 4]], 4)
     with pytest.raises(TriforceError, match="unknown method"):
         generate(target, [1, 2], 4, method="medusa")
+
+
+@pytest.mark.parametrize("n_prompt,offset", [(2048, 0), (3000, 250_000), (6000, 600_000)])
+def test_greedy_equals_ar_on_embedded_model(smollm, all_threads, n_prompt, offset):
+    """Real text (Shakespeare) at 2K-6K tokens with the embedded SmolLM2: every method = ar."""
+    from triforce.corpus import demo_tokens
+    from triforce.spec.methods import SharedPrefill
+
+    model = smollm.model
+    prompt = demo_tokens(smollm.tokenizer, n_prompt, offset_chars=offset)
+    new = 24
+    # a budget well below the prompt, so the retrieval level really drops most of the context
+    cfg = SpecConfig(budget=512, recent=32, rebuild_every=16, window=128, sink=4)
+    shared = SharedPrefill(model, prompt, n_prompt + new + cfg.gamma + 2)
+    ref = generate(model, prompt, new, method="ar", shared_prefill=shared).tokens
+    for method, drafter in [("triforce", "ngram"), ("triforce", "streaming"), ("retrieval", "ngram"),
+                            ("streaming", "ngram"), ("ngram", "ngram")]:
+        res = generate(model, prompt, new, method=method, config=SpecConfig(**{**cfg.__dict__, "draft": drafter}),
+                       shared_prefill=shared)
+        assert res.tokens == ref, (method, drafter)

@@ -56,7 +56,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                            "ms_per_token": round(ms, 2), "speedup_vs_ar": round(ar_ms / ms, 3),
                            "lossless": (res.tokens == ar_tokens) if temp == 0 else None,
                            "acceptance": levels, "tokens_per_round": tpr, "tokens": len(res.tokens),
-                           "notes": res.stats.get("notes", [])}
+                           "notes": res.stats.get("notes", []), "levels": res.stats["levels"]}
                     rows.append(row)
                     log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {levels}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
