@@ -26,9 +26,10 @@ class KVCache:
     def update(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store k, v [B, Hkv, T, D] for `layer`; return (K, V [B, Hkv, S, D], mask [T, S] bool or None).
+        """Store k, v [B, Hkv, T, D] for `layer`; return (K, V [B, Hkv, S, D], mask).
 
-        mask[i, j] is True where new token i may attend to key j; None means all keys are visible.
+        mask: None (all keys visible), CAUSAL (see above), or [T, S] bool, True where new token i
+        may attend to key j.
         q [B, Hq, T, D] is passed for caches that select keys by query (it is not stored by default).
         """
         raise NotImplementedError
@@ -39,6 +40,11 @@ class KVCache:
     def rollback(self, length: int) -> None:
         """Forget every token at position >= `length`."""
         raise NotImplementedError
+
+
+# A mask marker: every key but the newest T is visible to all T new tokens, and the newest T keys
+# (the new tokens themselves) are causal. Attention can then skip building and applying a [T, S] mask.
+CAUSAL = "causal"
 
 
 def causal_mask(n_new: int, n_past: int, device: torch.device) -> torch.Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import KVCache, causal_mask, check_capacity
+from .base import CAUSAL, KVCache, check_capacity
 
 
 class FullCache(KVCache):
@@ -23,14 +23,14 @@ class FullCache(KVCache):
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
         self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
         self.query_start = 0
-        self._mask: torch.Tensor | None = None
+        self._mask: torch.Tensor | str | None = None
         self._n_new = 0
 
     def prepare(self, n_new: int) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")
         self._n_new = n_new
         self.query_start = self.length
-        self._mask = None if n_new == 1 else causal_mask(n_new, self.length, self.k.device)
+        self._mask = None if n_new == 1 else CAUSAL
 
     def update(self, layer, q, k, v):
         start, end = self.length, self.length + self._n_new

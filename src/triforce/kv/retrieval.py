@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import KVCache, causal_mask, check_capacity
+from .base import CAUSAL, KVCache, check_capacity
 from .full import FullCache
 
 
@@ -39,7 +39,7 @@ class RetrievalCache(KVCache):
         self.built_at = 0  # sequence length at the last build
         self.base = 0  # tokens selected at the last build
         self.indices: list[torch.Tensor] = []  # per layer [B, Hkv, base]: positions kept at the last build
-        self._mask: torch.Tensor | None = None
+        self._mask: torch.Tensor | str | None = None
         self._n_new = 0
 
     def select(self, keys: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ class RetrievalCache(KVCache):
         check_capacity(end, self.capacity, "the retrieval cache (rebuild it more often)")
         self._n_new = n_new
         past = end - n_new
-        self._mask = None if n_new == 1 else causal_mask(n_new, past, self.k.device)
+        self._mask = None if n_new == 1 else CAUSAL
 
     def update(self, layer, q, k, v):
         a = self.base + self.length - self.built_at
