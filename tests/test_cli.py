@@ -90,3 +90,20 @@ def test_generate_json_on_embedded_model(tmp_path):
     m = load_model(progress=False)
     ids = m.tokenizer(prompt.read_text())["input_ids"]
     assert generate_ar(m.model, ids, 8).tokens == out["token_ids"]
+
+
+@needs_model
+def test_bench_writes_results(tmp_path):
+    r = run("bench", "--context-lengths", "700", "--methods", "triforce,ngram", "--temperatures", "0,0.6",
+            "--max-new-tokens", "8", "--budget", "256", "--recent", "32", "--out", str(tmp_path), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {(x["method"], x["temperature"]) for x in rows} == {(m, t) for m in ("ar", "triforce", "ngram")
+                                                               for t in (0.0, 0.6)}
+    for x in rows:
+        for key in ("method", "context_length", "temperature", "ms_per_token", "speedup_vs_ar", "lossless", "acceptance"):
+            assert key in x
+        assert x["lossless"] is (True if x["temperature"] == 0 else None)
+    assert "| 700 | 0.0 | triforce |" in (tmp_path / "results.md").read_text()
+    bad = run("bench", "--methods", "ar,medusa", "--quiet")
+    assert bad.returncode == 2 and "unknown method" in bad.stderr

@@ -68,3 +68,15 @@ def test_embedded_model_matches_transformers_at_2k(smollm, all_threads):
                       do_sample=False, eos_token_id=None, pad_token_id=2)[0, 2048:].tolist()
     ours = generate_ar(smollm.model, prompt, 64, SamplingParams()).tokens
     assert ours == ref
+
+
+def test_sliding_window_caps_the_context():
+    """Sliding-window attention is not implemented: the context stops at the window, so that a longer
+    prompt is refused with a clear error instead of silently diverging from the model."""
+    from triforce.config import ModelConfig
+
+    base = dict(hf_tiny("mistral").config.to_dict())
+    assert ModelConfig.from_hf({**base, "sliding_window": 128}).max_context == 128
+    assert ModelConfig.from_hf({**base, "sliding_window": None}).max_context == base["max_position_embeddings"]
+    assert ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 128,
+                                "use_sliding_window": False}).max_context == base["max_position_embeddings"]

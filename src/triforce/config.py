@@ -95,6 +95,12 @@ class ModelConfig:
             mscale_all_dim=rp.get("mscale_all_dim"),
             truncate=bool(rp.get("truncate", True)),
         )
+        max_context = int(hf.get("max_position_embeddings", 4096))
+        # Sliding-window attention (Mistral v0.1, some Qwen2 configs) is not implemented: within the
+        # window it equals full attention, so the usable context is capped at the window.
+        window = hf.get("sliding_window")
+        if window and (arch == "mistral" or hf.get("use_sliding_window")) and window < max_context:
+            max_context = int(window)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -107,7 +113,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hidden // n_heads,
             intermediate_size=hf["intermediate_size"],
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_context=int(hf.get("max_position_embeddings", 4096)),
+            max_context=max_context,
             rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bool(hf.get("attention_bias", False)),
