@@ -100,7 +100,6 @@ def test_sampled_tokens_follow_target_distribution(models, prompt, exact, method
 
 def wrong_accept(draft, q, p, generator):
     """The research code's middle-level bug: on rejection, resample from p instead of norm(max(0, p - q))."""
-    k = len(draft)
     j = 0
     for i, x in enumerate(draft):
         if float(torch.rand(1, generator=generator)) * float(q[i, x]) < float(p[i, x]):

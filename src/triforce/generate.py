@@ -87,7 +87,6 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, params:
                     break
             dec.after_commit(seq, len(seq))
     t2 = time.perf_counter()
-    finish = finish if finish == "eos" else "length"
     return GenerationResult(seq[len(prompt):], len(prompt), t1 - t0, t2 - t1, finish, method, dec.stats())
 
 

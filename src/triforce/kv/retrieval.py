@@ -85,7 +85,6 @@ class RetrievalCache(KVCache):
         end = self.base + self.length - self.built_at + n_new
         check_capacity(end, self.capacity, "the retrieval cache (rebuild it more often)")
         self._n_new = n_new
-        past = end - n_new
         self._mask = None if n_new == 1 else CAUSAL
 
     def update(self, layer, q, k, v):

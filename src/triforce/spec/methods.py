@@ -143,11 +143,10 @@ class Decoder:
             self.top = Level("full", middle, self.full, config.gamma, generator)
         else:
             self.top = Level("full", bottom, self.full, config.gamma, generator)
-        self.bottom = bottom
 
     def _check_draft_model(self, dm: Transformer | None) -> Transformer:
         if dm is None:
-            raise TriforceError("this method needs a draft model: pass --draft-model PATH (a small model that "
+            raise TriforceError("this method needs a draft model: pass --draft PATH (a small model that "
                                 "shares the target's tokenizer)")
         if dm.cfg.vocab_size != self.model.cfg.vocab_size:
             raise TriforceError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the target's "
