@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
     b.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default bench-out)")
+    b.add_argument("--peers", default="", metavar="NAME", choices=["", "transformers"],
+                   help="also time transformers' generate on the same model and context (decode steps only)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(method="triforce")
     _add_model_args(b)

@@ -17,13 +17,15 @@ import torch
 
 
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
-              progress=True, draft_model=None, log=print) -> list[dict]:
+              progress=True, draft_model=None, log=print, bandwidth=None, peers=()) -> list[dict]:
     from tqdm.auto import tqdm
 
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..sampling import SamplingParams
     from ..spec.methods import SharedPrefill
+
+    from .hardware import floor_seconds
 
     model, tok = loaded.model, loaded.tokenizer
     rows = []
@@ -54,6 +56,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                            if lvl.get("role") == "verify"}
                     row = {"method": method, "context_length": n_ctx, "prompt": pi, "temperature": temp,
                            "ms_per_token": round(ms, 2), "speedup_vs_ar": round(ar_ms / ms, 3),
+                           "ar_floor_ms": round(floor_seconds(model, n_ctx, bandwidth) * 1e3, 1) if bandwidth else None,
                            "lossless": (res.tokens == ar_tokens) if temp == 0 else None,
                            "acceptance": levels, "tokens_per_round": tpr, "tokens": len(res.tokens),
                            "notes": res.stats.get("notes", []), "levels": res.stats["levels"]}
@@ -61,6 +64,20 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {levels}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
             del shared
+        if "transformers" in peers:
+            from .decode_step import time_transformers
+
+            hf_ms = time_transformers(loaded.hf_dir, model.cfg.rope.theta, n_ctx, 8) * 1e3
+            ar_rows = [r for r in rows if r["method"] == "ar" and r["context_length"] == n_ctx]
+            for temp in temperatures:
+                ar_ms = statistics.median(r["ms_per_token"] for r in ar_rows if r["temperature"] == temp)
+                rows.append({"method": "transformers", "context_length": n_ctx, "prompt": 0, "temperature": temp,
+                             "ms_per_token": round(hf_ms, 2), "speedup_vs_ar": round(ar_ms / hf_ms, 3),
+                             "ar_floor_ms": rows[-1]["ar_floor_ms"], "lossless": None, "acceptance": {},
+                             "tokens_per_round": {}, "tokens": 0, "levels": [],
+                             "notes": ["transformers generate, greedy decode steps over a KV cache of this length "
+                                       "(random contents), prefill excluded; the same figure for every temperature"]})
+            log(f"  transformers generate {hf_ms:8.1f} ms/token")
     return rows
 
 
@@ -74,22 +91,22 @@ def summarize(rows: list[dict]) -> list[dict]:
         out.append({"method": method, "context_length": n, "temperature": temp,
                     "ms_per_token": round(statistics.median(r["ms_per_token"] for r in rs), 2),
                     "speedup_vs_ar": round(statistics.median(r["speedup_vs_ar"] for r in rs), 3),
-                    "lossless": None if temp > 0 else all(r["lossless"] for r in rs),
+                    "lossless": None if any(r["lossless"] is None for r in rs) else all(r["lossless"] for r in rs),
                     "acceptance": rs[0]["acceptance"] if len(rs) == 1 else
                     {k: round(statistics.median(r["acceptance"][k] for r in rs if r["acceptance"].get(k) is not None), 3)
                      for k in rs[0]["acceptance"] if any(r["acceptance"].get(k) is not None for r in rs)},
-                    "prompts": len(rs)})
+                    "ar_floor_ms": rs[0].get("ar_floor_ms"), "prompts": len(rs)})
     return out
 
 
 def markdown(summary: list[dict]) -> str:
-    lines = ["| context | T | method | ms/token | speedup vs ar | lossless | acceptance (per level) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| context | T | method | ms/token | speedup vs ar | lossless | acceptance (per level) | ar floor ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in summary:
         acc = ", ".join(f"{k} {v}" for k, v in r["acceptance"].items()) or "-"
         lossless = "-" if r["lossless"] is None else ("yes" if r["lossless"] else "**NO**")
         lines.append(f"| {r['context_length']} | {r['temperature']} | {r['method']} | {r['ms_per_token']} | "
-                     f"{r['speedup_vs_ar']}x | {lossless} | {acc} |")
+                     f"{r['speedup_vs_ar']}x | {lossless} | {acc} | {r.get('ar_floor_ms') or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -111,13 +128,15 @@ def main(args) -> int:
     config, draft_path = spec_config_from_args(args)
     draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
                              max_context=loaded.config.max_context, progress=False).model if draft_path else None
+    bandwidth = measure_bandwidth()
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "bandwidth_gb_s": round(measure_bandwidth() / 1e9, 1), "config": config.__dict__,
+            "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     rows = run_bench(loaded, [int(x) for x in args.context_lengths.split(",")], args.methods.split(","),
                      [float(x) for x in args.temperatures.split(",")], args.prompts, args.max_new_tokens, config,
-                     seed=args.seed, progress=not args.quiet, draft_model=draft_model, log=log)
+                     seed=args.seed, progress=not args.quiet, draft_model=draft_model, log=log, bandwidth=bandwidth,
+                     peers=[p for p in args.peers.split(",") if p])
     summary = summarize(rows)
     write_outputs(Path(args.out), rows, summary, meta)
     print(markdown(summary))
