@@ -20,7 +20,7 @@ from triforce.sampling import SamplingParams, make_generator, probs_from_logits,
 from triforce.spec.methods import SpecConfig
 
 V = 8
-N_SAMPLES = 1500
+N_SAMPLES = 1000
 POSITIONS = 3
 ALPHA = 1e-3
 PARAMS = SamplingParams(temperature=1.0)
