@@ -105,7 +105,28 @@ def test_bench_writes_results(tmp_path):
         for key in ("method", "context_length", "temperature", "ms_per_token", "speedup_vs_ar", "lossless", "acceptance"):
             assert key in x
         assert x["lossless"] is (True if x["temperature"] == 0 and x["method"] != "transformers" else None)
-        assert x["ar_floor_ms"] > 0
+        assert x["floor_ms"] > 0
+        if x["method"] == "triforce":  # each level's forward cost beside its own floor
+            assert set(x["level_cost"]) == {"full", "retrieval"}
+            assert x["level_cost"]["retrieval"]["floor_ms"] < x["level_cost"]["full"]["floor_ms"]
+            assert all(c["ms_per_forward"] > 0 for c in x["level_cost"].values())
     assert "| 700 | 0.0 | triforce |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     bad = run("bench", "--methods", "ar,medusa", "--quiet")
     assert bad.returncode == 2 and "unknown method" in bad.stderr
+    bad = run("bench", "--peers", "vllm", "--quiet")
+    assert bad.returncode == 2 and "unknown peer" in bad.stderr
+
+
+@needs_model
+def test_tune_predicts_and_checks(tmp_path):
+    r = run("tune", "--context-length", "700", "--budgets", "128,256", "--max-gamma", "3", "--max-gamma-draft", "2",
+            "--tokens", "8", "--recent", "32", "--check", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out["acceptance"]) == {"128", "256"} and len(out["top"]) > 1
+    assert out["best"]["predicted_ms_per_token"] == min(x["predicted_ms_per_token"] for x in out["top"])
+    assert 1 <= out["best"]["gamma"] <= 3 and 1 <= out["best"]["gamma_draft"] <= 2
+    assert out["check"]["tuned"]["triforce_ms_per_token"] > 0
+    bad = run("tune", "--context-length", "700", "--budgets", "1024", "--quiet")
+    assert bad.returncode == 2 and "budget" in bad.stderr

@@ -117,12 +117,33 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
     b.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default bench-out)")
-    b.add_argument("--peers", default="", metavar="NAME", choices=["", "transformers"],
-                   help="also time transformers' generate on the same model and context (decode steps only)")
+    b.add_argument("--peers", default="", metavar="NAME,NAME",
+                   help="also time other engines on the same model and prompts: transformers (generate's decode "
+                        "steps), transformers-lookup (its prompt-lookup speculation), transformers-assisted (needs "
+                        "--draft PATH)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(method="triforce")
     _add_model_args(b)
     _add_spec_args(b)
+    t = sub.add_parser("tune", help="measure this machine and pick --gamma, --gamma-draft and --budget",
+                       description="Measure the cost of full-cache and retrieval-cache forwards of 1..k tokens "
+                                   "and each level's acceptance on a real prompt, predict ms/token for every "
+                                   "(budget, gamma, gamma-draft) and print the best as flags.")
+    t.add_argument("--context-length", type=_positive_int, default=16384, metavar="N",
+                   help="prompt length to tune for (default 16384)")
+    t.add_argument("--budgets", default="1024,2048,4096", metavar="N,N", help="retrieval budgets to try")
+    t.add_argument("--max-gamma", type=_positive_int, default=10, metavar="N", help="largest --gamma considered")
+    t.add_argument("--max-gamma-draft", type=_positive_int, default=6, metavar="N",
+                   help="largest --gamma-draft considered")
+    t.add_argument("--tokens", type=_positive_int, default=96, metavar="N",
+                   help="tokens generated per acceptance measurement (default 96)")
+    t.add_argument("--check", action="store_true", help="also run the tuned and the default settings for real")
+    t.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
+    t.add_argument("--json", action="store_true", help="print the measurements and predictions as JSON")
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(method="triforce")
+    _add_model_args(t)
+    _add_spec_args(t)
     return parser
 
 
@@ -219,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 raise TriforceError(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
             return bench_main(args)
+        if args.command == "tune":
+            from .bench.tune import main as tune_main
+
+            budgets = [int(x) for x in args.budgets.split(",") if x.strip().isdigit()]
+            if not budgets or len(budgets) != len(args.budgets.split(",")):
+                raise TriforceError(f"--budgets must be comma-separated integers, got {args.budgets!r}")
+            return tune_main(args)
         return cmd_generate(args)
     except TriforceError as e:
         print(f"triforce: error: {e}", file=sys.stderr)

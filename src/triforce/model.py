@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 from .kv.base import KVCache, causal_mask
 from .rope import Rotary, apply_rotary
@@ -70,6 +71,13 @@ def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
 
 
+# The compiled decode-attention kernel (kernels/decode_attention.cpp) is used for up to this many
+# query rows per KV head (g*T) and from this many keys on. With more rows (verifying 5+ tokens)
+# it is compute-bound and no faster than the flash kernel; with fewer keys, no faster either.
+KERNEL_MAX_ROWS = 12
+KERNEL_MIN_KEYS = 1024
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL or [T, S] bool -> [B, Hq, T, D].
 
@@ -78,6 +86,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
+    if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D == 64 and q.dtype == torch.float32 \
+            and q.device.type == "cpu" and (mask is None or isinstance(mask, str)) \
+            and (kern := kernels.decode_attention()) is not None:
+        out = kern.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, D ** -0.5)
+        return out.view(B, Hq, T, D)
     if isinstance(mask, str):  # CAUSAL
         if q.device.type == "cpu" and _flash_cpu is not None and S > T and q.dtype == k.dtype:
             return _causal_block_attention(q, k, v).view(B, Hq, T, D)

@@ -32,13 +32,14 @@ def time_ours(model, n_ctx: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def time_transformers(hf_dir, rope_theta: float, n_ctx: int, steps: int) -> float:
-    """ms per step of transformers' own `generate` (its default DynamicCache), prefill excluded:
-    (time for 1 + steps new tokens - time for 1 new token) / steps."""
+def time_transformers(hf_dir, rope_theta: float | None, n_ctx: int, steps: int, hf=None) -> float:
+    """Seconds per step of transformers' own `generate` (its default DynamicCache), prefill excluded:
+    (time for 1 + steps new tokens - time for 1 new token) / steps. `hf`: an already loaded model."""
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), dtype=torch.float32, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}).eval()
+    if hf is None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(hf_dir), dtype=torch.float32, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}).eval()
     c = hf.config
     kv = [(torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim), torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim))
           for _ in range(c.num_hidden_layers)]
@@ -60,6 +61,54 @@ def time_transformers(hf_dir, rope_theta: float, n_ctx: int, steps: int) -> floa
     return (many - one) / steps
 
 
+def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5) -> float:
+    """Seconds of model.attention over `cfg.n_layers` layers of an n_ctx-token cache (T query tokens,
+    causal over the new ones), cold caches as in a real step: every layer has its own K/V."""
+    from ..kv.base import CAUSAL
+    from ..model import attention
+
+    L, Hkv, Hq, D = cfg.n_layers, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
+    K, V = torch.randn(L, 1, Hkv, n_ctx + 64, D), torch.randn(L, 1, Hkv, n_ctx + 64, D)
+    q = torch.randn(1, Hq, T, D)
+    mask = CAUSAL if T > 1 else None
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        for layer in range(L):
+            attention(q, K[layer, :, :, :n_ctx], V[layer, :, :, :n_ctx], mask)
+        if i:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def kernel_ab(model, contexts: list[int], bandwidth: float, steps: int) -> None:
+    """The compiled decode-attention kernel against PyTorch's attention, alternating in one process."""
+    from .. import kernels
+    from .hardware import floor_seconds
+
+    kern = kernels.decode_attention()
+    if kern is None:
+        print("the decode-attention kernel is not available here")
+        return
+    print("| context | T | attention, kernel ms | attention, flash ms | step, kernel ms | step, flash ms | floor ms |")
+    print("|---|---|---|---|---|---|---|")
+    try:
+        for n in contexts:
+            for T in (1, 2, 3, 7):
+                att, step = {}, {}
+                for name, k in (("kernel", kern), ("flash", None), ("kernel2", kern), ("flash2", None)):
+                    kernels._state["decode_attention"] = k
+                    att[name] = time_attention(n, T, model.cfg) * 1e3
+                    if T == 1:
+                        step[name] = time_ours(model, n, steps) * 1e3
+                s = (f"{min(step['kernel'], step['kernel2']):.1f} | {min(step['flash'], step['flash2']):.1f} | "
+                     f"{floor_seconds(model, n, bandwidth) * 1e3:.1f}") if T == 1 else "- | - | -"
+                print(f"| {n} | {T} | {min(att['kernel'], att['kernel2']):.1f} | {min(att['flash'], att['flash2']):.1f} "
+                      f"| {s} |", flush=True)
+    finally:
+        kernels._state["decode_attention"] = kern
+
+
 def main(argv=None) -> None:
     from ..loading import load_model
     from .hardware import floor_seconds, measure_bandwidth, weight_bytes
@@ -69,12 +118,18 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per context (median)")
     ap.add_argument("--model", default=None, help="model (default: embedded SmolLM2-135M, long-context profile)")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--kernel-ab", action="store_true",
+                    help="instead: the compiled decode-attention kernel vs PyTorch's attention (attention alone "
+                         "for 1, 2, 3, 7 query tokens, and whole steps)")
     args = ap.parse_args(argv)
     loaded = load_model(args.model, progress=False)
     model = loaded.model
     bw = measure_bandwidth()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s, "
           f"weights {weight_bytes(model) / 1e6:.0f} MB, KV {model.cfg.kv_bytes_per_token / 1e3:.1f} KB/token")
+    if args.kernel_ab:
+        kernel_ab(model, [int(x) for x in args.contexts.split(",")], bw, args.steps)
+        return
     print("| context | ours ms/step | floor ms | ours / floor | transformers ms/step | transformers / ours |")
     print("|---|---|---|---|---|---|")
     for n in [int(x) for x in args.contexts.split(",")]:

@@ -15,27 +15,67 @@ from pathlib import Path
 
 import torch
 
+from ..errors import TriforceError
+
+
+def level_floors_ms(model, n_ctx: int, config, bandwidth: float | None) -> dict[str, float]:
+    """Physical floor of one forward of each level's verifier: (weights + the KV it reads) / bandwidth."""
+    from .hardware import floor_seconds
+
+    if not bandwidth:
+        return {}
+    kv = {"full": n_ctx, "retrieval": min(n_ctx, config.budget + config.recent),
+          "streaming": min(n_ctx, config.sink + config.window)}
+    return {name: round(floor_seconds(model, n, bandwidth) * 1e3, 1) for name, n in kv.items()}
+
+
+def _agreement(tokens: list[int], ref: list[int] | None) -> int | None:
+    """Leading tokens equal to the reference."""
+    if ref is None:
+        return None
+    n = 0
+    for a, b in zip(tokens, ref):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, levels=(), notes=()):
+    acc = {lvl["level"]: lvl.get("acceptance_rate") for lvl in levels if lvl.get("role") == "verify"}
+    tpr = {lvl["level"]: lvl.get("tokens_per_round") for lvl in levels if lvl.get("role") == "verify"}
+    return {"method": method, "context_length": n_ctx, "prompt": pi, "temperature": temp,
+            "ms_per_token": round(ms, 2), "speedup_vs_ar": round(ar_ms / ms, 3) if ar_ms else None,
+            "floor_ms": floor_ms, "ar_floor_ms": floor_ms,
+            # At T=0 an exact engine reproduces ar's tokens; agree_with_ar says where one stops doing so.
+            "lossless": (tokens == ar_tokens) if (temp == 0 and tokens is not None) else None,
+            "agree_with_ar": _agreement(tokens, ar_tokens) if (temp == 0 and tokens is not None) else None,
+            "acceptance": acc, "tokens_per_round": tpr, "tokens": len(tokens) if tokens else 0,
+            "notes": list(notes), "levels": list(levels)}
+
 
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
-              progress=True, draft_model=None, log=print, bandwidth=None, peers=()) -> list[dict]:
+              progress=True, draft_model=None, log=print, bandwidth=None, peers=(), draft_dir=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..sampling import SamplingParams
     from ..spec.methods import SharedPrefill
-
-    from .hardware import floor_seconds
+    from . import peers as peer_mod
 
     model, tok = loaded.model, loaded.tokenizer
     rows = []
     if "ar" not in methods:
         methods = ["ar"] + list(methods)
+    context_lengths = [n for n in context_lengths if n + max_new_tokens + config.gamma + 2 <= model.cfg.max_context
+                       or log(f"skip context {n}: with {max_new_tokens} new tokens it exceeds the model's context")]
+    tf_peer = None
+    if peers:
+        tf_peer = peer_mod.TransformersPeer(loaded.hf_dir, model.cfg.rope.theta, draft_dir)
     for n_ctx in context_lengths:
-        if n_ctx + max_new_tokens + config.gamma + 2 > model.cfg.max_context:
-            log(f"skip context {n_ctx}: with {max_new_tokens} new tokens it exceeds the model's context")
-            continue
-        floor_ms = round(floor_seconds(model, n_ctx, bandwidth) * 1e3, 1) if bandwidth else None
+        floors = level_floors_ms(model, n_ctx, config, bandwidth)
+        floor_ms = floors.get("full")
         for pi in range(n_prompts):
             prompt = demo_tokens(tok, n_ctx, offset_chars=pi * 200_000)
             t = time.perf_counter()
@@ -51,33 +91,35 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     ms = res.decode_seconds / len(res.tokens) * 1e3
                     if method == "ar":
                         ar_tokens, ar_ms = res.tokens, ms
-                    levels = {lvl["level"]: lvl.get("acceptance_rate") for lvl in res.stats["levels"]
-                              if lvl.get("role") == "verify"}
-                    tpr = {lvl["level"]: lvl.get("tokens_per_round") for lvl in res.stats["levels"]
-                           if lvl.get("role") == "verify"}
-                    row = {"method": method, "context_length": n_ctx, "prompt": pi, "temperature": temp,
-                           "ms_per_token": round(ms, 2), "speedup_vs_ar": round(ar_ms / ms, 3),
-                           "ar_floor_ms": floor_ms,
-                           "lossless": (res.tokens == ar_tokens) if temp == 0 else None,
-                           "acceptance": levels, "tokens_per_round": tpr, "tokens": len(res.tokens),
-                           "notes": res.stats.get("notes", []), "levels": res.stats["levels"]}
+                    levels = [dict(lvl) for lvl in res.stats["levels"]]
+                    for lvl in levels:  # per-level cost of one verification forward beside its floor
+                        if lvl.get("role") == "verify" and lvl.get("forwards"):
+                            lvl["ms_per_forward"] = round(lvl["seconds"] / lvl["forwards"] * 1e3, 2)
+                            lvl["floor_ms"] = floors.get(lvl["level"])
+                    row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
+                               notes=res.stats.get("notes", []))
                     rows.append(row)
-                    log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {levels}"
+                    log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {row['acceptance']}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
+                for peer in peers:
+                    if peer == "transformers":
+                        continue  # decode steps only, below
+                    ms, toks = tf_peer.continue_prompt(prompt, shared.restore(shared.head), max_new_tokens, temp,
+                                                       seed + pi, peer.split("-")[1])
+                    row = _row(peer, n_ctx, pi, temp, ms, ar_ms, floor_ms, toks, ar_tokens,
+                               notes=["transformers generate continuing our prefill's KV cache"])
+                    rows.append(row)
+                    log(f"  T={temp} {peer:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}"
+                        + (f"  lossless={row['lossless']} agree={row['agree_with_ar']}" if temp == 0 else ""))
             del shared
         if "transformers" in peers:
-            from .decode_step import time_transformers
-
-            hf_ms = time_transformers(loaded.hf_dir, model.cfg.rope.theta, n_ctx, 8) * 1e3
+            hf_ms = tf_peer.decode_ms(n_ctx)
             ar_rows = [r for r in rows if r["method"] == "ar" and r["context_length"] == n_ctx]
             for temp in temperatures:
                 ar_ms = statistics.median(r["ms_per_token"] for r in ar_rows if r["temperature"] == temp)
-                rows.append({"method": "transformers", "context_length": n_ctx, "prompt": 0, "temperature": temp,
-                             "ms_per_token": round(hf_ms, 2), "speedup_vs_ar": round(ar_ms / hf_ms, 3),
-                             "ar_floor_ms": floor_ms, "lossless": None, "acceptance": {},
-                             "tokens_per_round": {}, "tokens": 0, "levels": [],
-                             "notes": ["transformers generate, greedy decode steps over a KV cache of this length "
-                                       "(random contents), prefill excluded; the same figure for every temperature"]})
+                rows.append(_row("transformers", n_ctx, 0, temp, hf_ms, ar_ms, floor_ms, None, None, notes=[
+                    "transformers generate, greedy decode steps over a KV cache of this length (random contents), "
+                    "prefill excluded; the same figure for every temperature"]))
             log(f"  transformers generate {hf_ms:8.1f} ms/token")
     return rows
 
@@ -87,40 +129,96 @@ def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["context_length"], r["temperature"], r["method"]), []).append(r)
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 3) if values else None
+
     out = []
     for (n, temp, method), rs in groups.items():
+        names = [lvl["level"] for lvl in rs[0]["levels"] if "ms_per_forward" in lvl]
+        level_cost = {name: {"ms_per_forward": med(lvl.get("ms_per_forward") for r in rs for lvl in r["levels"]
+                                                   if lvl["level"] == name),
+                             "floor_ms": next(lvl.get("floor_ms") for lvl in rs[0]["levels"] if lvl["level"] == name)}
+                      for name in names}
         out.append({"method": method, "context_length": n, "temperature": temp,
-                    "ms_per_token": round(statistics.median(r["ms_per_token"] for r in rs), 2),
-                    "speedup_vs_ar": round(statistics.median(r["speedup_vs_ar"] for r in rs), 3),
+                    "ms_per_token": med(r["ms_per_token"] for r in rs),
+                    "speedup_vs_ar": med(r["speedup_vs_ar"] for r in rs),
                     "lossless": None if any(r["lossless"] is None for r in rs) else all(r["lossless"] for r in rs),
-                    "acceptance": rs[0]["acceptance"] if len(rs) == 1 else
-                    {k: round(statistics.median(r["acceptance"][k] for r in rs if r["acceptance"].get(k) is not None), 3)
-                     for k in rs[0]["acceptance"] if any(r["acceptance"].get(k) is not None for r in rs)},
-                    "ar_floor_ms": rs[0].get("ar_floor_ms"), "prompts": len(rs)})
+                    "agree_with_ar": med(r.get("agree_with_ar") for r in rs),
+                    "acceptance": {k: med(r["acceptance"].get(k) for r in rs) for k in rs[0]["acceptance"]},
+                    "level_cost": level_cost, "floor_ms": rs[0].get("floor_ms"), "prompts": len(rs)})
     return out
 
 
 def markdown(summary: list[dict]) -> str:
-    lines = ["| context | T | method | ms/token | speedup vs ar | lossless | acceptance (per level) | ar floor ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| context | T | method | ms/token | speedup vs ar | lossless | acceptance (per level) | "
+             "ms per forward / floor (per level) | floor ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         acc = ", ".join(f"{k} {v}" for k, v in r["acceptance"].items()) or "-"
-        lossless = "-" if r["lossless"] is None else ("yes" if r["lossless"] else "**NO**")
+        cost = ", ".join(f"{k} {c['ms_per_forward']}/{c['floor_ms'] or '-'}" for k, c in r.get("level_cost", {}).items()) or "-"
+        if r["lossless"] is not None:
+            lossless = "yes" if r["lossless"] else "**NO**"
+        elif r.get("agree_with_ar") is not None:
+            lossless = f"n/a ({int(r['agree_with_ar'])} tokens agree)"
+        else:
+            lossless = "-"
+        speed = f"{r['speedup_vs_ar']}x" if r["speedup_vs_ar"] is not None else "-"
         lines.append(f"| {r['context_length']} | {r['temperature']} | {r['method']} | {r['ms_per_token']} | "
-                     f"{r['speedup_vs_ar']}x | {lossless} | {acc} | {r.get('ar_floor_ms') or '-'} |")
+                     f"{speed} | {lossless} | {acc} | {cost} | {r.get('floor_ms') or '-'} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(summary: list[dict], path: Path) -> bool:
+    """speedup.png: speedup over ar by context length, one panel per temperature. False if
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    temps = sorted({r["temperature"] for r in summary})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False, sharey=True)
+    for ax, temp in zip(axes[0], temps):
+        rs = [r for r in summary if r["temperature"] == temp and r["speedup_vs_ar"] is not None]
+        for method in dict.fromkeys(r["method"] for r in rs):
+            pts = sorted((r["context_length"], r["speedup_vs_ar"]) for r in rs if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method,
+                    linestyle="--" if method.startswith("transformers") else "-")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["context_length"] for r in rs}))
+        ax.set_xticklabels([f"{n // 1024}K" for n in sorted({r["context_length"] for r in rs})])
+        ax.set_title(f"temperature {temp}")
+        ax.set_xlabel("context length (tokens)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("speedup over our ar (ms/token ratio)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": summary, "runs": rows}, indent=1))
     (out_dir / "results.md").write_text(markdown(summary))
+    plot(summary, out_dir / "speedup.png")
 
 
 def main(args) -> int:
     from ..loading import load_model
+    from . import peers as peer_mod
     from .hardware import measure_bandwidth
 
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = set(peers) - set(peer_mod.PEERS)
+    if unknown:
+        raise TriforceError(f"unknown peer(s) {', '.join(sorted(unknown))}: choose from {', '.join(peer_mod.PEERS)}")
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=not args.quiet)
@@ -128,16 +226,20 @@ def main(args) -> int:
 
     config, draft_path = spec_config_from_args(args)
     draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
-                             max_context=loaded.config.max_context, progress=False).model if draft_path else None
+                             max_context=loaded.config.max_context, progress=False) if draft_path else None
+    log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    if "transformers-assisted" in peers and draft_model is None:
+        raise TriforceError("--peers transformers-assisted needs --draft PATH: a small model sharing the target's "
+                            "tokenizer (no such model for SmolLM2 ships on PyPI)")
     bandwidth = measure_bandwidth()
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
-    log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     rows = run_bench(loaded, [int(x) for x in args.context_lengths.split(",")], args.methods.split(","),
                      [float(x) for x in args.temperatures.split(",")], args.prompts, args.max_new_tokens, config,
-                     seed=args.seed, progress=not args.quiet, draft_model=draft_model, log=log, bandwidth=bandwidth,
-                     peers=[p for p in args.peers.split(",") if p])
+                     seed=args.seed, progress=not args.quiet, draft_model=draft_model.model if draft_model else None,
+                     log=log, bandwidth=bandwidth, peers=peers,
+                     draft_dir=draft_model.hf_dir if draft_model else None)
     summary = summarize(rows)
     write_outputs(Path(args.out), rows, summary, meta)
     print(markdown(summary))

@@ -1,0 +1,181 @@
+"""`triforce tune`: pick gamma, gamma-draft and budget for this machine and model (Sequoia's
+hardware-aware idea applied to the hierarchy).
+
+    triforce tune --context-length 32768
+
+Measures, on one real prompt of the given length (prefilled once):
+- the cost of a forward of k tokens through the full cache, and through retrieval caches of
+  each candidate budget (k = 1 .. max gamma + 1), medians of a few repeats;
+- the per-token acceptance of each level: the full model accepting the retrieval level's drafts
+  (per budget), and the retrieval level accepting the n-gram drafter's, from short triforce runs.
+Then predicts ms/token for every (gamma, gamma-draft, budget) with the i.i.d. acceptance model of
+speculative decoding (a round of gamma drafts yields (1 - a^(gamma+1)) / (1 - a) tokens) and
+prints the best settings as flags. The prediction is a model, not a promise: `--check` runs the
+best and the default settings for real and prints both.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+
+def expected_tokens(a: float, gamma: int) -> float:
+    """Tokens per verification of `gamma` drafts when each is accepted with probability a (i.i.d.)."""
+    if a >= 1.0:
+        return gamma + 1.0
+    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+def per_token_acceptance(mean_accepted: float, gamma: int) -> float:
+    """Invert mean accepted drafts per round, a (1 - a^gamma) / (1 - a), for a (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, gamma) - 1.0 < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _time_forwards(model, cache, length: int, k: int, repeats: int) -> float:
+    """Median seconds of a k-token forward on `cache` rolled back to `length` each time."""
+    tok = torch.full((1, k), 42, device=model.device)
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            cache.rollback(length)
+            t = time.perf_counter()
+            model(tok, cache)
+            if i:
+                times.append(time.perf_counter() - t)
+    cache.rollback(length)
+    return statistics.median(times)
+
+
+def predict_ms(cost_full, cost_retr, a_full: float, a_retr: float, gamma: int, gamma_draft: int) -> float:
+    """ms/token of triforce: each top round verifies gamma tokens from the retrieval level (which
+    makes them in rounds of gamma_draft n-gram drafts), costing cost_full[gamma + 1] plus
+    ceil-free gamma / E_retr middle rounds of cost_retr[gamma_draft + 1] each."""
+    e_top = expected_tokens(a_full, gamma)
+    e_mid = expected_tokens(a_retr, gamma_draft)
+    round_ms = cost_full[gamma + 1] + (gamma / e_mid) * cost_retr[gamma_draft + 1]
+    return round_ms / e_top
+
+
+def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft: int, config, tokens: int,
+         repeats: int = 3, progress: bool = True, log=print) -> dict:
+    from tqdm.auto import tqdm
+
+    from ..corpus import demo_tokens
+    from ..generate import generate
+    from ..kv import RetrievalCache
+    from ..sampling import SamplingParams
+    from ..spec.methods import SharedPrefill
+
+    model, c = loaded.model, loaded.model.cfg
+    prompt = demo_tokens(loaded.tokenizer, n_ctx)
+    capacity = n_ctx + tokens + max(max_gamma, max_gamma_draft) + 8
+    t = time.perf_counter()
+    shared = SharedPrefill(model, prompt, capacity, config.prefill_chunk, progress)
+    log(f"prefill of {n_ctx} tokens: {time.perf_counter() - t:.1f} s")
+    full = shared.cache
+    length = full.length
+
+    ks = range(1, max(max_gamma, max_gamma_draft) + 2)
+    cost_full = {k: _time_forwards(model, full, length, k, repeats) * 1e3
+                 for k in tqdm(ks, desc="full-cache forwards", disable=not progress, leave=False)}
+    cost_retr: dict[int, dict[int, float]] = {}
+    for b in budgets:
+        rc = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=b, chunk_size=config.chunk_size,
+                            recent=config.recent, max_new=64, dtype=model.dtype, device=model.device)
+        shared.restore(shared.head)  # the timed forwards replaced the recorded queries
+        with torch.inference_mode():
+            rc.build(full)
+        cost_retr[b] = {k: _time_forwards(model, rc, rc.length, k, repeats) * 1e3
+                        for k in tqdm(range(1, max_gamma_draft + 2), desc=f"budget {b} forwards",
+                                      disable=not progress, leave=False)}
+        del rc
+
+    # Acceptance per budget from a real greedy triforce run with long drafts at both levels (so the
+    # per-token rates are estimated over many positions).
+    probe_gamma, probe_gamma_draft = max_gamma, max_gamma_draft
+    accept: dict[int, tuple[float, float]] = {}
+    for b in tqdm(budgets, desc="acceptance", disable=not progress, leave=False):
+        cfg = replace(config, budget=b, gamma=probe_gamma, gamma_draft=probe_gamma_draft)
+        res = generate(model, prompt, tokens, SamplingParams(temperature=0.0), method="triforce", config=cfg,
+                       shared_prefill=shared)
+        lv = {x["level"]: x for x in res.stats["levels"] if x.get("role") == "verify"}
+        a_full = per_token_acceptance(lv["full"]["mean_accepted"], probe_gamma)
+        a_retr = per_token_acceptance(lv["retrieval"]["mean_accepted"], probe_gamma_draft) if "retrieval" in lv else 0.0
+        accept[b] = (a_full, a_retr)
+        log(f"budget {b}: per-token acceptance full {a_full:.3f}, retrieval {a_retr:.3f}; "
+            f"forward ms full k=1 {cost_full[1]:.1f}, retrieval k=1 {cost_retr[b][1]:.1f}")
+
+    grid = []
+    for b in budgets:
+        for g in range(1, max_gamma + 1):
+            for gd in range(1, max_gamma_draft + 1):
+                grid.append({"budget": b, "gamma": g, "gamma_draft": gd,
+                             "predicted_ms_per_token": round(predict_ms(cost_full, cost_retr[b], *accept[b], g, gd), 2)})
+    grid.sort(key=lambda r: r["predicted_ms_per_token"])
+    return {"context_length": n_ctx, "cost_full_ms": {k: round(v, 2) for k, v in cost_full.items()},
+            "cost_retrieval_ms": {b: {k: round(v, 2) for k, v in d.items()} for b, d in cost_retr.items()},
+            "acceptance": {b: {"full": round(a, 4), "retrieval": round(r, 4)} for b, (a, r) in accept.items()},
+            "predicted_ar_ms_per_token": round(cost_full[1], 2), "best": grid[0], "top": grid[:10],
+            "shared": shared, "prompt": prompt}
+
+
+def main(args) -> int:
+    from ..cli import spec_config_from_args
+    from ..generate import generate
+    from ..loading import load_model
+    from ..sampling import SamplingParams
+
+    loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context,
+                        dtype=getattr(torch, args.dtype), device=args.device, cache_dir=args.cache_dir,
+                        progress=not args.quiet)
+    config, _ = spec_config_from_args(args)
+    log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    budgets = [b for b in (int(x) for x in args.budgets.split(",")) if b + config.chunk_size < args.context_length]
+    if not budgets:
+        from ..errors import TriforceError
+
+        raise TriforceError(f"every budget in --budgets {args.budgets} is as large as --context-length "
+                            f"{args.context_length}: the retrieval cache must be smaller than the context")
+    if args.context_length + args.tokens + max(args.max_gamma, args.max_gamma_draft) + 8 > loaded.config.max_context:
+        from ..errors import TriforceError
+
+        raise TriforceError(f"--context-length {args.context_length} plus {args.tokens} tokens exceeds the model's "
+                            f"context of {loaded.config.max_context}: lower --context-length or raise --max-context")
+    out = tune(loaded, args.context_length, budgets, args.max_gamma, args.max_gamma_draft, config, args.tokens,
+               progress=not args.quiet, log=log)
+    shared, prompt = out.pop("shared"), out.pop("prompt")
+    best = out["best"]
+    if args.check:
+        checked = {}
+        for name, cfg in (("default", config),
+                          ("tuned", replace(config, budget=best["budget"], gamma=best["gamma"],
+                                            gamma_draft=best["gamma_draft"]))):
+            runs = {}
+            for m in ("ar", "triforce"):
+                res = generate(loaded.model, prompt, args.tokens, SamplingParams(temperature=0.0), method=m,
+                               config=cfg, shared_prefill=shared)
+                runs[m] = res.decode_seconds / len(res.tokens) * 1e3
+            checked[name] = {"triforce_ms_per_token": round(runs["triforce"], 2), "ar_ms_per_token": round(runs["ar"], 2),
+                             "speedup_vs_ar": round(runs["ar"] / runs["triforce"], 3)}
+            log(f"check {name}: triforce {runs['triforce']:.1f} ms/token, ar {runs['ar']:.1f}, "
+                f"x{runs['ar'] / runs['triforce']:.2f}")
+        out["check"] = checked
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"context {args.context_length}: ar ~{out['predicted_ar_ms_per_token']} ms/token; best predicted "
+              f"{best['predicted_ms_per_token']} ms/token (x{out['predicted_ar_ms_per_token'] / best['predicted_ms_per_token']:.2f})")
+        print(f"  flags: --budget {best['budget']} --gamma {best['gamma']} --gamma-draft {best['gamma_draft']}")
+    return 0
