@@ -191,7 +191,7 @@ def plot(summary: list[dict], path: Path) -> bool:
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["context_length"] for r in rs}))
-        ax.set_xticklabels([f"{n // 1024}K" for n in sorted({r["context_length"] for r in rs})])
+        ax.set_xticklabels([f"{n / 1000:.0f}K" for n in sorted({r["context_length"] for r in rs})])
         ax.set_title(f"temperature {temp}")
         ax.set_xlabel("context length (tokens)")
         ax.grid(alpha=0.3)

@@ -4,8 +4,7 @@
   contents: a step's cost does not depend on them), so no second 32K prefill is needed;
 - transformers `generate` with `prompt_lookup_num_tokens` (its n-gram speculation) and, when a
   draft model is given, with `assistant_model`: these depend on the text, so they continue the real
-  prompt from *our* prefill's KV cache, handed over as a `DynamicCache` (our forward matches
-  transformers' to float rounding, tests/test_model_parity.py);
+  prompt, with transformers' own prefill (slow at long context; see continue_prompt).
 
 Each returns (ms per generated token, generated token ids or None, notes).
 """
@@ -35,24 +34,36 @@ class TransformersPeer:
 
     def continue_prompt(self, prompt: list[int], full_cache, max_new: int, temperature: float, seed: int,
                         mode: str) -> tuple[float, list[int]]:
-        """Continue `prompt` from our prefill (full_cache holds its first len(prompt) - 1 tokens)."""
-        cache = self.tf.DynamicCache(config=self.model.config)
-        n = len(prompt) - 1
-        for layer in range(full_cache.n_layers):
-            cache.update(full_cache.k[layer, :, :, :n], full_cache.v[layer, :, :, :n], layer)
+        """ms per generated token and the tokens of `generate` continuing `prompt`.
+
+        mode "plain" starts from our prefill (full_cache holds the prompt's first len(prompt) - 1
+        tokens; checked to give ar's tokens). "lookup" and "assisted" run transformers' own prefill:
+        its assisted generation from a pre-filled cache (ours or its own) diverged from greedy in
+        transformers 5.23, so their time is (t(max_new tokens) - t(1 token)) / (max_new - 1)."""
         ids = torch.tensor([prompt])
-        kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0,
-                  do_sample=temperature > 0)
+        kw = dict(pad_token_id=0, do_sample=temperature > 0)
         if temperature > 0:
             kw.update(temperature=temperature, top_p=0.9, top_k=0)
         if mode == "lookup":
             kw["prompt_lookup_num_tokens"] = 10
         elif mode == "assisted":
             kw["assistant_model"] = self.draft
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            t = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
-            seconds = time.perf_counter() - t
-        toks = out[0, len(prompt):].tolist()
-        return seconds / len(toks) * 1e3, toks
+
+        def run(new: int, cache=None):
+            torch.manual_seed(seed)
+            with torch.inference_mode():
+                t = time.perf_counter()
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                          max_new_tokens=new, min_new_tokens=new, **kw)
+                return time.perf_counter() - t, out[0, len(prompt):].tolist()
+
+        if mode == "plain":
+            cache = self.tf.DynamicCache(config=self.model.config)
+            n = len(prompt) - 1
+            for layer in range(full_cache.n_layers):
+                cache.update(full_cache.k[layer, :, :, :n], full_cache.v[layer, :, :, :n], layer)
+            seconds, toks = run(max_new, cache)
+            return seconds / len(toks) * 1e3, toks
+        one, _ = run(1)
+        seconds, toks = run(max_new)
+        return (seconds - one) / max(1, len(toks) - 1) * 1e3, toks
