@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest --gamma-draft considered")
     t.add_argument("--tokens", type=_positive_int, default=96, metavar="N",
                    help="tokens generated per acceptance measurement (default 96)")
+    t.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="temperature to tune for (default 0: greedy; top-p 0.9 when T > 0). Acceptance, and so "
+                        "the best flags, depend on it")
+    t.add_argument("--seed", type=int, default=0)
     t.add_argument("--check", action="store_true", help="also run the tuned and the default settings for real")
     t.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
     t.add_argument("--json", action="store_true", help="print the measurements and predictions as JSON")

@@ -58,6 +58,12 @@ def _time_forwards(model, cache, length: int, k: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def sampling(temperature: float):
+    from ..sampling import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=0.9 if temperature > 0 else 1.0)
+
+
 def predict_ms(cost_full, cost_retr, a_full: float, a_retr: float, gamma: int, gamma_draft: int) -> float:
     """ms/token of triforce: each top round verifies gamma tokens from the retrieval level (which
     makes them in rounds of gamma_draft n-gram drafts), costing cost_full[gamma + 1] plus
@@ -69,13 +75,12 @@ def predict_ms(cost_full, cost_retr, a_full: float, a_retr: float, gamma: int, g
 
 
 def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft: int, config, tokens: int,
-         repeats: int = 3, progress: bool = True, log=print) -> dict:
+         repeats: int = 3, progress: bool = True, log=print, temperature: float = 0.0, seed: int = 0) -> dict:
     from tqdm.auto import tqdm
 
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..kv import RetrievalCache
-    from ..sampling import SamplingParams
     from ..spec.methods import SharedPrefill
 
     model, c = loaded.model, loaded.model.cfg
@@ -102,14 +107,15 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
                                       disable=not progress, leave=False)}
         del rc
 
-    # Acceptance per budget from a real greedy triforce run with long drafts at both levels (so the
-    # per-token rates are estimated over many positions).
+    # Acceptance per budget from a real triforce run at the asked temperature with long drafts at
+    # both levels (so the per-token rates are estimated over many positions). Acceptance depends
+    # strongly on the temperature: flags tuned at T = 0 can lose at T = 0.6.
     probe_gamma, probe_gamma_draft = max_gamma, max_gamma_draft
     accept: dict[int, tuple[float, float]] = {}
     for b in tqdm(budgets, desc="acceptance", disable=not progress, leave=False):
         cfg = replace(config, budget=b, gamma=probe_gamma, gamma_draft=probe_gamma_draft)
-        res = generate(model, prompt, tokens, SamplingParams(temperature=0.0), method="triforce", config=cfg,
-                       shared_prefill=shared)
+        res = generate(model, prompt, tokens, sampling(temperature), method="triforce", config=cfg,
+                       shared_prefill=shared, seed=seed)
         lv = {x["level"]: x for x in res.stats["levels"] if x.get("role") == "verify"}
         a_full = per_token_acceptance(lv["full"]["mean_accepted"], probe_gamma)
         a_retr = per_token_acceptance(lv["retrieval"]["mean_accepted"], probe_gamma_draft) if "retrieval" in lv else 0.0
@@ -124,7 +130,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
                 grid.append({"budget": b, "gamma": g, "gamma_draft": gd,
                              "predicted_ms_per_token": round(predict_ms(cost_full, cost_retr[b], *accept[b], g, gd), 2)})
     grid.sort(key=lambda r: r["predicted_ms_per_token"])
-    return {"context_length": n_ctx, "cost_full_ms": {k: round(v, 2) for k, v in cost_full.items()},
+    return {"context_length": n_ctx, "temperature": temperature, "cost_full_ms": {k: round(v, 2) for k, v in cost_full.items()},
             "cost_retrieval_ms": {b: {k: round(v, 2) for k, v in d.items()} for b, d in cost_retr.items()},
             "acceptance": {b: {"full": round(a, 4), "retrieval": round(r, 4)} for b, (a, r) in accept.items()},
             "predicted_ar_ms_per_token": round(cost_full[1], 2), "best": grid[0], "top": grid[:10],
@@ -135,8 +141,6 @@ def main(args) -> int:
     from ..cli import spec_config_from_args
     from ..generate import generate
     from ..loading import load_model
-    from ..sampling import SamplingParams
-
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context,
                         dtype=getattr(torch, args.dtype), device=args.device, cache_dir=args.cache_dir,
                         progress=not args.quiet)
@@ -154,7 +158,7 @@ def main(args) -> int:
         raise TriforceError(f"--context-length {args.context_length} plus {args.tokens} tokens exceeds the model's "
                             f"context of {loaded.config.max_context}: lower --context-length or raise --max-context")
     out = tune(loaded, args.context_length, budgets, args.max_gamma, args.max_gamma_draft, config, args.tokens,
-               progress=not args.quiet, log=log)
+               progress=not args.quiet, log=log, temperature=args.temperature, seed=args.seed)
     shared, prompt = out.pop("shared"), out.pop("prompt")
     best = out["best"]
     if args.check:
@@ -164,8 +168,8 @@ def main(args) -> int:
                                             gamma_draft=best["gamma_draft"]))):
             runs = {}
             for m in ("ar", "triforce"):
-                res = generate(loaded.model, prompt, args.tokens, SamplingParams(temperature=0.0), method=m,
-                               config=cfg, shared_prefill=shared)
+                res = generate(loaded.model, prompt, args.tokens, sampling(args.temperature), method=m,
+                               config=cfg, shared_prefill=shared, seed=args.seed)
                 runs[m] = res.decode_seconds / len(res.tokens) * 1e3
             checked[name] = {"triforce_ms_per_token": round(runs["triforce"], 2), "ar_ms_per_token": round(runs["ar"], 2),
                              "speedup_vs_ar": round(runs["ar"] / runs["triforce"], 3)}
@@ -175,7 +179,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        print(f"context {args.context_length}: ar ~{out['predicted_ar_ms_per_token']} ms/token; best predicted "
+        print(f"context {args.context_length}, temperature {args.temperature}: ar ~{out['predicted_ar_ms_per_token']} ms/token; best predicted "
               f"{best['predicted_ms_per_token']} ms/token (x{out['predicted_ar_ms_per_token'] / best['predicted_ms_per_token']:.2f})")
         print(f"  flags: --budget {best['budget']} --gamma {best['gamma']} --gamma-draft {best['gamma_draft']}")
     return 0
