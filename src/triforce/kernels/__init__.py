@@ -19,6 +19,8 @@ def decode_attention():
         try:
             from torch.utils.cpp_extension import load
 
+            _ninja_on_path()
+
             print("triforce: compiling the CPU decode-attention kernel (once, about a minute)...", file=sys.stderr,
                   flush=True) if not _cached() else None
             module = load("triforce_decode_attention", [str(Path(__file__).with_name("decode_attention.cpp"))],
@@ -30,6 +32,20 @@ def decode_attention():
             module = None
     _state["decode_attention"] = module
     return module
+
+
+def _ninja_on_path() -> None:
+    """torch builds extensions with the `ninja` executable; the PyPI package ships one, which is not
+    on PATH when a virtual environment's scripts are run without activating it."""
+    import shutil
+
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except (ImportError, AttributeError):
+            pass
 
 
 def _cpu_has_avx512() -> bool:
