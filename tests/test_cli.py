@@ -130,3 +130,23 @@ def test_tune_predicts_and_checks(tmp_path):
     assert out["check"]["tuned"]["triforce_ms_per_token"] > 0
     bad = run("tune", "--context-length", "700", "--budgets", "1024", "--quiet")
     assert bad.returncode == 2 and "budget" in bad.stderr
+
+
+@needs_model
+def test_bench_on_the_users_own_files(tmp_path):
+    from triforce.corpus import demo_tokens
+    from triforce.loading import load_model
+
+    tok = load_model(progress=False).tokenizer
+    long_file, short_file = tmp_path / "long.txt", tmp_path / "short.txt"
+    long_file.write_text(tok.decode(demo_tokens(tok, 900, offset_chars=50_000)))
+    short_file.write_text("Too short to be a 600-token prompt.")
+    out = tmp_path / "out"
+    r = run("bench", "--context-lengths", "600", "--methods", "ngram", "--temperatures", "0", "--max-new-tokens", "4",
+            "--prompt-file", str(long_file), "--prompt-file", str(short_file), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "skip" in r.stderr and "short.txt" in r.stderr
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert {x["method"] for x in runs} == {"ar", "ngram"} and all(x["prompt"] == 0 for x in runs)
+    bad = run("bench", "--prompt-file", str(tmp_path / "missing.txt"), "--quiet")
+    assert bad.returncode == 2 and "prompt file not found" in bad.stderr

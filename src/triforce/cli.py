@@ -112,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="ar,triforce,retrieval,streaming,ngram", metavar="M,M",
                    help=f"methods to run, from {', '.join(METHODS)} (ar is always run: it is the baseline)")
     b.add_argument("--temperatures", default="0,0.6", metavar="T,T", help="temperatures (top-p 0.9 when T > 0)")
-    b.add_argument("--prompts", type=_positive_int, default=1, metavar="N", help="prompts per context length")
+    b.add_argument("--prompts", type=_positive_int, default=1, metavar="N",
+                   help="prompts per context length, cut from Shakespeare's plays (verse and prose)")
+    b.add_argument("--prompt-file", action="append", metavar="FILE",
+                   help="use this UTF-8 text file's first N tokens as a prompt instead (repeatable; files "
+                        "shorter than a context length are skipped there)")
     b.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
