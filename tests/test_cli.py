@@ -96,14 +96,15 @@ def test_generate_json_on_embedded_model(tmp_path):
 def test_bench_writes_results(tmp_path):
     r = run("bench", "--context-lengths", "700", "--methods", "triforce,ngram", "--temperatures", "0,0.6",
             "--max-new-tokens", "8", "--budget", "256", "--recent", "32", "--out", str(tmp_path), "--quiet",
-            "--peers", "transformers")
+            "--peers", "transformers,transformers-lookup")
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert {(x["method"], x["temperature"]) for x in rows} == {(m, t) for m in ("ar", "triforce", "ngram", "transformers")
-                                                               for t in (0.0, 0.6)}
+    assert {(x["method"], x["temperature"]) for x in rows} == {
+        (m, t) for m in ("ar", "triforce", "ngram", "transformers", "transformers-lookup") for t in (0.0, 0.6)}
     for x in rows:
         for key in ("method", "context_length", "temperature", "ms_per_token", "speedup_vs_ar", "lossless", "acceptance"):
             assert key in x
+        # transformers' prompt lookup continues the prompt greedily: it must reproduce ar's tokens too
         assert x["lossless"] is (True if x["temperature"] == 0 and x["method"] != "transformers" else None)
         assert x["floor_ms"] > 0
         if x["method"] == "triforce":  # each level's forward cost beside its own floor

@@ -119,7 +119,8 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     ms, toks = tf_peer.continue_prompt(prompt, shared.restore(shared.head), max_new_tokens, temp,
                                                        seed + pi, peer.split("-")[1])
                     row = _row(peer, n_ctx, pi, temp, ms, ar_ms, floor_ms, toks, ar_tokens,
-                               notes=["transformers generate continuing our prefill's KV cache"])
+                               notes=["transformers generate with its own prefill, timed as "
+                                      "(t(max_new tokens) - t(1 token)) / (max_new - 1)"])
                     rows.append(row)
                     log(f"  T={temp} {peer:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}"
                         + (f"  lossless={row['lossless']} agree={row['agree_with_ar']}" if temp == 0 else ""))

@@ -6,7 +6,7 @@
   draft model is given, with `assistant_model`: these depend on the text, so they continue the real
   prompt, with transformers' own prefill (slow at long context; see continue_prompt).
 
-Each returns (ms per generated token, generated token ids or None, notes).
+Timings are ms per generated token.
 """
 from __future__ import annotations
 
