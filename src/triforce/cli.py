@@ -251,9 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tune":
             from .bench.tune import main as tune_main
 
-            budgets = [int(x) for x in args.budgets.split(",") if x.strip().isdigit()]
-            if not budgets or len(budgets) != len(args.budgets.split(",")):
-                raise TriforceError(f"--budgets must be comma-separated integers, got {args.budgets!r}")
             return tune_main(args)
         return cmd_generate(args)
     except TriforceError as e:

@@ -15,31 +15,43 @@ import time
 import torch
 
 
+def time_forwards(model, cache, length: int, k: int, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of a k-token forward on `cache` rolled back to `length` before each one
+    (and after the last); the first `warmup` forwards are not timed."""
+    tok = torch.full((1, k), 42, device=model.device)
+    times = []
+    with torch.inference_mode():
+        for i in range(warmup + repeats):
+            cache.rollback(length)
+            t = time.perf_counter()
+            model(tok, cache)
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+    cache.rollback(length)
+    return statistics.median(times)
+
+
 def time_ours(model, n_ctx: int, steps: int) -> float:
     cache = model.new_cache(n_ctx + 1)
     cache.k[:, :, :, :n_ctx].normal_()
     cache.v[:, :, :, :n_ctx].normal_()
     cache.length = n_ctx
-    tok = torch.tensor([[42]])
-    times = []
-    with torch.inference_mode():
-        for i in range(steps + 2):
-            cache.rollback(n_ctx)
-            t = time.perf_counter()
-            model(tok, cache)
-            if i >= 2:
-                times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return time_forwards(model, cache, n_ctx, 1, steps, warmup=2)
 
 
-def time_transformers(hf_dir, rope_theta: float | None, n_ctx: int, steps: int, hf=None) -> float:
-    """Seconds per step of transformers' own `generate` (its default DynamicCache), prefill excluded:
-    (time for 1 + steps new tokens - time for 1 new token) / steps. `hf`: an already loaded model."""
+def load_transformers(hf_dir, rope_theta: float | None = None):
+    """The same weights as a transformers model (fp32, eval), with our RoPE base if given."""
     import transformers
 
-    if hf is None:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(hf_dir), dtype=torch.float32, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}).eval()
+    kw = {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}} if rope_theta else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, **kw).eval()
+
+
+def time_transformers(hf, n_ctx: int, steps: int) -> float:
+    """Seconds per step of transformers' own `generate` (its default DynamicCache) on the model `hf`,
+    prefill excluded: (time for 1 + steps new tokens - time for 1 new token) / steps."""
+    import transformers
+
     c = hf.config
     kv = [(torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim), torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim))
           for _ in range(c.num_hidden_layers)]
@@ -130,6 +142,7 @@ def main(argv=None) -> None:
     if args.kernel_ab:
         kernel_ab(model, [int(x) for x in args.contexts.split(",")], bw, args.steps)
         return
+    hf_model = None if args.no_transformers else load_transformers(loaded.hf_dir, model.cfg.rope.theta)
     print("| context | ours ms/step | floor ms | ours / floor | transformers ms/step | transformers / ours |")
     print("|---|---|---|---|---|---|")
     for n in [int(x) for x in args.contexts.split(",")]:
@@ -138,7 +151,7 @@ def main(argv=None) -> None:
         if args.no_transformers:
             hf_s, ratio = "-", "-"
         else:
-            hf = time_transformers(loaded.hf_dir, model.cfg.rope.theta, n, args.steps)
+            hf = time_transformers(hf_model, n, args.steps)
             hf_s, ratio = f"{hf * 1e3:.1f}", f"{hf / ours:.2f}x"
         print(f"| {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | {hf_s} | {ratio} |", flush=True)
 

@@ -18,6 +18,13 @@ import torch
 from ..errors import TriforceError
 
 
+def sampling_params(temperature: float):
+    """The benchmarks' sampling: greedy at T = 0, else temperature T with top-p 0.9."""
+    from ..sampling import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=0.9 if temperature > 0 else 1.0)
+
+
 def level_floors_ms(model, n_ctx: int, config, bandwidth: float | None) -> dict[str, float]:
     """Physical floor of one forward of each level's verifier: (weights + the KV it reads) / bandwidth."""
     from .hardware import floor_seconds
@@ -61,7 +68,6 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
 
     from ..corpus import demo_tokens
     from ..generate import generate
-    from ..sampling import SamplingParams
     from ..spec.methods import SharedPrefill
     from . import peers as peer_mod
 
@@ -69,21 +75,29 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     rows = []
     if "ar" not in methods:
         methods = ["ar"] + list(methods)
-    context_lengths = [n for n in context_lengths if n + max_new_tokens + config.gamma + 2 <= model.cfg.max_context
-                       or log(f"skip context {n}: with {max_new_tokens} new tokens it exceeds the model's context")]
+    fitting = []
+    for n in context_lengths:
+        if n + max_new_tokens + config.gamma + 2 <= model.cfg.max_context:
+            fitting.append(n)
+        else:
+            log(f"skip context {n}: with {max_new_tokens} new tokens it exceeds the model's context")
     tf_peer = None
     if peers:
         tf_peer = peer_mod.TransformersPeer(loaded.hf_dir, model.cfg.rope.theta, draft_dir)
     file_tokens = [(str(f), tok(Path(f).read_text(encoding="utf-8"))["input_ids"]) for f in prompt_files]
     warmed = False
-    for n_ctx in context_lengths:
+    for n_ctx in fitting:
         floors = level_floors_ms(model, n_ctx, config, bandwidth)
         floor_ms = floors.get("full")
-        if file_tokens:
-            prompts = [ids[:n_ctx] for name, ids in file_tokens if len(ids) >= n_ctx
-                       or log(f"skip {name} at context {n_ctx}: it has only {len(ids)} tokens")]
-        else:  # verse and prose from the plays, a different stretch per prompt
+        if not file_tokens:  # verse and prose from the plays, a different stretch per prompt
             prompts = [demo_tokens(tok, n_ctx, offset_chars=pi * 200_000) for pi in range(n_prompts)]
+        else:
+            prompts = []
+            for name, ids in file_tokens:
+                if len(ids) >= n_ctx:
+                    prompts.append(ids[:n_ctx])
+                else:
+                    log(f"skip {name} at context {n_ctx}: it has only {len(ids)} tokens")
         for pi, prompt in enumerate(prompts):
             t = time.perf_counter()
             shared = SharedPrefill(model, prompt, n_ctx + max_new_tokens + config.gamma + 2, config.prefill_chunk,
@@ -91,11 +105,11 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
             log(f"context {n_ctx}, prompt {pi}: prefill {time.perf_counter() - t:.1f} s")
             if not warmed:  # first calls of every code path (kernels, oneDNN, allocator) stay untimed
                 for method in methods:
-                    generate(model, prompt, 4, SamplingParams(), method=method, config=config,
+                    generate(model, prompt, 4, sampling_params(0.0), method=method, config=config,
                              draft_model=draft_model, shared_prefill=shared)
                 warmed = True
             for temp in temperatures:
-                params = SamplingParams(temperature=temp, top_p=0.9 if temp > 0 else 1.0)
+                params = sampling_params(temp)
                 ar_tokens, ar_ms = None, None
                 for method in tqdm(methods, desc=f"{n_ctx} T={temp}", leave=False, disable=not progress):
                     res = generate(model, prompt, max_new_tokens, params, method=method, config=config,
@@ -116,8 +130,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                 for peer in peers:
                     if peer == "transformers":
                         continue  # decode steps only, below
-                    ms, toks = tf_peer.continue_prompt(prompt, shared.restore(shared.head), max_new_tokens, temp,
-                                                       seed + pi, peer.split("-")[1])
+                    ms, toks = tf_peer.continue_prompt(prompt, max_new_tokens, temp, seed + pi, peer.split("-")[1])
                     row = _row(peer, n_ctx, pi, temp, ms, ar_ms, floor_ms, toks, ar_tokens,
                                notes=["transformers generate with its own prefill, timed as "
                                       "(t(max_new tokens) - t(1 token)) / (max_new - 1)"])

@@ -14,56 +14,44 @@ import time
 
 import torch
 
+from .decode_step import load_transformers, time_transformers
+
 PEERS = ("transformers", "transformers-lookup", "transformers-assisted")
 
 
 class TransformersPeer:
     def __init__(self, hf_dir, rope_theta: float, draft_dir=None):
-        import transformers
-
-        kw = {"dtype": torch.float32, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}}
-        self.tf = transformers
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), **kw).eval()
-        self.draft = (transformers.AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
-                      if draft_dir else None)
+        self.model = load_transformers(hf_dir, rope_theta)
+        self.draft = load_transformers(draft_dir) if draft_dir else None
 
     def decode_ms(self, n_ctx: int, steps: int = 8) -> float:
-        from .decode_step import time_transformers
+        return time_transformers(self.model, n_ctx, steps) * 1e3
 
-        return time_transformers(None, None, n_ctx, steps, hf=self.model) * 1e3
-
-    def continue_prompt(self, prompt: list[int], full_cache, max_new: int, temperature: float, seed: int,
+    def continue_prompt(self, prompt: list[int], max_new: int, temperature: float, seed: int,
                         mode: str) -> tuple[float, list[int]]:
-        """ms per generated token and the tokens of `generate` continuing `prompt`.
+        """ms per generated token and the tokens of `generate` continuing `prompt` with prompt lookup
+        (mode "lookup") or the draft model (mode "assisted").
 
-        mode "plain" starts from our prefill (full_cache holds the prompt's first len(prompt) - 1
-        tokens; checked to give ar's tokens). "lookup" and "assisted" run transformers' own prefill:
-        its assisted generation from a pre-filled cache (ours or its own) diverged from greedy in
-        transformers 5.23, so their time is (t(max_new tokens) - t(1 token)) / (max_new - 1)."""
+        These run transformers' own prefill: its assisted generation from a pre-filled cache (ours, or
+        one transformers filled itself) diverged from greedy in transformers 5.23, so the time is
+        (t(max_new tokens) - t(1 token)) / (max_new - 1)."""
         ids = torch.tensor([prompt])
         kw = dict(pad_token_id=0, do_sample=temperature > 0)
         if temperature > 0:
             kw.update(temperature=temperature, top_p=0.9, top_k=0)
         if mode == "lookup":
             kw["prompt_lookup_num_tokens"] = 10
-        elif mode == "assisted":
+        else:
             kw["assistant_model"] = self.draft
 
-        def run(new: int, cache=None):
+        def run(new: int):
             torch.manual_seed(seed)
             with torch.inference_mode():
                 t = time.perf_counter()
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                          max_new_tokens=new, min_new_tokens=new, **kw)
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                          min_new_tokens=new, **kw)
                 return time.perf_counter() - t, out[0, len(prompt):].tolist()
 
-        if mode == "plain":
-            cache = self.tf.DynamicCache(config=self.model.config)
-            n = len(prompt) - 1
-            for layer in range(full_cache.n_layers):
-                cache.update(full_cache.k[layer, :, :, :n], full_cache.v[layer, :, :, :n], layer)
-            seconds, toks = run(max_new, cache)
-            return seconds / len(toks) * 1e3, toks
         one, _ = run(1)
         seconds, toks = run(max_new)
         return (seconds - one) / max(1, len(toks) - 1) * 1e3, toks

@@ -16,12 +16,13 @@ best and the default settings for real and prints both.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from dataclasses import replace
 
 import torch
+
+from ..errors import TriforceError
 
 
 def expected_tokens(a: float, gamma: int) -> float:
@@ -43,27 +44,6 @@ def per_token_acceptance(mean_accepted: float, gamma: int) -> float:
     return lo
 
 
-def _time_forwards(model, cache, length: int, k: int, repeats: int) -> float:
-    """Median seconds of a k-token forward on `cache` rolled back to `length` each time."""
-    tok = torch.full((1, k), 42, device=model.device)
-    times = []
-    with torch.inference_mode():
-        for i in range(repeats + 1):
-            cache.rollback(length)
-            t = time.perf_counter()
-            model(tok, cache)
-            if i:
-                times.append(time.perf_counter() - t)
-    cache.rollback(length)
-    return statistics.median(times)
-
-
-def sampling(temperature: float):
-    from ..sampling import SamplingParams
-
-    return SamplingParams(temperature=temperature, top_p=0.9 if temperature > 0 else 1.0)
-
-
 def predict_ms(cost_full, cost_retr, a_full: float, a_retr: float, gamma: int, gamma_draft: int) -> float:
     """ms/token of triforce: each top round verifies gamma tokens from the retrieval level (which
     makes them in rounds of gamma_draft n-gram drafts), costing cost_full[gamma + 1] plus
@@ -82,6 +62,8 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from ..generate import generate
     from ..kv import RetrievalCache
     from ..spec.methods import SharedPrefill
+    from .decode_step import time_forwards
+    from .methods import sampling_params
 
     model, c = loaded.model, loaded.model.cfg
     prompt = demo_tokens(loaded.tokenizer, n_ctx)
@@ -93,7 +75,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     length = full.length
 
     ks = range(1, max(max_gamma, max_gamma_draft) + 2)
-    cost_full = {k: _time_forwards(model, full, length, k, repeats) * 1e3
+    cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3
                  for k in tqdm(ks, desc="full-cache forwards", disable=not progress, leave=False)}
     cost_retr: dict[int, dict[int, float]] = {}
     for b in budgets:
@@ -102,7 +84,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
         shared.restore(shared.head)  # the timed forwards replaced the recorded queries
         with torch.inference_mode():
             rc.build(full)
-        cost_retr[b] = {k: _time_forwards(model, rc, rc.length, k, repeats) * 1e3
+        cost_retr[b] = {k: time_forwards(model, rc, rc.length, k, repeats) * 1e3
                         for k in tqdm(range(1, max_gamma_draft + 2), desc=f"budget {b} forwards",
                                       disable=not progress, leave=False)}
         del rc
@@ -114,7 +96,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     accept: dict[int, tuple[float, float]] = {}
     for b in tqdm(budgets, desc="acceptance", disable=not progress, leave=False):
         cfg = replace(config, budget=b, gamma=probe_gamma, gamma_draft=probe_gamma_draft)
-        res = generate(model, prompt, tokens, sampling(temperature), method="triforce", config=cfg,
+        res = generate(model, prompt, tokens, sampling_params(temperature), method="triforce", config=cfg,
                        shared_prefill=shared, seed=seed)
         lv = {x["level"]: x for x in res.stats["levels"] if x.get("role") == "verify"}
         a_full = per_token_acceptance(lv["full"]["mean_accepted"], probe_gamma)
@@ -141,20 +123,22 @@ def main(args) -> int:
     from ..cli import spec_config_from_args
     from ..generate import generate
     from ..loading import load_model
+    from .methods import sampling_params
+
+    try:
+        asked = [int(x) for x in args.budgets.split(",")]
+    except ValueError:
+        raise TriforceError(f"--budgets must be comma-separated integers, got {args.budgets!r}") from None
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context,
                         dtype=getattr(torch, args.dtype), device=args.device, cache_dir=args.cache_dir,
                         progress=not args.quiet)
     config, _ = spec_config_from_args(args)
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    budgets = [b for b in (int(x) for x in args.budgets.split(",")) if b + config.chunk_size < args.context_length]
+    budgets = [b for b in asked if b + config.chunk_size < args.context_length]
     if not budgets:
-        from ..errors import TriforceError
-
         raise TriforceError(f"every budget in --budgets {args.budgets} is as large as --context-length "
                             f"{args.context_length}: the retrieval cache must be smaller than the context")
     if args.context_length + args.tokens + max(args.max_gamma, args.max_gamma_draft) + 8 > loaded.config.max_context:
-        from ..errors import TriforceError
-
         raise TriforceError(f"--context-length {args.context_length} plus {args.tokens} tokens exceeds the model's "
                             f"context of {loaded.config.max_context}: lower --context-length or raise --max-context")
     out = tune(loaded, args.context_length, budgets, args.max_gamma, args.max_gamma_draft, config, args.tokens,
@@ -168,7 +152,7 @@ def main(args) -> int:
                                             gamma_draft=best["gamma_draft"]))):
             runs = {}
             for m in ("ar", "triforce"):
-                res = generate(loaded.model, prompt, args.tokens, sampling(args.temperature), method=m,
+                res = generate(loaded.model, prompt, args.tokens, sampling_params(args.temperature), method=m,
                                config=cfg, shared_prefill=shared, seed=args.seed)
                 runs[m] = res.decode_seconds / len(res.tokens) * 1e3
             checked[name] = {"triforce_ms_per_token": round(runs["triforce"], 2), "ar_ms_per_token": round(runs["ar"], 2),

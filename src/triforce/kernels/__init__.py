@@ -11,7 +11,7 @@ _state: dict[str, object] = {}
 
 
 def decode_attention():
-    """The compiled decode-attention module (functions qk, pv), or None."""
+    """The compiled decode-attention module (its function `decode_attention`), or None."""
     if "decode_attention" in _state:
         return _state["decode_attention"]
     module = None
@@ -20,9 +20,9 @@ def decode_attention():
             from torch.utils.cpp_extension import load
 
             _ninja_on_path()
-
-            print("triforce: compiling the CPU decode-attention kernel (once, about a minute)...", file=sys.stderr,
-                  flush=True) if not _cached() else None
+            if not _cached():
+                print("triforce: compiling the CPU decode-attention kernel (once, about a minute)...",
+                      file=sys.stderr, flush=True)
             module = load("triforce_decode_attention", [str(Path(__file__).with_name("decode_attention.cpp"))],
                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                           verbose=False)
