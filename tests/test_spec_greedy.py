@@ -79,6 +79,16 @@ def test_eos_inside_a_draft_and_exact_length(target, method):
         assert res.tokens == free[:n] and res.finish_reason == "length"
 
 
+@pytest.mark.parametrize("draft_weights", ["bf16", "fp32"])
+def test_draft_weights_keep_greedy_exact(target, draft_weights):
+    """The target drafting with its bf16 weights copy (the default) or its fp32 weights: same output."""
+    prompt = _prompt(200, 3)
+    ref = generate_ar(target, prompt, 48).tokens
+    for drafter in ("ngram", "streaming"):
+        cfg = SpecConfig(**{**TINY_SPEC.__dict__, "draft": drafter, "draft_weights": draft_weights})
+        assert generate(target, prompt, 48, method="triforce", config=cfg).tokens == ref
+
+
 def test_bad_configurations_are_user_errors(target):
     with pytest.raises(TriforceError, match="budget"):
         generate(target, _prompt(100, 6), 4, method="triforce", config=SpecConfig(budget=4096))
@@ -88,6 +98,8 @@ def test_bad_configurations_are_user_errors(target):
         generate(target, [[1, 2], [3, 4]], 4)
     with pytest.raises(TriforceError, match="unknown method"):
         generate(target, [1, 2], 4, method="medusa")
+    with pytest.raises(TriforceError, match="--draft-weights"):
+        generate(target, _prompt(100, 6), 4, method="triforce", config=SpecConfig(**{**TINY_SPEC.__dict__, "draft_weights": "int4"}))
 
 
 @pytest.mark.parametrize("n_prompt,offset", [(2048, 0), (3000, 250_000), (6000, 600_000)])

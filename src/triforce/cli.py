@@ -53,6 +53,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help=f"newest tokens the retrieval cache always keeps (default {d.recent})")
     g.add_argument("--rebuild-every", type=_positive_int, default=d.rebuild_every, metavar="N",
                    help=f"rebuild the retrieval cache after N new tokens (default {d.rebuild_every})")
+    g.add_argument("--draft-weights", choices=("bf16", "fp32"), default=d.draft_weights,
+                   help="weights of the target when it drafts (retrieval and streaming levels): bf16 (default; "
+                        "half the bytes per forward, needs the CPU kernels, else fp32) or fp32. The output "
+                        "is exact either way: the full level verifies with the fp32 weights")
     g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
     g.add_argument("--window", type=_positive_int, default=d.window, metavar="N",
                    help=f"StreamingLLM recent window (default {d.window})")
@@ -67,7 +71,8 @@ def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
         raise TriforceError("--method draft needs --draft PATH: a small model sharing the target's tokenizer")
     cfg = SpecConfig(gamma=args.gamma, gamma_draft=args.gamma_draft, draft=draft, budget=args.budget,
                      chunk_size=args.chunk_size, recent=args.recent, rebuild_every=args.rebuild_every,
-                     sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk)
+                     sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk,
+                     draft_weights=args.draft_weights)
     return cfg, path
 
 

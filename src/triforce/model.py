@@ -6,6 +6,8 @@ argument of every forward (see kv/base.py); positions are the cache's logical le
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,21 +23,41 @@ def _mkldnn_packing_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class Linear(nn.Linear):
-    """nn.Linear that, once `pack()`ed on CPU, runs multi-token inputs through oneDNN with a
-    pre-packed weight copy. MKL's GEMM with 2-16 rows reads the weights at well under half the
-    speed of its single-row GEMV, which made verifying k draft tokens cost 2x a decode step;
-    the packed path keeps a k-token forward close to a 1-token one. Single rows keep using F.linear
-    (the fastest GEMV here). Costs a second copy of the weights."""
+# Inputs of up to this many rows (decode steps, verification of drafts) use the panel kernel.
+PANEL_MAX_ROWS = 16
 
+
+class Linear(nn.Linear):
+    """nn.Linear that, once `pack()`ed on CPU, runs inputs of up to PANEL_MAX_ROWS rows through the
+    compiled panel kernel (kernels/linear_panels.cpp) with a copy of the weights cut into 16-output
+    panels. It streams the weights at memory speed for 1 to 8 rows alike (MKL's GEMM with 2-16 rows
+    read them at well under half its single-row speed, which made verifying k drafts cost up to 2x a
+    decode step), and a row's result does not depend on how many rows come with it.
+    `pack(torch.bfloat16)` keeps the panels in bf16: half the bytes, for draft levels only.
+    Without the kernels, multi-row inputs use a oneDNN pre-packed copy; long inputs (prefill) F.linear."""
+
+    panels: torch.Tensor | None = None
     packed: torch.Tensor | None = None
 
-    def pack(self) -> None:
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 and _mkldnn_packing_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
+    def pack(self, dtype: torch.dtype = torch.float32) -> None:
+        w = self.weight.detach()
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            return
+        if kernels.cpu() is not None:
+            n, k = w.shape
+            p = (n + 15) // 16
+            padded = torch.zeros(p * 16, k, dtype=dtype)
+            padded[:n] = w
+            self.panels = padded.view(p, 16, k).transpose(1, 2).contiguous()  # [P, K, 16]
+        elif dtype == torch.float32 and _mkldnn_packing_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.numel() > x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if self.panels is not None and rows <= PANEL_MAX_ROWS and (ops := kernels.for_tensor(x)) is not None:
+            y = ops.linear_panels(x, self.panels, self.out_features)
+            return y if self.bias is None else y + self.bias
+        if self.packed is not None and rows > 1:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -47,6 +69,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (ops := kernels.for_tensor(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -71,10 +95,10 @@ def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
 
 
-# The compiled decode-attention kernel (kernels/decode_attention.cpp) is used for up to this many
-# query rows per KV head (g*T) and from this many keys on. With more rows (verifying 5+ tokens)
-# it is compute-bound and no faster than the flash kernel; with fewer keys, no faster either.
-KERNEL_MAX_ROWS = 12
+# The compiled decode-attention kernel (kernels/attention.cpp) is used for up to this many
+# query rows per KV head (g*T: 21 tokens for SmolLM2's g = 3) and from this many keys on; with
+# fewer keys it is no faster than PyTorch's kernels.
+KERNEL_MAX_ROWS = 64
 KERNEL_MIN_KEYS = 1024
 
 
@@ -88,7 +112,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.
     g = Hq // Hkv
     if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D == 64 and q.dtype == torch.float32 \
             and q.device.type == "cpu" and (mask is None or isinstance(mask, str)) \
-            and (kern := kernels.decode_attention()) is not None:
+            and (kern := kernels.for_tensor(q)) is not None:
         out = kern.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, D ** -0.5)
         return out.view(B, Hq, T, D)
     if isinstance(mask, str):  # CAUSAL
@@ -119,14 +143,20 @@ class Block(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(self.attn_norm(x))
-        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rotary(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)
-        k = apply_rotary(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        if (ops := kernels.for_tensor(qkv)) is not None:  # the same operations, fused (kernels/layer_ops.cpp)
+            q, k, v = ops.rope_split(qkv, cos, sin, Hq, Hkv)
+        else:
+            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = apply_rotary(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)
+            k = apply_rotary(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
+            v = v.view(B, T, Hkv, D).transpose(1, 2)
         keys, values, mask = cache.update(self.index, q, k, v)
         a = attention(q, keys, values, mask)
         x = x + self.wo(a.transpose(1, 2).reshape(B, T, Hq * D))
-        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        gate_up = self.w_gate_up(self.mlp_norm(x))
+        if ops is not None:
+            return x + self.w_down(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
 
 
@@ -171,10 +201,35 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
     def pack_weights(self) -> None:
-        """Pre-pack the linear layers' weights for multi-token forwards on CPU (see Linear)."""
+        """Pre-pack the linear layers' weights for decode and verification forwards on CPU (see Linear)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack()
+
+    def with_draft_weights(self) -> "Transformer":
+        """This model with its linear layers' weights in bf16 (panel kernel, fp32 activations), sharing
+        everything else (embedding, norms, the fp32 weights): half the weight bytes per forward, for
+        draft levels whose output the fp32 model verifies. Returns self where the kernels are unavailable."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or kernels.cpu() is None:
+            return self
+
+        def lowp(lin: Linear) -> Linear:
+            new = copy.copy(lin)  # shares the parameters; gets its own panels
+            new.pack(torch.bfloat16)
+            return new
+
+        draft = copy.copy(self)
+        draft._modules = dict(self._modules)
+        layers = []
+        for block in self.layers:
+            b = copy.copy(block)
+            b._modules = dict(block._modules)
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                b._modules[name] = lowp(block._modules[name])
+            layers.append(b)
+        draft._modules["layers"] = nn.ModuleList(layers)
+        draft._modules["lm_head"] = lowp(self.lm_head)
+        return draft
 
     def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1):
         from .kv import FullCache

@@ -1,6 +1,8 @@
 """Time one decode step at long context: ours vs transformers' generate vs the physical floor.
 
     python -m triforce.bench.decode_step --contexts 8192,32768 [--no-transformers]
+    python -m triforce.bench.decode_step --kernel-ab     # compiled kernels vs PyTorch
+    python -m triforce.bench.decode_step --draft-ab      # fp32 vs bf16 draft weights, retrieval level
 
 Decode time does not depend on the cache's contents, so both engines get a KV cache of N tokens
 filled with random values instead of a multi-minute prefill: the work per step is exactly that of
@@ -94,31 +96,54 @@ def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5) -> float:
 
 
 def kernel_ab(model, contexts: list[int], bandwidth: float, steps: int) -> None:
-    """The compiled decode-attention kernel against PyTorch's attention, alternating in one process."""
+    """The compiled CPU kernels against PyTorch's operations, alternating in one process: attention
+    alone (decode_attention vs PyTorch's flash kernel), and whole steps (all kernels vs none)."""
     from .. import kernels
     from .hardware import floor_seconds
 
-    kern = kernels.decode_attention()
+    kern = kernels.cpu()
     if kern is None:
-        print("the decode-attention kernel is not available here")
+        print("the compiled CPU kernels are not available here")
         return
-    print("| context | T | attention, kernel ms | attention, flash ms | step, kernel ms | step, flash ms | floor ms |")
+    print("| context | T | attention, kernel ms | attention, PyTorch ms | step, kernels ms | step, PyTorch ms | floor ms |")
     print("|---|---|---|---|---|---|---|")
-    try:
-        for n in contexts:
-            for T in (1, 2, 3, 7):
-                att, step = {}, {}
-                for name, k in (("kernel", kern), ("flash", None), ("kernel2", kern), ("flash2", None)):
-                    kernels._state["decode_attention"] = k
+    for n in contexts:
+        for T in (1, 2, 3, 7):
+            att, step = {}, {}
+            for name, k in (("kernel", kern), ("torch", None), ("kernel2", kern), ("torch2", None)):
+                with kernels.override(k):
                     att[name] = time_attention(n, T, model.cfg) * 1e3
                     if T == 1:
                         step[name] = time_ours(model, n, steps) * 1e3
-                s = (f"{min(step['kernel'], step['kernel2']):.1f} | {min(step['flash'], step['flash2']):.1f} | "
-                     f"{floor_seconds(model, n, bandwidth) * 1e3:.1f}") if T == 1 else "- | - | -"
-                print(f"| {n} | {T} | {min(att['kernel'], att['kernel2']):.1f} | {min(att['flash'], att['flash2']):.1f} "
-                      f"| {s} |", flush=True)
-    finally:
-        kernels._state["decode_attention"] = kern
+            s = (f"{min(step['kernel'], step['kernel2']):.1f} | {min(step['torch'], step['torch2']):.1f} | "
+                 f"{floor_seconds(model, n, bandwidth) * 1e3:.1f}") if T == 1 else "- | - | -"
+            print(f"| {n} | {T} | {min(att['kernel'], att['kernel2']):.1f} | {min(att['torch'], att['torch2']):.1f} "
+                  f"| {s} |", flush=True)
+
+
+def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> None:
+    """Forwards of 1, 3, 5 tokens on a retrieval-sized cache (`budget` tokens kept of each context):
+    the fp32 weights against the bf16 draft copy (`--draft-weights`), alternating in one process."""
+    from ..kv import RetrievalCache
+    from ..spec.methods import draft_weights_model
+
+    draft = draft_weights_model(model)
+    if draft is model:
+        print("the bf16 draft weights need the compiled CPU kernels, which are not available here")
+        return
+    c = model.cfg
+    print("| context | budget | k | fp32 weights ms | bf16 draft weights ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    for n in contexts:
+        cache = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=budget, max_new=64,
+                               dtype=model.dtype, device=model.device)
+        cache.k.normal_()
+        cache.v.normal_()
+        cache.base, cache.built_at, cache.length = budget, n, n
+        for k in (1, 3, 5):
+            a = min(time_forwards(model, cache, n, k, steps), time_forwards(model, cache, n, k, steps))
+            b = min(time_forwards(draft, cache, n, k, steps), time_forwards(draft, cache, n, k, steps))
+            print(f"| {n} | {budget} | {k} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x |", flush=True)
 
 
 def main(argv=None) -> None:
@@ -131,8 +156,12 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="model (default: embedded SmolLM2-135M, long-context profile)")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
     ap.add_argument("--kernel-ab", action="store_true",
-                    help="instead: the compiled decode-attention kernel vs PyTorch's attention (attention alone "
-                         "for 1, 2, 3, 7 query tokens, and whole steps)")
+                    help="instead: the compiled CPU kernels vs PyTorch (attention alone for 1, 2, 3, 7 query "
+                         "tokens, and whole steps)")
+    ap.add_argument("--draft-ab", action="store_true",
+                    help="instead: retrieval-level forwards (1, 3, 5 tokens over --budget keys) with the fp32 "
+                         "weights vs the bf16 draft weights")
+    ap.add_argument("--budget", type=int, default=1024, help="retrieval budget for --draft-ab (default 1024)")
     args = ap.parse_args(argv)
     loaded = load_model(args.model, progress=False)
     model = loaded.model
@@ -141,6 +170,9 @@ def main(argv=None) -> None:
           f"weights {weight_bytes(model) / 1e6:.0f} MB, KV {model.cfg.kv_bytes_per_token / 1e3:.1f} KB/token")
     if args.kernel_ab:
         kernel_ab(model, [int(x) for x in args.contexts.split(",")], bw, args.steps)
+        return
+    if args.draft_ab:
+        draft_weights_ab(model, [int(x) for x in args.contexts.split(",")], args.budget, args.steps)
         return
     hf_model = None if args.no_transformers else load_transformers(loaded.hf_dir, model.cfg.rope.theta)
     print("| context | ours ms/step | floor ms | ours / floor | transformers ms/step | transformers / ours |")

@@ -61,7 +61,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..kv import RetrievalCache
-    from ..spec.methods import SharedPrefill
+    from ..spec.methods import SharedPrefill, draft_weights_model
     from .decode_step import time_forwards
     from .methods import sampling_params
 
@@ -74,6 +74,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     full = shared.cache
     length = full.length
 
+    drafting = draft_weights_model(model) if config.draft_weights == "bf16" else model  # as the Decoder does
     ks = range(1, max(max_gamma, max_gamma_draft) + 2)
     cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3
                  for k in tqdm(ks, desc="full-cache forwards", disable=not progress, leave=False)}
@@ -84,7 +85,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
         shared.restore(shared.head)  # the timed forwards replaced the recorded queries
         with torch.inference_mode():
             rc.build(full)
-        cost_retr[b] = {k: time_forwards(model, rc, rc.length, k, repeats) * 1e3
+        cost_retr[b] = {k: time_forwards(drafting, rc, rc.length, k, repeats) * 1e3
                         for k in tqdm(range(1, max_gamma_draft + 2), desc=f"budget {b} forwards",
                                       disable=not progress, leave=False)}
         del rc

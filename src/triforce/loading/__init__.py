@@ -152,10 +152,10 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
         max_context = DEFAULT_MAX_CONTEXT if max_context is None else max_context
     cfg = cfg.with_overrides(rope_theta=rope_theta, max_context=max_context)
     model = build_model(cfg, sd, dtype=dtype, device=device)
-    if model.device.type == "cpu" and model.dtype == torch.float32 and cfg.head_dim == 64:
+    if model.device.type == "cpu" and model.dtype == torch.float32:
         from .. import kernels
 
-        kernels.decode_attention()  # build (or load) it now, not inside the first timed decode step
+        kernels.cpu()  # build (or load) them now, not inside the first timed decode step
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,8 +28,10 @@ METHODS = ("ar", "triforce", "retrieval", "streaming", "ngram", "draft")
 
 @dataclass(frozen=True)
 class SpecConfig:
-    gamma: int = 6  # tokens drafted per verification by the full target (top level)
-    gamma_draft: int = 2  # tokens drafted per verification by the retrieval level (triforce only)
+    # gamma 4 / gamma-draft 3: `triforce tune` at 32K predicted 2.0x at T = 0 and 1.4x at T = 0.6 for
+    # them, against 1.85x / 1.2x for the earlier 6 / 2 (docs/benchmarks.md); tune per machine and temperature
+    gamma: int = 4  # tokens drafted per verification by the full target (top level)
+    gamma_draft: int = 3  # tokens drafted per verification by the retrieval level (triforce only)
     draft: str = "ngram"  # triforce's bottom drafter: "ngram", "streaming" (target + StreamingLLM cache), or "model"
     budget: int = 4096  # retrieval cache: tokens kept per layer and KV head
     chunk_size: int = 8
@@ -39,6 +42,7 @@ class SpecConfig:
     window: int = 512
     ngram: int = 3  # longest n-gram matched by the n-gram drafter
     prefill_chunk: int = 512
+    draft_weights: str = "bf16"  # weights of the target when it drafts (retrieval / streaming levels): bf16 or fp32
 
     def validate(self, max_context: int, method: str) -> None:
         for name in ("gamma", "gamma_draft", "chunk_size", "rebuild_every", "window", "ngram", "prefill_chunk"):
@@ -51,6 +55,18 @@ class SpecConfig:
                                 f"lower --budget (the retrieval cache must be smaller than the context to help)")
         if self.draft not in ("ngram", "streaming", "model"):
             raise TriforceError(f"unknown drafter {self.draft!r}: use ngram, streaming, or a draft model")
+        if self.draft_weights not in ("bf16", "fp32"):
+            raise TriforceError(f"--draft-weights must be bf16 or fp32, got {self.draft_weights!r}")
+
+
+_DRAFT_WEIGHTS: "weakref.WeakKeyDictionary[Transformer, Transformer]" = weakref.WeakKeyDictionary()
+
+
+def draft_weights_model(model: Transformer) -> Transformer:
+    """model.with_draft_weights(), made once per model (it holds a bf16 copy of the weights)."""
+    if model not in _DRAFT_WEIGHTS:
+        _DRAFT_WEIGHTS[model] = model.with_draft_weights()
+    return _DRAFT_WEIGHTS[model]
 
 
 class SharedPrefill:
@@ -98,6 +114,9 @@ class Decoder:
         else:
             full_cache = model.new_cache(capacity, record_queries=method in ("triforce", "retrieval"))
         self.full = ModelState("full", model, full_cache, params)
+        # the target as a drafter (retrieval and streaming levels): bf16 weights unless asked otherwise;
+        # exactness does not depend on it, the full level verifies with the fp32 weights
+        drafting = draft_weights_model(model) if config.draft_weights == "bf16" else model
         self.retrieval: ModelState | None = None
         self.streaming: ModelState | None = None
         self.draft_state: ModelState | None = None
@@ -114,13 +133,13 @@ class Decoder:
             cache = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=config.budget,
                                    chunk_size=config.chunk_size, recent=config.recent, max_new=max_new,
                                    dtype=model.dtype, device=model.device)
-            self.retrieval = ModelState("retrieval", model, cache, params)
+            self.retrieval = ModelState("retrieval", drafting, cache, params)
 
         bottom = None
         if method == "ngram" or (method == "triforce" and config.draft == "ngram"):
             bottom = NGramDrafter(model.cfg.vocab_size, config.ngram, device=model.device)
         elif method == "streaming" or (method == "triforce" and config.draft in ("streaming", "model")):
-            drafter_model = model
+            drafter_model = drafting
             if method == "triforce" and config.draft == "model":
                 drafter_model = self._check_draft_model(draft_model)
             c = drafter_model.cfg

@@ -1,0 +1,14 @@
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &triforce::decode_attention,
+        "softmax(q k^T * scale) v for q [H, R, 64] over k/v [H, S, 64], causal over the last T keys if asked",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("T"), py::arg("causal"), py::arg("scale"),
+        py::arg("path") = 0);
+  m.def("rms_norm", &triforce::rms_norm, "x [..., C] -> x / sqrt(mean(x^2) + eps) * weight");
+  m.def("rope_split", &triforce::rope_split,
+        "qkv [B, T, (Hq + 2 Hkv) D], cos/sin [T, D] -> q [B, Hq, T, D], k [B, Hkv, T, D] (both rotated), v [B, Hkv, T, D]");
+  m.def("linear_panels", &triforce::linear_panels,
+        "x [..., K] fp32 @ W^T, W (fp32 or bf16) in 16-output panels [P, K, 16] -> [..., N] fp32");
+  m.def("silu_mul", &triforce::silu_mul, "[..., 2F] -> silu(first half) * second half [..., F]");
+}

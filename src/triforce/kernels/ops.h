@@ -1,0 +1,23 @@
+// The functions of the `triforce_cpu` extension (bindings.cpp). fp32, CPU, AVX-512.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace triforce {
+
+// attention.cpp: softmax(q k^T * scale) v for q [H, R, 64] over k/v [H, S, 64] (see there).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
+                               double scale, int64_t path);
+
+// layer_ops.cpp: the small per-layer operations of a decoder layer, fused.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,
+                                      int64_t n_kv_heads);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
+// linear_panels.cpp: x [..., K] fp32 times weights (fp32 or bf16) held in 16-output panels [P, K, 16]
+// -> [..., N] fp32.
+torch::Tensor linear_panels(torch::Tensor x, torch::Tensor panels, int64_t out_features);
+
+}  // namespace triforce
