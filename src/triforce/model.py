@@ -34,7 +34,8 @@ class Linear(nn.Linear):
     read them at well under half its single-row speed, which made verifying k drafts cost up to 2x a
     decode step), and a row's result does not depend on how many rows come with it.
     `pack(torch.bfloat16)` keeps the panels in bf16: half the bytes, for draft levels only.
-    Without the kernels, multi-row inputs use a oneDNN pre-packed copy; long inputs (prefill) F.linear."""
+    Longer inputs (prefill) use F.linear; without the kernels, multi-row inputs use a oneDNN pre-packed
+    copy of the weights instead of panels."""
 
     panels: torch.Tensor | None = None
     packed: torch.Tensor | None = None
