@@ -111,9 +111,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D == 64 and q.dtype == torch.float32 \
-            and q.device.type == "cpu" and (mask is None or isinstance(mask, str)) \
-            and (kern := kernels.for_tensor(q)) is not None:
+    if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D == 64 \
+            and (mask is None or isinstance(mask, str)) and (kern := kernels.for_tensor(q)) is not None:
         out = kern.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, D ** -0.5)
         return out.view(B, Hq, T, D)
     if isinstance(mask, str):  # CAUSAL
@@ -207,7 +206,7 @@ class Transformer(nn.Module):
             if isinstance(m, Linear):
                 m.pack()
 
-    def with_draft_weights(self) -> "Transformer":
+    def with_draft_weights(self) -> Transformer:
         """This model with its linear layers' weights in bf16 (panel kernel, fp32 activations), sharing
         everything else (embedding, norms, the fp32 weights): half the weight bytes per forward, for
         draft levels whose output the fp32 model verifies. Returns self where the kernels are unavailable."""

@@ -28,12 +28,12 @@ def sampling_params(temperature: float):
 def level_floors_ms(model, n_ctx: int, config, bandwidth: float | None) -> dict[str, float]:
     """Physical floor of one forward of each level's verifier: (weights + the KV it reads) / bandwidth.
     The drafting levels read the bf16 draft weights where the run uses them."""
-    from ..spec.methods import draft_weights_model
+    from ..spec.methods import drafting_model
     from .hardware import floor_seconds
 
     if not bandwidth:
         return {}
-    drafting = draft_weights_model(model) if config.draft_weights == "bf16" else model
+    drafting = drafting_model(model, config)
     kv = {"full": (model, n_ctx), "retrieval": (drafting, min(n_ctx, config.budget + config.recent)),
           "streaming": (drafting, min(n_ctx, config.sink + config.window))}
     return {name: round(floor_seconds(m, n, bandwidth) * 1e3, 1) for name, (m, n) in kv.items()}

@@ -61,7 +61,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..kv import RetrievalCache
-    from ..spec.methods import SharedPrefill, draft_weights_model
+    from ..spec.methods import SharedPrefill, drafting_model
     from .decode_step import time_forwards
     from .methods import sampling_params
 
@@ -74,7 +74,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     full = shared.cache
     length = full.length
 
-    drafting = draft_weights_model(model) if config.draft_weights == "bf16" else model  # as the Decoder does
+    drafting = drafting_model(model, config)  # the retrieval level's model, as the Decoder runs it
     ks = range(1, max(max_gamma, max_gamma_draft) + 2)
     cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3
                  for k in tqdm(ks, desc="full-cache forwards", disable=not progress, leave=False)}

@@ -151,11 +151,7 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
         rope_theta = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta
         max_context = DEFAULT_MAX_CONTEXT if max_context is None else max_context
     cfg = cfg.with_overrides(rope_theta=rope_theta, max_context=max_context)
-    model = build_model(cfg, sd, dtype=dtype, device=device)
-    if model.device.type == "cpu" and model.dtype == torch.float32:
-        from .. import kernels
-
-        kernels.cpu()  # build (or load) them now, not inside the first timed decode step
+    model = build_model(cfg, sd, dtype=dtype, device=device)  # builds the CPU kernels (pack_weights)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:

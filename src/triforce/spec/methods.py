@@ -59,7 +59,7 @@ class SpecConfig:
             raise TriforceError(f"--draft-weights must be bf16 or fp32, got {self.draft_weights!r}")
 
 
-_DRAFT_WEIGHTS: "weakref.WeakKeyDictionary[Transformer, Transformer]" = weakref.WeakKeyDictionary()
+_DRAFT_WEIGHTS: weakref.WeakKeyDictionary[Transformer, Transformer] = weakref.WeakKeyDictionary()
 
 
 def draft_weights_model(model: Transformer) -> Transformer:
@@ -67,6 +67,13 @@ def draft_weights_model(model: Transformer) -> Transformer:
     if model not in _DRAFT_WEIGHTS:
         _DRAFT_WEIGHTS[model] = model.with_draft_weights()
     return _DRAFT_WEIGHTS[model]
+
+
+def drafting_model(model: Transformer, config: SpecConfig) -> Transformer:
+    """The target as it runs when it drafts (retrieval and streaming levels): its bf16 draft-weights
+    copy unless config.draft_weights is "fp32". Exactness does not depend on it: the full level
+    verifies with the fp32 weights."""
+    return draft_weights_model(model) if config.draft_weights == "bf16" else model
 
 
 class SharedPrefill:
@@ -114,9 +121,6 @@ class Decoder:
         else:
             full_cache = model.new_cache(capacity, record_queries=method in ("triforce", "retrieval"))
         self.full = ModelState("full", model, full_cache, params)
-        # the target as a drafter (retrieval and streaming levels): bf16 weights unless asked otherwise;
-        # exactness does not depend on it, the full level verifies with the fp32 weights
-        drafting = draft_weights_model(model) if config.draft_weights == "bf16" else model
         self.retrieval: ModelState | None = None
         self.streaming: ModelState | None = None
         self.draft_state: ModelState | None = None
@@ -133,15 +137,16 @@ class Decoder:
             cache = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=config.budget,
                                    chunk_size=config.chunk_size, recent=config.recent, max_new=max_new,
                                    dtype=model.dtype, device=model.device)
-            self.retrieval = ModelState("retrieval", drafting, cache, params)
+            self.retrieval = ModelState("retrieval", drafting_model(model, config), cache, params)
 
         bottom = None
         if method == "ngram" or (method == "triforce" and config.draft == "ngram"):
             bottom = NGramDrafter(model.cfg.vocab_size, config.ngram, device=model.device)
         elif method == "streaming" or (method == "triforce" and config.draft in ("streaming", "model")):
-            drafter_model = drafting
             if method == "triforce" and config.draft == "model":
                 drafter_model = self._check_draft_model(draft_model)
+            else:
+                drafter_model = drafting_model(model, config)
             c = drafter_model.cfg
             cache = StreamingCache(c.n_layers, c.n_kv_heads, c.head_dim, sink=config.sink, window=config.window,
                                    max_rollback=self.max_rollback, slack=max(config.prefill_chunk, config.window),
