@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from . import storage
 from .errors import TriforceError
+from .interrupts import EXIT_INTERRUPTED, prompt_interrupts
 from .spec.methods import METHODS, SpecConfig
-
 
 
 def _positive_int(s: str) -> int:
@@ -32,7 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache dtype (default float32: faster than bf16 on CPUs without AMX)")
     g.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
     g.add_argument("--cache-dir", metavar="DIR",
-                   help="where converted GGUF models are cached (default $TRIFORCE_CACHE_DIR or ~/.cache/triforce)")
+                   help="where converted GGUF models and the compiled CPU kernels are cached (default "
+                        "$TRIFORCE_CACHE_DIR or ~/.cache/triforce)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -206,8 +209,19 @@ def cmd_generate(args) -> int:
     if draft_path is not None and args.method in ("triforce", "draft"):
         draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
                                  max_context=loaded.config.max_context, progress=not args.quiet).model
+    stream = None
+    if not args.json:
+        from .detokenize import TextDeltas
+
+        deltas = TextDeltas(loaded.tokenizer)
+
+        def stream(tokens: list[int]) -> None:  # print the text as the tokens are accepted
+            sys.stdout.write(deltas.push(tokens))
+            sys.stdout.flush()
+
     res = generate(loaded.model, prompt, args.max_new_tokens, params, method=args.method, config=spec,
-                   draft_model=draft_model, eos_ids=loaded.eos_token_ids, seed=args.seed, progress=progress)
+                   draft_model=draft_model, eos_ids=loaded.eos_token_ids, seed=args.seed, progress=progress,
+                   on_tokens=stream)
     text = loaded.tokenizer.decode(res.tokens, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -224,7 +238,7 @@ def cmd_generate(args) -> int:
             "stats": res.stats,
         }))
     else:
-        print(text)
+        print(deltas.finish())
         if not args.quiet:
             for lvl in res.stats.get("levels", []):
                 if lvl.get("role") == "verify":
@@ -245,25 +259,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if getattr(args, "cache_dir", None):  # every cache (converted models, kernel builds) follows --cache-dir
+        os.environ[storage.CACHE_ENV] = str(Path(args.cache_dir).expanduser().resolve())
     try:
-        if args.command == "bench":
-            from .bench.methods import main as bench_main
-
-            unknown = set(args.methods.split(",")) - set(METHODS)
-            if unknown:
-                raise TriforceError(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
-            return bench_main(args)
-        if args.command == "tune":
-            from .bench.tune import main as tune_main
-
-            return tune_main(args)
-        return cmd_generate(args)
+        with prompt_interrupts():
+            return _run(args)
     except TriforceError as e:
         print(f"triforce: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("triforce: interrupted", file=sys.stderr)
-        return 130
+        sys.stdout.flush()
+        print("\ntriforce: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args) -> int:
+    if args.command == "bench":
+        from .bench.methods import main as bench_main
+
+        unknown = set(args.methods.split(",")) - set(METHODS)
+        if unknown:
+            raise TriforceError(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
+        return bench_main(args)
+    if args.command == "tune":
+        from .bench.tune import main as tune_main
+
+        return tune_main(args)
+    return cmd_generate(args)
 
 
 if __name__ == "__main__":

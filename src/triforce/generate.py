@@ -42,8 +42,9 @@ def check_request(n_prompt: int, max_new_tokens: int, max_context: int) -> None:
 
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: int = 512,
-            progress: bool = False) -> torch.Tensor:
-    """Feed ids [B, N] in chunks (bounded attention memory); -> fp32 logits of the last token [B, V]."""
+            progress: bool = False) -> torch.Tensor | None:
+    """Feed ids [B, N] in chunks (bounded attention memory); -> fp32 logits of the last token [B, V]
+    (None when N == 0: a one-token prompt leaves nothing to prefill before the first draft)."""
     from tqdm.auto import tqdm
 
     n = ids.shape[1]
@@ -53,16 +54,18 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
             end = min(start + chunk_size, n)
             logits = model(ids[:, start:end], cache, last=1)
             bar.update(end - start)
-    return logits[:, -1]
+    return None if logits is None else logits[:, -1]
 
 
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
              *, method: str = "ar", config=None, draft_model: Transformer | None = None,
              eos_ids: tuple[int, ...] = (), seed: int | None = 0, progress: bool = False,
-             shared_prefill=None) -> GenerationResult:
+             shared_prefill=None, on_tokens=None) -> GenerationResult:
     """Generate with `method` (see spec/methods.py). Every method gives the target's output exactly:
     the same tokens as `ar` at temperature 0, the same distribution when sampling.
-    `shared_prefill` (spec.methods.SharedPrefill of this prompt) skips the full prefill."""
+    `shared_prefill` (spec.methods.SharedPrefill of this prompt) skips the full prefill.
+    `on_tokens(list[int])` is called with the tokens committed by each round, as they are accepted
+    (streaming); together they are exactly `result.tokens`."""
     from .spec.methods import Decoder, SpecConfig
 
     if prompt and isinstance(prompt[0], (list, tuple)):
@@ -80,11 +83,14 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, params:
     with torch.inference_mode():
         while finish == "length" and len(seq) - len(prompt) < max_new_tokens:
             limit = max_new_tokens - (len(seq) - len(prompt))
+            before = len(seq)
             for t in dec.top.step(seq, len(seq), limit):
                 seq.append(t)
                 if t in eos:
                     finish = "eos"  # tokens drafted past EOS are dropped: AR would have stopped here
                     break
+            if on_tokens is not None:
+                on_tokens(seq[before:])
             dec.after_commit(seq, len(seq))
     t2 = time.perf_counter()
     return GenerationResult(seq[len(prompt):], len(prompt), t1 - t0, t2 - t1, finish, method, dec.stats())

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TriforceError
+from ..storage import atomic_file, atomic_write
 
 
 def sampling_params(temperature: float):
@@ -66,7 +67,9 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
 
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
               progress=True, draft_model=None, log=print, bandwidth=None, peers=(), draft_dir=None,
-              prompt_files=()) -> list[dict]:
+              prompt_files=(), on_row=None) -> list[dict]:
+    """-> one row per (context, prompt, temperature, method); `on_row(rows)` is called after each
+    new row (the CLI writes the results so far, so an interrupted run keeps its finished rows)."""
     from tqdm.auto import tqdm
 
     from ..corpus import demo_tokens
@@ -76,6 +79,12 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
 
     model, tok = loaded.model, loaded.tokenizer
     rows = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)
+
     if "ar" not in methods:
         methods = ["ar"] + list(methods)
     fitting = []
@@ -127,7 +136,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                             lvl["floor_ms"] = floors.get(lvl["level"])
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
                                notes=res.stats.get("notes", []))
-                    rows.append(row)
+                    add(row)
                     log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {row['acceptance']}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
                 for peer in peers:
@@ -137,7 +146,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     row = _row(peer, n_ctx, pi, temp, ms, ar_ms, floor_ms, toks, ar_tokens,
                                notes=["transformers generate with its own prefill, timed as "
                                       "(t(max_new tokens) - t(1 token)) / (max_new - 1)"])
-                    rows.append(row)
+                    add(row)
                     log(f"  T={temp} {peer:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}"
                         + (f"  lossless={row['lossless']} agree={row['agree_with_ar']}" if temp == 0 else ""))
             del shared
@@ -146,7 +155,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
             ar_rows = [r for r in rows if r["method"] == "ar" and r["context_length"] == n_ctx]
             for temp in temperatures:
                 ar_ms = statistics.median(r["ms_per_token"] for r in ar_rows if r["temperature"] == temp)
-                rows.append(_row("transformers", n_ctx, 0, temp, hf_ms, ar_ms, floor_ms, None, None, notes=[
+                add(_row("transformers", n_ctx, 0, temp, hf_ms, ar_ms, floor_ms, None, None, notes=[
                     "transformers generate, greedy decode steps over a KV cache of this length (random contents), "
                     "prefill excluded; the same figure for every temperature"]))
             log(f"  transformers generate {hf_ms:8.1f} ms/token")
@@ -233,10 +242,16 @@ def plot(summary: list[dict], path: Path) -> bool:
 
 
 def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": summary, "runs": rows}, indent=1))
-    (out_dir / "results.md").write_text(markdown(summary))
-    plot(summary, out_dir / "speedup.png")
+    """results.json, results.md and speedup.png, each written atomically (a reader never sees a
+    half-written file; an interrupted run leaves the previous complete version)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(out_dir / "results.json", json.dumps({"meta": meta, "rows": summary, "runs": rows}, indent=1))
+        atomic_write(out_dir / "results.md", markdown(summary))
+        with atomic_file(out_dir / "speedup.png") as tmp:
+            plot(summary, tmp)
+    except OSError as e:
+        raise TriforceError(f"cannot write the results in {out_dir}: {e.strerror or e} (choose another --out)") from e
 
 
 def main(args) -> int:
@@ -267,12 +282,14 @@ def main(args) -> int:
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
+    out_dir = Path(args.out)
     rows = run_bench(loaded, [int(x) for x in args.context_lengths.split(",")], args.methods.split(","),
                      [float(x) for x in args.temperatures.split(",")], args.prompts, args.max_new_tokens, config,
                      seed=args.seed, progress=not args.quiet, draft_model=draft_model.model if draft_model else None,
                      log=log, bandwidth=bandwidth, peers=peers, prompt_files=args.prompt_file or (),
-                     draft_dir=draft_model.hf_dir if draft_model else None)
+                     draft_dir=draft_model.hf_dir if draft_model else None,
+                     on_row=lambda rs: write_outputs(out_dir, rs, summarize(rs), meta))
     summary = summarize(rows)
-    write_outputs(Path(args.out), rows, summary, meta)
+    write_outputs(out_dir, rows, summary, meta)
     print(markdown(summary))
     return 0

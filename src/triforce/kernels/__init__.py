@@ -1,11 +1,11 @@
 """Optional compiled CPU kernels (the `triforce_cpu` extension: attention.cpp, layer_ops.cpp, linear_panels.cpp),
-built on first use with the system compiler (torch.utils.cpp_extension) and cached by PyTorch.
+built on first use with the system compiler and cached under the project's cache directory (build.py:
+a killed or concurrent build never wedges a later run).
 Every caller falls back to plain PyTorch when they are unavailable (no compiler, no AVX-512, or
 TRIFORCE_KERNELS=0); `override` switches them for measurements and tests."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -25,19 +25,13 @@ def cpu():
         return _state["cpu"]
     module = None
     if os.environ.get("TRIFORCE_KERNELS", "1") != "0" and _cpu_has_avx512():
-        try:
-            from torch.utils.cpp_extension import load
+        from .build import build_and_load
 
-            _ninja_on_path()
-            if not _cached():
-                print("triforce: compiling the CPU kernels (once, about a minute)...", file=sys.stderr, flush=True)
-            # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
-            headers = hashlib.sha1(b"".join((_HERE / h).read_bytes() for h in _HEADERS)).hexdigest()[:12]
-            module = load(_NAME, [str(_HERE / s) for s in _SOURCES],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DTRIFORCE_HEADERS={headers}"],
-                          extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # noqa: BLE001 - any build failure means: use PyTorch's kernels
-            print(f"triforce: CPU kernels unavailable ({type(e).__name__}: {str(e)[:200]}); using PyTorch",
+        try:
+            module = build_and_load(_NAME, [_HERE / s for s in _SOURCES], [_HERE / h for h in _HEADERS],
+                                    cflags=["-O3", "-march=native", "-fopenmp"], ldflags=["-fopenmp"])
+        except Exception as e:  # noqa: BLE001 - a failed build or wait means: use PyTorch's kernels
+            print(f"triforce: CPU kernels unavailable ({type(e).__name__}: {str(e)[:300]}); using PyTorch",
                   file=sys.stderr)
             module = None
     _state["cpu"] = module
@@ -65,31 +59,8 @@ def override(module):
             _state.pop("cpu", None)
 
 
-def _ninja_on_path() -> None:
-    """torch builds extensions with the `ninja` executable; the PyPI package ships one, which is not
-    on PATH when a virtual environment's scripts are run without activating it."""
-    import shutil
-
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except (ImportError, AttributeError):
-            pass
-
-
 def _cpu_has_avx512() -> bool:
     try:
         return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _cached() -> bool:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    try:
-        return any(Path(_get_build_directory(_NAME, False)).glob("*.so"))
     except Exception:  # noqa: BLE001
         return False

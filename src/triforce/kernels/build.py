@@ -1,0 +1,147 @@
+"""Build and load the compiled CPU kernels without ever wedging a later run.
+
+PyTorch's JIT builder keeps one build folder per extension name and guards it with a `lock` file
+that a killed build leaves behind: every later run then waits on it forever. Here instead:
+
+- each build has its own folder, named by a key over everything the binary depends on (sources,
+  headers, flags, torch version, compiler, and the CPU, since the flags say -march=native):
+  `<cache>/kernels/<name>-<key>/` holding exactly one `*.so`;
+- the build runs in a private temporary folder beside it (its own PyTorch lock is private too) and
+  the finished folder is renamed into place: a folder under the final name is always complete;
+- builders of one key take an flock (storage.exclusive): a killed holder's lock is free at once,
+  a live one is waited for up to `TRIFORCE_KERNEL_WAIT` seconds (default 600), after which the run
+  goes on without the kernels and says so once;
+- temporaries of killed builds are removed by the next build.
+If the cache cannot be written, the kernels are built in a temporary folder for this run only.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .. import storage
+
+DEFAULT_WAIT_SECONDS = 600.0  # a first build takes about 80 s on 2 cores; a waiter gives up after this
+
+
+def _compiler_version() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return f"{cxx}: {out.stdout.splitlines()[0] if out.stdout else out.returncode}"
+    except (OSError, subprocess.SubprocessError):
+        return f"{cxx}: unavailable"
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native sees: the CPU model and its feature flags."""
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not model and line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif not flags and line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+            if model and flags:
+                break
+    except OSError:
+        model = platform.processor()
+    return f"{platform.machine()}|{model}|{hashlib.sha1(flags.encode()).hexdigest()[:12]}"
+
+
+def build_key(sources: list[Path], cflags: list[str]) -> str:
+    h = hashlib.sha256()
+    for s in sources:
+        h.update(s.name.encode() + b"\0" + s.read_bytes() + b"\0")
+    for part in (" ".join(cflags), torch.__version__, _compiler_version(), _cpu_fingerprint(), sys.version):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _import(name: str, so: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {so}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _built(folder: Path) -> Path | None:
+    """The one shared library of a finished build folder, or None."""
+    found = sorted(folder.glob("*.so")) if folder.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def _compile(name: str, sources: list[Path], headers: list[Path], cflags: list[str], ldflags: list[str],
+             folder: Path) -> None:
+    """Build into `folder` (private to this process) with PyTorch's builder."""
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
+    # (our folder key covers them too; this keeps PyTorch's own bookkeeping honest)
+    hh = hashlib.sha1(b"".join(h.read_bytes() for h in headers)).hexdigest()[:12]
+    load(name, [str(s) for s in sources], extra_cflags=cflags + [f"-DTRIFORCE_HEADERS={hh}"],
+         extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
+
+
+def build_and_load(name: str, sources: list[Path], headers: list[Path], cflags: list[str], ldflags: list[str],
+                   cache_dir: Path | None = None, log=None) -> ModuleType:
+    """The compiled module, from the cache or built now (see the module docstring). Raises on a
+    failed build or a timed-out wait; the caller falls back to PyTorch."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    key = build_key(sources + headers, cflags + ldflags)
+    root = (cache_dir or storage.cache_root()) / "kernels"
+    final = root / f"{name}-{key}"
+    so = _built(final)
+    if so is not None:
+        return _import(so.stem, so)
+    try:
+        storage.writable_dir(root)
+    except storage.CacheUnwritable as e:
+        log(f"triforce: {e}; building the CPU kernels for this run only")
+        with tempfile.TemporaryDirectory(prefix="triforce-kernels-") as tmp:
+            log("triforce: compiling the CPU kernels (about a minute)...")
+            _compile(name, sources, headers, cflags, ldflags, Path(tmp))
+            so = _built(Path(tmp))
+            return _import(so.stem, so)
+    wait = float(os.environ.get("TRIFORCE_KERNEL_WAIT", DEFAULT_WAIT_SECONDS))
+    with storage.exclusive(root / f"{name}-{key}.lock", "compiling the CPU kernels", wait, log):
+        so = _built(final)  # another run may have finished the build while we waited
+        if so is None:
+            storage.remove_stale_temporaries(root)
+            if final.exists():  # not a complete build (made by hand?): build it again
+                shutil.rmtree(final, ignore_errors=True)
+            t = time.perf_counter()
+            log("triforce: compiling the CPU kernels (once, about a minute)...")
+            with storage.atomic_directory(final) as tmp:
+                _compile(name, sources, headers, cflags, ldflags, tmp)
+                if _built(tmp) is None:
+                    raise RuntimeError(f"the build in {tmp} produced no single shared library")
+            log(f"triforce: CPU kernels built in {time.perf_counter() - t:.0f} s, cached in {final}")
+            so = _built(final)
+    return _import(so.stem, so)
+
+
+def _ninja_on_path() -> None:
+    """torch builds extensions with the `ninja` executable; the PyPI package ships one, which is not
+    on PATH when a virtual environment's scripts are run without activating it."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except (ImportError, AttributeError):
+            pass
