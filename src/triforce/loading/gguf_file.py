@@ -1,20 +1,32 @@
 """Read a GGUF file (llama.cpp's format) into a Hugging Face-style config and fp32 state dict.
 
-Quantised tensors are dequantised with the `gguf` package. llama.cpp's converter permutes the rows
-of Q and K for the "llama" architecture (interleaved RoPE pairs); we undo that so the weights follow
-the Hugging Face half-split RoPE layout that our forward uses.
+The config is what transformers' config.json for the same model holds (our ModelConfig.from_hf reads
+it back), inverting llama.cpp's converter (convert_hf_to_gguf.py: TextModel.set_gguf_parameters,
+LlamaModel.generate_extra_tensors and LlamaModel.permute). Quantised tensors are dequantised with the
+`gguf` package. The converter permutes the rows of Q and K for the "llama" architecture only
+(interleaved RoPE pairs); we undo that so the weights follow the Hugging Face half-split RoPE layout
+that our forward uses.
+
+Whatever in the file would change the forward and is not understood here (a RoPE scaling type, a
+key under `{arch}.rope.` or `{arch}.attention.`, a tensor name) raises a TriforceError naming it:
+nothing is skipped silently.
 """
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..config import SUPPORTED_ARCHITECTURES
 from ..errors import TriforceError
 
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}  # GGUF architecture -> HF model_type
+# GGUF architecture -> (HF model_type, HF class). Only "llama" has its Q/K rows permuted by the converter.
+_GGUF_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+               "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 
+# GGUF block tensor -> HF name under model.layers.{i}. Biases are optional (HF attention_bias).
 _NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -29,82 +41,271 @@ _NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-pair frequency divisors (Llama 3.x RoPE scaling)
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp's `permute` of Q/K rows."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _unsupported_architecture(arch, path) -> TriforceError:
+    return TriforceError(f"unsupported GGUF architecture {arch!r} in {path}: supported are {', '.join(_GGUF_ARCHS)}")
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+# GGUF header value types (gguf.GGUFValueType) -> bytes of one value; 8 is a string, 9 an array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_architecture(path: Path) -> str:
+    """`general.architecture` of a GGUF file, read from the start of its header only.
+
+    gguf.GGUFReader parses every key and tensor record first (seconds for a 262K-token vocabulary);
+    this stops at the key, which writers put first. Raises TriforceError if the file is not GGUF.
+    """
+    try:
+        with open(path, "rb") as f:
+            def take(n: int) -> bytes:
+                b = f.read(n)
+                if len(b) != n:
+                    raise ValueError("the header is truncated")
+                return b
+
+            if take(4) != b"GGUF":
+                raise ValueError("not a GGUF file")
+            raw = take(4)
+            order, version = "<", int.from_bytes(raw, "little")
+            if version & 0xFFFF == 0:  # a big-endian file (GGUFReader's test)
+                order, version = ">", int.from_bytes(raw, "big")
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} is not supported")
+
+            def u32() -> int:
+                return struct.unpack(order + "I", take(4))[0]
+
+            def u64() -> int:
+                return struct.unpack(order + "Q", take(8))[0]
+
+            _n_tensors, n_kv = u64(), u64()
+
+            def skip(vtype: int) -> None:
+                if vtype in _SCALAR_BYTES:
+                    f.seek(_SCALAR_BYTES[vtype], 1)
+                elif vtype == _STRING:
+                    f.seek(u64(), 1)
+                elif vtype == _ARRAY:
+                    etype, count = u32(), u64()
+                    if etype in _SCALAR_BYTES:
+                        f.seek(_SCALAR_BYTES[etype] * count, 1)
+                    else:
+                        for _ in range(count):
+                            skip(etype)
+                else:
+                    raise ValueError(f"unknown value type {vtype}")
+
+            for _ in range(n_kv):
+                key = take(u64()).decode("utf-8", "replace")
+                vtype = u32()
+                if key == "general.architecture" and vtype == _STRING:
+                    return take(u64()).decode("utf-8", "replace")
+                skip(vtype)
+            raise ValueError("no general.architecture key")
+    except (OSError, ValueError, struct.error) as e:
+        raise TriforceError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def check_gguf_architecture(path: Path) -> str:
+    """The file's GGUF architecture if we support it, else a TriforceError naming the supported ones.
+    Reads the header only: milliseconds, before anything slow is imported or converted."""
+    arch = gguf_architecture(path)
+    if arch not in _GGUF_ARCHS:
+        raise _unsupported_architecture(arch, path)
+    return arch
+
+
+class _Metadata:
+    """The key-value pairs of a GGUF file, read by name; remembers which were read, so that
+    `unread` can name the ones this module does not understand."""
+
+    def __init__(self, reader, arch: str, path: Path):
+        self.fields, self.arch, self.path = reader.fields, arch, path
+        self.read: set[str] = set()
+
+    def get(self, key: str, default=None):
+        """`{arch}.key` (a name starting with general. or tokenizer. as is). Per-layer arrays whose
+        values are all equal (llama.cpp's model saver may write them) count as that value."""
+        name = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+        self.read.add(name)
+        f = self.fields.get(name)
+        if f is None:
+            return default
+        value = f.contents()
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise TriforceError(f"{name} differs between layers in {self.path} ({value}): not supported")
+            value = value[0]
+        return value
+
+    def unread(self, *sections: str) -> list[str]:
+        prefixes = tuple(f"{self.arch}.{s}" for s in sections)
+        return sorted(k for k in self.fields if k.startswith(prefixes) and k not in self.read)
+
+
+def _rope_parameters(meta: _Metadata, head_dim: int, context: int) -> dict:
+    """transformers' `rope_parameters` for the file's `{arch}.rope.*` keys (as the converter wrote them
+    from the HF config: TextModel.set_gguf_parameters), without the rope_freqs factors."""
+    rp = {"rope_theta": float(meta.get("rope.freq_base", 10000.0))}
+    dims = int(meta.get("rope.dimension_count", head_dim))
+    if dims != head_dim:
+        raise TriforceError(f"{meta.path} rotates {dims} of each head's {head_dim} dimensions "
+                            f"(partial RoPE): not supported")
+    meta.get("rope.scaling.finetuned")  # a note on how the model was trained: no effect on the forward
+    # llama.cpp: a missing or 0 factor means 1; `rope.scale_linear` is the old name of the factor; a
+    # missing type means linear.
+    factor, old_name = meta.get("rope.scaling.factor"), meta.get("rope.scale_linear")
+    factor = float(factor or old_name or 1.0)
+    stype = meta.get("rope.scaling.type") or ("linear" if factor != 1.0 else "none")
+    attn_factor = float(meta.get("rope.scaling.attn_factor", 1.0))
+    if attn_factor != 1.0:  # llama.cpp scales cos/sin by it, for every type; transformers has no such key
+        raise TriforceError(f"{meta.arch}.rope.scaling.attn_factor = {attn_factor} in {meta.path}: not supported")
+    # The YaRN keys are read (so not refused as unknown) whatever the type: llama.cpp uses them for YaRN only.
+    yarn = {k: meta.get(f"rope.scaling.{k}") for k in ("original_context_length", "yarn_attn_factor", "yarn_beta_fast",
+                                                       "yarn_beta_slow", "yarn_ext_factor", "yarn_log_multiplier")}
+    if stype == "none":
+        rp["rope_type"] = "default"
+    elif stype == "linear":
+        rp.update(rope_type="linear", factor=factor)
+    elif stype == "yarn":
+        # The converter writes transformers' attention_factor, beta_fast and beta_slow under the yarn_*
+        # names; extrapolation_factor (ext) has no transformers equivalent: only its default, 1, is
+        # accepted (a negative value is llama.cpp's "unset", which means 1 for YaRN).
+        ext = yarn["yarn_ext_factor"]
+        if ext is not None and float(ext) >= 0 and float(ext) != 1.0:
+            raise TriforceError(f"{meta.arch}.rope.scaling.yarn_ext_factor = {ext} in {meta.path}: "
+                                f"only 1 (YaRN's default) is supported")
+        rp.update(rope_type="yarn", factor=factor,
+                  original_max_position_embeddings=int(yarn["original_context_length"] or context))
+        for gguf_key, hf_key in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                                 ("yarn_beta_slow", "beta_slow")):
+            if yarn[gguf_key] is not None:
+                rp[hf_key] = float(yarn[gguf_key])
+        if yarn["yarn_log_multiplier"]:  # llama.cpp (llama-context.cpp): mscale 1 over mscale_all_dim = this
+            rp.update(mscale=1.0, mscale_all_dim=float(yarn["yarn_log_multiplier"]))
+    else:
+        raise TriforceError(f"unsupported RoPE scaling type {stype!r} in {meta.path}: triforce reads none, linear "
+                            f"and yarn (and Llama 3.x's rope_freqs)")
+    # Sliding-window layers' own RoPE: harmless where it equals the full layers' (llama.cpp's saver writes it).
+    for swa, full in (("rope.dimension_count_swa", dims), ("rope.freq_base_swa", rp["rope_theta"])):
+        if meta.get(swa) not in (None, full):
+            raise TriforceError(f"{meta.arch}.{swa} = {meta.get(swa)} differs from the full layers' "
+                                f"{full} in {meta.path}: not supported")
+    return rp
 
 
 def read_gguf(path: Path, progress: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
-    """-> (HF config dict, HF-named fp32 state dict)."""
+    """-> (HF config dict, HF-named fp32 state dict). The config round-trips through JSON."""
     import gguf
     from gguf.quants import dequantize
 
+    arch = check_gguf_architecture(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
         raise TriforceError(f"cannot read GGUF file {path}: {e}") from e
-    arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise TriforceError(f"unsupported GGUF architecture {arch!r} in {path}: supported are {', '.join(_GGUF_ARCHS)}")
-    a = arch
-    n_head = int(_field(reader, f"{a}.attention.head_count"))
-    n_kv = int(_field(reader, f"{a}.attention.head_count_kv", n_head))
-    hidden = int(_field(reader, f"{a}.embedding_length"))
-    names = {t.name for t in reader.tensors}
-    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    model_type, hf_class = _GGUF_ARCHS[arch]
+    meta = _Metadata(reader, arch, path)
+    tensors = {t.name: t for t in reader.tensors}
+    n_layers = int(meta.get("block_count"))
+    qkv_bias = SUPPORTED_ARCHITECTURES[model_type].qkv_bias or "blk.0.attn_q.bias" in tensors
+    block_names = _block_names(model_type)
+    _check_tensor_names(set(tensors), block_names, n_layers, qkv_bias, arch, path)
+    n_head = int(meta.get("attention.head_count"))
+    n_kv = int(meta.get("attention.head_count_kv", n_head))
+    hidden = int(meta.get("embedding_length"))
+    head_dim = int(meta.get("attention.key_length", hidden // n_head))
+    if int(meta.get("attention.value_length", head_dim)) != head_dim:
+        raise TriforceError(f"{path} has keys and values of different head sizes: not supported")
+    if not meta.get("attention.causal", True):
+        raise TriforceError(f"{path} is a non-causal (embedding) model: not supported")
+    context = int(meta.get("context_length", 4096))
     hf = {
-        "model_type": _GGUF_ARCHS[arch],
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
-        "vocab_size": int(_field(reader, f"{a}.vocab_size", int(emb.shape[-1]))),
+        "model_type": model_type,
+        "architectures": [hf_class],
+        "vocab_size": int(meta.get("vocab_size", tensors["token_embd.weight"].shape[-1])),
         "hidden_size": hidden,
-        "num_hidden_layers": int(_field(reader, f"{a}.block_count")),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
-        "head_dim": int(_field(reader, f"{a}.rope.dimension_count", hidden // n_head)),
-        "intermediate_size": int(_field(reader, f"{a}.feed_forward_length")),
-        "rms_norm_eps": float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(_field(reader, f"{a}.context_length", 4096)),
-        "rope_theta": float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "head_dim": head_dim,
+        "intermediate_size": int(meta.get("feed_forward_length")),
+        "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": context,
+        "rope_parameters": _rope_parameters(meta, head_dim, context),
+        "attention_bias": qkv_bias,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    if arch == "llama":
-        hf["attention_bias"] = False
-        hf["mlp_bias"] = False
+    window = meta.get("attention.sliding_window")
+    if window:  # attention within the window only: ModelConfig caps the context at it
+        hf.update(sliding_window=int(window), use_sliding_window=True)
+    for swa in ("attention.key_length_swa", "attention.value_length_swa"):
+        if meta.get(swa) not in (None, head_dim):
+            raise TriforceError(f"{arch}.{swa} = {meta.get(swa)} differs from the head size {head_dim} in {path}: "
+                                f"not supported")
+    unknown = meta.unread("rope.", "attention.")
+    if unknown:
+        raise TriforceError(f"{path} has settings triforce does not understand: {', '.join(unknown)}")
+    if _ROPE_FREQS in tensors:
+        factors = dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type).astype(np.float64).ravel()
+        if factors.shape != (head_dim // 2,):
+            raise TriforceError(f"{_ROPE_FREQS} in {path} has {factors.size} values, {head_dim // 2} expected")
+        hf["rope_parameters"]["freq_factors"] = factors.tolist()
+
     from tqdm.auto import tqdm
 
     sd: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantising GGUF", unit="tensor", disable=not progress):
+        if t.name == _ROPE_FREQS:
+            continue  # in the config (freq_factors) above
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        name = t.name
-        if name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            key = "model.norm.weight"
-        elif name == "output.weight":
-            key = "lm_head.weight"
-        elif name.startswith("blk."):
-            _, layer, rest = name.split(".", 2)
-            if rest not in _NAMES:
-                continue  # e.g. precomputed rope_freqs: not needed
-            key = f"model.layers.{layer}.{_NAMES[rest]}"
+        if t.name in _TOP_NAMES:
+            key = _TOP_NAMES[t.name]
+        else:
+            _, layer, rest = t.name.split(".", 2)
+            key = f"model.layers.{layer}.{block_names[rest]}"
             if arch == "llama" and rest in ("attn_q.weight", "attn_q.bias"):
                 w = _unpermute(w, n_head)
             elif arch == "llama" and rest in ("attn_k.weight", "attn_k.bias"):
                 w = _unpermute(w, n_kv)
-        else:
-            continue
         sd[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     return hf, sd
+
+
+def _block_names(model_type: str) -> dict[str, str]:
+    """GGUF block tensor names -> HF names (under model.layers.{i}.) that `model_type` has."""
+    return dict(_NAMES, **(_QK_NORM_NAMES if SUPPORTED_ARCHITECTURES[model_type].qk_norm else {}))
+
+
+def _check_tensor_names(names: set[str], block_names: dict[str, str], n_layers: int, qkv_bias: bool,
+                        arch: str, path: Path) -> None:
+    """Every tensor is one we load, and every one the forward needs is there."""
+    for name in sorted(names):
+        parts = name.split(".", 2)
+        in_block = len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers
+        if not (name in _TOP_NAMES or name == _ROPE_FREQS or (in_block and parts[2] in block_names)):
+            raise TriforceError(f"{path} holds the tensor {name!r}, which triforce does not support for "
+                                f"architecture {arch!r}")
+    needed = ["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{i}.{n}" for i in range(n_layers) for n in block_names
+        if not n.endswith(".bias") or (qkv_bias and n.startswith(("attn_q.", "attn_k.", "attn_v.")))]
+    missing = [n for n in needed if n not in names]
+    if missing:
+        raise TriforceError(f"{path} lacks the tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's LlamaModel.permute of Q/K rows (pairs (i, i + D/2) of each head made
+    adjacent): rows [n_head * D] -> the Hugging Face order."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
