@@ -49,6 +49,28 @@ def test_unsupported_architecture(tmp_path):
     _assert_user_error(run("generate", "--prompt", "hi", "--model", str(tmp_path)), "gpt2", "llama", "qwen2", "mistral")
 
 
+@pytest.mark.parametrize("levels,gammas,words", [
+    ("ngram,retrieval", None, ["no 'full' level", "valid stacks"]),
+    ("full,ngram", None, ["does not end with 'full'", "valid stacks"]),
+    ("h3,full", None, ["unknown level kind 'h3'", "valid stacks"]),
+    ("ngram,retrieval,full", "1,2,3", ["3 values for 2 boundaries", "valid stacks"]),
+    ("draft,full", None, ["--draft PATH"]),
+])
+def test_invalid_stack_is_one_line_exit_2_before_loading(levels, gammas, words):
+    """Checked before anything loads: fast, one line, no traceback (the model path does not even exist)."""
+    args = ["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf", "--levels", levels]
+    r = run(*args, *(["--gammas", gammas] if gammas else []))
+    _assert_user_error(r, *words)
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_print_stack_shows_what_a_method_expands_to():
+    r = run("generate", "--method", "triforce", "--gamma", "5", "--gamma-draft", "2", "--print-stack")
+    assert r.returncode == 0 and r.stdout.strip() == "ngram,retrieval,full --gammas 2,5"
+    r = run("generate", "--levels", "ngram,streaming:600,retrieval:1024,full", "--gammas", "3", "--print-stack")
+    assert r.stdout.strip() == "ngram,streaming:600,retrieval:1024,full --gammas 3,3,3"
+
+
 def test_unknown_option_and_missing_prompt():
     r = run("generate", "--promtp", "hi")
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr
@@ -67,6 +89,8 @@ needs_model = pytest.mark.skipif(not embedded_available(), reason="embedded mode
     (["--prompt-file", "/nonexistent/prompt.txt"], ["cannot read the prompt file"]),
     (["--demo-tokens", "100", "--budget", "40000"], ["--budget 40000", "context"]),
     (["--demo-tokens", "100", "--method", "draft"], ["--draft PATH"]),
+    (["--demo-tokens", "100", "--levels", "ngram,retrieval:40000,full"], ["retrieval:40000", "context"]),
+    (["--demo-tokens", "100", "--levels", "ngram,streaming:8,full"], ["streaming:8", "sink"]),
 ])
 def test_bad_requests_are_clear_errors(args, words):
     _assert_user_error(run("generate", "--quiet", *args), *words)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import hf_tiny, ours_from_hf
-from triforce.generate import generate_ar, prefill
+from triforce.generate import generate_ar
+from triforce.speculation.state import prefill
 from triforce.sampling import SamplingParams
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from . import storage
 from .errors import TriforceError
 from .interrupts import EXIT_INTERRUPTED, prompt_interrupts
-from .spec.methods import METHODS, SpecConfig
+from .speculation.config import SpecConfig
+from .speculation.stack import METHOD_DOC, METHODS, StackSpec, method_stack
 
 
 def _positive_int(s: str) -> int:
@@ -42,14 +43,16 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     d = SpecConfig()
     g = p.add_argument_group("speculation (defaults measured on the embedded model: docs/triforce.md)")
     g.add_argument("--gamma", type=_positive_int, default=d.gamma, metavar="N",
-                   help=f"tokens drafted per verification by the full target (default {d.gamma})")
+                   help=f"named methods: tokens drafted per verification by the full target (default {d.gamma})")
     g.add_argument("--gamma-draft", type=_positive_int, default=d.gamma_draft, metavar="N",
                    help=f"triforce: tokens the bottom drafter proposes per retrieval-level verification (default {d.gamma_draft})")
     g.add_argument("--draft", default=d.draft, metavar="KIND",
                    help="bottom drafter of triforce: ngram (default), streaming (the target with a StreamingLLM "
-                        "cache), or PATH of a small model sharing the target's tokenizer; for --method draft, the PATH")
+                        "cache), or PATH of a small model sharing the target's tokenizer; also the model of a "
+                        "'draft' level")
     g.add_argument("--budget", type=_positive_int, default=d.budget, metavar="N",
-                   help=f"retrieval cache budget in tokens per layer and KV head (default {d.budget})")
+                   help=f"retrieval cache budget in tokens per layer and KV head, for a retrieval level without "
+                        f":BUDGET (default {d.budget})")
     g.add_argument("--chunk-size", type=_positive_int, default=d.chunk_size, metavar="N",
                    help=f"retrieval chunk size (default {d.chunk_size})")
     g.add_argument("--recent", type=int, default=d.recent, metavar="N",
@@ -62,21 +65,53 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "is exact either way: the full level verifies with the fp32 weights")
     g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
     g.add_argument("--window", type=_positive_int, default=d.window, metavar="N",
-                   help=f"StreamingLLM recent window (default {d.window})")
+                   help=f"StreamingLLM recent window, for a streaming level without :BUDGET (default {d.window})")
+
+
+def _add_stack_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the speculation stack (a named --method, or your own --levels)")
+    g.add_argument("--method", choices=METHODS, default="triforce",
+                   help="a named stack: " + "; ".join(f"{k} = {v}" for k, v in METHOD_DOC.items())
+                        + ". Default triforce. All give the target's exact output.")
+    g.add_argument("--levels", metavar="KIND[:BUDGET],...,full",
+                   help="your own stack, bottom to top, instead of --method, e.g. ngram,streaming,retrieval:1024,full. "
+                        "Kinds: ngram (bottom only), streaming[:BUDGET] (the target with a StreamingLLM cache of "
+                        "BUDGET = sink + window tokens), retrieval[:BUDGET] (the target with a retrieval cache of "
+                        "BUDGET tokens), draft (a small model, --draft PATH), full (the target with its full cache: "
+                        "last, exactly once). Any valid stack gives the target's exact output.")
+    g.add_argument("--gammas", metavar="N[,N...]",
+                   help="tokens each level drafts for the one above: one value for every boundary, or one per "
+                        "boundary, bottom first (default: --gamma everywhere for --levels; --gamma-draft,--gamma "
+                        "for triforce)")
+    g.add_argument("--print-stack", action="store_true",
+                   help="print the stack that --method or --levels/--gammas expand to, and exit")
 
 
 def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
     """-> (config, path of a draft model or None)."""
     draft, path = args.draft, None
     if draft not in ("ngram", "streaming"):
-        path, draft = draft, "model"
-    if args.method == "draft" and path is None:
-        raise TriforceError("--method draft needs --draft PATH: a small model sharing the target's tokenizer")
+        path, draft = draft, "draft"
     cfg = SpecConfig(gamma=args.gamma, gamma_draft=args.gamma_draft, draft=draft, budget=args.budget,
                      chunk_size=args.chunk_size, recent=args.recent, rebuild_every=args.rebuild_every,
                      sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk,
                      draft_weights=args.draft_weights)
+    cfg.validate()
     return cfg, path
+
+
+def stack_from_args(args, config: SpecConfig, draft_path: str | None) -> tuple[StackSpec, str]:
+    """-> (the stack, its name for results: the method, or the levels). Checked before any model loads."""
+    if args.levels is not None:
+        stack, name = StackSpec.parse(args.levels, args.gammas, config.gamma), None
+    else:
+        named = method_stack(args.method, config.gamma, config.gamma_draft, config.draft)
+        stack = StackSpec.parse(named.levels_text, args.gammas, config.gamma) if args.gammas else named
+        name = args.method
+    if draft_path is None and any(lvl.kind == "draft" for lvl in stack.levels):
+        raise TriforceError("the stack has a 'draft' level but no draft model: pass --draft PATH (a small model "
+                            "that shares the target's tokenizer)")
+    return stack, name or stack.levels_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,11 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     _add_model_args(gen)
     d = gen.add_argument_group("decoding")
-    d.add_argument("--method", choices=METHODS, default="triforce",
-                   help="triforce (default): drafter -> target with retrieval cache -> target with full cache; "
-                        "ar: plain autoregressive; retrieval: retrieval-cache self-speculation; streaming: "
-                        "StreamingLLM-cache self-speculation; ngram: prompt lookup; draft: a small draft model. "
-                        "All give the target's exact output.")
     d.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="tokens to generate (default 128)")
     d.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     d.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: off)")
@@ -108,9 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     d.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N",
                    help="prompt tokens per prefill forward (default 512)")
+    d.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the output before this text (repeatable); EOS always ends it")
+    _add_stack_args(gen)
     _add_spec_args(gen)
     o = gen.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    o.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming the text")
     o.add_argument("--quiet", action="store_true", help="no progress bars or timing lines on stderr")
     b = sub.add_parser("bench", help="benchmark every method on the same long prompts",
                        description="Run every method on the same long prompts in one process and report ms/token, "
@@ -188,10 +221,14 @@ def _read_prompt(args, tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
+    stack, name = stack_from_args(args, config, draft_path)
+    if args.print_stack:
+        print(stack)
+        return 0
     import torch
 
-    from .generate import check_request, generate
+    from .generate import check_request, generate_stream
     from .loading import load_model
     from .sampling import SamplingParams
 
@@ -202,35 +239,30 @@ def cmd_generate(args) -> int:
         raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=not args.quiet)
-    spec, draft_path = spec_config_from_args(args)
     prompt = _read_prompt(args, loaded.tokenizer)
     check_request(len(prompt), args.max_new_tokens, loaded.config.max_context)
     draft_model = None
-    if draft_path is not None and args.method in ("triforce", "draft"):
+    if any(lvl.kind == "draft" for lvl in stack.levels):
         draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
                                  max_context=loaded.config.max_context, progress=not args.quiet).model
-    stream = None
-    if not args.json:
-        from .detokenize import TextDeltas
-
-        deltas = TextDeltas(loaded.tokenizer)
-
-        def stream(tokens: list[int]) -> None:  # print the text as the tokens are accepted
-            sys.stdout.write(deltas.push(tokens))
+    stream = generate_stream(loaded.model, prompt, args.max_new_tokens, params, stack=stack, config=config,
+                             draft_model=draft_model, eos_ids=loaded.eos_token_ids, stop=args.stop,
+                             tokenizer=loaded.tokenizer, seed=args.seed, progress=progress)
+    for chunk in stream:
+        if not args.json:  # the text as the tokens are accepted
+            sys.stdout.write(chunk.text)
             sys.stdout.flush()
-
-    res = generate(loaded.model, prompt, args.max_new_tokens, params, method=args.method, config=spec,
-                   draft_model=draft_model, eos_ids=loaded.eos_token_ids, seed=args.seed, progress=progress,
-                   on_tokens=stream)
-    text = loaded.tokenizer.decode(res.tokens, skip_special_tokens=True)
+    res = stream.result
+    res.method = name
     if args.json:
         print(json.dumps({
-            "text": text,
+            "text": res.text,
             "token_ids": res.tokens,
             "prompt_tokens": res.prompt_tokens,
             "generated_tokens": len(res.tokens),
             "finish_reason": res.finish_reason,
             "method": res.method,
+            "stack": str(stack),
             "model": loaded.source,
             "seconds": round(res.decode_seconds, 4),
             "prefill_seconds": round(res.prefill_seconds, 4),
@@ -238,7 +270,7 @@ def cmd_generate(args) -> int:
             "stats": res.stats,
         }))
     else:
-        print(deltas.finish())
+        print()
         if not args.quiet:
             for lvl in res.stats.get("levels", []):
                 if lvl.get("role") == "verify":
@@ -247,7 +279,9 @@ def cmd_generate(args) -> int:
                           f"{lvl['seconds']:.2f} s", file=sys.stderr)
             for note in res.stats.get("notes", []):
                 print(f"  note: {note}", file=sys.stderr)
-            print(f"[{res.method}] prompt {res.prompt_tokens} tokens, prefill {res.prefill_seconds:.1f} s; "
+            ran = f"{res.stats['stack']}" + (f" --gammas {','.join(map(str, res.stats['gammas']))}" if res.stats['gammas'] else "")
+            print(f"[{ran if res.method == res.stats['stack'] else res.method + ': ' + ran}] "
+                  f"prompt {res.prompt_tokens} tokens, prefill {res.prefill_seconds:.1f} s; "
                   f"{len(res.tokens)} tokens in {res.decode_seconds:.2f} s = {res.tokens_per_second:.2f} tok/s "
                   f"({res.finish_reason})", file=sys.stderr)
     return 0
@@ -274,18 +308,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    config, draft_path = spec_config_from_args(args)
     if args.command == "bench":
         from .bench.methods import main as bench_main
 
         unknown = set(args.methods.split(",")) - set(METHODS)
         if unknown:
             raise TriforceError(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
-        return bench_main(args)
+        return bench_main(args, config, draft_path)
     if args.command == "tune":
         from .bench.tune import main as tune_main
 
-        return tune_main(args)
-    return cmd_generate(args)
+        return tune_main(args, config)
+    return cmd_generate(args, config, draft_path)
 
 
 if __name__ == "__main__":

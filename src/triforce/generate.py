@@ -1,4 +1,11 @@
-"""Prefill and plain autoregressive generation (the `ar` method and the baseline of every speedup)."""
+"""Generation with any speculation stack: the round loop, as a stream of accepted tokens.
+
+    for chunk in generate_stream(model, prompt, 128, stack="ngram,retrieval:1024,full", tokenizer=tok):
+        print(chunk.text, end="")
+
+`generate()` is the same loop, collected. Every stack gives the target's output exactly: the same
+tokens as `ar` at temperature 0, the same distribution when sampling.
+"""
 from __future__ import annotations
 
 import time
@@ -7,9 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import TriforceError
-from .kv import KVCache
 from .model import Transformer
 from .sampling import SamplingParams, make_generator
+from .speculation.config import SpecConfig
+from .speculation.decoder import Decoder
+from .speculation.stack import StackSpec, method_stack
+from .speculation.state import PrefilledPrompt
 
 
 @dataclass
@@ -18,13 +28,20 @@ class GenerationResult:
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
-    finish_reason: str  # "eos" or "length"
-    method: str = "ar"
+    finish_reason: str  # "eos", "stop" (a stop string) or "length"
+    method: str = "ar"  # the method name, or the stack's levels when given as a stack
     stats: dict = field(default_factory=dict)
+    text: str | None = None  # with a tokenizer: the generated text (up to a stop string, excluded)
 
     @property
     def tokens_per_second(self) -> float:
         return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+@dataclass
+class StreamChunk:
+    tokens: list[int]  # tokens committed by one round (in order; together: result.tokens)
+    text: str = ""  # their text, complete characters only (with a tokenizer)
 
 
 def check_request(n_prompt: int, max_new_tokens: int, max_context: int) -> None:
@@ -40,60 +57,124 @@ def check_request(n_prompt: int, max_new_tokens: int, max_context: int) -> None:
         )
 
 
-@torch.inference_mode()
-def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: int = 512,
-            progress: bool = False) -> torch.Tensor | None:
-    """Feed ids [B, N] in chunks (bounded attention memory); -> fp32 logits of the last token [B, V]
-    (None when N == 0: a one-token prompt leaves nothing to prefill before the first draft)."""
-    from tqdm.auto import tqdm
+def resolve_stack(stack: StackSpec | str | None, method: str | None, config: SpecConfig) -> tuple[StackSpec, str]:
+    """-> (the stack to run, its name for results): `stack` (a spec or a --levels string, gammas
+    from config.gamma) wins over `method` (a named stack)."""
+    if stack is not None:
+        spec = StackSpec.parse(stack, None, config.gamma) if isinstance(stack, str) else stack
+        return spec, spec.levels_text
+    method = method or "ar"
+    return method_stack(method, config.gamma, config.gamma_draft, config.draft), method
 
-    n = ids.shape[1]
-    logits = None
-    with tqdm(total=n, desc="prefill", unit="tok", disable=not progress or n <= chunk_size, leave=False) as bar:
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            logits = model(ids[:, start:end], cache, last=1)
-            bar.update(end - start)
-    return None if logits is None else logits[:, -1]
+
+class _StopText:
+    """Decoded text of the generated tokens, cut at the first stop string; holds back a tail that
+    may still become a stop string, and an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        from .detokenize import TextDeltas
+
+        self.deltas, self.stop = TextDeltas(tokenizer), stop
+        self.text = ""  # all complete text so far
+        self.sent = 0  # characters of it already yielded
+        self.stopped = False
+
+    def push(self, token: int) -> None:
+        self.text += self.deltas.push([token])
+        if self.stop:
+            hits = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+
+    def take(self, final: bool = False) -> str:
+        if final and not self.stopped:
+            self.text += self.deltas.finish()
+        end = len(self.text)
+        if not final and not self.stopped:
+            for s in self.stop:  # hold back a suffix that is a prefix of a stop string
+                for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out
+
+
+class GenerationStream:
+    """Iterate for StreamChunks as rounds are accepted; `result` once the iteration has ended."""
+
+    def __init__(self, model: Transformer, prompt: list[int], max_new_tokens: int,
+                 params: SamplingParams = SamplingParams(), *, stack: StackSpec | str | None = None,
+                 method: str | None = None, config: SpecConfig | None = None,
+                 draft_model: Transformer | None = None, eos_ids: tuple[int, ...] = (),
+                 stop: tuple[str, ...] | list[str] = (), tokenizer=None, seed: int | None = 0,
+                 progress: bool = False, prefilled: PrefilledPrompt | None = None):
+        if prompt and isinstance(prompt[0], (list, tuple)):
+            raise TriforceError("batch size 1 only for now: pass one prompt (a list of token ids)")
+        stop = tuple(s for s in stop if s)
+        if stop and tokenizer is None:
+            raise TriforceError("stop strings need the tokenizer (tokenizer=...) to see the text")
+        check_request(len(prompt), max_new_tokens, model.cfg.max_context)
+        self.config = config or SpecConfig()
+        self.stack, self.name = resolve_stack(stack, method, self.config)
+        self.model, self.prompt, self.max_new_tokens, self.params = model, list(prompt), max_new_tokens, params
+        self.draft_model, self.eos, self.seed, self.progress = draft_model, set(eos_ids), seed, progress
+        self.prefilled = prefilled
+        self.text = _StopText(tokenizer, stop) if tokenizer is not None else None
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        gen = make_generator(self.seed, self.model.device)
+        t0 = time.perf_counter()
+        dec = Decoder(self.stack, self.model, self.params, self.config, gen, len(self.prompt),
+                      self.max_new_tokens, self.draft_model, self.prefilled)
+        dec.prefill(self.prompt, self.progress)
+        t1 = time.perf_counter()
+        seq, n0 = list(self.prompt), len(self.prompt)
+        finish = "length"
+        decode_seconds = 0.0
+        with torch.inference_mode():
+            while finish == "length" and len(seq) - n0 < self.max_new_tokens:
+                t = time.perf_counter()
+                limit = self.max_new_tokens - (len(seq) - n0)
+                before = len(seq)
+                for tok in dec.top.step(seq, len(seq), limit):
+                    seq.append(tok)
+                    if self.text is not None:
+                        self.text.push(tok)
+                        if self.text.stopped:
+                            finish = "stop"  # tokens past a stop string are dropped
+                            break
+                    if tok in self.eos:
+                        finish = "eos"  # tokens drafted past EOS are dropped: AR would have stopped here
+                        break
+                dec.after_commit(seq, len(seq))
+                decode_seconds += time.perf_counter() - t  # the consumer's time between rounds is not ours
+                done = finish != "length" or len(seq) - n0 >= self.max_new_tokens
+                text = self.text.take(final=done) if self.text is not None else ""
+                yield StreamChunk(seq[before:], text)
+        self.result = GenerationResult(seq[n0:], n0, t1 - t0, decode_seconds, finish, self.name, dec.stats(),
+                                       self.text.text if self.text is not None else None)
+
+
+def generate_stream(model: Transformer, prompt: list[int], max_new_tokens: int,
+                    params: SamplingParams = SamplingParams(), **kwargs) -> GenerationStream:
+    """A GenerationStream (see GenerationStream for the keyword arguments)."""
+    return GenerationStream(model, prompt, max_new_tokens, params, **kwargs)
 
 
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
-             *, method: str = "ar", config=None, draft_model: Transformer | None = None,
-             eos_ids: tuple[int, ...] = (), seed: int | None = 0, progress: bool = False,
-             shared_prefill=None, on_tokens=None) -> GenerationResult:
-    """Generate with `method` (see spec/methods.py). Every method gives the target's output exactly:
-    the same tokens as `ar` at temperature 0, the same distribution when sampling.
-    `shared_prefill` (spec.methods.SharedPrefill of this prompt) skips the full prefill.
-    `on_tokens(list[int])` is called with the tokens committed by each round, as they are accepted
-    (streaming); together they are exactly `result.tokens`."""
-    from .spec.methods import Decoder, SpecConfig
-
-    if prompt and isinstance(prompt[0], (list, tuple)):
-        raise TriforceError("batch size 1 only for now: pass one prompt (a list of token ids)")
-    check_request(len(prompt), max_new_tokens, model.cfg.max_context)
-    config = config or SpecConfig()
-    gen = make_generator(seed, model.device)
-    t0 = time.perf_counter()
-    dec = Decoder(method, model, params, config, gen, len(prompt), max_new_tokens, draft_model, shared_prefill)
-    dec.prefill(list(prompt), progress)
-    t1 = time.perf_counter()
-    seq = list(prompt)
-    eos = set(eos_ids)
-    finish = "length"
-    with torch.inference_mode():
-        while finish == "length" and len(seq) - len(prompt) < max_new_tokens:
-            limit = max_new_tokens - (len(seq) - len(prompt))
-            before = len(seq)
-            for t in dec.top.step(seq, len(seq), limit):
-                seq.append(t)
-                if t in eos:
-                    finish = "eos"  # tokens drafted past EOS are dropped: AR would have stopped here
-                    break
-            if on_tokens is not None:
-                on_tokens(seq[before:])
-            dec.after_commit(seq, len(seq))
-    t2 = time.perf_counter()
-    return GenerationResult(seq[len(prompt):], len(prompt), t1 - t0, t2 - t1, finish, method, dec.stats())
+             **kwargs) -> GenerationResult:
+    """Generate with a stack (`stack=` a StackSpec or a --levels string such as
+    "ngram,retrieval:1024,full") or a named method (`method=`: ar, triforce, retrieval, streaming,
+    ngram, draft; default ar). Keywords: config (SpecConfig), draft_model, eos_ids, stop (strings;
+    needs tokenizer), tokenizer (fills result.text), seed, progress, prefilled (a PrefilledPrompt
+    of this prompt: skips the full prefill)."""
+    stream = GenerationStream(model, prompt, max_new_tokens, params, **kwargs)
+    for _ in stream:
+        pass
+    return stream.result
 
 
 def generate_ar(model: Transformer, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),

@@ -125,7 +125,7 @@ def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> Non
     """Forwards of 1, 3, 5 tokens on a retrieval-sized cache (`budget` tokens kept of each context):
     the fp32 weights against the bf16 draft copy (`--draft-weights`), alternating in one process."""
     from ..kv import RetrievalCache
-    from ..spec.methods import draft_weights_model
+    from ..speculation.kinds import draft_weights_model
 
     draft = draft_weights_model(model)
     if draft is model:

@@ -29,7 +29,7 @@ def sampling_params(temperature: float):
 def level_floors_ms(model, n_ctx: int, config, bandwidth: float | None) -> dict[str, float]:
     """Physical floor of one forward of each level's verifier: (weights + the KV it reads) / bandwidth.
     The drafting levels read the bf16 draft weights where the run uses them."""
-    from ..spec.methods import drafting_model
+    from ..speculation.kinds import drafting_model
     from .hardware import floor_seconds
 
     if not bandwidth:
@@ -74,7 +74,9 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
 
     from ..corpus import demo_tokens
     from ..generate import generate
-    from ..spec.methods import SharedPrefill
+    from ..speculation.decoder import full_capacity
+    from ..speculation.stack import method_stack
+    from ..speculation.state import PrefilledPrompt
     from . import peers as peer_mod
 
     model, tok = loaded.model, loaded.tokenizer
@@ -87,9 +89,11 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
 
     if "ar" not in methods:
         methods = ["ar"] + list(methods)
+    stacks = [method_stack(m, config.gamma, config.gamma_draft, config.draft) for m in methods]
     fitting = []
     for n in context_lengths:
-        if n + max_new_tokens + config.gamma + 2 <= model.cfg.max_context:
+        capacity = max(full_capacity(n, max_new_tokens, st) for st in stacks)
+        if capacity <= model.cfg.max_context:
             fitting.append(n)
         else:
             log(f"skip context {n}: with {max_new_tokens} new tokens it exceeds the model's context")
@@ -112,20 +116,20 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     log(f"skip {name} at context {n_ctx}: it has only {len(ids)} tokens")
         for pi, prompt in enumerate(prompts):
             t = time.perf_counter()
-            shared = SharedPrefill(model, prompt, n_ctx + max_new_tokens + config.gamma + 2, config.prefill_chunk,
-                                   progress)
+            shared = PrefilledPrompt(model, prompt, max(full_capacity(n_ctx, max_new_tokens, st) for st in stacks),
+                                     config.prefill_chunk, progress)
             log(f"context {n_ctx}, prompt {pi}: prefill {time.perf_counter() - t:.1f} s")
             if not warmed:  # first calls of every code path (kernels, oneDNN, allocator) stay untimed
                 for method in methods:
                     generate(model, prompt, 4, sampling_params(0.0), method=method, config=config,
-                             draft_model=draft_model, shared_prefill=shared)
+                             draft_model=draft_model, prefilled=shared)
                 warmed = True
             for temp in temperatures:
                 params = sampling_params(temp)
                 ar_tokens, ar_ms = None, None
                 for method in tqdm(methods, desc=f"{n_ctx} T={temp}", leave=False, disable=not progress):
                     res = generate(model, prompt, max_new_tokens, params, method=method, config=config,
-                                   draft_model=draft_model, seed=seed + pi, shared_prefill=shared)
+                                   draft_model=draft_model, seed=seed + pi, prefilled=shared)
                     ms = res.decode_seconds / len(res.tokens) * 1e3
                     if method == "ar":
                         ar_tokens, ar_ms = res.tokens, ms
@@ -254,7 +258,8 @@ def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: di
         raise TriforceError(f"cannot write the results in {out_dir}: {e.strerror or e} (choose another --out)") from e
 
 
-def main(args) -> int:
+def main(args, config, draft_path: str | None) -> int:
+    """`triforce bench` (the CLI has parsed and checked the speculation options into config)."""
     from ..loading import load_model
     from . import peers as peer_mod
     from .hardware import measure_bandwidth
@@ -269,9 +274,6 @@ def main(args) -> int:
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=not args.quiet)
-    from ..cli import spec_config_from_args
-
-    config, draft_path = spec_config_from_args(args)
     draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
                              max_context=loaded.config.max_context, progress=False) if draft_path else None
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))

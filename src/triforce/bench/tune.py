@@ -61,7 +61,8 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..kv import RetrievalCache
-    from ..spec.methods import SharedPrefill, drafting_model
+    from ..speculation.kinds import drafting_model
+    from ..speculation.state import PrefilledPrompt
     from .decode_step import time_forwards
     from .methods import sampling_params
 
@@ -69,7 +70,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     prompt = demo_tokens(loaded.tokenizer, n_ctx)
     capacity = n_ctx + tokens + max(max_gamma, max_gamma_draft) + 8
     t = time.perf_counter()
-    shared = SharedPrefill(model, prompt, capacity, config.prefill_chunk, progress)
+    shared = PrefilledPrompt(model, prompt, capacity, config.prefill_chunk, progress)
     log(f"prefill of {n_ctx} tokens: {time.perf_counter() - t:.1f} s")
     full = shared.cache
     length = full.length
@@ -82,7 +83,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     for b in budgets:
         rc = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=b, chunk_size=config.chunk_size,
                             recent=config.recent, max_new=64, dtype=model.dtype, device=model.device)
-        shared.restore(shared.head)  # the timed forwards replaced the recorded queries
+        shared.restore(prompt)  # the timed forwards replaced the recorded queries
         with torch.inference_mode():
             rc.build(full)
         cost_retr[b] = {k: time_forwards(drafting, rc, rc.length, k, repeats) * 1e3
@@ -98,7 +99,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     for b in tqdm(budgets, desc="acceptance", disable=not progress, leave=False):
         cfg = replace(config, budget=b, gamma=probe_gamma, gamma_draft=probe_gamma_draft)
         res = generate(model, prompt, tokens, sampling_params(temperature), method="triforce", config=cfg,
-                       shared_prefill=shared, seed=seed)
+                       prefilled=shared, seed=seed)
         lv = {x["level"]: x for x in res.stats["levels"] if x.get("role") == "verify"}
         a_full = per_token_acceptance(lv["full"]["mean_accepted"], probe_gamma)
         a_retr = per_token_acceptance(lv["retrieval"]["mean_accepted"], probe_gamma_draft) if "retrieval" in lv else 0.0
@@ -120,8 +121,8 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
             "shared": shared, "prompt": prompt}
 
 
-def main(args) -> int:
-    from ..cli import spec_config_from_args
+def main(args, config) -> int:
+    """`triforce tune` (the CLI has parsed and checked the speculation options into config)."""
     from ..generate import generate
     from ..loading import load_model
     from .methods import sampling_params
@@ -133,7 +134,6 @@ def main(args) -> int:
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context,
                         dtype=getattr(torch, args.dtype), device=args.device, cache_dir=args.cache_dir,
                         progress=not args.quiet)
-    config, _ = spec_config_from_args(args)
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     budgets = [b for b in asked if b + config.chunk_size < args.context_length]
     if not budgets:
@@ -154,7 +154,7 @@ def main(args) -> int:
             runs = {}
             for m in ("ar", "triforce"):
                 res = generate(loaded.model, prompt, args.tokens, sampling_params(args.temperature), method=m,
-                               config=cfg, shared_prefill=shared, seed=args.seed)
+                               config=cfg, prefilled=shared, seed=args.seed)
                 runs[m] = res.decode_seconds / len(res.tokens) * 1e3
             checked[name] = {"triforce_ms_per_token": round(runs["triforce"], 2), "ar_ms_per_token": round(runs["ar"], 2),
                              "speedup_vs_ar": round(runs["ar"] / runs["triforce"], 3)}

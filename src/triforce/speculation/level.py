@@ -19,28 +19,38 @@ from ..sampling import sample
 from .state import ModelState
 
 
-def accept(draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None) -> tuple[int, int]:
-    """draft [k] with proposal rows q [k, V]; verifier rows p [k + 1, V].
-    -> (number of accepted draft tokens j, the next token: residual sample at j, or bonus if j == k)."""
+def accept(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
+           generator: torch.Generator | None) -> tuple[int, int]:
+    """draft [k] token ids; q [k, V] their proposal rows, or None for a deterministic drafter (a point
+    mass at each drafted token: n-gram lookup); p [k + 1, V] the verifier's rows, or [k + 1] ids for
+    a greedy verifier (its argmax: a one-hot p, compared as ids, no rows built).
+    -> (j, the next token): j drafted tokens accepted, then a residual sample at j, or the bonus
+    token from p[k] if j == k. Computed on tensors; the single `.tolist()` at the end is the round's
+    only host synchronisation."""
     k = len(draft)
-    if k:
-        idx = torch.arange(k, device=p.device)
-        tok = torch.tensor(draft, device=p.device)
-        px, qx = p[idx, tok], q[idx, tok]
-        u = torch.rand(k, generator=generator, device=p.device)
-        ok = u * qx < px  # P(accept) = min(1, px / qx); qx > 0 since x was drawn from q
-        rejected = (~ok).nonzero()
-        j = int(rejected[0]) if len(rejected) else k
+    x = torch.tensor(draft + [0], device=p.device)  # padded: row k of p is the bonus row
+    if p.dim() == 1:
+        # greedy: p is one-hot at its argmax a, so x is accepted iff x == a, and the residual
+        # norm(max(0, p - q)) at a rejection is one-hot at a again, whatever q was
+        j = (x[:k] == p[:k]).long().cumprod(0).sum()
+        nxt = p[j]
     else:
-        j = 0
-    if j < k:
-        residual = (p[j] - q[j]).clamp_(min=0)
+        rows = torch.arange(k, device=p.device)
+        px = p[rows, x[:k]]
+        qx = q[rows, x[:k]] if q is not None else torch.ones_like(px)
+        u = torch.rand(k, generator=generator, device=p.device)
+        j = (u * qx < px).long().cumprod(0).sum()  # P(accept) = min(1, px / qx); qx > 0 since x came from q
+        residual = p[j].clone()
+        if q is not None:
+            residual -= torch.cat([q, torch.zeros_like(q[:1])])[j]  # the zero row: j == k gives p[k]
+            residual.clamp_(min=0)
+        else:
+            residual[x[j]] = torch.where(j < k, 0.0, residual[x[j]])  # remove the point mass at x_j
         total = residual.sum()
         # total == 0 only if p == q up to rounding, where rejection has probability 0
-        dist = residual / total if total > 0 else p[j]
-    else:
-        dist = p[k]
-    return j, int(sample(dist, generator))
+        nxt = sample(torch.where(total > 0, residual / total, p[j]), generator)
+    j, nxt = torch.stack([j, nxt]).tolist()
+    return j, nxt
 
 
 class Level:
@@ -48,36 +58,39 @@ class Level:
 
     def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator):
         self.name, self.drafter, self.verifier, self.gamma, self.generator = name, drafter, verifier, gamma, generator
-        self.rounds = self.drafted = self.accepted = 0
+        self.rounds = self.drafted = self.accepted = self.syncs = 0
         self.seconds = 0.0
         self.recent: list[float] = []  # acceptance of the last rounds, for rebuild policies
 
-    def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor]:
+    def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
         draft, q = self.drafter.propose(ctx, committed, k)
         t = time.perf_counter()
         p = self.verifier.score(ctx, committed, draft)
         j, nxt = accept(draft, q, p, self.generator)
         self.seconds += time.perf_counter() - t
         self.rounds += 1
+        self.syncs += 1
         self.drafted += len(draft)
         self.accepted += j
         if draft:
             self.recent = (self.recent + [j / len(draft)])[-8:]
-        return draft[:j] + [nxt], p[:j + 1]
+        return draft[:j] + [nxt], (p[:j + 1] if p.dim() == 2 else None)
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
         """One round at the top of the stack: 1 to gamma + 1 tokens (at most `limit`)."""
         return self._round(ctx, committed, min(self.gamma, limit))[0][:limit]
 
-    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor]:
-        """Exactly k tokens distributed as the verifier's model, with its rows as their q."""
+    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
+        """Exactly k tokens distributed as the verifier's model, with its rows as their q (None when
+        greedy: the tokens are the verifier's argmax, compared as ids)."""
         out: list[int] = []
         rows: list[torch.Tensor] = []
         while len(out) < k:
             toks, p = self._round(ctx + out, committed, min(self.gamma, k - len(out)))
             out += toks
-            rows.append(p)
-        return out[:k], torch.cat(rows)[:k]
+            if p is not None:
+                rows.append(p)
+        return out[:k], (torch.cat(rows)[:k] if rows else None)
 
     def stats(self) -> dict:
         return {
@@ -87,4 +100,5 @@ class Level:
             "mean_accepted": round(self.accepted / self.rounds, 3) if self.rounds else None,
             "tokens_per_round": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else None,
             "seconds": round(self.seconds, 4), "forwards": self.verifier.forwards,
+            "host_syncs": self.syncs, "syncs_per_round": round(self.syncs / self.rounds, 3) if self.rounds else None,
         }

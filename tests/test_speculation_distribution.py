@@ -13,11 +13,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import triforce.spec.level as level_mod
+import triforce.speculation.level as level_mod
 from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate
 from triforce.sampling import SamplingParams, make_generator, probs_from_logits, sample
-from triforce.spec.methods import SpecConfig
+from triforce.speculation.config import SpecConfig
 
 V = 8
 N_SAMPLES = 1000
@@ -64,11 +64,12 @@ def exact(models, prompt):
     return exact_marginals(models[0], prompt, PARAMS)
 
 
-def sample_counts(models, prompt, method, cfg, n=N_SAMPLES):
+def sample_counts(models, prompt, method, cfg, n=N_SAMPLES, params=PARAMS, stack=None):
     target, draft = models
     counts = torch.zeros(POSITIONS, V)
     for seed in range(n):
-        toks = generate(target, prompt, POSITIONS, PARAMS, method=method, config=cfg, draft_model=draft, seed=seed).tokens
+        toks = generate(target, prompt, POSITIONS, params, method=method, stack=stack, config=cfg, draft_model=draft,
+                        seed=seed).tokens
         for i, t in enumerate(toks):
             counts[i, t] += 1
     return counts
@@ -83,11 +84,14 @@ def p_values(counts, exact) -> list[float]:
         e = list(expected[big]) + [expected[~big].sum()]
         if e[-1] == 0:
             o, e = o[:-1], e[:-1]
+        if len(e) == 1:  # one possible token (a narrow top-p or top-k): every draw must be it
+            out.append(1.0 if o[0] == obs.sum() else 0.0)
+            continue
         out.append(float(chisquare(o, e, sum_check=False).pvalue))
     return out
 
 
-CASES = [("triforce", "ngram"), ("triforce", "streaming"), ("triforce", "model"), ("retrieval", "ngram"),
+CASES = [("triforce", "ngram"), ("triforce", "streaming"), ("triforce", "draft"), ("retrieval", "ngram"),
          ("streaming", "ngram"), ("ngram", "ngram"), ("draft", "ngram"), ("ar", "ngram")]
 
 
@@ -96,6 +100,22 @@ def test_sampled_tokens_follow_target_distribution(models, prompt, exact, method
     cfg = SpecConfig(**{**CFG.__dict__, "draft": drafter})
     pv = p_values(sample_counts(models, prompt, method, cfg), exact)
     assert min(pv) > ALPHA, f"{method}/{drafter}: chi-square p-values {pv}"
+
+
+# user-composed stacks, sampled with top-k and top-p (the target's distribution is then the truncated one)
+USER_STACKS = [("ngram,streaming:8,retrieval:12,full", "2,2,3", SamplingParams(temperature=0.8, top_k=5)),
+               ("draft,retrieval:12,full", "2,3", SamplingParams(temperature=1.0, top_p=0.8)),
+               ("streaming:8,full", "3", SamplingParams(temperature=0.7, top_k=6, top_p=0.9))]
+
+
+@pytest.mark.parametrize("levels,gammas,params", USER_STACKS)
+def test_user_stacks_follow_target_distribution(models, prompt, levels, gammas, params):
+    from triforce.speculation.stack import StackSpec
+
+    exact_p = exact_marginals(models[0], prompt, params)
+    counts = sample_counts(models, prompt, None, CFG, params=params, stack=StackSpec.parse(levels, gammas))
+    pv = p_values(counts, exact_p)
+    assert min(pv) > ALPHA, f"{levels}: chi-square p-values {pv}"
 
 
 def wrong_accept(draft, q, p, generator):
@@ -111,7 +131,7 @@ def wrong_accept(draft, q, p, generator):
 
 def test_check_detects_a_wrong_sampler(models, prompt, exact, monkeypatch):
     monkeypatch.setattr(level_mod, "accept", wrong_accept)
-    pv = p_values(sample_counts(models, prompt, "triforce", SpecConfig(**{**CFG.__dict__, "draft": "model"})), exact)
+    pv = p_values(sample_counts(models, prompt, "triforce", SpecConfig(**{**CFG.__dict__, "draft": "draft"})), exact)
     assert min(pv) < 1e-6, f"the wrong sampler went undetected: p-values {pv}"
 
 

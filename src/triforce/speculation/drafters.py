@@ -1,7 +1,8 @@
 """Drafters at the bottom of a speculation stack: a model sampling autoregressively, or n-gram lookup.
 
 Every proposer implements
-    propose(ctx, committed, k) -> (tokens: list[int], q: [len(tokens), V] proposal distributions)
+    propose(ctx, committed, k) -> (tokens: list[int], q: [len(tokens), V] proposal distributions, or
+                                   None: point masses at the tokens (deterministic or greedy drafts))
     step(ctx, committed, limit) -> tokens        (one round when used as the top of a stack)
 """
 from __future__ import annotations
@@ -21,26 +22,30 @@ class ModelDrafter:
     def __init__(self, state: ModelState, generator: torch.Generator):
         self.state, self.generator = state, generator
         self.name = state.name
-        self.tokens = 0
+        self.tokens = self.syncs = 0
         self.seconds = 0.0
 
-    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor]:
+    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
         t = time.perf_counter()
         tokens, rows = [], []
         for _ in range(k):
-            p = self.state.score(ctx + tokens, committed, [])[-1]
-            tokens.append(int(sample(p, self.generator)))
-            rows.append(p)
+            scores = self.state.score(ctx + tokens, committed, [])
+            if scores.dim() == 1:  # greedy: the argmax id
+                tokens.append(int(scores[-1]))
+            else:
+                tokens.append(int(sample(scores[-1], self.generator)))
+                rows.append(scores[-1])
+            self.syncs += 1  # the next forward needs the token: one host synchronisation per drafted token
         self.tokens += k
         self.seconds += time.perf_counter() - t
-        return tokens, torch.stack(rows) if rows else torch.empty(0)
+        return tokens, (torch.stack(rows) if rows else None)
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
         return self.propose(ctx, committed, 1)[0]
 
     def stats(self) -> dict:
         return {"level": self.name, "role": "draft", "tokens": self.tokens, "seconds": round(self.seconds, 4),
-                "forwards": self.state.forwards}
+                "forwards": self.state.forwards, "host_syncs": self.syncs}
 
 
 class NGramDrafter:
@@ -64,7 +69,7 @@ class NGramDrafter:
                     self._index[n][tuple(ctx[end + 1 - n:end + 1])] = end
         self._indexed = max(self._indexed, committed - 1)
 
-    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor]:
+    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], None]:
         t = time.perf_counter()
         self._update_index(ctx, committed)
         tokens: list[int] = []
@@ -75,12 +80,9 @@ class NGramDrafter:
             if end is not None:
                 tokens = ctx[end + 1:end + 1 + k]
                 break
-        q = torch.zeros(len(tokens), self.vocab_size, device=self.device)
-        if tokens:
-            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         self.tokens += len(tokens)
         self.seconds += time.perf_counter() - t
-        return tokens, q
+        return tokens, None
 
     def stats(self) -> dict:
         return {"level": self.name, "role": "draft", "tokens": self.tokens, "seconds": round(self.seconds, 4)}

@@ -7,7 +7,8 @@ import torch
 from conftest import hf_tiny, ours_from_hf
 from triforce.errors import TriforceError
 from triforce.generate import generate, generate_ar
-from triforce.spec.methods import METHODS, SpecConfig
+from triforce.speculation.config import SpecConfig
+from triforce.speculation.stack import METHODS, StackSpec
 
 TINY_SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=8, recent=8, rebuild_every=16,
                        sink=4, window=16, ngram=3, prefill_chunk=64)
@@ -30,7 +31,7 @@ def _prompt(n, seed, repeat=True):
     return (base * 4)[:n] if repeat else base  # repetition gives the n-gram drafter something to find
 
 
-CASES = [(m, d) for m in METHODS if m != "triforce" for d in ["-"]] + [("triforce", d) for d in ("ngram", "streaming", "model")]
+CASES = [(m, d) for m in METHODS if m != "triforce" for d in ["-"]] + [("triforce", d) for d in ("ngram", "streaming", "draft")]
 
 
 @pytest.mark.parametrize("method,drafter", CASES)
@@ -89,6 +90,81 @@ def test_draft_weights_keep_greedy_exact(target, draft_weights):
         assert generate(target, prompt, 48, method="triforce", config=cfg).tokens == ref
 
 
+# user-composed stacks (bottom to top; gammas per boundary or one for all) on the tiny model
+USER_STACKS = [
+    ("streaming:24,full", "3"),
+    ("ngram,retrieval:40,full", "2,4"),
+    ("draft,streaming,full", "2,3"),
+    ("ngram,streaming:24,retrieval:40,retrieval:96,full", "2,2,3,4"),
+    ("retrieval:96,retrieval:40,full", "3"),  # a larger budget below a smaller one: odd, still exact
+    ("ngram,draft,retrieval,full", "3,2,5"),
+]
+
+
+@pytest.mark.parametrize("levels,gammas", USER_STACKS)
+@pytest.mark.parametrize("n_prompt,seed", [(200, 0), (333, 1)])
+def test_user_stacks_equal_ar(target, small_draft, levels, gammas, n_prompt, seed):
+    prompt = _prompt(n_prompt, seed)
+    ref = generate_ar(target, prompt, 64).tokens
+    stack = StackSpec.parse(levels, gammas)
+    res = generate(target, prompt, 64, stack=stack, config=TINY_SPEC, draft_model=small_draft)
+    assert res.tokens == ref
+    assert res.method == levels and res.stats["stack"] == levels and not res.stats.get("notes")
+    names = [lvl["level"] for lvl in res.stats["levels"]]
+    assert names == [str(lvl) for lvl in reversed(stack.levels)]  # top first, every level ran
+    for lvl in res.stats["levels"][:-1]:
+        assert lvl["rounds"] >= 1 and lvl["proposed"] >= lvl["accepted"] >= 0
+
+
+def test_stack_text_round_trips_and_methods_are_stacks():
+    from triforce.speculation.stack import method_stack
+
+    for levels, gammas in USER_STACKS:
+        s = StackSpec.parse(levels, gammas)
+        assert StackSpec.parse(s.levels_text, ",".join(map(str, s.gammas))) == s
+    assert str(method_stack("ar")) == "full"
+    assert str(method_stack("triforce", 4, 3)) == "ngram,retrieval,full --gammas 3,4"
+    assert str(method_stack("triforce", 4, 3, "streaming", 1024)) == "streaming,retrieval:1024,full --gammas 3,4"
+    assert str(method_stack("ngram", 5)) == "ngram,full --gammas 5"
+
+
+@pytest.mark.parametrize("levels,gammas,words", [
+    ("ngram,retrieval", None, ["no 'full' level"]),
+    ("full,retrieval", None, ["does not end with 'full'"]),
+    ("full,full", None, ["more than once"]),
+    ("medusa,full", None, ["unknown level kind 'medusa'"]),
+    ("retrieval,ngram,full", None, ["'ngram' can only be the bottom level"]),
+    ("ngram:64,full", None, ["takes no budget"]),
+    ("retrieval:lots,full", None, ["not an integer"]),
+    ("ngram,retrieval,full", "1,2,3", ["3 values for 2 boundaries"]),
+    ("ngram,retrieval,full", "0", [">= 1"]),
+    ("ngram,streaming,streaming,streaming,retrieval,full", None, ["1 to 5 levels"]),
+])
+def test_invalid_stacks_are_user_errors(levels, gammas, words):
+    with pytest.raises(TriforceError) as e:
+        StackSpec.parse(levels, gammas)
+    for w in words:
+        assert w in str(e.value)
+    assert "valid stacks" in str(e.value) or ">= 1" in str(e.value)
+
+
+def test_budgets_are_checked_against_the_model(target):
+    with pytest.raises(TriforceError, match="larger than the model.s context"):
+        generate(target, _prompt(100, 6), 4, stack="retrieval:5000,full", config=TINY_SPEC)
+    with pytest.raises(TriforceError, match="smaller than the StreamingLLM sink"):
+        generate(target, _prompt(100, 6), 4, stack="streaming:4,full", config=TINY_SPEC)  # sink 4: no window
+
+
+def test_streaming_chunks_are_the_result(target):
+    from triforce.generate import generate_stream
+
+    prompt = _prompt(200, 0)
+    stream = generate_stream(target, prompt, 40, stack="ngram,retrieval:40,full", config=TINY_SPEC)
+    chunks = [c.tokens for c in stream]
+    assert sum(chunks, []) == stream.result.tokens == generate_ar(target, prompt, 40).tokens
+    assert len(chunks) > 1 and all(chunks)
+
+
 def test_bad_configurations_are_user_errors(target):
     with pytest.raises(TriforceError, match="budget"):
         generate(target, _prompt(100, 6), 4, method="triforce", config=SpecConfig(budget=4096))
@@ -102,21 +178,33 @@ def test_bad_configurations_are_user_errors(target):
         generate(target, _prompt(100, 6), 4, method="triforce", config=SpecConfig(**{**TINY_SPEC.__dict__, "draft_weights": "int4"}))
 
 
+# user-composed stacks on the embedded model: 2, 3 and 5 levels, two retrieval levels of different budgets
+USER_STACKS_EMBEDDED = [("streaming:256,full", "5"), ("ngram,retrieval:1024,full", "3,4"),
+                        ("ngram,streaming,retrieval:512,retrieval:1024,full", "2,2,3,4")]
+
+
 @pytest.mark.parametrize("n_prompt,offset", [(2048, 0), (3000, 250_000), (6000, 600_000)])
 def test_greedy_equals_ar_on_embedded_model(smollm, all_threads, n_prompt, offset):
     """Real text (Shakespeare) at 2K-6K tokens with the embedded SmolLM2: every method = ar."""
     from triforce.corpus import demo_tokens
-    from triforce.spec.methods import SharedPrefill
+    from triforce.speculation.decoder import full_capacity
+    from triforce.speculation.stack import method_stack
+    from triforce.speculation.state import PrefilledPrompt
 
     model = smollm.model
     prompt = demo_tokens(smollm.tokenizer, n_prompt, offset_chars=offset)
     new = 24
     # a budget well below the prompt, so the retrieval level really drops most of the context
     cfg = SpecConfig(budget=512, recent=32, rebuild_every=16, window=128, sink=4)
-    shared = SharedPrefill(model, prompt, n_prompt + new + cfg.gamma + 2)
-    ref = generate(model, prompt, new, method="ar", shared_prefill=shared).tokens
+    stacks = [method_stack(m, cfg.gamma, cfg.gamma_draft) for m in ("ar", "triforce", "retrieval", "streaming", "ngram")]
+    stacks += [StackSpec.parse(levels, gammas) for levels, gammas in USER_STACKS_EMBEDDED]
+    shared = PrefilledPrompt(model, prompt, max(full_capacity(n_prompt, new, s) for s in stacks))
+    ref = generate(model, prompt, new, method="ar", prefilled=shared).tokens
     for method, drafter in [("triforce", "ngram"), ("triforce", "streaming"), ("retrieval", "ngram"),
                             ("streaming", "ngram"), ("ngram", "ngram")]:
         res = generate(model, prompt, new, method=method, config=SpecConfig(**{**cfg.__dict__, "draft": drafter}),
-                       shared_prefill=shared)
+                       prefilled=shared)
         assert res.tokens == ref, (method, drafter)
+    for levels, gammas in USER_STACKS_EMBEDDED:
+        res = generate(model, prompt, new, stack=StackSpec.parse(levels, gammas), config=cfg, prefilled=shared)
+        assert res.tokens == ref, levels

@@ -1,1 +1,0 @@
-"""Speculative decoding: model states, drafters, the verification level that composes, and methods."""

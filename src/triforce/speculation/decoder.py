@@ -1,0 +1,154 @@
+"""From a stack spec to running levels: the one builder, the prefill of every level, and the
+retrieval rebuild policy between rounds.
+
+The stack is built bottom-up: the bottom level drafts (an n-gram drafter, or a model state drafting
+autoregressively); every level above verifies the one below with its own model state and is, in
+turn, the drafter of the next (level.Level). The top level is always `full`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..model import Transformer
+from ..sampling import SamplingParams
+from .config import SpecConfig
+from .drafters import ModelDrafter
+from .kinds import KINDS, BuildContext, rebuild
+from .level import Level
+from .stack import ROLLBACK_SLACK, StackSpec
+from .state import ModelState, PrefilledPrompt
+
+MIN_STREAMING_WINDOW = 1  # a streaming level's budget must hold the sinks and a window of at least this
+
+
+def full_capacity(prompt_len: int, max_new_tokens: int, stack: StackSpec) -> int:
+    """Tokens the full cache must hold for one generation with `stack`."""
+    return prompt_len + max_new_tokens + stack.lookahead()
+
+
+def max_rollback(stack: StackSpec) -> int:
+    """Tokens past the committed sequence that a bounded cache (streaming, retrieval) may be asked
+    to drop: a top round of gamma tokens, each made by rounds of the levels below."""
+    below = max(stack.gammas[:-1], default=1)
+    return stack.top_gamma * (below + 1) + ROLLBACK_SLACK
+
+
+class Decoder:
+    """Builds a stack's levels and runs its prefill and the retrieval rebuild policy. `top` is the
+    proposer whose step() makes each round's tokens."""
+
+    def __init__(self, stack: StackSpec, model: Transformer, params: SamplingParams, config: SpecConfig,
+                 generator: torch.Generator, prompt_len: int, max_new_tokens: int,
+                 draft_model: Transformer | None = None, prefilled: PrefilledPrompt | None = None):
+        config.validate()
+        stack.check()
+        stack.check_budgets(model.cfg.max_context, {"retrieval": config.budget, "streaming": config.streaming_budget},
+                            config.sink + MIN_STREAMING_WINDOW)
+        self.model, self.params, self.config, self.generator = model, params, config, generator
+        self.notes: list[str] = []
+        self.rebuilds = 0
+        self.rebuild_seconds = 0.0
+        self.stack = self._useful(stack, prompt_len)
+        capacity = full_capacity(prompt_len, max_new_tokens, self.stack)
+        self.prefilled = prefilled
+        full_cache = None
+        if prefilled is not None:
+            if prefilled.model is not model:
+                raise ValueError("the prefilled prompt was made with another model")
+            full_cache = prefilled.cache
+            if full_cache.capacity < capacity:
+                raise ValueError(f"the prefilled prompt's cache holds {full_cache.capacity} tokens, {capacity} needed")
+        elif any(KINDS[lvl.kind].needs_queries() for lvl in self.stack.levels):
+            full_cache = model.new_cache(capacity, record_queries=True)
+        ctx = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache)
+
+        names = self._names(self.stack)
+        self.states: list[ModelState | None] = [KINDS[lvl.kind].state(ctx, lvl, name)
+                                                for lvl, name in zip(self.stack.levels, names)]
+        self.full = self.states[-1]
+        bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
+        proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
+                    else KINDS[bottom_spec.kind].drafter(ctx, bottom_spec))
+        for state, gamma in zip(self.states[1:], self.stack.gammas):
+            proposer = Level(state.name, proposer, state, gamma, generator)
+        self.top = proposer
+
+    def _useful(self, stack: StackSpec, prompt_len: int) -> StackSpec:
+        """Drop retrieval levels whose budget holds the whole prompt: they would equal the full
+        model at a retrieval level's overhead (noted in the stats)."""
+        i = 0
+        while i < len(stack.levels) - 1:
+            lvl = stack.levels[i]
+            budget = lvl.budget or self.config.budget
+            if lvl.kind == "retrieval" and prompt_len <= budget + self.config.chunk_size:
+                self.notes.append(f"prompt ({prompt_len} tokens) fits in the retrieval budget ({budget}): "
+                                  f"the {lvl} level would equal the full model, so it is skipped")
+                stack = stack.without(i)
+            else:
+                i += 1
+        return stack
+
+    @staticmethod
+    def _names(stack: StackSpec) -> list[str]:
+        """Level names for stats: the kind, or kind:budget where the stack names a budget."""
+        return [str(lvl) for lvl in stack.levels]
+
+    def prefill(self, prompt: list[int], progress: bool = False) -> None:
+        """Every state reads the prompt but its last token (fed with the first draft); with a
+        prefilled prompt, the full cache is just rolled back to it."""
+        head = prompt[:-1]
+        if self.prefilled is not None:
+            self.prefilled.restore(prompt)
+            self.full.fed, self.full.stable = list(head), len(head)
+        else:
+            self.full.prefill(head, self.config.prefill_chunk, progress)
+        for lvl, state in zip(self.stack.levels[:-1], self.states[:-1]):
+            if state is None:
+                continue
+            t = time.perf_counter()
+            KINDS[lvl.kind].prefill(state, head, self.full, self.config)
+            if lvl.kind == "retrieval":
+                self.rebuilds += 1
+                self.rebuild_seconds += time.perf_counter() - t
+
+    def after_commit(self, seq: list[int], committed: int) -> None:
+        """Rebuild policy of the retrieval caches, run between rounds: after `rebuild_every` new
+        tokens, when a cache runs out of room, or when the top level's acceptance falls below
+        `rebuild_below`."""
+        synced = False
+        for lvl, state in zip(self.stack.levels, self.states):
+            if lvl.kind != "retrieval":
+                continue
+            cache = state.cache
+            since = committed - cache.built_at
+            room = cache.capacity - (cache.base + since)
+            top = self.top
+            low = (self.config.rebuild_below > 0 and isinstance(top, Level) and len(top.recent) >= 4
+                   and sum(top.recent[-4:]) / 4 < self.config.rebuild_below and since >= 32)
+            if since >= self.config.rebuild_every or room < 2 * max_rollback(self.stack) or low:
+                t = time.perf_counter()
+                if not synced:
+                    self.full._sync(seq, committed)  # drop rejected drafts; keeps all but the newest token
+                    synced = True
+                rebuild(state, self.full)
+                self.rebuilds += 1
+                self.rebuild_seconds += time.perf_counter() - t
+
+    def stats(self) -> dict:
+        levels = []
+        node = self.top
+        while node is not None:
+            levels.append(node.stats())
+            node = getattr(node, "drafter", None)
+        out = {"stack": self.stack.levels_text, "gammas": list(self.stack.gammas), "levels": levels,
+               "config": asdict(self.config)}
+        if any(lvl.kind == "retrieval" for lvl in self.stack.levels):
+            out["retrieval_rebuilds"] = self.rebuilds
+            out["retrieval_rebuild_seconds"] = round(self.rebuild_seconds, 4)
+        if self.notes:
+            out["notes"] = self.notes
+        return out
+

@@ -1,0 +1,164 @@
+"""Level kinds: how each kind of level gets its model state, fills it from the prompt, and keeps
+it up to date. Adding a kind means one class here and one entry in KINDS (and its name in
+stack.KINDS).
+
+Every kind but ngram gives a ModelState (a model with a KV cache): such a level can draft at the
+bottom (ModelDrafter) or verify the level below. ngram has no model: it can only draft.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import TriforceError
+from ..kv import RetrievalCache, StreamingCache
+from ..model import Transformer
+from ..sampling import SamplingParams
+from .config import SpecConfig
+from .drafters import NGramDrafter
+from .stack import LevelSpec
+from .state import ModelState, prefill
+
+_DRAFT_WEIGHTS: weakref.WeakKeyDictionary[Transformer, Transformer] = weakref.WeakKeyDictionary()
+
+
+def draft_weights_model(model: Transformer) -> Transformer:
+    """model.with_draft_weights(), made once per model (it holds a bf16 copy of the weights)."""
+    if model not in _DRAFT_WEIGHTS:
+        _DRAFT_WEIGHTS[model] = model.with_draft_weights()
+    return _DRAFT_WEIGHTS[model]
+
+
+def drafting_model(model: Transformer, config: SpecConfig) -> Transformer:
+    """The target as it runs when it drafts (retrieval and streaming levels): its bf16 draft-weights
+    copy unless config.draft_weights is "fp32". Exactness does not depend on it: the full level
+    verifies with the fp32 weights."""
+    return draft_weights_model(model) if config.draft_weights == "bf16" else model
+
+
+@dataclass
+class BuildContext:
+    """What the kinds need to build a level of one generation."""
+
+    model: Transformer
+    params: SamplingParams
+    config: SpecConfig
+    capacity: int  # tokens a full cache must hold: prompt + new tokens + a round's lookahead
+    max_rollback: int  # tokens past the committed sequence a bounded cache must be able to drop
+    draft_model: Transformer | None = None
+    full_cache: object = None  # the full level's cache (given, e.g. prefilled, or made here)
+
+
+class Kind:
+    name = ""
+
+    def state(self, ctx: BuildContext, spec: LevelSpec, name: str) -> ModelState | None:
+        """The level's model state (None: a drafter without a model)."""
+        raise NotImplementedError
+
+    def drafter(self, ctx: BuildContext, spec: LevelSpec):
+        """A model-less bottom drafter (only kinds whose state() is None)."""
+        raise NotImplementedError
+
+    def prefill(self, state: ModelState, head: list[int], full: ModelState, config: SpecConfig) -> None:
+        state.prefill(head, config.prefill_chunk)
+
+    def needs_queries(self) -> bool:
+        """Whether the full cache must record queries (retrieval builds from them)."""
+        return False
+
+
+class Full(Kind):
+    name = "full"
+
+    def state(self, ctx, spec, name):
+        cache = ctx.full_cache if ctx.full_cache is not None else ctx.model.new_cache(ctx.capacity)
+        return ModelState(name, ctx.model, cache, ctx.params)
+
+
+class NGram(Kind):
+    name = "ngram"
+
+    def state(self, ctx, spec, name):
+        return None
+
+    def drafter(self, ctx, spec):
+        return NGramDrafter(ctx.model.cfg.vocab_size, ctx.config.ngram, device=ctx.model.device)
+
+
+class Draft(Kind):
+    """A small model sharing the target's tokenizer, with a full cache of its own."""
+
+    name = "draft"
+
+    def state(self, ctx, spec, name):
+        dm = ctx.draft_model
+        if dm is None:
+            raise TriforceError("a 'draft' level needs a draft model: pass --draft PATH (a small model that "
+                                "shares the target's tokenizer)")
+        if dm.cfg.vocab_size != ctx.model.cfg.vocab_size:
+            raise TriforceError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the target's "
+                                f"({ctx.model.cfg.vocab_size}): it must share the target's tokenizer")
+        return ModelState(name, dm, dm.new_cache(ctx.capacity), ctx.params)
+
+
+class Streaming(Kind):
+    """The target (draft weights) with a StreamingLLM cache: `sink` tokens + a window of budget - sink."""
+
+    name = "streaming"
+
+    def state(self, ctx, spec, name):
+        cfg = ctx.config
+        m = drafting_model(ctx.model, cfg)
+        budget = spec.budget or cfg.streaming_budget
+        window = budget - cfg.sink
+        cache = StreamingCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, sink=cfg.sink, window=window,
+                               max_rollback=ctx.max_rollback, slack=max(cfg.prefill_chunk, window),
+                               dtype=m.dtype, device=m.device)
+        return ModelState(name, m, cache, ctx.params)
+
+    def prefill(self, state, head, full, config):
+        """Sinks plus the prompt's tail: the rest lies outside the window of every later token."""
+        cache, m = state.cache, state.model
+        sink = min(config.sink, len(head))
+        if sink:
+            prefill(m, cache, torch.tensor([head[:sink]], device=m.device), config.prefill_chunk)
+        tail_from = max(sink, len(head) - cache.window - cache.max_rollback)
+        if tail_from > cache.length:
+            cache.skip_to(tail_from)
+        if tail_from < len(head):
+            prefill(m, cache, torch.tensor([head[tail_from:]], device=m.device), config.prefill_chunk)
+        state.fed, state.stable = list(head), len(head)
+
+
+class Retrieval(Kind):
+    """The target (draft weights) with a TriForce retrieval cache, built from the full cache and
+    rebuilt by the decoder's policy (Decoder.after_commit)."""
+
+    name = "retrieval"
+
+    def state(self, ctx, spec, name):
+        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
+        max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
+        cache = RetrievalCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, budget=spec.budget or cfg.budget,
+                               chunk_size=cfg.chunk_size, recent=cfg.recent, max_new=max_new,
+                               dtype=m.dtype, device=m.device)
+        return ModelState(name, m, cache, ctx.params)
+
+    def prefill(self, state, head, full, config):
+        rebuild(state, full)
+
+    def needs_queries(self) -> bool:
+        return True
+
+
+def rebuild(state: ModelState, full: ModelState) -> None:
+    """(Re)build a retrieval level's cache from the full level's cache and its recorded queries."""
+    state.cache.build(full.cache)
+    state.fed = list(full.fed)
+    state.stable = len(full.fed)
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval())}

@@ -1,0 +1,188 @@
+"""A speculation stack as data: levels bottom to top, and the tokens each drafts for the one above.
+
+    ngram,streaming:528,retrieval:1024,full   gammas 3,3,4
+
+- `full` is the target with its full KV cache: it verifies, so the output is exactly the target's;
+  it is last, exactly once. `full` alone is autoregressive decoding.
+- `ngram` is prompt lookup: it can only draft, so it is the bottom level, if present.
+- `streaming[:BUDGET]` (the target with a StreamingLLM cache of BUDGET = sink + window tokens),
+  `retrieval[:BUDGET]` (the target with a retrieval cache keeping BUDGET tokens per layer and KV
+  head) and `draft` (a small model sharing the tokenizer, `--draft PATH`, full cache) draft at the
+  bottom, or verify the level below and draft for the one above.
+- gammas[i] is how many tokens level i drafts per verification by level i + 1; one value serves
+  every boundary.
+
+The named methods are aliases of stacks (`METHOD_STACKS`). Budgets and paddings are computed here,
+once, with named constants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import TriforceError
+
+KINDS = ("ngram", "streaming", "retrieval", "draft", "full")
+DRAFT_ONLY = ("ngram",)  # kinds that cannot verify (no model)
+BUDGETED = ("streaming", "retrieval")
+MIN_LEVELS, MAX_LEVELS = 1, 5
+GRAMMAR = ("valid stacks: KIND[:BUDGET],...,full, bottom to top, 1 to 5 levels; kinds ngram (bottom only), "
+           "streaming[:BUDGET], retrieval[:BUDGET], draft (needs --draft PATH), and full (last, exactly once); "
+           "--gammas N or one value per boundary; e.g. --levels ngram,retrieval:4096,full --gammas 3,4")
+
+# A round feeds a cache at most gamma_top tokens past the committed sequence, plus the token fed
+# with the first draft and the bonus token: every cache keeps this much room beyond its content.
+ROUND_SLACK = 2
+# Extra room of the capacity-bounded caches (retrieval, streaming) past a round's lookahead: rollback
+# may reach back over a whole round of every level below the top.
+ROLLBACK_SLACK = 8
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    kind: str
+    budget: int | None = None  # tokens kept (streaming: sink + window; retrieval: per layer and KV head)
+
+    def __str__(self) -> str:
+        return self.kind if self.budget is None else f"{self.kind}:{self.budget}"
+
+    @classmethod
+    def parse(cls, text: str) -> LevelSpec:
+        kind, _, budget = text.strip().partition(":")
+        if kind not in KINDS:
+            raise TriforceError(f"unknown level kind {kind!r} in --levels; {GRAMMAR}")
+        if not budget:
+            return cls(kind)
+        if kind not in BUDGETED:
+            raise TriforceError(f"level {kind!r} takes no budget (got {text!r}); {GRAMMAR}")
+        try:
+            value = int(budget)
+        except ValueError:
+            raise TriforceError(f"the budget in {text!r} is not an integer; {GRAMMAR}") from None
+        if value < 1:
+            raise TriforceError(f"the budget in {text!r} must be >= 1; {GRAMMAR}")
+        return cls(kind, value)
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """levels bottom to top (the last is `full`); gammas[i]: tokens level i drafts for level i + 1."""
+
+    levels: tuple[LevelSpec, ...]
+    gammas: tuple[int, ...]
+
+    def __str__(self) -> str:
+        text = ",".join(map(str, self.levels))
+        return text + (f" --gammas {','.join(map(str, self.gammas))}" if self.gammas else "")
+
+    @property
+    def levels_text(self) -> str:
+        return ",".join(map(str, self.levels))
+
+    @classmethod
+    def parse(cls, levels: str, gammas: str | int | tuple[int, ...] | list[int] | None = None,
+              default_gamma: int = 4) -> StackSpec:
+        """Parse `--levels` and `--gammas` (see the module docstring); TriforceError on bad input."""
+        parts = [p for p in levels.split(",")]
+        if any(not p.strip() for p in parts):
+            raise TriforceError(f"empty level in --levels {levels!r}; {GRAMMAR}")
+        specs = tuple(LevelSpec.parse(p) for p in parts)
+        n = len(specs) - 1
+        if gammas is None:
+            values = (default_gamma,) * n
+        else:
+            if isinstance(gammas, str):
+                try:
+                    values = tuple(int(g) for g in gammas.split(","))
+                except ValueError:
+                    raise TriforceError(f"--gammas {gammas!r} must be integers separated by commas; {GRAMMAR}") from None
+            else:
+                values = (gammas,) if isinstance(gammas, int) else tuple(gammas)
+            if len(values) == 1:
+                values = values * n
+        stack = cls(specs, tuple(values))
+        stack.check()
+        return stack
+
+    def check(self) -> None:
+        """The grammar (see GRAMMAR): raises TriforceError naming the first problem."""
+        kinds = [lvl.kind for lvl in self.levels]
+        if not MIN_LEVELS <= len(kinds) <= MAX_LEVELS:
+            raise TriforceError(f"a stack has 1 to {MAX_LEVELS} levels, got {len(kinds)}; {GRAMMAR}")
+        if kinds.count("full") != 1 or kinds[-1] != "full":
+            what = "has no 'full' level" if "full" not in kinds else (
+                "has 'full' more than once" if kinds.count("full") > 1 else "does not end with 'full'")
+            raise TriforceError(f"the stack {self.levels_text} {what}: the target with its full cache must be "
+                                f"the last level, exactly once; {GRAMMAR}")
+        for i, kind in enumerate(kinds[1:], start=1):
+            if kind in DRAFT_ONLY:
+                raise TriforceError(f"'{kind}' can only be the bottom level (it drafts, it cannot verify), "
+                                    f"found at position {i + 1} in {self.levels_text}; {GRAMMAR}")
+        if len(self.gammas) != len(kinds) - 1 and not (len(kinds) == 1 and len(self.gammas) <= 1):
+            raise TriforceError(f"--gammas has {len(self.gammas)} values for {len(kinds) - 1} boundaries of "
+                                f"{self.levels_text}: give one value, or one per boundary; {GRAMMAR}")
+        if any(g < 1 for g in self.gammas):
+            raise TriforceError(f"--gammas must be >= 1, got {','.join(map(str, self.gammas))}")
+
+    def check_budgets(self, max_context: int, default_budgets: dict[str, int], min_streaming: int) -> None:
+        """Budgets (a level's own, else default_budgets[kind]) against the model's context and the
+        StreamingLLM sink plus a minimal window."""
+        for lvl in self.levels:
+            if lvl.kind not in BUDGETED:
+                continue
+            budget = lvl.budget or default_budgets[lvl.kind]
+            what = (f"the budget of {lvl}" if lvl.budget else
+                    f"the {lvl.kind} level's budget (--budget {budget})" if lvl.kind == "retrieval" else
+                    f"the {lvl.kind} level's budget (--sink + --window = {budget})")
+            if budget > max_context:
+                raise TriforceError(f"{what} is larger than the model's context of {max_context} tokens: lower it "
+                                    f"(a drafting cache must be smaller than the context to help)")
+            if lvl.kind == "streaming" and budget < min_streaming:
+                raise TriforceError(f"{what} is smaller than the StreamingLLM sink plus a minimal window "
+                                    f"({min_streaming} tokens): raise it or lower --sink")
+
+    @property
+    def top_gamma(self) -> int:
+        return self.gammas[-1] if self.gammas else 0
+
+    def lookahead(self) -> int:
+        """Tokens past the committed sequence a cache may hold within one round."""
+        return self.top_gamma + ROUND_SLACK
+
+    def without(self, index: int) -> StackSpec:
+        """The stack without level `index` (not the top); the level below it drafts for the one above
+        with the removed level's gamma (the one nearer the top)."""
+        levels = self.levels[:index] + self.levels[index + 1:]
+        gammas = self.gammas[:max(index - 1, 0)] + self.gammas[index:] if index else self.gammas[1:]
+        return replace(self, levels=levels, gammas=gammas)
+
+
+METHODS = ("ar", "triforce", "retrieval", "streaming", "ngram", "draft")
+
+
+def method_stack(method: str, gamma: int = 4, gamma_draft: int = 3, bottom: str = "ngram",
+                 budget: int | None = None) -> StackSpec:
+    """The stack of a named method (see METHOD_DOC); `bottom` is triforce's bottom drafter (ngram,
+    streaming or draft), `budget` an explicit retrieval budget (default: SpecConfig.budget)."""
+    r = f"retrieval:{budget}" if budget else "retrieval"
+    stacks = {
+        "ar": ("full", ()),
+        "ngram": ("ngram,full", (gamma,)),
+        "streaming": ("streaming,full", (gamma,)),
+        "draft": ("draft,full", (gamma,)),
+        "retrieval": (f"{r},full", (gamma,)),
+        "triforce": (f"{bottom},{r},full", (gamma_draft, gamma)),
+    }
+    if method not in stacks:
+        raise TriforceError(f"unknown method {method!r}: choose one of {', '.join(stacks)}, or give --levels")
+    levels, gammas = stacks[method]
+    return StackSpec.parse(levels, gammas or None, gamma)
+
+
+METHOD_DOC = {
+    "ar": "full: the target with its full cache, autoregressive",
+    "ngram": "ngram,full: prompt lookup",
+    "streaming": "streaming,full: the target with a StreamingLLM cache (the paper's naive policy)",
+    "draft": "draft,full: a small model (--draft PATH)",
+    "retrieval": "retrieval,full: the target with a retrieval cache (TriForce without hierarchy)",
+    "triforce": "DRAFTER,retrieval,full: TriForce (DRAFTER from --draft: ngram, streaming or a model)",
+}

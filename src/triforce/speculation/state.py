@@ -1,0 +1,101 @@
+"""A model with its KV cache, positioned over a prefix of the token sequence; prefill."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..kv import KVCache
+from ..model import Transformer
+from ..sampling import SamplingParams, probs_from_logits
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: int = 512,
+            progress: bool = False) -> torch.Tensor | None:
+    """Feed ids [B, N] in chunks (bounded attention memory); -> fp32 logits of the last token [B, V]
+    (None when N == 0: a one-token prompt leaves nothing to prefill before the first draft)."""
+    from tqdm.auto import tqdm
+
+    n = ids.shape[1]
+    logits = None
+    with tqdm(total=n, desc="prefill", unit="tok", disable=not progress or n <= chunk_size, leave=False) as bar:
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            logits = model(ids[:, start:end], cache, last=1)
+            bar.update(end - start)
+    return None if logits is None else logits[:, -1]
+
+
+class ModelState:
+    """`fed` are the tokens whose K/V the cache holds (cache.length == len(fed)).
+
+    Sequences passed in are `ctx` (a list of token ids) with ctx[:committed] final: tokens in there
+    never change, so the match between `fed` and `ctx` is re-checked only past `stable`.
+    """
+
+    def __init__(self, name: str, model: Transformer, cache: KVCache, params: SamplingParams):
+        self.name, self.model, self.cache, self.params = name, model, cache, params
+        self.fed: list[int] = []
+        self.stable = 0  # fed[:stable] is known to be committed
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def _sync(self, ctx: list[int], committed: int) -> int:
+        """Roll back to the longest prefix of `fed` matching ctx, keeping at least one ctx token to
+        feed (its logits give the next distribution); -> the kept length."""
+        n, end = self.stable, min(len(self.fed), len(ctx) - 1)
+        while n < end and self.fed[n] == ctx[n]:
+            n += 1
+        if n < len(self.fed):
+            self.cache.rollback(n)
+            del self.fed[n:]
+        self.stable = min(n, committed)
+        return n
+
+    @torch.inference_mode()
+    def score(self, ctx: list[int], committed: int, draft: list[int]) -> torch.Tensor:
+        """Next-token distributions after ctx, ctx + draft[:1], ..., ctx + draft: [len(draft) + 1, V]
+        (fp32, after temperature, top-k, top-p); when greedy, their argmax ids [len(draft) + 1]
+        instead (a one-hot distribution is its argmax). One forward over the ctx tokens not yet fed
+        plus the draft."""
+        n = self._sync(ctx, committed)
+        feed = ctx[n:] + draft
+        t = time.perf_counter()
+        logits = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(draft) + 1)[0]
+        self.seconds += time.perf_counter() - t
+        self.forwards += 1
+        self.fed.extend(feed)
+        if self.params.greedy:
+            return logits.argmax(-1)
+        return probs_from_logits(logits, self.params)
+
+    def prefill(self, tokens: list[int], chunk_size: int = 512, progress: bool = False) -> None:
+        """Feed `tokens` (from an empty cache) in chunks."""
+        assert not self.fed
+        prefill(self.model, self.cache, torch.tensor([tokens], device=self.model.device), chunk_size, progress)
+        self.fed = list(tokens)
+        self.stable = len(tokens)
+
+
+class PrefilledPrompt:
+    """A prompt's prefill in a full cache, reused by several generations (benchmarks, tuning): each
+    generation rolls the cache back to the prompt, so the prefill is paid once. Pass it to
+    generate(..., prefilled=...). Keeps the last prompt token's queries for retrieval builds."""
+
+    def __init__(self, model: Transformer, prompt: list[int], capacity: int, chunk_size: int = 512,
+                 progress: bool = False):
+        self.model = model
+        self.head = list(prompt[:-1])  # every state reads the prompt but its last token
+        self.cache = model.new_cache(capacity, record_queries=True)
+        prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress)
+        self.queries = [q[:, :, -1:].clone() if q is not None else None for q in self.cache.queries]
+
+    def restore(self, prompt: list[int]):
+        """The full cache holding exactly this prompt's head; ValueError for another prompt."""
+        if list(prompt[:-1]) != self.head:
+            raise ValueError("the prefilled prompt belongs to another prompt")
+        self.cache.rollback(len(self.head))
+        self.cache.queries = list(self.queries)
+        self.cache.query_start = len(self.head) - 1
+        return self.cache
