@@ -17,40 +17,86 @@ import torch
 
 from ..sampling import sample
 from .state import ModelState
+from .tree import DraftTree
+
+
+def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: torch.Tensor,
+                generator: torch.Generator | None) -> tuple[list[int], int]:
+    """The acceptance rule, for a tree of drafted tokens (a chain is the tree with one child per node).
+
+    tree: n drafted nodes. Rows are per slot (0: the root, the context's last token; s: node s - 1):
+    q [n + 1, V]: the distribution the slot's children were drawn from (without replacement, in their
+    order), or None for point masses at each child's token (deterministic drafts: n-gram lookup);
+    p [n + 1, V]: the verifier's next-token distribution after each slot, or [n + 1] argmax ids when
+    greedy (a one-hot p, compared as ids). -> (the accepted nodes, root to leaf; the next token).
+
+    Sequoia's rule at each slot: try its children in order; accept child s with probability
+    min(1, p(s) / q(s)); on a rejection p <- norm(max(p - q, 0)) and q <- q without s, renormalised;
+    if every child is rejected, sample from the residual p; at a leaf (no children), the bonus token
+    from p. With one child per slot this is the rule of speculative sampling (Leviathan et al.), and
+    the output follows p exactly either way. Decisions at different slots use independent draws, so
+    every slot is resolved at once on tensors; the `.tolist()` is the only host synchronisation, and
+    the walk from the root along accepted children runs on Python ints.
+    """
+    n, dev = len(tree), p.device
+    kids = tree.children
+    width = max(1, max(len(c) for c in kids))
+    child = torch.full((n + 1, width), -1, dtype=torch.long)
+    for slot, c in enumerate(kids):
+        child[slot, :len(c)] = torch.tensor(c, dtype=torch.long)
+    child = child.to(dev)
+    token = torch.tensor(tree.tokens + (0,), device=dev)  # child -1 reads token 0; never used
+    chosen = torch.full((n + 1,), -1, dtype=torch.long, device=dev)
+    slots = torch.arange(n + 1, device=dev)
+    if p.dim() == 1:
+        for b in range(width):  # greedy: the child equal to the argmax; else the argmax itself
+            c = child[:, b]
+            chosen = torch.where((c >= 0) & (chosen < 0) & (token[c] == p), c, chosen)
+        nxt = p
+    else:
+        P = p.clone()
+        Q = q.clone() if q is not None else None
+        for b in range(width):
+            c = child[:, b]
+            live = (c >= 0) & (chosen < 0)
+            x = token[c]
+            px = P[slots, x]
+            qx = Q[slots, x] if Q is not None else torch.ones_like(px)
+            u = torch.rand(n + 1, generator=generator, device=dev)
+            accepted = live & (u * qx < px)  # P(accept) = min(1, px / qx); qx > 0 since x came from q
+            chosen = torch.where(accepted, c, chosen)
+            rejected = (live & ~accepted)[:, None]
+            if Q is not None:
+                residual = (P - Q).clamp_(min=0)
+            else:
+                residual = P.clone()
+                residual[slots, x] = 0.0  # remove the point mass at x
+            total = residual.sum(-1, keepdim=True)
+            # total == 0 only if p == q up to rounding, where rejection has probability 0
+            P = torch.where(rejected, torch.where(total > 0, residual / total, P), P)
+            if Q is not None:  # sampling without replacement: the next child was drawn from q without x
+                rest = Q.clone()
+                rest[slots, x] = 0.0
+                rest_total = rest.sum(-1, keepdim=True)
+                Q = torch.where(rejected & (rest_total > 0), rest / rest_total.clamp(min=1e-30), Q)
+        nxt = sample(P, generator)  # per slot: the residual sample, or at a leaf the bonus token
+    chosen, nxt = torch.stack([chosen, nxt]).tolist()
+    path, slot = [], 0
+    while chosen[slot] >= 0:
+        path.append(chosen[slot])
+        slot = chosen[slot] + 1
+    return path, nxt[slot]
 
 
 def accept(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
            generator: torch.Generator | None) -> tuple[int, int]:
-    """draft [k] token ids; q [k, V] their proposal rows, or None for a deterministic drafter (a point
-    mass at each drafted token: n-gram lookup); p [k + 1, V] the verifier's rows, or [k + 1] ids for
-    a greedy verifier (its argmax: a one-hot p, compared as ids, no rows built).
-    -> (j, the next token): j drafted tokens accepted, then a residual sample at j, or the bonus
-    token from p[k] if j == k. Computed on tensors; the single `.tolist()` at the end is the round's
-    only host synchronisation."""
-    k = len(draft)
-    x = torch.tensor(draft + [0], device=p.device)  # padded: row k of p is the bonus row
-    if p.dim() == 1:
-        # greedy: p is one-hot at its argmax a, so x is accepted iff x == a, and the residual
-        # norm(max(0, p - q)) at a rejection is one-hot at a again, whatever q was
-        j = (x[:k] == p[:k]).long().cumprod(0).sum()
-        nxt = p[j]
-    else:
-        rows = torch.arange(k, device=p.device)
-        px = p[rows, x[:k]]
-        qx = q[rows, x[:k]] if q is not None else torch.ones_like(px)
-        u = torch.rand(k, generator=generator, device=p.device)
-        j = (u * qx < px).long().cumprod(0).sum()  # P(accept) = min(1, px / qx); qx > 0 since x came from q
-        residual = p[j].clone()
-        if q is not None:
-            residual -= torch.cat([q, torch.zeros_like(q[:1])])[j]  # the zero row: j == k gives p[k]
-            residual.clamp_(min=0)
-        else:
-            residual[x[j]] = torch.where(j < k, 0.0, residual[x[j]])  # remove the point mass at x_j
-        total = residual.sum()
-        # total == 0 only if p == q up to rounding, where rejection has probability 0
-        nxt = sample(torch.where(total > 0, residual / total, p[j]), generator)
-    j, nxt = torch.stack([j, nxt]).tolist()
-    return j, nxt
+    """A chain: draft [k] ids with proposal rows q [k, V] (or None: point masses); verifier rows p
+    [k + 1, V] (or [k + 1] argmax ids). -> (j accepted drafts, the next token: the residual sample
+    at j, or the bonus token if j == k). The tree rule (verify_tree) with one child per node."""
+    if q is not None:
+        q = torch.cat([q, torch.zeros_like(q[:1])])  # the last slot is a leaf: no children
+    path, nxt = verify_tree(DraftTree.chain(draft), q, p, generator)
+    return len(path), nxt
 
 
 class Level:
