@@ -175,3 +175,17 @@ def test_bench_on_the_users_own_files(tmp_path):
     assert {x["method"] for x in runs} == {"ar", "ngram"} and all(x["prompt"] == 0 for x in runs)
     bad = run("bench", "--prompt-file", str(tmp_path / "missing.txt"), "--quiet")
     assert bad.returncode == 2 and "prompt file not found" in bad.stderr
+
+
+@needs_model
+def test_bench_runs_user_stacks_beside_methods(tmp_path):
+    r = run("bench", "--context-lengths", "600", "--methods", "ngram", "--stacks",
+            "ngram,streaming:100,full@2,3;streaming:100,full@4", "--temperatures", "0", "--max-new-tokens", "6",
+            "--out", str(tmp_path / "b"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = {x["method"]: x for x in json.loads((tmp_path / "b" / "results.json").read_text())["rows"]}
+    assert set(rows) == {"ar", "ngram", "ngram,streaming:100,full --gammas 2,3", "streaming:100,full --gammas 4"}
+    assert all(x["lossless"] for x in rows.values())
+    assert "streaming:100" in rows["ngram,streaming:100,full --gammas 2,3"]["level_cost"]
+    bad = run("bench", "--stacks", "ngram,retrieval", "--quiet")
+    assert bad.returncode == 2 and "no 'full' level" in bad.stderr and "Traceback" not in bad.stderr

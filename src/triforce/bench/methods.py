@@ -26,18 +26,24 @@ def sampling_params(temperature: float):
     return SamplingParams(temperature=temperature, top_p=0.9 if temperature > 0 else 1.0)
 
 
-def level_floors_ms(model, n_ctx: int, config, bandwidth: float | None) -> dict[str, float]:
-    """Physical floor of one forward of each level's verifier: (weights + the KV it reads) / bandwidth.
-    The drafting levels read the bf16 draft weights where the run uses them."""
+def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: str) -> float | None:
+    """Physical floor of one forward of a level's verifier (named as in the stats: kind[:budget]):
+    (weights + the KV it reads) / bandwidth. The drafting levels read the bf16 draft weights where
+    the run uses them. None without a bandwidth or for a level without a model of the target."""
     from ..speculation.kinds import drafting_model
+    from ..speculation.stack import LevelSpec
     from .hardware import floor_seconds
 
-    if not bandwidth:
-        return {}
-    drafting = drafting_model(model, config)
-    kv = {"full": (model, n_ctx), "retrieval": (drafting, min(n_ctx, config.budget + config.recent)),
-          "streaming": (drafting, min(n_ctx, config.sink + config.window))}
-    return {name: round(floor_seconds(m, n, bandwidth) * 1e3, 1) for name, (m, n) in kv.items()}
+    spec = LevelSpec.parse(level)
+    if not bandwidth or spec.kind not in ("full", "retrieval", "streaming"):
+        return None
+    if spec.kind == "full":
+        m, n = model, n_ctx
+    elif spec.kind == "retrieval":
+        m, n = drafting_model(model, config), min(n_ctx, (spec.budget or config.budget) + config.recent)
+    else:
+        m, n = drafting_model(model, config), min(n_ctx, spec.budget or config.streaming_budget)
+    return round(floor_seconds(m, n, bandwidth) * 1e3, 1)
 
 
 def _agreement(tokens: list[int], ref: list[int] | None) -> int | None:
@@ -68,14 +74,15 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
               progress=True, draft_model=None, log=print, bandwidth=None, peers=(), draft_dir=None,
               prompt_files=(), on_row=None) -> list[dict]:
-    """-> one row per (context, prompt, temperature, method); `on_row(rows)` is called after each
-    new row (the CLI writes the results so far, so an interrupted run keeps its finished rows)."""
+    """-> one row per (context, prompt, temperature, method); `methods` are method names or StackSpecs
+    (a row's method is then the stack's text). `on_row(rows)` is called after each new row (the CLI
+    writes the results so far, so an interrupted run keeps its finished rows)."""
     from tqdm.auto import tqdm
 
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..speculation.decoder import full_capacity
-    from ..speculation.stack import method_stack
+    from ..speculation.stack import StackSpec, method_stack
     from ..speculation.state import PrefilledPrompt
     from . import peers as peer_mod
 
@@ -89,7 +96,10 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
 
     if "ar" not in methods:
         methods = ["ar"] + list(methods)
-    stacks = [method_stack(m, config.gamma, config.gamma_draft, config.draft) for m in methods]
+    runs = {str(m) if isinstance(m, StackSpec) else m:
+            m if isinstance(m, StackSpec) else method_stack(m, config.gamma, config.gamma_draft, config.draft)
+            for m in methods}  # name -> stack
+    stacks = list(runs.values())
     fitting = []
     for n in context_lengths:
         capacity = max(full_capacity(n, max_new_tokens, st) for st in stacks)
@@ -103,8 +113,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     file_tokens = [(str(f), tok(Path(f).read_text(encoding="utf-8"))["input_ids"]) for f in prompt_files]
     warmed = False
     for n_ctx in fitting:
-        floors = level_floors_ms(model, n_ctx, config, bandwidth)
-        floor_ms = floors.get("full")
+        floor_ms = level_floor_ms(model, n_ctx, config, bandwidth, "full")
         if not file_tokens:  # verse and prose from the plays, a different stretch per prompt
             prompts = [demo_tokens(tok, n_ctx, offset_chars=pi * 200_000) for pi in range(n_prompts)]
         else:
@@ -120,15 +129,15 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                                      config.prefill_chunk, progress)
             log(f"context {n_ctx}, prompt {pi}: prefill {time.perf_counter() - t:.1f} s")
             if not warmed:  # first calls of every code path (kernels, oneDNN, allocator) stay untimed
-                for method in methods:
-                    generate(model, prompt, 4, sampling_params(0.0), method=method, config=config,
+                for stack in stacks:
+                    generate(model, prompt, 4, sampling_params(0.0), stack=stack, config=config,
                              draft_model=draft_model, prefilled=shared)
                 warmed = True
             for temp in temperatures:
                 params = sampling_params(temp)
                 ar_tokens, ar_ms = None, None
-                for method in tqdm(methods, desc=f"{n_ctx} T={temp}", leave=False, disable=not progress):
-                    res = generate(model, prompt, max_new_tokens, params, method=method, config=config,
+                for method, stack in tqdm(runs.items(), desc=f"{n_ctx} T={temp}", leave=False, disable=not progress):
+                    res = generate(model, prompt, max_new_tokens, params, stack=stack, config=config,
                                    draft_model=draft_model, seed=seed + pi, prefilled=shared)
                     ms = res.decode_seconds / len(res.tokens) * 1e3
                     if method == "ar":
@@ -137,7 +146,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     for lvl in levels:  # per-level cost of one verification forward beside its floor
                         if lvl.get("role") == "verify" and lvl.get("forwards"):
                             lvl["ms_per_forward"] = round(lvl["seconds"] / lvl["forwards"] * 1e3, 2)
-                            lvl["floor_ms"] = floors.get(lvl["level"])
+                            lvl["floor_ms"] = level_floor_ms(model, n_ctx, config, bandwidth, lvl["level"])
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
                                notes=res.stats.get("notes", []))
                     add(row)
@@ -258,8 +267,9 @@ def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: di
         raise TriforceError(f"cannot write the results in {out_dir}: {e.strerror or e} (choose another --out)") from e
 
 
-def main(args, config, draft_path: str | None) -> int:
-    """`triforce bench` (the CLI has parsed and checked the speculation options into config)."""
+def main(args, config, draft_path: str | None, stacks=()) -> int:
+    """`triforce bench` (the CLI has parsed and checked the speculation options into config, and
+    --stacks into StackSpecs)."""
     from ..loading import load_model
     from . import peers as peer_mod
     from .hardware import measure_bandwidth
@@ -285,7 +295,7 @@ def main(args, config, draft_path: str | None) -> int:
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     out_dir = Path(args.out)
-    rows = run_bench(loaded, [int(x) for x in args.context_lengths.split(",")], args.methods.split(","),
+    rows = run_bench(loaded, [int(x) for x in args.context_lengths.split(",")], args.methods.split(",") + list(stacks),
                      [float(x) for x in args.temperatures.split(",")], args.prompts, args.max_new_tokens, config,
                      seed=args.seed, progress=not args.quiet, draft_model=draft_model.model if draft_model else None,
                      log=log, bandwidth=bandwidth, peers=peers, prompt_files=args.prompt_file or (),
