@@ -25,7 +25,8 @@ def hf_tiny(arch: str = "llama", seed: int = 0, **overrides):
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
     kw = dict(TINY, **overrides)
     if arch == "mistral":
         kw.setdefault("sliding_window", None)
@@ -42,6 +43,11 @@ def hf_tiny(arch: str = "llama", seed: int = 0, **overrides):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    if arch == "gemma3":  # Gemma's norms multiply by 1 + w and start at w = 0: make every w random (QK-norm too)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.uniform_(-0.5, 0.5)
     return model
 
 

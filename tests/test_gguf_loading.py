@@ -233,9 +233,10 @@ def test_partial_rope_is_refused(tmp_path):
         read_gguf(path, progress=False)
 
 
-def _write_gemma3(path: Path, vocab: int = 50_000) -> Path:
-    """The header of a gemma3 GGUF with a real-sized vocabulary (what makes gguf.GGUFReader slow)."""
-    w = gguf.GGUFWriter(str(path), "gemma3")
+def _write_gemma2(path: Path, vocab: int = 50_000) -> Path:
+    """The header of a gemma2 GGUF (an unsupported architecture) with a real-sized vocabulary (what makes
+    gguf.GGUFReader slow)."""
+    w = gguf.GGUFWriter(str(path), "gemma2")
     w.add_block_count(1)
     w.add_context_length(128)
     w.add_embedding_length(8)
@@ -249,9 +250,9 @@ def _write_gemma3(path: Path, vocab: int = 50_000) -> Path:
 
 
 def test_unsupported_architecture_is_refused_fast(tmp_path):
-    path = _write_gemma3(tmp_path / "tiny-gemma3.gguf")
+    path = _write_gemma2(tmp_path / "tiny-gemma2.gguf")
     t0 = time.perf_counter()
-    with pytest.raises(TriforceError, match="'gemma3'.*supported are llama, qwen2, qwen3"):
+    with pytest.raises(TriforceError, match="'gemma2'.*supported are llama, qwen2, qwen3, gemma3"):
         check_gguf_architecture(path)
     assert time.perf_counter() - t0 < 2.0
     hf_dir, _ = saved(tmp_path, "llama")
@@ -264,7 +265,7 @@ def test_unsupported_architecture_is_refused_fast(tmp_path):
 def test_cli_refuses_unsupported_architecture(tmp_path):
     """One line naming the supported architectures, exit code 2, no traceback, and quickly (python,
     torch and transformers start within the time; the check itself is milliseconds)."""
-    path = _write_gemma3(tmp_path / "tiny-gemma3.gguf")
+    path = _write_gemma2(tmp_path / "tiny-gemma2.gguf")
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "triforce", "generate", "--prompt", "hi", "--model", str(path),
                         "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600)
@@ -272,6 +273,6 @@ def test_cli_refuses_unsupported_architecture(tmp_path):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and all(w in lines[0] for w in ("gemma3", "llama", "qwen2", "qwen3")), r.stderr
+    assert len(lines) == 1 and all(w in lines[0] for w in ("gemma2", "llama", "qwen2", "qwen3", "gemma3")), r.stderr
     assert took < 10, took
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing converted

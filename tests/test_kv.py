@@ -26,7 +26,8 @@ class MaskedFullCache(FullCache):
         super().__init__(c.n_layers, c.n_kv_heads, c.head_dim, capacity)
         self.sink, self.window = sink, window
 
-    def prepare(self, n_new):
+    def prepare(self, n_new, block=None):
+        assert block is None  # chains only
         super().prepare(n_new)
         q = torch.arange(self.length, self.length + n_new)[:, None]
         k = torch.arange(self.length + n_new)[None, :]

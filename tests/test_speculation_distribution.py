@@ -129,8 +129,14 @@ def wrong_accept(draft, q, p, generator):
     return j, int(sample(p[j], generator))
 
 
+def wrong_verify(tree, q, p, generator):
+    """wrong_accept in the tree rule's signature (levels verify chains through verify_tree)."""
+    j, nxt = wrong_accept(list(tree.tokens), q[:-1] if q is not None else None, p, generator)
+    return list(range(j)), nxt
+
+
 def test_check_detects_a_wrong_sampler(models, prompt, exact, monkeypatch):
-    monkeypatch.setattr(level_mod, "accept", wrong_accept)
+    monkeypatch.setattr(level_mod, "verify_tree", wrong_verify)
     pv = p_values(sample_counts(models, prompt, "triforce", SpecConfig(**{**CFG.__dict__, "draft": "draft"})), exact)
     assert min(pv) < 1e-6, f"the wrong sampler went undetected: p-values {pv}"
 

@@ -196,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(method="triforce")
     _add_model_args(t)
     _add_spec_args(t)
+    pp = sub.add_parser("perplexity", help="perplexity of a model on a text, by position band",
+                        description="Teacher-forced perplexity of the model on a text (BOS first where the model "
+                                    "adds one, as llama.cpp's llama-perplexity does), overall and by position band; "
+                                    "--rope-theta takes several bases to compare long-context profiles.")
+    from .bench.perplexity import add_arguments as perplexity_arguments
+
+    perplexity_arguments(pp)
     return parser
 
 
@@ -311,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.command == "perplexity":
+        from .bench.perplexity import run as perplexity_run
+
+        return perplexity_run(args)
     config, draft_path = spec_config_from_args(args)
     if args.command == "bench":
         from .bench.methods import main as bench_main

@@ -13,14 +13,17 @@ class Architecture:
 
     qkv_bias: bool = False  # q/k/v projections always carry a bias (else only with attention_bias)
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE
+    gemma: bool = False  # Gemma 3's forward: see _gemma3_fields
 
 
-# HF model_type -> its forward. SmolLM/SmolLM2 and Llama 2/3.x are "llama".
+# HF model_type -> its forward. SmolLM/SmolLM2 and Llama 2/3.x are "llama"; Gemma 3's text model
+# (Gemma3ForCausalLM) is "gemma3_text".
 SUPPORTED_ARCHITECTURES = {
     "llama": Architecture(),
     "mistral": Architecture(),
     "qwen2": Architecture(qkv_bias=True),
     "qwen3": Architecture(qk_norm=True),
+    "gemma3_text": Architecture(qk_norm=True, gemma=True),
 }
 
 
@@ -68,13 +71,41 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3 (the defaults are the Llama family's forward)
+    norm_weight_offset: float = 0.0  # every RMSNorm multiplies by (offset + weight): Gemma stores w, applies 1 + w
+    sandwich_norms: bool = False  # RMSNorm also on the attention and MLP outputs, before each residual add
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), rounded to the embedding's dtype
+    activation: str = "silu"  # of the MLP gate: silu, gelu_tanh (Gemma's gelu_pytorch_tanh) or gelu
+    query_pre_attn_scalar: float | None = None  # attention scores are scaled by its ** -0.5 (None: head_dim's)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Sliding-window layers: the query at position i sees keys at positions (i - sliding_window, i]
+    # (transformers' sliding_window_overlay), with their own RoPE (None: `rope`).
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local: RopeConfig | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...] | None:
+        """Per layer, the sliding window it attends within (None: the whole sequence); None if no layer
+        slides. A KV cache must implement exactly this (KVCache.windows)."""
+        if not self.sliding_layers:
+            return None
+        return tuple(self.sliding_window if i in self.sliding_layers else None for i in range(self.n_layers))
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V stored per token over all layers, in fp32."""
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * 4
+        """Bytes of K and V stored per token of context over all layers, in fp32. Sliding-window layers
+        keep a fixed window, not a growing context: they are not counted."""
+        growing = self.n_layers - len(self.sliding_layers)
+        return growing * 2 * self.n_kv_heads * self.head_dim * 4
 
     def with_overrides(self, rope_theta: float | None = None, max_context: int | None = None) -> ModelConfig:
+        """`rope_theta` replaces the base of `rope` (Gemma 3: the global layers'; the sliding-window
+        layers keep theirs, as llama.cpp's --rope-freq-base does)."""
         cfg = self
         if rope_theta is not None:
             if rope_theta <= 0:
@@ -93,37 +124,27 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise TriforceError(
                 f"unsupported architecture {arch!r}: triforce supports "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3)"
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5, "
+                f"Qwen3, Gemma 3 text models)"
             )
         spec = SUPPORTED_ARCHITECTURES[arch]
         n_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         head_dim = hf.get("head_dim") or hidden // n_heads
         rp = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
-        if rtype not in ("default", "linear", "dynamic", "yarn", "llama3"):
-            raise TriforceError(f"unsupported RoPE type {rtype!r}: use default, linear, dynamic, yarn or llama3")
-        rope = RopeConfig(
-            theta=float(theta),
-            type=rtype,
-            factor=float(rp.get("factor", 1.0) or 1.0),
-            original_max_position=rp.get("original_max_position_embeddings"),
-            low_freq_factor=float(rp.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rp.get("high_freq_factor", 4.0)),
-            beta_fast=float(rp.get("beta_fast") or 32.0),
-            beta_slow=float(rp.get("beta_slow") or 1.0),
-            attention_factor=rp.get("attention_factor"),
-            mscale=rp.get("mscale"),
-            mscale_all_dim=rp.get("mscale_all_dim"),
-            truncate=bool(rp.get("truncate", True)),
-            freq_factors=_freq_factors(rp.get("freq_factors"), head_dim),
-        )
+        default_theta = hf.get("rope_theta", 10000.0)
+        gemma = {}
+        if spec.gemma:
+            gemma = _gemma3_fields(hf, rp, head_dim)
+            default_theta = hf.get("rope_theta", GEMMA3_GLOBAL_ROPE_THETA)
+            if "full_attention" in rp or "sliding_attention" in rp:  # 5.x: per layer type; `rope` is the global layers'
+                rp = dict(rp.get("full_attention") or {})
+        rope = _rope_config(rp, default_theta, head_dim)
         max_context = int(hf.get("max_position_embeddings", 4096))
-        # Sliding-window attention (Mistral v0.1, some Qwen2 configs) is not implemented: within the
-        # window it equals full attention, so the usable context is capped at the window.
+        # Sliding-window attention of Mistral v0.1 and some Qwen2 configs is not implemented: within
+        # the window it equals full attention, so the usable context is capped at the window.
         window = hf.get("sliding_window")
-        if window and (arch == "mistral" or hf.get("use_sliding_window")) and window < max_context:
+        if window and not spec.gemma and (arch == "mistral" or hf.get("use_sliding_window")) and window < max_context:
             max_context = int(window)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -144,7 +165,85 @@ class ModelConfig:
             qk_norm=spec.qk_norm,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **gemma,
         )
+
+
+_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def _rope_config(rp: dict, default_theta: float, head_dim: int) -> RopeConfig:
+    """One `rope_parameters` dict (transformers 5.x; or 4.x's `rope_scaling`, `rope_theta` beside it) -> RopeConfig."""
+    theta = rp.get("rope_theta", default_theta)
+    rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
+    if rtype not in _ROPE_TYPES:
+        raise TriforceError(f"unsupported RoPE type {rtype!r}: use default, linear, dynamic, yarn or llama3")
+    return RopeConfig(
+        theta=float(theta),
+        type=rtype,
+        factor=float(rp.get("factor", 1.0) or 1.0),
+        original_max_position=rp.get("original_max_position_embeddings"),
+        low_freq_factor=float(rp.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rp.get("high_freq_factor", 4.0)),
+        beta_fast=float(rp.get("beta_fast") or 32.0),
+        beta_slow=float(rp.get("beta_slow") or 1.0),
+        attention_factor=rp.get("attention_factor"),
+        mscale=rp.get("mscale"),
+        mscale_all_dim=rp.get("mscale_all_dim"),
+        truncate=bool(rp.get("truncate", True)),
+        freq_factors=_freq_factors(rp.get("freq_factors"), head_dim),
+    )
+
+
+# transformers' Gemma3TextConfig defaults (default_theta, the BC sliding_window_pattern)
+GEMMA3_GLOBAL_ROPE_THETA = 1_000_000.0
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def _gemma3_fields(hf: dict[str, Any], rp: dict, head_dim: int) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma 3 text config (transformers' Gemma3TextConfig and
+    Gemma3ForCausalLM): (1 + w) RMSNorms, sandwich norms, embeddings scaled by sqrt(hidden), GeGLU,
+    QK-norm, query_pre_attn_scalar, final logit softcapping, and sliding-window layers with their own
+    RoPE (`rope_parameters["sliding_attention"]`, or 4.x's `rope_local_base_freq`).
+    What it would not reproduce is refused."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise TriforceError(f"attention logit softcapping ({hf['attn_logit_softcapping']}) is not supported "
+                            f"(Gemma 3 does not use it)")
+    if hf.get("use_bidirectional_attention"):
+        raise TriforceError("bidirectional attention (use_bidirectional_attention) is not supported: "
+                            "triforce runs causal language models")
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"  # Gemma3MLP reads this key only
+    if act not in _GEMMA_ACTIVATIONS:
+        raise TriforceError(f"unsupported activation {act!r}: Gemma 3 support covers "
+                            f"{', '.join(_GEMMA_ACTIVATIONS)}")
+    n_layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:  # transformers' BC: the pattern used to be an int
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise TriforceError(f"unsupported layer_types {types}: one of sliding_attention or full_attention per layer")
+    window = hf.get("sliding_window")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    if "full_attention" in rp or "sliding_attention" in rp:
+        local = dict(rp.get("sliding_attention") or {})
+    else:
+        local = {"rope_type": "default"}
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA))
+    softcap = hf.get("final_logit_softcapping")
+    return dict(
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        activation=_GEMMA_ACTIVATIONS[act],
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        final_logit_softcap=float(softcap) if softcap else None,
+        sliding_window=int(window) if sliding else None,
+        sliding_layers=sliding,
+        rope_local=_rope_config(local, GEMMA3_LOCAL_ROPE_THETA, head_dim) if sliding else None,
+    )
 
 
 def _freq_factors(values, head_dim: int) -> tuple[float, ...] | None:

@@ -1,8 +1,13 @@
-"""The Llama-family forward (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3) in one file.
+"""The Llama-family forward (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3) in one file.
 
 Native grouped-query attention: the g = Hq / Hkv query heads sharing a KV head are folded into the
 query-length axis ([B, Hkv, g*T, D]), so K/V are never repeated per query head. The KV cache is an
 argument of every forward (see kv/base.py); positions are the cache's logical length onwards.
+
+Gemma 3 differs by configuration flags (config.ModelConfig): (1 + w) RMSNorms (the 1 is added to the
+weights at load time), norms on the attention and MLP outputs too, embeddings scaled by sqrt(hidden),
+GeGLU, QK-norm, query_pre_attn_scalar, final logit softcapping, and sliding-window layers with their own
+RoPE, whose window the KV cache implements (kv/sliding.py).
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from torch import nn
 
 from . import kernels
 from .config import ModelConfig
-from .kv.base import KVCache, causal_mask
+from .errors import TriforceError
+from .kv.base import SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, causal_mask
 from .rope import Rotary, apply_rotary
 
 
@@ -64,6 +70,9 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32. Gemma's (1 + w) norms hold 1 + w as
+    `weight` (load_hf_state_dict adds the 1 in fp32), which is what transformers multiplies by."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -78,7 +87,7 @@ class RMSNorm(nn.Module):
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention under the CAUSAL marker, split in two and merged by log-sum-exp: the g*T folded
     query rows against the past keys with no mask, and each query head against the T new keys with
     is_causal. Building and applying a [g*T, S] mask made long prefill chunks about 1.7x slower.
@@ -86,10 +95,10 @@ def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    o1, l1 = _flash_cpu(q.reshape(B, Hkv, g * T, D), k[:, :, :S - T], v[:, :, :S - T])[:2]
+    o1, l1 = _flash_cpu(q.reshape(B, Hkv, g * T, D), k[:, :, :S - T], v[:, :, :S - T], scale=scale)[:2]
     kb = k[:, :, S - T:].repeat_interleave(g, dim=1)  # only the T new keys are repeated
     vb = v[:, :, S - T:].repeat_interleave(g, dim=1)
-    o2, l2 = _flash_cpu(q, kb, vb, is_causal=True)[:2]
+    o2, l2 = _flash_cpu(q, kb, vb, is_causal=True, scale=scale)[:2]
     o2, l2 = o2.reshape(B, Hkv, g * T, D), l2.reshape(B, Hkv, g * T)
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
@@ -103,26 +112,27 @@ KERNEL_MAX_ROWS = 64
 KERNEL_MIN_KEYS = 1024
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
     """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL or [T, S] bool -> [B, Hq, T, D].
 
-    Query head h uses KV head h // g (the transformers convention).
+    Scores are q . k * scale (None: D ** -0.5). Query head h uses KV head h // g (the transformers convention).
     """
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
     if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D == 64 \
             and (mask is None or isinstance(mask, str)) and (kern := kernels.for_tensor(q)) is not None:
-        out = kern.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, D ** -0.5)
+        out = kern.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, scale)
         return out.view(B, Hq, T, D)
     if isinstance(mask, str):  # CAUSAL
         if q.device.type == "cpu" and _flash_cpu is not None and S > T and q.dtype == k.dtype:
-            return _causal_block_attention(q, k, v).view(B, Hq, T, D)
+            return _causal_block_attention(q, k, v, scale).view(B, Hq, T, D)
         mask = causal_mask(T, S - T, q.device)
     q = q.reshape(B, Hkv, g * T, D)
     if mask is not None and g > 1:
         mask = mask.repeat(g, 1)  # rows are (group head, token)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.view(B, Hq, T, D)
 
 
@@ -130,19 +140,25 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.index = index
+        self.sliding = index in cfg.sliding_layers  # attends within cfg.sliding_window, with cfg.rope_local
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scale, self.activation = cfg.attention_scale, cfg.activation
         qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.wqkv = Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # fused: one weight read
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        # Qwen3's QK-norm: RMSNorm over head_dim of every q and k head, before RoPE
+        # QK-norm (Qwen3, Gemma 3): RMSNorm over head_dim of every q and k head, before RoPE
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Gemma's sandwich norms: on the attention and MLP outputs, before each residual add
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.w_gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x [B, T, hidden]; cos/sin [T, D] of this layer's RoPE -> [B, T, hidden]."""
         B, T, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(self.attn_norm(x))
@@ -156,13 +172,23 @@ class Block(nn.Module):
             k = apply_rotary(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
             v = v.view(B, T, Hkv, D).transpose(1, 2)
         keys, values, mask = cache.update(self.index, q, k, v)
-        a = attention(q, keys, values, mask)
-        x = x + self.wo(a.transpose(1, 2).reshape(B, T, Hq * D))
-        gate_up = self.w_gate_up(self.mlp_norm(x))
-        if ops is not None:
-            return x + self.w_down(ops.silu_mul(gate_up))
+        a = self.wo(attention(q, keys, values, mask, self.scale).transpose(1, 2).reshape(B, T, Hq * D))
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        x = x + a
+        m = self.w_down(self.gated(self.w_gate_up(self.mlp_norm(x)), ops))
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return x + m
+
+    def gated(self, gate_up: torch.Tensor, ops) -> torch.Tensor:
+        """[..., 2F] (gate, up) -> act(gate) * up [..., F]: SwiGLU, or Gemma's GeGLU."""
+        if self.activation == "silu" and ops is not None:
+            return ops.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh" if self.activation == "gelu_tanh" else "none") * up
 
     def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [B, T, (Hq + 2 Hkv) D] -> the same with each q and k head RMS-normalised over D.
@@ -185,7 +211,14 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.windows = cfg.layer_windows  # what the KV cache must implement (KVCache.windows)
+        self.init_rotary()
+
+    def init_rotary(self) -> None:
+        """RoPE frequencies (fp32, CPU): the global layers', and the sliding-window layers' own if any."""
+        cfg = self.cfg
         self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_context)
+        self.rotary_local = Rotary(cfg.rope_local, cfg.head_dim, cfg.max_context) if cfg.rope_local else None
 
     @property
     def device(self) -> torch.device:
@@ -197,23 +230,39 @@ class Transformer(nn.Module):
 
     def to(self, *args, **kwargs):  # keep RoPE frequencies on the model's device
         out = super().to(*args, **kwargs)
-        out.rotary.inv_freq = out.rotary.inv_freq.to(out.device)
+        for rotary in (out.rotary, out.rotary_local):
+            if rotary is not None:
+                rotary.inv_freq = rotary.inv_freq.to(out.device)
         return out
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | None = None) -> torch.Tensor:
-        """tokens [B, T] at positions cache.length .. cache.length + T - 1 -> fp32 logits [B, T, V]
-        (only the last `last` positions if given). The tokens are committed to the cache."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | None = None,
+                block: TokenBlock | None = None) -> torch.Tensor:
+        """tokens [B, T] at positions cache.length .. cache.length + T - 1, a causal chain (or, with a
+        TokenBlock, at positions cache.length + block.offsets, each seeing the tokens block.visible
+        says: a draft tree) -> fp32 logits [B, T, V] (only the last `last` positions if given). The
+        tokens are committed to the cache (a tree: until cache.keep() keeps its accepted path)."""
+        if cache.windows != self.windows:
+            raise TriforceError(f"{type(cache).__name__} does not implement the sliding-window layers of this "
+                                f"{self.cfg.arch} model: {SLIDING_WINDOW_UNSUPPORTED}"
+                                if self.windows is not None else
+                                f"{type(cache).__name__} was made for a model with sliding-window layers")
         B, T = tokens.shape
-        cache.prepare(T)
-        positions = torch.arange(cache.length, cache.length + T, device=tokens.device)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        cache.prepare(T, block)
+        positions = cache.length + (torch.arange(T, device=tokens.device) if block is None else block.offsets)
+        rope = self.rotary.cos_sin(positions, self.dtype)
+        rope_local = rope if self.rotary_local is None else self.rotary_local.cos_sin(positions, self.dtype)
         x = self.embed(tokens)
+        if self.cfg.scale_embeddings:  # as transformers: sqrt(hidden) as an fp32 tensor, cast to the dtype
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache)
+            x = layer(x, *(rope_local if layer.sliding else rope), cache)
         cache.commit(T)
         if last is not None:
             x = x[:, -last:]
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x))
+        if (cap := self.cfg.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def pack_weights(self) -> None:
         """Pre-pack the linear layers' weights for decode and verification forwards on CPU (see Linear)."""
@@ -247,24 +296,37 @@ class Transformer(nn.Module):
         return draft
 
     def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1):
-        from .kv import FullCache
+        """The full-attention cache of this model for `capacity` tokens: a FullCache, or with sliding-window
+        layers a SlidingWindowCache (their keys in a ring of the window plus a few slots)."""
+        from .kv import FullCache, SlidingWindowCache
 
         cfg = self.cfg
-        return FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context,
-                         batch=batch, dtype=self.dtype, device=self.device, record_queries=record_queries)
+        kw = dict(batch=batch, dtype=self.dtype, device=self.device, record_queries=record_queries)
+        if self.windows is not None:
+            return SlidingWindowCache(self.windows, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
+        return FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
+
+
+# Our block norms -> their Hugging Face names. Llama's post_attention_layernorm is the norm before the
+# MLP, Gemma's the one on the attention output.
+_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_SANDWICH_NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                   "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 
 
 def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
-    """Load a Hugging Face Llama-style state dict, fusing q/k/v and gate/up projections."""
+    """Load a Hugging Face Llama-style (or Gemma 3) state dict, fusing q/k/v and gate/up projections.
+    Norm weights get cfg.norm_weight_offset added in fp32 (Gemma's 1 + w)."""
     cfg = model.cfg
     ours: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         ours["lm_head.weight"] = sd["lm_head.weight"]
+    norms = _SANDWICH_NORMS if cfg.sandwich_norms else _NORMS
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        ours[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
-        ours[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        for name, hf_name in norms.items():
+            ours[f"layers.{i}.{name}.weight"] = sd[p + hf_name + ".weight"]
         ours[f"layers.{i}.wqkv.weight"] = torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]])
         if cfg.qkv_bias:
             ours[f"layers.{i}.wqkv.bias"] = torch.cat([sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
@@ -274,6 +336,8 @@ def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
             ours[f"layers.{i}.k_norm.weight"] = sd[a + "k_norm.weight"]
         ours[f"layers.{i}.w_gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
         ours[f"layers.{i}.w_down.weight"] = sd[p + "mlp.down_proj.weight"]
+    if cfg.norm_weight_offset:
+        ours = {k: v.float() + cfg.norm_weight_offset if k.endswith("norm.weight") else v for k, v in ours.items()}
     dtype = model.dtype
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]

@@ -1,15 +1,23 @@
 """The KV-cache interface shared by every cache.
 
 A forward pass over T new tokens calls, in order:
-  `prepare(T)` once   -> the mask shared by all layers,
+  `prepare(T, block)` once -> the mask shared by all layers,
   `update(layer, q, k, v)` per layer -> the keys/values (and mask) that layer attends over,
   `commit(T)` once    -> the new tokens become part of the sequence.
+
+The new tokens are a causal chain at positions length.. length + T - 1 (block None), or a
+TokenBlock: a draft tree after the pending context tokens, each token at its own position (prefix +
+depth) seeing only itself and its ancestors. After the tree is verified, `keep(start, rows)` keeps
+the accepted root-to-leaf path as the sequence (compaction of the appended rows); for a chain that
+is a prefix, i.e. `rollback`.
 
 Keys are stored after RoPE at their absolute positions, so a cache may keep any subset of the
 sequence, in any order. `length` is the logical sequence length (the absolute position of the next
 token), whatever the cache physically keeps. All storage is preallocated; `rollback(n)` is O(1).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,8 +27,13 @@ from ..errors import TriforceError
 class KVCache:
     n_layers: int
     length: int
+    # Per layer, the sliding window its attention is restricted to (None: the whole sequence), or None
+    # for a cache that gives every layer full attention. Transformer.forward refuses a cache whose
+    # windows are not its config's layer_windows: any other cache would silently attend to keys the
+    # model never sees.
+    windows: tuple[int | None, ...] | None = None
 
-    def prepare(self, n_new: int) -> None:
+    def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         raise NotImplementedError
 
     def update(
@@ -40,6 +53,39 @@ class KVCache:
     def rollback(self, length: int) -> None:
         """Forget every token at position >= `length`."""
         raise NotImplementedError
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a forward whose new tokens began at position `start`: keep new tokens `rows`
+        (ascending indices into them, whose positions are start, start + 1, ...: a root-to-leaf path)
+        as the sequence from `start` on, and forget the others. A prefix of the rows is a rollback
+        (O(1)); other rows are moved, in caches that support token blocks."""
+        if rows != list(range(len(rows))):
+            raise TriforceError(f"{type(self).__name__} does not support draft trees (token blocks)")
+        self.rollback(start + len(rows))
+
+
+@dataclass(frozen=True)
+class TokenBlock:
+    """New tokens that are not one causal chain: offsets [T] (long), each token's position minus the
+    cache's length; visible [T, T] (bool), True where new token i attends to new token j (itself and
+    its ancestors). Every token already in the cache stays visible to all of them."""
+
+    offsets: torch.Tensor
+    visible: torch.Tensor
+
+    def mask(self, n_past: int) -> torch.Tensor:
+        """[T, n_past + T] bool: all past keys, then the block's own visibility."""
+        T = self.visible.shape[0]
+        past = torch.ones(T, n_past, dtype=torch.bool, device=self.visible.device)
+        return torch.cat([past, self.visible], dim=1)
+
+
+# Why the drafting caches (retrieval, streaming) refuse models with sliding-window layers.
+SLIDING_WINDOW_UNSUPPORTED = (
+    "speculation levels other than ngram (the retrieval and streaming caches: methods triforce, retrieval, "
+    "streaming) are not yet supported for models with sliding-window layers such as Gemma 3: use --method ar "
+    "or --method ngram"
+)
 
 
 # A mask marker: every key but the newest T is visible to all T new tokens, and the newest T keys

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CAUSAL, KVCache, check_capacity
+from .base import CAUSAL, KVCache, TokenBlock, check_capacity
 
 
 class FullCache(KVCache):
@@ -26,11 +26,11 @@ class FullCache(KVCache):
         self._mask: torch.Tensor | str | None = None
         self._n_new = 0
 
-    def prepare(self, n_new: int) -> None:
+    def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")
         self._n_new = n_new
         self.query_start = self.length
-        self._mask = None if n_new == 1 else CAUSAL
+        self._mask = None if n_new == 1 else CAUSAL if block is None else block.mask(self.length)
 
     def update(self, layer, q, k, v):
         start, end = self.length, self.length + self._n_new
@@ -43,3 +43,14 @@ class FullCache(KVCache):
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        if rows == list(range(len(rows))):
+            return self.rollback(start + len(rows))
+        idx = torch.tensor(rows, device=self.k.device)
+        end = start + len(rows)
+        self.k[:, :, :, start:end] = self.k[:, :, :, start + idx]
+        self.v[:, :, :, start:end] = self.v[:, :, :, start + idx]
+        if self.queries is not None and self.query_start == start:  # the retrieval build reads them
+            self.queries = [q[:, :, idx] if q is not None else None for q in self.queries]
+        self.length = end

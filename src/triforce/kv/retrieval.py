@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import CAUSAL, KVCache, check_capacity
+from .base import CAUSAL, SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, check_capacity
 from .full import FullCache
 
 
@@ -62,9 +62,12 @@ class RetrievalCache(KVCache):
         return torch.cat([head, chunk_tokens, tail], dim=-1)
 
     def build(self, full: FullCache) -> None:
-        """(Re)build from the first `full.length` tokens of `full`, scoring chunks with the query of
+        """(Re)build from the first `full.length` tokens of `full` (a FullCache: never the cache of a model
+        with sliding-window layers, whose selection is not implemented), scoring chunks with the query of
         its last token (position full.length - 1), which its last forward must have recorded
         (`record_queries=True`; rolling `full` back after that forward is fine)."""
+        if full.windows is not None:
+            raise TriforceError(SLIDING_WINDOW_UNSUPPORTED)
         n = full.length
         query_index = n - 1 - full.query_start
         if full.queries is None or full.queries[0] is None or not 0 <= query_index < full.queries[0].shape[2]:
@@ -81,14 +84,17 @@ class RetrievalCache(KVCache):
             self.indices.append(idx)
         self.base, self.built_at, self.length = m, n, n
 
-    def prepare(self, n_new: int) -> None:
-        end = self.base + self.length - self.built_at + n_new
-        check_capacity(end, self.capacity, "the retrieval cache (rebuild it more often)")
+    def _phys(self, position: int) -> int:
+        """Slot of a position appended since the build (position >= built_at)."""
+        return self.base + position - self.built_at
+
+    def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
+        check_capacity(self._phys(self.length) + n_new, self.capacity, "the retrieval cache (rebuild it more often)")
         self._n_new = n_new
-        self._mask = None if n_new == 1 else CAUSAL
+        self._mask = None if n_new == 1 else CAUSAL if block is None else block.mask(self._phys(self.length))
 
     def update(self, layer, q, k, v):
-        a = self.base + self.length - self.built_at
+        a = self._phys(self.length)
         b = a + self._n_new
         self.k[layer, :, :, a:b] = k
         self.v[layer, :, :, a:b] = v
@@ -98,3 +104,12 @@ class RetrievalCache(KVCache):
         if length < self.built_at:
             raise ValueError(f"retrieval cache built at {self.built_at} cannot roll back to {length}: rebuild it")
         self.length = length
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        if rows == list(range(len(rows))):
+            return self.rollback(start + len(rows))
+        a = self._phys(start)
+        idx = a + torch.tensor(rows, device=self.k.device)
+        self.k[:, :, :, a:a + len(rows)] = self.k[:, :, :, idx]
+        self.v[:, :, :, a:a + len(rows)] = self.v[:, :, :, idx]
+        self.length = start + len(rows)

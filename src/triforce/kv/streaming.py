@@ -25,9 +25,9 @@ class StreamingCache(KVCache):
         if sink < 0 or window < 1:
             raise TriforceError(f"streaming cache needs sink >= 0 and window >= 1 (got sink={sink}, window={window})")
         self.sink, self.window, self.max_rollback = sink, window, max_rollback
-        self.keep = window + max_rollback
+        self.retained = window + max_rollback  # tokens kept past the sinks when the region is compacted
         self.slack = slack if slack is not None else max(window, 512)
-        self.capacity = sink + self.keep + self.slack
+        self.capacity = sink + self.retained + self.slack
         shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -41,7 +41,7 @@ class StreamingCache(KVCache):
         return position if position < self.sink else self.sink + position - self.start
 
     def _compact(self) -> None:
-        keep_from = max(self.start, self.length - self.keep)
+        keep_from = max(self.start, self.length - self.retained)
         a, b = self._phys(keep_from), self._phys(self.length)
         n = b - a
         s = self.sink
@@ -50,18 +50,21 @@ class StreamingCache(KVCache):
         self.pos[s:s + n] = self.pos[a:b].clone()
         self.start = keep_from
 
-    def prepare(self, n_new: int) -> None:
+    def prepare(self, n_new: int, block=None) -> None:
         if n_new > self.slack:
             raise ValueError(f"streaming cache takes at most {self.slack} tokens per forward, got {n_new}")
         if self._phys(self.length) + n_new > self.capacity:
             self._compact()
         slot = self._phys(self.length)
         end = slot + n_new
-        positions = torch.arange(self.length, self.length + n_new, device=self.pos.device)
+        offsets = torch.arange(n_new, device=self.pos.device) if block is None else block.offsets
+        positions = self.length + offsets
         self.pos[slot:end] = positions
         keys = self.pos[:end][None, :]
         q = positions[:, None]
         visible = (keys >= 0) & (keys <= q) & ((keys < self.sink) | (keys > q - self.window))
+        if block is not None:  # among the new tokens: only ancestors (positions alone do not say)
+            visible[:, slot:end] &= block.visible
         self._mask, self._slot, self._n_new = visible, slot, n_new
 
     def update(self, layer, q, k, v):
@@ -84,3 +87,14 @@ class StreamingCache(KVCache):
                 f"streaming cache cannot roll back {self.length - length} tokens (max_rollback={self.max_rollback})"
             )
         self.length = length
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        if rows == list(range(len(rows))):
+            return self.rollback(start + len(rows))
+        a = self._phys(start)
+        idx = a + torch.tensor(rows, device=self.k.device)
+        end = a + len(rows)
+        self.k[:, :, :, a:end] = self.k[:, :, :, idx]
+        self.v[:, :, :, a:end] = self.v[:, :, :, idx]
+        self.pos[a:end] = torch.arange(start, start + len(rows), device=self.pos.device)
+        self.length = start + len(rows)

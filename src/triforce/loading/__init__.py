@@ -19,7 +19,6 @@ from .. import storage
 from ..config import ModelConfig
 from ..errors import TriforceError
 from ..model import Transformer, load_hf_state_dict
-from ..rope import Rotary
 from .gguf_file import check_gguf_architecture
 from .hf import load_hf_checkpoint
 
@@ -190,7 +189,7 @@ def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dty
         model = Transformer(cfg)
     model = model.to(dtype=dtype)
     load_hf_state_dict(model, hf_state_dict)
-    model.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_context)  # the one built on "meta" holds no values
+    model.init_rotary()  # the one built on "meta" holds no values
     model = model.to(device).eval()
     model.pack_weights()
     return model

@@ -7,9 +7,15 @@ LlamaModel.generate_extra_tensors and LlamaModel.permute). Quantised tensors are
 (interleaved RoPE pairs); we undo that so the weights follow the Hugging Face half-split RoPE layout
 that our forward uses.
 
+Gemma 3 (`gemma3`, llama.cpp's Gemma3Model converter): the converter stores every norm weight as 1 + w
+(Gemma3RMSNorm's factor) and does not permute Q/K; the file carries the sliding window but, unless newer
+writers add them, neither the layer pattern nor the local RoPE base, which llama.cpp then takes as 6 and
+1e4 (llama-hparams.h, models/gemma3.cpp): we do the same, and, like llama.cpp, scale queries by
+head_dim ** -0.5 (hidden / heads for the 62-layer 27B) since the file has no query_pre_attn_scalar.
+
 Whatever in the file would change the forward and is not understood here (a RoPE scaling type, a
-key under `{arch}.rope.` or `{arch}.attention.`, a tensor name) raises a TriforceError naming it:
-nothing is skipped silently.
+key under `{arch}.rope.` or `{arch}.attention.`, `{arch}.final_logit_softcapping` outside Gemma 3, a
+tensor name) raises a TriforceError naming it: nothing is skipped silently.
 """
 from __future__ import annotations
 
@@ -19,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import SUPPORTED_ARCHITECTURES
+from ..config import GEMMA3_LOCAL_ROPE_THETA, GEMMA3_SLIDING_WINDOW_PATTERN, SUPPORTED_ARCHITECTURES
 from ..errors import TriforceError
 
 # GGUF architecture -> (HF model_type, HF class). Only "llama" has its Q/K rows permuted by the converter.
 _GGUF_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-               "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+               "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 
 # GGUF block tensor -> HF name under model.layers.{i}. Biases are optional (HF attention_bias).
 _NAMES = {
@@ -42,6 +48,11 @@ _NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+# Gemma's four block norms (gguf-py's TensorNameMap for gemma3): ffn_norm is the norm before the MLP.
+_SANDWICH_NORM_NAMES = {"attn_norm.weight": "input_layernorm.weight",
+                        "post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-pair frequency divisors (Llama 3.x RoPE scaling)
@@ -130,18 +141,23 @@ class _Metadata:
         self.fields, self.arch, self.path = reader.fields, arch, path
         self.read: set[str] = set()
 
+    def name(self, key: str) -> str:
+        """`{arch}.key`; a key starting with general. or tokenizer. as is."""
+        return key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+
+    def raw(self, key: str, default=None):
+        """The value of `key` as stored: arrays as lists."""
+        self.read.add(self.name(key))
+        f = self.fields.get(self.name(key))
+        return default if f is None else f.contents()
+
     def get(self, key: str, default=None):
-        """`{arch}.key` (a name starting with general. or tokenizer. as is). Per-layer arrays whose
-        values are all equal (llama.cpp's model saver may write them) count as that value."""
-        name = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
-        self.read.add(name)
-        f = self.fields.get(name)
-        if f is None:
-            return default
-        value = f.contents()
+        """`raw(key)`, where per-layer arrays whose values are all equal (llama.cpp's model saver may
+        write them) count as that value; other arrays are refused."""
+        value = self.raw(key, default)
         if isinstance(value, list):
             if len(set(value)) != 1:
-                raise TriforceError(f"{name} differs between layers in {self.path} ({value}): not supported")
+                raise TriforceError(f"{self.name(key)} differs between layers in {self.path} ({value}): not supported")
             value = value[0]
         return value
 
@@ -193,12 +209,35 @@ def _rope_parameters(meta: _Metadata, head_dim: int, context: int) -> dict:
     else:
         raise TriforceError(f"unsupported RoPE scaling type {stype!r} in {meta.path}: triforce reads none, linear "
                             f"and yarn (and Llama 3.x's rope_freqs)")
-    # Sliding-window layers' own RoPE: harmless where it equals the full layers' (llama.cpp's saver writes it).
-    for swa, full in (("rope.dimension_count_swa", dims), ("rope.freq_base_swa", rp["rope_theta"])):
-        if meta.get(swa) not in (None, full):
-            raise TriforceError(f"{meta.arch}.{swa} = {meta.get(swa)} differs from the full layers' "
-                                f"{full} in {meta.path}: not supported")
+    if meta.get("rope.dimension_count_swa") not in (None, dims):
+        raise TriforceError(f"{meta.arch}.rope.dimension_count_swa = {meta.get('rope.dimension_count_swa')} differs "
+                            f"from the full layers' {dims} in {meta.path}: not supported")
     return rp
+
+
+def _gemma3_config(meta: _Metadata, rp: dict, n_layers: int, hidden: int, n_head: int, head_dim: int) -> dict:
+    """The Gemma 3 part of the HF config (transformers 5.x Gemma3TextConfig), as llama.cpp reads the file."""
+    window = int(meta.get("attention.sliding_window") or 0)  # absent or 0: no sliding-window layers
+    pattern = meta.raw("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, list):  # per layer (llama.cpp's is_swa array)
+        if len(pattern) != n_layers:
+            raise TriforceError(f"{meta.name('attention.sliding_window_pattern')} has {len(pattern)} values for "
+                                f"{n_layers} layers in {meta.path}")
+        sliding = [bool(x) for x in pattern]
+    else:  # llama_hparams::set_swa_pattern: layer il slides iff il % n < n - 1 (n = 0: all)
+        n = int(pattern)
+        sliding = [n == 0 or il % n < n - 1 for il in range(n_layers)]
+    local_theta = float(meta.get("rope.freq_base_swa") or GEMMA3_LOCAL_ROPE_THETA)
+    softcap = meta.get("final_logit_softcapping")
+    return {
+        "rope_parameters": {"full_attention": rp,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if window and s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": hidden // n_head if n_layers == 62 else head_dim,
+        "final_logit_softcapping": float(softcap) if softcap else None,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 def read_gguf(path: Path, progress: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -227,6 +266,7 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict, dict[str, torch.
     if not meta.get("attention.causal", True):
         raise TriforceError(f"{path} is a non-causal (embedding) model: not supported")
     context = int(meta.get("context_length", 4096))
+    rope_parameters = _rope_parameters(meta, head_dim, context)
     hf = {
         "model_type": model_type,
         "architectures": [hf_class],
@@ -239,28 +279,35 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict, dict[str, torch.
         "intermediate_size": int(meta.get("feed_forward_length")),
         "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": context,
-        "rope_parameters": _rope_parameters(meta, head_dim, context),
+        "rope_parameters": rope_parameters,
         "attention_bias": qkv_bias,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    window = meta.get("attention.sliding_window")
-    if window:  # attention within the window only: ModelConfig caps the context at it
-        hf.update(sliding_window=int(window), use_sliding_window=True)
+    gemma = SUPPORTED_ARCHITECTURES[model_type].gemma
+    if gemma:
+        hf.update(_gemma3_config(meta, rope_parameters, n_layers, hidden, n_head, head_dim))
+    else:
+        window = meta.get("attention.sliding_window")
+        if window:  # attention within the window only: ModelConfig caps the context at it
+            hf.update(sliding_window=int(window), use_sliding_window=True)
+        if meta.get("rope.freq_base_swa") not in (None, rope_parameters["rope_theta"]):
+            raise TriforceError(f"{arch}.rope.freq_base_swa = {meta.get('rope.freq_base_swa')} differs from the full "
+                                f"layers' {rope_parameters['rope_theta']} in {path}: not supported")
     for swa in ("attention.key_length_swa", "attention.value_length_swa"):
         if meta.get(swa) not in (None, head_dim):
             raise TriforceError(f"{arch}.{swa} = {meta.get(swa)} differs from the head size {head_dim} in {path}: "
                                 f"not supported")
-    unknown = meta.unread("rope.", "attention.")
+    unknown = meta.unread("rope.", "attention.", "final_logit_softcapping")
     if unknown:
         raise TriforceError(f"{path} has settings triforce does not understand: {', '.join(unknown)}")
     if _ROPE_FREQS in tensors:
         factors = dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type).astype(np.float64).ravel()
         if factors.shape != (head_dim // 2,):
             raise TriforceError(f"{_ROPE_FREQS} in {path} has {factors.size} values, {head_dim // 2} expected")
-        hf["rope_parameters"]["freq_factors"] = factors.tolist()
+        rope_parameters["freq_factors"] = factors.tolist()  # the global layers' (for Gemma 3)
 
     from tqdm.auto import tqdm
 
@@ -278,13 +325,19 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict, dict[str, torch.
                 w = _unpermute(w, n_head)
             elif arch == "llama" and rest in ("attn_k.weight", "attn_k.bias"):
                 w = _unpermute(w, n_kv)
+        if gemma and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # the converter stored 1 + w; Hugging Face's Gemma3RMSNorm holds w
         sd[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     return hf, sd
 
 
 def _block_names(model_type: str) -> dict[str, str]:
     """GGUF block tensor names -> HF names (under model.layers.{i}.) that `model_type` has."""
-    return dict(_NAMES, **(_QK_NORM_NAMES if SUPPORTED_ARCHITECTURES[model_type].qk_norm else {}))
+    spec = SUPPORTED_ARCHITECTURES[model_type]
+    names = dict(_NAMES, **(_QK_NORM_NAMES if spec.qk_norm else {}))
+    if spec.gemma:
+        names.update(_SANDWICH_NORM_NAMES)
+    return names
 
 
 def _check_tensor_names(names: set[str], block_names: dict[str, str], n_layers: int, qkv_bias: bool,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TriforceError
-from ..kv import RetrievalCache, StreamingCache
+from ..kv import SLIDING_WINDOW_UNSUPPORTED, RetrievalCache, StreamingCache
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
@@ -112,6 +112,7 @@ class Streaming(Kind):
     def state(self, ctx, spec, name):
         cfg = ctx.config
         m = drafting_model(ctx.model, cfg)
+        _refuse_sliding_windows(m)
         budget = spec.budget or cfg.streaming_budget
         window = budget - cfg.sink
         cache = StreamingCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, sink=cfg.sink, window=window,
@@ -141,6 +142,7 @@ class Retrieval(Kind):
 
     def state(self, ctx, spec, name):
         cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
+        _refuse_sliding_windows(m)
         max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
         cache = RetrievalCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, budget=spec.budget or cfg.budget,
                                chunk_size=cfg.chunk_size, recent=cfg.recent, max_new=max_new,
@@ -152,6 +154,12 @@ class Retrieval(Kind):
 
     def needs_queries(self) -> bool:
         return True
+
+
+def _refuse_sliding_windows(model: Transformer) -> None:
+    """Before any prefill: the drafting caches do not implement sliding-window layers (Gemma 3)."""
+    if model.cfg.layer_windows is not None:
+        raise TriforceError(SLIDING_WINDOW_UNSUPPORTED)
 
 
 def rebuild(state: ModelState, full: ModelState) -> None:

@@ -111,8 +111,13 @@ class Level:
     def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
         draft, q = self.drafter.propose(ctx, committed, k)
         t = time.perf_counter()
-        p = self.verifier.score(ctx, committed, draft)
-        j, nxt = accept(draft, q, p, self.generator)
+        tree = DraftTree.chain(draft)
+        p = self.verifier.score(ctx, committed, tree)
+        if q is not None:
+            q = torch.cat([q, torch.zeros_like(q[:1])])  # the last node is a leaf: no children
+        path, nxt = verify_tree(tree, q, p, self.generator)
+        self.verifier.keep_path(path)
+        j = len(path)
         self.seconds += time.perf_counter() - t
         self.rounds += 1
         self.syncs += 1

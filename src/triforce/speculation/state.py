@@ -6,8 +6,10 @@ import time
 import torch
 
 from ..kv import KVCache
+from ..kv.base import TokenBlock
 from ..model import Transformer
 from ..sampling import SamplingParams, probs_from_logits
+from .tree import DraftTree
 
 
 @torch.inference_mode()
@@ -27,6 +29,18 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
     return None if logits is None else logits[:, -1]
 
 
+def _tree_block(n_pending: int, tree: DraftTree, device) -> TokenBlock:
+    """The token block of `n_pending` chain tokens followed by a draft tree: the chain is causal, every
+    node sees the whole chain and its own ancestors; positions: the chain's, then chain end + depth."""
+    m, n = n_pending, len(tree)
+    offsets = torch.tensor(list(range(m)) + [m + d for d in tree.depths], dtype=torch.long)
+    visible = torch.zeros(m + n, m + n, dtype=torch.bool)
+    visible[:m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
+    visible[m:, :m] = True
+    visible[m:, m:] = tree.ancestry()
+    return TokenBlock(offsets.to(device), visible.to(device))
+
+
 class ModelState:
     """`fed` are the tokens whose K/V the cache holds (cache.length == len(fed)).
 
@@ -40,6 +54,7 @@ class ModelState:
         self.stable = 0  # fed[:stable] is known to be committed
         self.forwards = 0
         self.seconds = 0.0
+        self._tree: tuple[int, int, DraftTree] | None = None  # (start, pending tokens, tree) until keep_path
 
     def _sync(self, ctx: list[int], committed: int) -> int:
         """Roll back to the longest prefix of `fed` matching ctx, keeping at least one ctx token to
@@ -54,21 +69,43 @@ class ModelState:
         return n
 
     @torch.inference_mode()
-    def score(self, ctx: list[int], committed: int, draft: list[int]) -> torch.Tensor:
-        """Next-token distributions after ctx, ctx + draft[:1], ..., ctx + draft: [len(draft) + 1, V]
-        (fp32, after temperature, top-k, top-p); when greedy, their argmax ids [len(draft) + 1]
-        instead (a one-hot distribution is its argmax). One forward over the ctx tokens not yet fed
-        plus the draft."""
+    def score(self, ctx: list[int], committed: int, draft: list[int] | DraftTree) -> torch.Tensor:
+        """Next-token distributions after ctx and after each drafted token: [len(draft) + 1, V]
+        (fp32, after temperature, top-k, top-p; row 0 after ctx, row i + 1 after draft node i); when
+        greedy, their argmax ids [len(draft) + 1] instead (a one-hot distribution is its argmax).
+        One forward over the ctx tokens not yet fed plus the draft: a list is a chain, a DraftTree
+        is fed as a token block (each node at position len(ctx) + depth, seeing its ancestors) and
+        must be followed by keep_path() before the next forward."""
         n = self._sync(ctx, committed)
-        feed = ctx[n:] + draft
+        pending = ctx[n:]
+        tree = draft if isinstance(draft, DraftTree) else None
+        tokens = list(tree.tokens) if tree is not None else list(draft)
+        block = None
+        if tree is not None and not tree.is_chain:
+            block = _tree_block(len(pending), tree, self.model.device)
+            self._tree = (n, len(pending), tree)
+        feed = pending + tokens
         t = time.perf_counter()
-        logits = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(draft) + 1)[0]
+        logits = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(tokens) + 1,
+                            block=block)[0]
         self.seconds += time.perf_counter() - t
         self.forwards += 1
         self.fed.extend(feed)
         if self.params.greedy:
             return logits.argmax(-1)
         return probs_from_logits(logits, self.params)
+
+    def keep_path(self, path: list[int]) -> None:
+        """After scoring a tree: keep the pending tokens and the accepted nodes `path` (root to leaf)
+        in the cache, dropping the other branches (their rows are compacted away). A chain needs no
+        call: its rejected suffix is rolled back lazily (one integer) by the next forward."""
+        if self._tree is None:
+            return
+        start, m, tree = self._tree
+        self._tree = None
+        self.cache.keep(start, list(range(m)) + [m + i for i in path])
+        del self.fed[start + m:]
+        self.fed.extend(tree.tokens[i] for i in path)
 
     def prefill(self, tokens: list[int], chunk_size: int = 512, progress: bool = False) -> None:
         """Feed `tokens` (from an empty cache) in chunks."""

@@ -1,0 +1,113 @@
+"""Tree verification in one forward equals brute force, and the caches after acceptance equal caches
+built by plain decoding of the accepted path (full, retrieval and streaming caches)."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from conftest import hf_tiny, ours_from_hf
+from triforce.kv import RetrievalCache, StreamingCache
+from triforce.sampling import SamplingParams
+from triforce.speculation.state import ModelState, prefill
+from triforce.speculation.tree import DraftTree
+
+PARAMS = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ours_from_hf(hf_tiny("llama", seed=5, max_position_embeddings=1024))
+
+
+def random_tree(rng: random.Random, max_depth: int, max_width: int, max_nodes: int = 40) -> DraftTree:
+    tokens, parents, frontier = [], [], [(-1, 0)]
+    while frontier and len(tokens) < max_nodes:
+        parent, depth = frontier.pop(rng.randrange(len(frontier)))
+        if depth >= max_depth:
+            continue
+        for _ in range(rng.randint(1 if parent < 0 else 0, max_width)):
+            if len(tokens) >= max_nodes:
+                break
+            tokens.append(rng.randrange(96))
+            parents.append(parent)
+            frontier.append((len(tokens) - 1, depth + 1))
+    order = sorted(range(len(tokens)), key=lambda i: (DraftTree(tuple(tokens), tuple(parents)).depths[i], i))
+    # parents come before children already (appended after their parent); keep the order as made
+    return DraftTree(tuple(tokens), tuple(parents)) if order else DraftTree((), ())
+
+
+def make_state(model, kind: str, prompt: list[int]) -> ModelState:
+    c = model.cfg
+    full = model.new_cache(512, record_queries=True)
+    prefill(model, full, torch.tensor([prompt]), 64)
+    if kind == "full":
+        state = ModelState("full", model, full, PARAMS)
+    elif kind == "retrieval":
+        cache = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=40, chunk_size=4, recent=8, max_new=128)
+        cache.build(full)
+        state = ModelState("retrieval", model, cache, PARAMS)
+    else:
+        cache = StreamingCache(c.n_layers, c.n_kv_heads, c.head_dim, sink=4, window=24, max_rollback=48, slack=64)
+        prefill(model, cache, torch.tensor([prompt]), 64)
+        state = ModelState("streaming", model, cache, PARAMS)
+    state.fed, state.stable = list(prompt), len(prompt)
+    return state
+
+
+@pytest.mark.parametrize("kind", ["full", "retrieval", "streaming"])
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_forward_equals_brute_force_and_keep_equals_ar(model, kind, seed):
+    rng = random.Random(seed)
+    prompt = [rng.randrange(96) for _ in range(90)]
+    pending = [rng.randrange(96) for _ in range(rng.randint(1, 3))]  # context tokens not yet fed
+    ctx = prompt + pending
+    tree = random_tree(rng, max_depth=8, max_width=4)
+    state = make_state(model, kind, prompt)
+    before = copy.deepcopy(state)
+    rows = state.score(ctx, len(prompt), tree)
+    assert rows.shape == (len(tree) + 1, 96)
+    for slot in range(len(tree) + 1):  # brute force: plain decoding down the path to each node
+        path = [tree.tokens[i] for i in tree.path_to(slot - 1)]
+        ref = copy.deepcopy(before).score(ctx + path, len(prompt), [])[-1]
+        torch.testing.assert_close(rows[slot], ref, atol=2e-5, rtol=1e-4)
+    leaves = [i for i in range(len(tree)) if not tree.children[i + 1]]
+    path = tree.path_to(rng.choice(leaves))[: rng.randint(0, 8)]  # an accepted path: any root-to-node prefix
+    state.keep_path(path)
+    ar = copy.deepcopy(before)
+    ar.score(ctx + [tree.tokens[i] for i in path] + [0], len(prompt), [])  # feeds ctx + path (+ a probe token)
+    ar.cache.rollback(len(ctx) + len(path))
+    del ar.fed[len(ctx) + len(path):]
+    assert state.fed == ar.fed and state.cache.length == ar.cache.length == len(ctx) + len(path)
+    end = _physical_end(state.cache)
+    torch.testing.assert_close(state.cache.k[..., :end, :], ar.cache.k[..., :end, :], atol=2e-5, rtol=1e-4)  # float order only
+    torch.testing.assert_close(state.cache.v[..., :end, :], ar.cache.v[..., :end, :], atol=2e-5, rtol=1e-4)
+    if kind == "streaming":
+        assert torch.equal(state.cache.pos[:end], ar.cache.pos[:end])
+    # and decoding goes on from the kept path exactly as from the AR-built cache
+    nxt = [rng.randrange(96)]
+    torch.testing.assert_close(state.score(ctx + [tree.tokens[i] for i in path] + nxt, len(prompt), [])[-1],
+                               ar.score(ctx + [tree.tokens[i] for i in path] + nxt, len(prompt), [])[-1],
+                               atol=2e-5, rtol=1e-4)
+
+
+def _physical_end(cache) -> int:
+    if isinstance(cache, RetrievalCache):
+        return cache._phys(cache.length)
+    if isinstance(cache, StreamingCache):
+        return cache._phys(cache.length)
+    return cache.length
+
+
+def test_a_chain_is_a_prefix_rollback(model):
+    """Chains take the causal path (no token block) and keep() of a prefix is a rollback."""
+    prompt = list(range(1, 60))
+    state = make_state(model, "full", prompt)
+    chain = DraftTree.chain([5, 6, 7, 8])
+    rows = state.score(prompt + [9], len(prompt), chain)
+    ref = make_state(model, "full", prompt).score(prompt + [9], len(prompt), [5, 6, 7, 8])
+    assert torch.equal(rows, ref)
+    state.keep_path([0, 1])  # a no-op for chains: the next forward rolls back lazily
+    assert state.cache.length == len(prompt) + 5
