@@ -21,7 +21,7 @@ from triforce import kernels
 from triforce.config import ModelConfig
 from triforce.errors import TriforceError
 from triforce.generate import generate_ar
-from triforce.kv import FullCache, RetrievalCache, SlidingWindowCache, StreamingCache
+from triforce.caches import FullCache, RetrievalCache, SlidingWindowCache, StreamingCache
 from triforce.loading import build_model
 from triforce.loading.gguf_file import check_gguf_architecture, read_gguf
 from triforce.loading.hf import load_hf_checkpoint

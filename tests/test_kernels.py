@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from triforce import kernels, model
-from triforce.kv.base import CAUSAL
+from triforce.caches.base import CAUSAL
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +37,10 @@ def test_kernel_matches_sdpa(kern, T, mask_kind, S):
         mask = None
     assert Hq // Hkv * T <= model.KERNEL_MAX_ROWS and S >= model.KERNEL_MIN_KEYS
     counting = _Counting(kern)
-    with kernels.override(counting):
-        got = model.attention(q, k, v, mask)
+    got = model.attention(q, k, v, mask, ops=counting)
     # the kernel really ran (bool masks, from the StreamingLLM cache, stay on PyTorch's path)
     assert counting.calls == (0 if mask_kind == "bool" else 1)
-    with kernels.override(None):  # PyTorch's path
-        want = model.attention(q, k, v, mask)
+    want = model.attention(q, k, v, mask, ops=None)  # PyTorch's path
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -68,7 +66,7 @@ def test_kernel_paths_agree(kern, T):
     last block of a few keys and tokens whose last block is fully masked."""
     import torch.nn.functional as F
 
-    from triforce.kv.base import causal_mask
+    from triforce.caches.base import causal_mask
 
     torch.manual_seed(1)
     Hkv, g, D, S = 3, 3, 64, 2 * 256 + 3 + T
@@ -127,6 +125,7 @@ def test_linear_panels_match_linear(kern):
 
     torch.manual_seed(3)
     lin = model.Linear(40, 37, bias=True)
+    lin.backend = kernels.Backend(True)  # as a built model's layers have it
     lin.pack()
     assert lin.panels is not None and lin.panels.dtype == torch.float32
     x = torch.randn(17, 40)
@@ -136,6 +135,7 @@ def test_linear_panels_match_linear(kern):
         torch.testing.assert_close(got, F.linear(x[:rows], lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         assert torch.equal(got[:1], lin(x[:1]))  # batch-invariant: verification rows equal decode rows
     low = model.Linear(40, 37, bias=False)
+    low.backend = kernels.Backend(True)
     low.pack(torch.bfloat16)
     want = F.linear(x[:5], low.weight.to(torch.bfloat16).float())
     torch.testing.assert_close(low(x[:5]), want, rtol=1e-5, atol=1e-5)

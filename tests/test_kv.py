@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triforce.kv import FullCache, RetrievalCache, StreamingCache
+from triforce.caches import FullCache, RetrievalCache, StreamingCache
 
 V = 96
 

@@ -1,6 +1,8 @@
 """Every method's greedy output equals plain autoregressive decoding, token for token."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -183,16 +185,31 @@ USER_STACKS_EMBEDDED = [("streaming:256,full", "5"), ("ngram,retrieval:1024,full
                         ("ngram,streaming,retrieval:512,retrieval:1024,full", "2,2,3,4")]
 
 
-@pytest.mark.parametrize("n_prompt,offset", [(2048, 0), (3000, 250_000), (6000, 600_000)])
+def _code_tokens(tokenizer, n: int) -> list[int]:
+    """n tokens of Python source: the standard library's argparse and json modules."""
+    import argparse
+    import json.decoder
+
+    text = "".join(Path(m.__file__).read_text() for m in (argparse, json.decoder))
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@pytest.mark.parametrize("n_prompt,offset", [(2048, 0), (3000, 250_000), (6000, 600_000), (4000, "code")])
 def test_greedy_equals_ar_on_embedded_model(smollm, all_threads, n_prompt, offset):
-    """Real text (Shakespeare) at 2K-6K tokens with the embedded SmolLM2: every method = ar."""
+    """Real text at 2K-6K tokens with the embedded SmolLM2, prose (Shakespeare) and code (Python):
+    every method and the user stacks below = ar."""
     from triforce.corpus import demo_tokens
     from triforce.speculation.decoder import full_capacity
     from triforce.speculation.stack import method_stack
     from triforce.speculation.state import PrefilledPrompt
 
     model = smollm.model
-    prompt = demo_tokens(smollm.tokenizer, n_prompt, offset_chars=offset)
+    if offset == "code":
+        prompt = _code_tokens(smollm.tokenizer, n_prompt)
+    else:
+        prompt = demo_tokens(smollm.tokenizer, n_prompt, offset_chars=offset)
     new = 24
     # a budget well below the prompt, so the retrieval level really drops most of the context
     cfg = SpecConfig(budget=512, recent=32, rebuild_every=16, window=128, sink=4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import hf_tiny, ours_from_hf
-from triforce.kv import RetrievalCache, StreamingCache
+from triforce.caches import RetrievalCache, StreamingCache
 from triforce.sampling import SamplingParams
 from triforce.speculation.state import ModelState, prefill
 from triforce.speculation.tree import DraftTree

@@ -2,12 +2,12 @@
 
 Native grouped-query attention: the g = Hq / Hkv query heads sharing a KV head are folded into the
 query-length axis ([B, Hkv, g*T, D]), so K/V are never repeated per query head. The KV cache is an
-argument of every forward (see kv/base.py); positions are the cache's logical length onwards.
+argument of every forward (see caches/base.py); positions are the cache's logical length onwards.
 
 Gemma 3 differs by configuration flags (config.ModelConfig): (1 + w) RMSNorms (the 1 is added to the
 weights at load time), norms on the attention and MLP outputs too, embeddings scaled by sqrt(hidden),
 GeGLU, QK-norm, query_pre_attn_scalar, final logit softcapping, and sliding-window layers with their own
-RoPE, whose window the KV cache implements (kv/sliding.py).
+RoPE, whose window the KV cache implements (caches/sliding.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch import nn
 from . import kernels
 from .config import ModelConfig
 from .errors import TriforceError
-from .kv.base import SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, causal_mask
+from .caches.base import SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, causal_mask
 from .rope import Rotary, apply_rotary
 
 
@@ -45,12 +45,13 @@ class Linear(nn.Linear):
 
     panels: torch.Tensor | None = None
     packed: torch.Tensor | None = None
+    backend: kernels.Backend = kernels.TORCH  # the model's, set by Transformer.select_backend
 
     def pack(self, dtype: torch.dtype = torch.float32) -> None:
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype != torch.float32:
             return
-        if kernels.cpu() is not None:
+        if self.backend.enabled:
             n, k = w.shape
             p = (n + 15) // 16
             padded = torch.zeros(p * 16, k, dtype=dtype)
@@ -61,7 +62,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.panels is not None and rows <= PANEL_MAX_ROWS and (ops := kernels.for_tensor(x)) is not None:
+        if self.panels is not None and rows <= PANEL_MAX_ROWS and (ops := self.backend.ops) is not None:
             y = ops.linear_panels(x, self.panels, self.out_features)
             return y if self.bias is None else y + self.bias
         if self.packed is not None and rows > 1:
@@ -73,13 +74,15 @@ class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32. Gemma's (1 + w) norms hold 1 + w as
     `weight` (load_hf_state_dict adds the 1 in fp32), which is what transformers multiplies by."""
 
+    backend: kernels.Backend = kernels.TORCH  # the model's, set by Transformer.select_backend
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (ops := kernels.for_tensor(x)) is not None:
+        if (ops := self.backend.ops) is not None:
             return ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
@@ -112,8 +115,10 @@ KERNEL_MAX_ROWS = 64
 KERNEL_MIN_KEYS = 1024
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None,
+              ops=None) -> torch.Tensor:
     """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL or [T, S] bool -> [B, Hq, T, D].
+    `ops`: the compiled kernels (the model's backend) or None for PyTorch's attention.
 
     Scores are q . k * scale (None: D ** -0.5). Query head h uses KV head h // g (the transformers convention).
     """
@@ -122,8 +127,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     g = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D == 64 \
-            and (mask is None or isinstance(mask, str)) and (kern := kernels.for_tensor(q)) is not None:
-        out = kern.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, scale)
+            and (mask is None or isinstance(mask, str)) and ops is not None:
+        out = ops.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, scale)
         return out.view(B, Hq, T, D)
     if isinstance(mask, str):  # CAUSAL
         if q.device.type == "cpu" and _flash_cpu is not None and S > T and q.dtype == k.dtype:
@@ -137,6 +142,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
 
 
 class Block(nn.Module):
+    backend: kernels.Backend = kernels.TORCH  # the model's, set by Transformer.select_backend
+
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.index = index
@@ -164,7 +171,7 @@ class Block(nn.Module):
         qkv = self.wqkv(self.attn_norm(x))
         if self.q_norm is not None:
             qkv = self.qk_norm(qkv)
-        if (ops := kernels.for_tensor(qkv)) is not None:  # the same operations, fused (kernels/layer_ops.cpp)
+        if (ops := self.backend.ops) is not None:  # the same operations, fused (kernels/layer_ops.cpp)
             q, k, v = ops.rope_split(qkv, cos, sin, Hq, Hkv)
         else:
             q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
@@ -172,7 +179,7 @@ class Block(nn.Module):
             k = apply_rotary(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
             v = v.view(B, T, Hkv, D).transpose(1, 2)
         keys, values, mask = cache.update(self.index, q, k, v)
-        a = self.wo(attention(q, keys, values, mask, self.scale).transpose(1, 2).reshape(B, T, Hq * D))
+        a = self.wo(attention(q, keys, values, mask, self.scale, ops).transpose(1, 2).reshape(B, T, Hq * D))
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         x = x + a
@@ -202,6 +209,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    backend: kernels.Backend = kernels.TORCH  # chosen by select_backend (build_model, to())
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -228,11 +237,13 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def to(self, *args, **kwargs):  # keep RoPE frequencies on the model's device
+    def to(self, *args, **kwargs):  # keep RoPE frequencies on the model's device, and its backend fitting
         out = super().to(*args, **kwargs)
         for rotary in (out.rotary, out.rotary_local):
             if rotary is not None:
                 rotary.inv_freq = rotary.inv_freq.to(out.device)
+        if out.device.type != "meta":
+            out.select_backend()
         return out
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | None = None,
@@ -264,6 +275,15 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def select_backend(self) -> None:
+        """Choose, once, the operations every layer runs (kernels.Backend) for this model's device and
+        dtype; called when the model is built and when it moves."""
+        backend = kernels.Backend.for_model(self.device, self.dtype)
+        for m in self.modules():
+            if isinstance(m, (Linear, RMSNorm, Block)):
+                m.backend = backend
+        self.backend = backend
+
     def pack_weights(self) -> None:
         """Pre-pack the linear layers' weights for decode and verification forwards on CPU (see Linear)."""
         for m in self.modules():
@@ -274,7 +294,7 @@ class Transformer(nn.Module):
         """This model with its linear layers' weights in bf16 (panel kernel, fp32 activations), sharing
         everything else (embedding, norms, the fp32 weights): half the weight bytes per forward, for
         draft levels whose output the fp32 model verifies. Returns self where the kernels are unavailable."""
-        if self.device.type != "cpu" or self.dtype != torch.float32 or kernels.cpu() is None:
+        if not self.backend.enabled:
             return self
 
         def lowp(lin: Linear) -> Linear:
@@ -298,7 +318,7 @@ class Transformer(nn.Module):
     def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1):
         """The full-attention cache of this model for `capacity` tokens: a FullCache, or with sliding-window
         layers a SlidingWindowCache (their keys in a ring of the window plus a few slots)."""
-        from .kv import FullCache, SlidingWindowCache
+        from .caches import FullCache, SlidingWindowCache
 
         cfg = self.cfg
         kw = dict(batch=batch, dtype=self.dtype, device=self.device, record_queries=record_queries)

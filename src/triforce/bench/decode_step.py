@@ -78,7 +78,7 @@ def time_transformers(hf, n_ctx: int, steps: int) -> float:
 def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5) -> float:
     """Seconds of model.attention over `cfg.n_layers` layers of an n_ctx-token cache (T query tokens,
     causal over the new ones), cold caches as in a real step: every layer has its own K/V."""
-    from ..kv.base import CAUSAL
+    from ..caches.base import CAUSAL
     from ..model import attention
 
     L, Hkv, Hq, D = cfg.n_layers, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
@@ -124,7 +124,7 @@ def kernel_ab(model, contexts: list[int], bandwidth: float, steps: int) -> None:
 def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> None:
     """Forwards of 1, 3, 5 tokens on a retrieval-sized cache (`budget` tokens kept of each context):
     the fp32 weights against the bf16 draft copy (`--draft-weights`), alternating in one process."""
-    from ..kv import RetrievalCache
+    from ..caches import RetrievalCache
     from ..speculation.kinds import draft_weights_model
 
     draft = draft_weights_model(model)

@@ -60,7 +60,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
 
     from ..corpus import demo_tokens
     from ..generate import generate
-    from ..kv import RetrievalCache
+    from ..caches import RetrievalCache
     from ..speculation.kinds import drafting_model
     from ..speculation.state import PrefilledPrompt
     from .decode_step import time_forwards

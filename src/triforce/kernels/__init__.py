@@ -38,11 +38,25 @@ def cpu():
     return module
 
 
-def for_tensor(x: torch.Tensor):
-    """The compiled module if it applies to `x` (fp32 on the CPU), else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return None
-    return cpu()
+class Backend:
+    """Which operations a model's layers run, chosen once when the model is built
+    (Transformer.select_backend): the compiled CPU kernels for an fp32 model on the CPU where they
+    build, else PyTorch's. Every layer of the model holds the same Backend and reads `ops` (the
+    module, or None for PyTorch); `override` swaps what an enabled Backend returns (tests, A/B runs)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    @property
+    def ops(self):
+        return cpu() if self.enabled else None
+
+    @classmethod
+    def for_model(cls, device: torch.device | str, dtype: torch.dtype) -> Backend:
+        return cls(torch.device(device).type == "cpu" and dtype == torch.float32 and cpu() is not None)
+
+
+TORCH = Backend(False)  # PyTorch's operations only: layers not (yet) part of a built model
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TriforceError
-from ..kv import SLIDING_WINDOW_UNSUPPORTED, RetrievalCache, StreamingCache
+from ..caches import SLIDING_WINDOW_UNSUPPORTED, RetrievalCache, StreamingCache
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig

@@ -35,8 +35,8 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: torch.Tensor,
     if every child is rejected, sample from the residual p; at a leaf (no children), the bonus token
     from p. With one child per slot this is the rule of speculative sampling (Leviathan et al.), and
     the output follows p exactly either way. Decisions at different slots use independent draws, so
-    every slot is resolved at once on tensors; the `.tolist()` is the only host synchronisation, and
-    the walk from the root along accepted children runs on Python ints.
+    every slot is resolved at once on tensors, the walk from the root along accepted children too,
+    and only the slot where it ends is sampled; the `.tolist()` is the only host synchronisation.
     """
     n, dev = len(tree), p.device
     kids = tree.children
@@ -52,10 +52,8 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: torch.Tensor,
         for b in range(width):  # greedy: the child equal to the argmax; else the argmax itself
             c = child[:, b]
             chosen = torch.where((c >= 0) & (chosen < 0) & (token[c] == p), c, chosen)
-        nxt = p
     else:
-        P = p.clone()
-        Q = q.clone() if q is not None else None
+        P, Q = p, q
         for b in range(width):
             c = child[:, b]
             live = (c >= 0) & (chosen < 0)
@@ -65,27 +63,44 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: torch.Tensor,
             u = torch.rand(n + 1, generator=generator, device=dev)
             accepted = live & (u * qx < px)  # P(accept) = min(1, px / qx); qx > 0 since x came from q
             chosen = torch.where(accepted, c, chosen)
-            rejected = (live & ~accepted)[:, None]
-            if Q is not None:
-                residual = (P - Q).clamp_(min=0)
-            else:
-                residual = P.clone()
-                residual[slots, x] = 0.0  # remove the point mass at x
-            total = residual.sum(-1, keepdim=True)
-            # total == 0 only if p == q up to rounding, where rejection has probability 0
-            P = torch.where(rejected, torch.where(total > 0, residual / total, P), P)
-            if Q is not None:  # sampling without replacement: the next child was drawn from q without x
+            rejected = live & ~accepted
+            if b + 1 == width:  # the last residual is needed at the walk's last slot only: made below
+                break
+            P = _residual(P, Q, slots, x, rejected[:, None])
+            if Q is not None:  # sampling without replacement: the next child came from q without x
                 rest = Q.clone()
                 rest[slots, x] = 0.0
                 rest_total = rest.sum(-1, keepdim=True)
-                Q = torch.where(rejected & (rest_total > 0), rest / rest_total.clamp(min=1e-30), Q)
-        nxt = sample(P, generator)  # per slot: the residual sample, or at a leaf the bonus token
-    chosen, nxt = torch.stack([chosen, nxt]).tolist()
-    path, slot = [], 0
-    while chosen[slot] >= 0:
-        path.append(chosen[slot])
-        slot = chosen[slot] + 1
-    return path, nxt[slot]
+                Q = torch.where(rejected[:, None] & (rest_total > 0), rest / rest_total.clamp(min=1e-30), Q)
+    # walk from the root along accepted children, on the device: only the last slot needs a sample
+    depth = max(tree.depths, default=-1) + 1
+    path = torch.full((depth,), -1, dtype=torch.long, device=dev)
+    slot = torch.zeros((), dtype=torch.long, device=dev)
+    for d in range(depth):
+        path[d] = chosen[slot]
+        slot = torch.where(path[d] >= 0, path[d] + 1, slot)
+    if p.dim() == 1:
+        nxt = p[slot]
+    else:  # the residual after the last tried child (none at a leaf: its bonus row)
+        one = slot.view(1)
+        row = _residual(P[one], Q[one] if Q is not None else None, one.new_zeros(1), x[one], rejected[one][:, None])
+        nxt = sample(row[0], generator)
+    *path, nxt = torch.cat([path, nxt.view(1)]).tolist()
+    return [i for i in path if i >= 0], nxt
+
+
+def _residual(P: torch.Tensor, Q: torch.Tensor | None, rows: torch.Tensor, x: torch.Tensor,
+              rejected: torch.Tensor) -> torch.Tensor:
+    """P [r, V] with the rows where `rejected` [r, 1] replaced by norm(max(P - Q, 0)), or, for point
+    masses (Q None), by P without token x[row], renormalised. (A total of 0 happens only if p == q up
+    to rounding, where rejection has probability 0: such a row is kept.)"""
+    if Q is not None:
+        residual = (P - Q).clamp_(min=0)
+    else:
+        residual = P.clone()
+        residual[rows, x] = 0.0
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(rejected & (total > 0), residual / total.clamp(min=1e-30), P)
 
 
 def accept(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,

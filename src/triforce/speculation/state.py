@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from ..kv import KVCache
-from ..kv.base import TokenBlock
+from ..caches import KVCache
+from ..caches.base import TokenBlock
 from ..model import Transformer
 from ..sampling import SamplingParams, probs_from_logits
 from .tree import DraftTree
