@@ -58,10 +58,23 @@ class KVCache:
         """After a forward whose new tokens began at position `start`: keep new tokens `rows`
         (ascending indices into them, whose positions are start, start + 1, ...: a root-to-leaf path)
         as the sequence from `start` on, and forget the others. A prefix of the rows is a rollback
-        (O(1)); other rows are moved, in caches that support token blocks."""
-        if rows != list(range(len(rows))):
-            raise TriforceError(f"{type(self).__name__} does not support draft trees (token blocks)")
-        self.rollback(start + len(rows))
+        (O(1)); other rows are moved down over the dropped ones, in caches with a `_slot` of their
+        positions (self.k / self.v [layers, B, Hkv, slots, D])."""
+        if rows == list(range(len(rows))):
+            return self.rollback(start + len(rows))
+        a = self._slot(start)
+        idx = torch.tensor(rows, device=self.k.device)
+        self.k[:, :, :, a:a + len(rows)] = self.k[:, :, :, a + idx]
+        self.v[:, :, :, a:a + len(rows)] = self.v[:, :, :, a + idx]
+        self._kept(start, a, idx)
+        self.length = start + len(rows)
+
+    def _slot(self, position: int) -> int:
+        """The storage slot of a position written by the last forward (caches that support trees)."""
+        raise TriforceError(f"{type(self).__name__} does not support draft trees (token blocks)")
+
+    def _kept(self, start: int, slot: int, rows: torch.Tensor) -> None:
+        """Bookkeeping of a cache after keep() moved `rows` of the last forward to `slot` onwards."""
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,9 @@ class FullCache(KVCache):
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
-    def keep(self, start: int, rows: list[int]) -> None:
-        if rows == list(range(len(rows))):
-            return self.rollback(start + len(rows))
-        idx = torch.tensor(rows, device=self.k.device)
-        end = start + len(rows)
-        self.k[:, :, :, start:end] = self.k[:, :, :, start + idx]
-        self.v[:, :, :, start:end] = self.v[:, :, :, start + idx]
+    def _slot(self, position: int) -> int:
+        return position
+
+    def _kept(self, start: int, slot: int, rows: torch.Tensor) -> None:
         if self.queries is not None and self.query_start == start:  # the retrieval build reads them
-            self.queries = [q[:, :, idx] if q is not None else None for q in self.queries]
-        self.length = end
+            self.queries = [q[:, :, rows] if q is not None else None for q in self.queries]

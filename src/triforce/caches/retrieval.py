@@ -84,17 +84,17 @@ class RetrievalCache(KVCache):
             self.indices.append(idx)
         self.base, self.built_at, self.length = m, n, n
 
-    def _phys(self, position: int) -> int:
+    def _slot(self, position: int) -> int:
         """Slot of a position appended since the build (position >= built_at)."""
         return self.base + position - self.built_at
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
-        check_capacity(self._phys(self.length) + n_new, self.capacity, "the retrieval cache (rebuild it more often)")
+        check_capacity(self._slot(self.length) + n_new, self.capacity, "the retrieval cache (rebuild it more often)")
         self._n_new = n_new
-        self._mask = None if n_new == 1 else CAUSAL if block is None else block.mask(self._phys(self.length))
+        self._mask = None if n_new == 1 else CAUSAL if block is None else block.mask(self._slot(self.length))
 
     def update(self, layer, q, k, v):
-        a = self._phys(self.length)
+        a = self._slot(self.length)
         b = a + self._n_new
         self.k[layer, :, :, a:b] = k
         self.v[layer, :, :, a:b] = v
@@ -105,11 +105,4 @@ class RetrievalCache(KVCache):
             raise ValueError(f"retrieval cache built at {self.built_at} cannot roll back to {length}: rebuild it")
         self.length = length
 
-    def keep(self, start: int, rows: list[int]) -> None:
-        if rows == list(range(len(rows))):
-            return self.rollback(start + len(rows))
-        a = self._phys(start)
-        idx = a + torch.tensor(rows, device=self.k.device)
-        self.k[:, :, :, a:a + len(rows)] = self.k[:, :, :, idx]
-        self.v[:, :, :, a:a + len(rows)] = self.v[:, :, :, idx]
-        self.length = start + len(rows)
+

@@ -34,7 +34,7 @@ class StreamingCache(KVCache):
         self.pos = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
         self.n_layers, self.length, self.start = n_layers, 0, sink
         self._mask: torch.Tensor | None = None
-        self._slot = 0
+        self._write_slot = 0
         self._n_new = 0
 
     def _phys(self, position: int) -> int:
@@ -65,10 +65,10 @@ class StreamingCache(KVCache):
         visible = (keys >= 0) & (keys <= q) & ((keys < self.sink) | (keys > q - self.window))
         if block is not None:  # among the new tokens: only ancestors (positions alone do not say)
             visible[:, slot:end] &= block.visible
-        self._mask, self._slot, self._n_new = visible, slot, n_new
+        self._mask, self._write_slot, self._n_new = visible, slot, n_new
 
     def update(self, layer, q, k, v):
-        a, b = self._slot, self._slot + self._n_new
+        a, b = self._write_slot, self._write_slot + self._n_new
         self.k[layer, :, :, a:b] = k
         self.v[layer, :, :, a:b] = v
         return self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._mask
@@ -88,13 +88,8 @@ class StreamingCache(KVCache):
             )
         self.length = length
 
-    def keep(self, start: int, rows: list[int]) -> None:
-        if rows == list(range(len(rows))):
-            return self.rollback(start + len(rows))
-        a = self._phys(start)
-        idx = a + torch.tensor(rows, device=self.k.device)
-        end = a + len(rows)
-        self.k[:, :, :, a:end] = self.k[:, :, :, idx]
-        self.v[:, :, :, a:end] = self.v[:, :, :, idx]
-        self.pos[a:end] = torch.arange(start, start + len(rows), device=self.pos.device)
-        self.length = start + len(rows)
+    def _slot(self, position: int) -> int:
+        return self._phys(position)
+
+    def _kept(self, start: int, slot: int, rows: torch.Tensor) -> None:
+        self.pos[slot:slot + len(rows)] = torch.arange(start, start + len(rows), device=self.pos.device)
