@@ -95,17 +95,10 @@ def remove_own_temporaries() -> None:
 def atomic_write(path: Path, data: bytes | str) -> None:
     """Write `data` to `path` atomically: a temporary file in the same directory, fsync, rename.
     On any failure the temporary is removed and `path` is untouched; the OSError propagates."""
-    path = Path(path)
-    payload = data.encode() if isinstance(data, str) else data
-    tmp = temporary_path(path.parent, path.suffix)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        _remove(tmp)
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
