@@ -65,9 +65,8 @@ class Decoder:
             full_cache = model.new_cache(capacity, record_queries=True)
         ctx = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache)
 
-        names = self._names(self.stack)
-        self.states: list[ModelState | None] = [KINDS[lvl.kind].state(ctx, lvl, name)
-                                                for lvl, name in zip(self.stack.levels, names)]
+        # level names in the stats: the kind, or kind:budget where the stack names a budget
+        self.states: list[ModelState | None] = [KINDS[lvl.kind].state(ctx, lvl, str(lvl)) for lvl in self.stack.levels]
         self.full = self.states[-1]
         bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
         proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
@@ -90,11 +89,6 @@ class Decoder:
             else:
                 i += 1
         return stack
-
-    @staticmethod
-    def _names(stack: StackSpec) -> list[str]:
-        """Level names for stats: the kind, or kind:budget where the stack names a budget."""
-        return [str(lvl) for lvl in stack.levels]
 
     def prefill(self, prompt: list[int], progress: bool = False) -> None:
         """Every state reads the prompt but its last token (fed with the first draft); with a
