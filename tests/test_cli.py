@@ -120,7 +120,7 @@ def test_generate_json_on_embedded_model(tmp_path):
 def test_bench_writes_results(tmp_path):
     r = run("bench", "--context-lengths", "700", "--methods", "triforce,ngram", "--temperatures", "0,0.6",
             "--max-new-tokens", "8", "--budget", "256", "--recent", "32", "--out", str(tmp_path), "--quiet",
-            "--peers", "transformers,transformers-lookup")
+            "--peers", "transformers,transformers-lookup", "--kv-dtype", "fp32")  # the peers' cache is fp32
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert {(x["method"], x["temperature"]) for x in rows} == {

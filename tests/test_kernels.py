@@ -1,4 +1,5 @@
-"""The compiled CPU kernels against PyTorch's operations (skipped where they cannot be built)."""
+"""The compiled CPU kernels against PyTorch's operations, for every variant this CPU can execute
+(AVX-512 machines run both the AVX-512 and the AVX2 build; skipped where none can be built)."""
 from __future__ import annotations
 
 import pytest
@@ -8,11 +9,14 @@ from triforce import kernels, model
 from triforce.caches.base import CAUSAL
 
 
-@pytest.fixture(scope="module")
-def kern():
-    k = kernels.cpu()
+@pytest.fixture(scope="module", params=kernels.ISAS)
+def kern(request):
+    if request.param not in kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot execute the {request.param} kernels")
+    k = kernels.variant(request.param)
     if k is None:
-        pytest.skip("the compiled CPU kernels are not available on this machine")
+        pytest.skip(f"the {request.param} kernels cannot be built on this machine")
+    assert k.ISA == request.param and k.LANES == (16 if request.param == "avx512" else 8)
     return k
 
 
@@ -156,3 +160,73 @@ def test_draft_weights_model(kern, tiny_llama):
         b = draft(tokens, draft.new_cache(8))
     assert not torch.equal(a, b)
     torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("T", [1, 5])
+def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
+    """K/V stored in fp32, bf16 or fp16 are widened in registers: the result equals fp32 attention
+    over the rounded values (the same numbers PyTorch would see after casting); head dims 64-256."""
+    import torch.nn.functional as F
+
+    from triforce.caches.base import causal_mask
+
+    torch.manual_seed(4)
+    Hkv, g = 2, 3
+    S = 3 * (16384 // D) + 5 + T  # three full blocks and a short one
+    q = torch.randn(Hkv, g * T, D)
+    k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
+    mask = causal_mask(T, S - T, "cpu").repeat(g, 1) if T > 1 else None
+    want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
+    for path in (1, 2):
+        got = kern.decode_attention(q, k, v, T, T > 1, D ** -0.5, path)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_kernel_rejects_what_it_cannot_do(kern):
+    q, k = torch.randn(2, 3, 64), torch.randn(2, 300, 64)
+    with pytest.raises(RuntimeError, match="k and v of one dtype"):
+        kern.decode_attention(q, k, k.half(), 1, False, 0.125, 0)
+    with pytest.raises(RuntimeError, match="head dim"):
+        kern.decode_attention(torch.randn(2, 3, 96), torch.randn(2, 300, 96), torch.randn(2, 300, 96), 1, False, 0.1, 0)
+
+
+ZEN3 = frozenset("fpu sse2 avx avx2 fma f16c bmi1 bmi2 aes".split())  # AVX2 + FMA, no AVX-512
+SPR = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
+
+
+def test_isa_choice(monkeypatch):
+    """auto picks the best the CPU runs; an explicit choice is honoured when the CPU runs it and
+    refused with what the CPU has otherwise (never an illegal instruction); off and unknown values."""
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("TRIFORCE_KERNELS", raising=False)
+    for value, flags, want in [("auto", SPR, "avx512"), ("auto", ZEN3, "avx2"), ("", ZEN3, "avx2"),
+                               ("avx2", SPR, "avx2"), ("AVX512", SPR, "avx512"), ("off", SPR, None),
+                               ("auto", frozenset({"sse2", "avx"}), None)]:
+        monkeypatch.setenv("TRIFORCE_ISA", value)
+        assert kernels.chosen_isa(flags) == want, (value, want)
+    monkeypatch.setenv("TRIFORCE_ISA", "avx512")
+    with pytest.raises(kernels.KernelChoiceError, match=r"lacks avx512f.*it has: avx, avx2.*TRIFORCE_ISA=avx2"):
+        kernels.chosen_isa(ZEN3)
+    monkeypatch.setenv("TRIFORCE_ISA", "neon")
+    with pytest.raises(kernels.KernelChoiceError, match="not one of auto, avx512, avx2, off"):
+        kernels.chosen_isa(SPR)
+    monkeypatch.setenv("TRIFORCE_ISA", "auto")
+    monkeypatch.setenv("TRIFORCE_KERNELS", "0")
+    assert kernels.chosen_isa(SPR) is None
+
+
+def test_isa_refusal_is_a_clear_cli_message(tmp_path):
+    """The CLI turns a refused TRIFORCE_ISA into one line and exit code 2, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRIFORCE_ISA="sse9")
+    r = subprocess.run([sys.executable, "-m", "triforce", "generate", "--prompt", "hi", "--max-new-tokens", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "TRIFORCE_ISA='sse9' is not one of auto, avx512, avx2, off" in r.stderr

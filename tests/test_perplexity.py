@@ -62,10 +62,11 @@ def test_json_equals_transformers(model_dir, tmp_path, capsys):
 
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
     args = parse(["--model", str(model_dir), "--text-file", str(tmp_path / "text.txt"), "--tokens", "150",
-                  "--chunk", "32", "--json", "--cache-dir", str(tmp_path / "cache")])
+                  "--chunk", "32", "--json", "--cache-dir", str(tmp_path / "cache"),
+                  "--kv-dtype", "fp32"])  # transformers' cache is fp32
     assert run(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tokens"] == 150 and out["scored"] == 149 and out["rope_theta"] is None
+    assert out["tokens"] == 150 and out["scored"] == 149 and out["rope_theta"] is None and out["kv_dtype"] == "fp32"
     assert out["bands"] == [{"from": 0, "to": 149, "perplexity": out["perplexity"]}]
     ids = [2] + [ord(c) - 28 for c in TEXT[:149]]  # <bos>, then one token per character
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

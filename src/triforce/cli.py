@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from . import storage
+from .config import DEFAULT_KV_DTYPE, KV_DTYPES
 from .errors import TriforceError
 from .interrupts import EXIT_INTERRUPTED, prompt_interrupts
 from .speculation.config import SpecConfig
@@ -32,7 +33,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-theta", type=float, metavar="BASE", help="override the RoPE base (e.g. 4e5)")
     g.add_argument("--max-context", type=_positive_int, metavar="N", help="override the maximum context in tokens")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="weights and KV cache dtype (default float32: faster than bf16 on CPUs without AMX)")
+                   help="weights and activations dtype (default float32: faster than bf16 on CPUs without AMX)")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help=f"the target's KV cache dtype (its stored keys and values only; ar and every stack use "
+                        f"it, so the output stays exact for it): default {DEFAULT_KV_DTYPE} with float32 weights "
+                        f"(docs/kv_dtype.md), else the weights' dtype")
     g.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
     g.add_argument("--cache-dir", metavar="DIR",
                    help="where converted GGUF models and the compiled CPU kernels are cached (default "
@@ -63,6 +68,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="weights of the target when it drafts (retrieval and streaming levels): bf16 (default; "
                         "half the bytes per forward, needs the CPU kernels, else fp32) or fp32. The output "
                         "is exact either way: the full level verifies with the fp32 weights")
+    g.add_argument("--draft-kv-dtype", choices=KV_DTYPES, default=d.draft_kv_dtype,
+                   help=f"KV cache dtype of the drafting levels (retrieval, streaming, a draft model; default "
+                        f"{d.draft_kv_dtype}). The output is exact either way")
     g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
     g.add_argument("--window", type=_positive_int, default=d.window, metavar="N",
                    help=f"StreamingLLM recent window, for a streaming level without :BUDGET (default {d.window})")
@@ -95,7 +103,7 @@ def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
     cfg = SpecConfig(gamma=args.gamma, gamma_draft=args.gamma_draft, draft=draft, budget=args.budget,
                      chunk_size=args.chunk_size, recent=args.recent, rebuild_every=args.rebuild_every,
                      sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk,
-                     draft_weights=args.draft_weights)
+                     draft_weights=args.draft_weights, draft_kv_dtype=args.draft_kv_dtype)
     cfg.validate()
     return cfg, path
 
@@ -168,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default="", metavar="NAME,NAME",
                    help="also time other engines on the same model and prompts: transformers (generate's decode "
                         "steps), transformers-lookup (its prompt-lookup speculation), transformers-assisted (needs "
-                        "--draft PATH)")
+                        "--draft PATH), llama.cpp (prefill and decode on the same GGUF file, flash attention on "
+                        "and off; llama.cpp-fa / llama.cpp-nofa for one; needs ./install.sh llama)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(method="triforce")
     _add_model_args(b)
@@ -248,7 +257,8 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
-                        device=args.device, cache_dir=args.cache_dir, progress=not args.quiet)
+                        device=args.device, cache_dir=args.cache_dir, progress=not args.quiet,
+                        kv_dtype=args.kv_dtype)
     prompt = _read_prompt(args, loaded.tokenizer)
     check_request(len(prompt), args.max_new_tokens, loaded.config.max_context)
     draft_model = None

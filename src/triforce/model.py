@@ -20,7 +20,7 @@ from torch import nn
 from . import kernels
 from .config import ModelConfig
 from .errors import TriforceError
-from .caches.base import SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, causal_mask
+from .caches.base import SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, causal_mask, kv_dtype
 from .rope import Rotary, apply_rotary
 
 
@@ -113,6 +113,7 @@ def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 # fewer keys it is no faster than PyTorch's kernels.
 KERNEL_MAX_ROWS = 64
 KERNEL_MIN_KEYS = 1024
+KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None,
@@ -120,16 +121,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL or [T, S] bool -> [B, Hq, T, D].
     `ops`: the compiled kernels (the model's backend) or None for PyTorch's attention.
 
+    k and v are the cache's (its dtype: fp32, bf16 or fp16; q keeps the model's). The kernel reads fp32
+    k/v, and bf16 / fp16 k/v where it says it can (`ops.HALF_KV`); PyTorch's path casts k/v to q's dtype.
+
     Scores are q . k * scale (None: D ** -0.5). Query head h uses KV head h // g (the transformers convention).
     """
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
-    if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D == 64 \
-            and (mask is None or isinstance(mask, str)) and ops is not None:
+    if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D in KERNEL_HEAD_DIMS \
+            and (mask is None or isinstance(mask, str)) and ops is not None \
+            and (k.dtype == torch.float32 or getattr(ops, "HALF_KV", False)):
         out = ops.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, scale)
         return out.view(B, Hq, T, D)
+    if k.dtype != q.dtype:  # a KV cache in another dtype: the visible keys only, in the activations' dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if isinstance(mask, str):  # CAUSAL
         if q.device.type == "cpu" and _flash_cpu is not None and S > T and q.dtype == k.dtype:
             return _causal_block_attention(q, k, v, scale).view(B, Hq, T, D)
@@ -237,6 +244,19 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    _kv_dtype: torch.dtype | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of this model's KV cache (new_cache): set it with a torch dtype or a name of
+        config.KV_DTYPES ('fp32', 'bf16', 'fp16'); default (None): the weights' dtype. Only the stored
+        K/V change: a model with another KV dtype is, exactly, another model (ar and every stack use it)."""
+        return self._kv_dtype or self.dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, value) -> None:
+        self._kv_dtype = None if value is None else kv_dtype(value)
+
     def to(self, *args, **kwargs):  # keep RoPE frequencies on the model's device, and its backend fitting
         out = super().to(*args, **kwargs)
         for rotary in (out.rotary, out.rotary_local):
@@ -315,13 +335,15 @@ class Transformer(nn.Module):
         draft._modules["lm_head"] = lowp(self.lm_head)
         return draft
 
-    def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1):
+    def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1, dtype=None):
         """The full-attention cache of this model for `capacity` tokens: a FullCache, or with sliding-window
-        layers a SlidingWindowCache (their keys in a ring of the window plus a few slots)."""
+        layers a SlidingWindowCache (their keys in a ring of the window plus a few slots). Its dtype is
+        `dtype` (a torch dtype or a name of config.KV_DTYPES; drafting caches) or the model's kv_dtype."""
         from .caches import FullCache, SlidingWindowCache
 
         cfg = self.cfg
-        kw = dict(batch=batch, dtype=self.dtype, device=self.device, record_queries=record_queries)
+        dtype = self.kv_dtype if dtype is None else kv_dtype(dtype)
+        kw = dict(batch=batch, dtype=dtype, device=self.device, record_queries=record_queries)
         if self.windows is not None:
             return SlidingWindowCache(self.windows, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
         return FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)

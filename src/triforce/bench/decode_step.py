@@ -33,12 +33,20 @@ def time_forwards(model, cache, length: int, k: int, repeats: int, warmup: int =
     return statistics.median(times)
 
 
-def time_ours(model, n_ctx: int, steps: int) -> float:
-    cache = model.new_cache(n_ctx + 1)
+def time_ours(model, n_ctx: int, steps: int, tokens: int = 1) -> float:
+    """Median seconds of a `tokens`-token forward (1: a decode step; k: the verification of k - 1
+    drafts plus the bonus position) over a cache of n_ctx random keys and values."""
+    cache = model.new_cache(n_ctx + tokens)
     cache.k[:, :, :, :n_ctx].normal_()
     cache.v[:, :, :, :n_ctx].normal_()
     cache.length = n_ctx
-    return time_forwards(model, cache, n_ctx, 1, steps, warmup=2)
+    return time_forwards(model, cache, n_ctx, tokens, steps, warmup=2)
+
+
+def attention_flops(cfg, n_ctx: int, tokens: int) -> float:
+    """FLOPs of attention in one forward of `tokens` tokens over n_ctx keys: q k^T and p v, 2 D
+    each per (query head, key), every layer."""
+    return 4.0 * cfg.head_dim * cfg.n_heads * tokens * n_ctx * cfg.n_layers
 
 
 def load_transformers(hf_dir, rope_theta: float | None = None):
@@ -75,21 +83,24 @@ def time_transformers(hf, n_ctx: int, steps: int) -> float:
     return (many - one) / steps
 
 
-def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5) -> float:
+def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5, kv_dtype: torch.dtype = torch.float32) -> float:
     """Seconds of model.attention over `cfg.n_layers` layers of an n_ctx-token cache (T query tokens,
-    causal over the new ones), cold caches as in a real step: every layer has its own K/V."""
+    causal over the new ones), cold caches as in a real step: every layer has its own K/V. Runs the
+    compiled kernel of kernels.cpu() (as overridden) where the model would, else PyTorch's."""
+    from .. import kernels
     from ..caches.base import CAUSAL
     from ..model import attention
 
     L, Hkv, Hq, D = cfg.n_layers, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
-    K, V = torch.randn(L, 1, Hkv, n_ctx + 64, D), torch.randn(L, 1, Hkv, n_ctx + 64, D)
+    K = torch.randn(L, 1, Hkv, n_ctx + 64, D).to(kv_dtype)
+    V = torch.randn(L, 1, Hkv, n_ctx + 64, D).to(kv_dtype)
     q = torch.randn(1, Hq, T, D)
     mask = CAUSAL if T > 1 else None
     times = []
     for i in range(repeats + 1):
         t = time.perf_counter()
         for layer in range(L):
-            attention(q, K[layer, :, :, :n_ctx], V[layer, :, :, :n_ctx], mask)
+            attention(q, K[layer, :, :, :n_ctx], V[layer, :, :, :n_ctx], mask, ops=kernels.cpu())
         if i:
             times.append(time.perf_counter() - t)
     return statistics.median(times)
@@ -112,7 +123,7 @@ def kernel_ab(model, contexts: list[int], bandwidth: float, steps: int) -> None:
             att, step = {}, {}
             for name, k in (("kernel", kern), ("torch", None), ("kernel2", kern), ("torch2", None)):
                 with kernels.override(k):
-                    att[name] = time_attention(n, T, model.cfg) * 1e3
+                    att[name] = time_attention(n, T, model.cfg, kv_dtype=model.kv_dtype) * 1e3
                     if T == 1:
                         step[name] = time_ours(model, n, steps) * 1e3
             s = (f"{min(step['kernel'], step['kernel2']):.1f} | {min(step['torch'], step['torch2']):.1f} | "
@@ -136,7 +147,7 @@ def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> Non
     print("|---|---|---|---|---|---|")
     for n in contexts:
         cache = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=budget, max_new=64,
-                               dtype=model.dtype, device=model.device)
+                               dtype=model.kv_dtype, device=model.device)
         cache.k.normal_()
         cache.v.normal_()
         cache.base, cache.built_at, cache.length = budget, n, n
@@ -147,8 +158,10 @@ def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> Non
 
 
 def main(argv=None) -> None:
+    from ..config import KV_DTYPES
     from ..loading import load_model
-    from .hardware import floor_seconds, measure_bandwidth, weight_bytes
+    from .. import kernels
+    from .hardware import floor_seconds, measure_bandwidth, measure_fma_peak, weight_bytes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="8192,32768", help="comma-separated context lengths")
@@ -162,12 +175,22 @@ def main(argv=None) -> None:
                     help="instead: retrieval-level forwards (1, 3, 5 tokens over --budget keys) with the fp32 "
                          "weights vs the bf16 draft weights")
     ap.add_argument("--budget", type=int, default=1024, help="retrieval budget for --draft-ab (default 1024)")
+    ap.add_argument("--verify-tokens", type=int, default=5,
+                    help="tokens of the verification forward compared with a decode step (default 5: 4 drafts "
+                         "and the bonus position)")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                    help="KV cache dtype of the timed caches (default: the model's, docs/kv_dtype.md)")
     args = ap.parse_args(argv)
-    loaded = load_model(args.model, progress=False)
+    loaded = load_model(args.model, progress=False, kv_dtype=args.kv_dtype)
     model = loaded.model
     bw = measure_bandwidth()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s, "
-          f"weights {weight_bytes(model) / 1e6:.0f} MB, KV {model.cfg.kv_bytes_per_token / 1e3:.1f} KB/token")
+          f"weights {weight_bytes(model) / 1e6:.0f} MB, KV {model.cfg.kv_bytes_per_token // 4 * model.kv_dtype.itemsize / 1e3:.1f} "
+          f"KB/token ({str(model.kv_dtype).removeprefix('torch.')})")
+    kern = kernels.cpu() if model.backend.enabled else None
+    peak = measure_fma_peak()
+    print(f"kernels: {kern.ISA + ' (' + str(kern.LANES) + ' fp32 lanes)' if kern else 'off (PyTorch)'}; "
+          f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (MKL sgemm, {torch.get_num_threads()} threads)")
     if args.kernel_ab:
         kernel_ab(model, [int(x) for x in args.contexts.split(",")], bw, args.steps)
         return
@@ -175,17 +198,24 @@ def main(argv=None) -> None:
         draft_weights_ab(model, [int(x) for x in args.contexts.split(",")], args.budget, args.steps)
         return
     hf_model = None if args.no_transformers else load_transformers(loaded.hf_dir, model.cfg.rope.theta)
-    print("| context | ours ms/step | floor ms | ours / floor | transformers ms/step | transformers / ours |")
-    print("|---|---|---|---|---|---|")
+    k = args.verify_tokens
+    print(f"| context | ours ms/step | floor ms | ours / floor | {k}-token verification ms | verification / step "
+          f"| attention GFLOP/s in it (of peak) | transformers ms/step | transformers / ours |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in [int(x) for x in args.contexts.split(",")]:
         ours = time_ours(model, n, args.steps)
+        verify = time_ours(model, n, args.steps, tokens=k)
         floor = floor_seconds(model, n, bw)
+        # attention's FLOPs over the whole verification forward's time: a lower bound on the rate the
+        # attention kernel reached (its FLOPs dominate the forward at long context)
+        flops = attention_flops(model.cfg, n, k) / verify
         if args.no_transformers:
             hf_s, ratio = "-", "-"
         else:
             hf = time_transformers(hf_model, n, args.steps)
             hf_s, ratio = f"{hf * 1e3:.1f}", f"{hf / ours:.2f}x"
-        print(f"| {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | {hf_s} | {ratio} |", flush=True)
+        print(f"| {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | {verify * 1e3:.1f} | "
+              f"{verify / ours:.2f} | {flops / 1e9:.0f} ({flops / peak:.0%}) | {hf_s} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,19 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+def measure_fma_peak(n: int = 1536, repeats: int = 5) -> float:
+    """fp32 FLOP/s of a large square matmul (MKL's sgemm on all threads): the arithmetic peak that
+    compute-bound kernels (attention when verifying many rows) are compared with."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights read by one decode step (tied embeddings counted once, as the LM head;
     the embedding lookup itself reads one row). Linear layers holding bf16 panels (a draft-weights
@@ -36,7 +49,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def floor_seconds(model, kv_tokens: int, bandwidth: float) -> float:
-    """(weight bytes + KV bytes read) / bandwidth for one decode step attending to `kv_tokens`."""
-    kv = kv_tokens * model.cfg.kv_bytes_per_token * model.dtype.itemsize // 4
+def floor_seconds(model, kv_tokens: int, bandwidth: float, kv_element_size: int | None = None) -> float:
+    """(weight bytes + KV bytes read) / bandwidth for one decode step attending to `kv_tokens`, whose
+    K/V elements take `kv_element_size` bytes (None: those of the model's own cache, model.kv_dtype)."""
+    if kv_element_size is None:
+        kv_element_size = model.kv_dtype.itemsize
+    kv = kv_tokens * model.cfg.kv_bytes_per_token // 4 * kv_element_size
     return (weight_bytes(model) + kv) / bandwidth

@@ -29,7 +29,9 @@ def sampling_params(temperature: float):
 def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: str) -> float | None:
     """Physical floor of one forward of a level's verifier (named as in the stats: kind[:budget]):
     (weights + the KV it reads) / bandwidth. The drafting levels read the bf16 draft weights where
-    the run uses them. None without a bandwidth or for a level without a model of the target."""
+    the run uses them, and their KV in config.draft_kv_dtype; the full level its KV in the model's
+    kv_dtype. None without a bandwidth or for a level without a model of the target."""
+    from ..caches.base import kv_dtype
     from ..speculation.kinds import drafting_model
     from ..speculation.stack import LevelSpec
     from .hardware import floor_seconds
@@ -37,13 +39,14 @@ def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: st
     spec = LevelSpec.parse(level)
     if not bandwidth or spec.kind not in ("full", "retrieval", "streaming"):
         return None
+    kv = kv_dtype(config.draft_kv_dtype)
     if spec.kind == "full":
-        m, n = model, n_ctx
+        m, n, kv = model, n_ctx, model.kv_dtype
     elif spec.kind == "retrieval":
         m, n = drafting_model(model, config), min(n_ctx, (spec.budget or config.budget) + config.recent)
     else:
         m, n = drafting_model(model, config), min(n_ctx, spec.budget or config.streaming_budget)
-    return round(floor_seconds(m, n, bandwidth) * 1e3, 1)
+    return round(floor_seconds(m, n, bandwidth, kv.itemsize) * 1e3, 1)
 
 
 def _agreement(tokens: list[int], ref: list[int] | None) -> int | None:
@@ -62,7 +65,8 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
     acc = {lvl["level"]: lvl.get("acceptance_rate") for lvl in levels if lvl.get("role") == "verify"}
     tpr = {lvl["level"]: lvl.get("tokens_per_round") for lvl in levels if lvl.get("role") == "verify"}
     return {"method": method, "context_length": n_ctx, "prompt": pi, "temperature": temp,
-            "ms_per_token": round(ms, 2), "speedup_vs_ar": round(ar_ms / ms, 3) if ar_ms else None,
+            "ms_per_token": round(ms, 2) if ms is not None else None,  # None: a peer that could not run
+            "speedup_vs_ar": round(ar_ms / ms, 3) if ar_ms and ms else None,
             "floor_ms": floor_ms, "ar_floor_ms": floor_ms,
             # At T=0 an exact engine reproduces ar's tokens; agree_with_ar says where one stops doing so.
             "lossless": (tokens == ar_tokens) if (temp == 0 and tokens is not None) else None,
@@ -108,8 +112,9 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
         else:
             log(f"skip context {n}: with {max_new_tokens} new tokens it exceeds the model's context")
     tf_peer = None
-    if peers:
+    if any(p.startswith("transformers") for p in peers):
         tf_peer = peer_mod.TransformersPeer(loaded.hf_dir, model.cfg.rope.theta, draft_dir)
+    llama = _LlamaCppRuns(loaded, peers, max_new_tokens, seed, config, runs.get("ar"), progress, log, add)
     file_tokens = [(str(f), tok(Path(f).read_text(encoding="utf-8"))["input_ids"]) for f in prompt_files]
     warmed = False
     for n_ctx in fitting:
@@ -127,12 +132,14 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
             t = time.perf_counter()
             shared = PrefilledPrompt(model, prompt, max(full_capacity(n_ctx, max_new_tokens, st) for st in stacks),
                                      config.prefill_chunk, progress)
-            log(f"context {n_ctx}, prompt {pi}: prefill {time.perf_counter() - t:.1f} s")
+            prefill_s = time.perf_counter() - t
+            log(f"context {n_ctx}, prompt {pi}: prefill {prefill_s:.1f} s")
             if not warmed:  # first calls of every code path (kernels, oneDNN, allocator) stay untimed
                 for stack in stacks:
                     generate(model, prompt, 4, sampling_params(0.0), stack=stack, config=config,
                              draft_model=draft_model, prefilled=shared)
                 warmed = True
+            ar_by_temp = {}  # temperature -> (ar's tokens, ar's ms/token), for the llama.cpp rows
             for temp in temperatures:
                 params = sampling_params(temp)
                 ar_tokens, ar_ms = None, None
@@ -142,6 +149,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     ms = res.decode_seconds / len(res.tokens) * 1e3
                     if method == "ar":
                         ar_tokens, ar_ms = res.tokens, ms
+                        ar_by_temp[temp] = (ar_tokens, ar_ms)
                     levels = [dict(lvl) for lvl in res.stats["levels"]]
                     for lvl in levels:  # per-level cost of one verification forward beside its floor
                         if lvl.get("role") == "verify" and lvl.get("forwards"):
@@ -153,8 +161,8 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {row['acceptance']}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
                 for peer in peers:
-                    if peer == "transformers":
-                        continue  # decode steps only, below
+                    if not peer.startswith("transformers-"):
+                        continue  # transformers: decode steps only, below; llama.cpp: after this prompt
                     ms, toks = tf_peer.continue_prompt(prompt, max_new_tokens, temp, seed + pi, peer.split("-")[1])
                     row = _row(peer, n_ctx, pi, temp, ms, ar_ms, floor_ms, toks, ar_tokens,
                                notes=["transformers generate with its own prefill, timed as "
@@ -163,6 +171,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     log(f"  T={temp} {peer:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}"
                         + (f"  lossless={row['lossless']} agree={row['agree_with_ar']}" if temp == 0 else ""))
             del shared
+            llama.run(n_ctx, pi, prompt, temperatures, ar_by_temp, floor_ms, prefill_s)
         if "transformers" in peers:
             hf_ms = tf_peer.decode_ms(n_ctx)
             ar_rows = [r for r in rows if r["method"] == "ar" and r["context_length"] == n_ctx]
@@ -172,7 +181,102 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     "transformers generate, greedy decode steps over a KV cache of this length (random contents), "
                     "prefill excluded; the same figure for every temperature"]))
             log(f"  transformers generate {hf_ms:8.1f} ms/token")
+    llama.close()
     return rows
+
+
+class _LlamaCppRuns:
+    """The llama.cpp peers of one bench run (peers.LlamaCppPeer): per prompt and flash setting one
+    prefill, then one decode per temperature; rows like the methods' plus prefill tokens/s (llama.cpp's
+    and ours for the same prompt). If llama-cpp-python is missing or fails, the rows say why instead."""
+
+    CHECK_PROMPT, CHECK_NEW = 64, 16  # the greedy agreement check with our ar, on a short prompt
+
+    def __init__(self, loaded, peers, max_new, seed, config, ar_stack, progress, log, add):
+        from . import peers as peer_mod
+
+        self.variants = peer_mod.llama_cpp_variants(peers)
+        self.asked = [p for p in peers if p in peer_mod.LLAMA_CPP_PEERS]
+        self.loaded, self.max_new, self.seed, self.config, self.ar_stack = loaded, max_new, seed, config, ar_stack
+        self.log, self.add = log, add
+        self.peer, self.why, self.check_notes = None, None, {}
+        if not self.variants:
+            return
+        try:
+            self.peer = peer_mod.LlamaCppPeer.for_model(loaded, progress=progress, log=log)
+        except peer_mod.LlamaCppUnavailable as e:
+            self.why = str(e)
+            log(f"llama.cpp peer: {e}")
+
+    def _check(self, name: str, flash: bool, prompt: list[int]) -> str:
+        """A row note: how many greedy tokens llama.cpp and our ar share on a short prompt (the
+        same model computed twice: a wrong setting such as the RoPE base shows as early disagreement)."""
+        from ..generate import generate
+
+        if name not in self.check_notes:
+            short = prompt[:self.CHECK_PROMPT]
+            ours = generate(self.loaded.model, short, self.CHECK_NEW, sampling_params(0.0), stack=self.ar_stack,
+                            config=self.config).tokens
+            theirs = self.peer.greedy_tokens(short, self.CHECK_NEW, flash)
+            agree = _agreement(theirs, ours)
+            self.check_notes[name] = (f"greedy check: {agree}/{self.CHECK_NEW} tokens equal to our ar after a "
+                                      f"{len(short)}-token prompt (its quantised weights vs our dequantised fp32 "
+                                      "ones: near ties can part)")
+            self.log(f"  {name}: {self.check_notes[name]}")
+        return self.check_notes[name]
+
+    def run(self, n_ctx, pi, prompt, temperatures, ar_by_temp, floor_ms, ours_prefill_s) -> None:
+        from . import peers as peer_mod
+
+        if not self.variants:
+            return
+        n_head = len(prompt) - 1
+        ours_rate = round(n_head / ours_prefill_s, 1) if ours_prefill_s > 0 else None
+        if self.peer is None:
+            for temp in temperatures:
+                for name in self.asked:
+                    row = _row(name, n_ctx, pi, temp, None, None, floor_ms, None, None, notes=[self.why])
+                    row.update(prefill_tokens_per_s=None, ours_prefill_tokens_per_s=ours_rate)
+                    self.add(row)
+            return
+        for name, flash in self.variants:
+            done = set()  # temperatures with a row
+            try:
+                check = self._check(name, flash, prompt)
+                seconds = self.peer.prefill(prompt, self.max_new, flash, label=name, hint_s=ours_prefill_s)
+                rate = round(n_head / seconds, 1)
+                self.log(f"  {name}: prefill {seconds:.1f} s = {rate} tokens/s (ours {ours_rate} tokens/s)")
+                for temp in temperatures:
+                    ar_tokens, ar_ms = ar_by_temp.get(temp, (None, None))
+                    params = sampling_params(temp)
+                    ms, toks = self.peer.decode(self.max_new, temp, params.top_p, self.seed + pi)
+                    row = _row(name, n_ctx, pi, temp, ms, ar_ms, floor_ms, toks, ar_tokens, notes=[
+                        f"llama.cpp (llama-cpp-python {self.peer.settings(flash)['llama_cpp_python']}) on "
+                        f"{self.peer.path.name}, flash attention {'on' if flash else 'off'}, f16 KV, "
+                        f"{self.peer.threads} threads; decode = {self.max_new} x (sample + llama_decode of one "
+                        "token) after its own prefill", check])
+                    # not an exact engine of our fp32 model (quantised products): agree_with_ar says how far
+                    # its greedy tokens follow ar's, and the table shows "n/a (N tokens agree)"
+                    row.update(lossless=None,
+                               prefill_tokens=n_head, prefill_seconds=round(seconds, 2), prefill_tokens_per_s=rate,
+                               ours_prefill_tokens_per_s=ours_rate, decode_ms_per_token=row["ms_per_token"],
+                               settings=self.peer.settings(flash))
+                    self.add(row)
+                    done.add(temp)
+                    self.log(f"  T={temp} {name:10s} {ms:8.1f} ms/token"
+                             + (f"  x{ar_ms / ms:.2f}" if ar_ms else "")
+                             + (f"  agree={row['agree_with_ar']}/{len(toks)}" if temp == 0 else ""))
+            except (peer_mod.LlamaCppUnavailable, RuntimeError, ValueError, OSError) as e:
+                why = str(e) if isinstance(e, peer_mod.LlamaCppUnavailable) else f"llama.cpp failed: {type(e).__name__}: {e}"
+                self.log(f"  {name}: {why}")
+                for temp in (t for t in temperatures if t not in done):
+                    row = _row(name, n_ctx, pi, temp, None, None, floor_ms, None, None, notes=[why])
+                    row.update(prefill_tokens_per_s=None, ours_prefill_tokens_per_s=ours_rate)
+                    self.add(row)
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -192,13 +296,18 @@ def summarize(rows: list[dict]) -> list[dict]:
                                                    if lvl["level"] == name),
                              "floor_ms": next(lvl.get("floor_ms") for lvl in rs[0]["levels"] if lvl["level"] == name)}
                       for name in names}
+        peer = {}
+        if any("prefill_tokens_per_s" in r for r in rs):  # the llama.cpp peers
+            peer = {"prefill_tokens_per_s": med(r.get("prefill_tokens_per_s") for r in rs),
+                    "ours_prefill_tokens_per_s": med(r.get("ours_prefill_tokens_per_s") for r in rs),
+                    "notes": list(dict.fromkeys(note for r in rs for note in r["notes"]))}
         out.append({"method": method, "context_length": n, "temperature": temp,
                     "ms_per_token": med(r["ms_per_token"] for r in rs),
                     "speedup_vs_ar": med(r["speedup_vs_ar"] for r in rs),
                     "lossless": None if any(r["lossless"] is None for r in rs) else all(r["lossless"] for r in rs),
                     "agree_with_ar": med(r.get("agree_with_ar") for r in rs),
                     "acceptance": {k: med(r["acceptance"].get(k) for r in rs) for k in rs[0]["acceptance"]},
-                    "level_cost": level_cost, "floor_ms": rs[0].get("floor_ms"), "prompts": len(rs)})
+                    "level_cost": level_cost, "floor_ms": rs[0].get("floor_ms"), "prompts": len(rs), **peer})
     return out
 
 
@@ -216,8 +325,34 @@ def markdown(summary: list[dict]) -> str:
         else:
             lossless = "-"
         speed = f"{r['speedup_vs_ar']}x" if r["speedup_vs_ar"] is not None else "-"
-        lines.append(f"| {r['context_length']} | {r['temperature']} | {r['method']} | {r['ms_per_token']} | "
+        lines.append(f"| {r['context_length']} | {r['temperature']} | {r['method']} | {_dash(r['ms_per_token'])} | "
                      f"{speed} | {lossless} | {acc} | {cost} | {r.get('floor_ms') or '-'} |")
+    return "\n".join(lines) + "\n" + peers_markdown(summary)
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def peers_markdown(summary: list[dict]) -> str:
+    """The llama.cpp peers' prefill and decode beside ours ('' without llama.cpp rows)."""
+    rows = [r for r in summary if "prefill_tokens_per_s" in r]
+    if not rows:
+        return ""
+    ar = {(r["context_length"], r["temperature"]): r["ms_per_token"] for r in summary if r["method"] == "ar"}
+    lines = ["", "llama.cpp on the same GGUF file and prompts (prefill: the prompt but its last token; decode: "
+             "ms per generated token after the prefill):", "",
+             "| context | T | peer | prefill tokens/s | our prefill tokens/s | decode ms/token | our ar ms/token | "
+             "our ar faster by | greedy agreement with ar | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ar_ms = ar.get((r["context_length"], r["temperature"]))
+        ratio = f"{round(r['ms_per_token'] / ar_ms, 2)}x" if ar_ms and r["ms_per_token"] else "-"
+        agree = f"{int(r['agree_with_ar'])} tokens" if r.get("agree_with_ar") is not None else "-"
+        lines.append(f"| {r['context_length']} | {r['temperature']} | {r['method']} | "
+                     f"{_dash(r['prefill_tokens_per_s'])} | {_dash(r['ours_prefill_tokens_per_s'])} | "
+                     f"{_dash(r['ms_per_token'])} | {_dash(ar_ms)} | {ratio} | {agree} | "
+                     f"{r['notes'][-1] if r.get('notes') else '-'} |")  # the check, or why it did not run
     return "\n".join(lines) + "\n"
 
 
@@ -232,13 +367,19 @@ def plot(summary: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     temps = sorted({r["temperature"] for r in summary})
-    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False, sharey=True)
+    prefill = _prefill_points(summary)
+    fig, axes = plt.subplots(1, len(temps) + bool(prefill), figsize=(5.5 * (len(temps) + bool(prefill)), 4),
+                             squeeze=False)
+    for ax in axes[0][1:len(temps)]:
+        ax.sharey(axes[0][0])
+    colors = {}  # method -> its line colour, for the prefill panel
     for ax, temp in zip(axes[0], temps):
         rs = [r for r in summary if r["temperature"] == temp and r["speedup_vs_ar"] is not None]
         for method in dict.fromkeys(r["method"] for r in rs):
             pts = sorted((r["context_length"], r["speedup_vs_ar"]) for r in rs if r["method"] == method)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method,
-                    linestyle="--" if method.startswith("transformers") else "-")
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method,
+                              linestyle="--" if method.startswith(("transformers", "llama.cpp")) else "-")
+            colors.setdefault(method, line.get_color())
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["context_length"] for r in rs}))
@@ -247,11 +388,39 @@ def plot(summary: list[dict], path: Path) -> bool:
         ax.set_xlabel("context length (tokens)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("speedup over our ar (ms/token ratio)")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][len(temps) - 1].legend(fontsize=8)
+    if prefill:
+        ax = axes[0][-1]
+        for name, pts in prefill.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors.get("ar" if name == "ours" else name),
+                    label="ours (shared by every method)" if name == "ours" else name,
+                    linestyle="-" if name == "ours" else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({p[0] for pts in prefill.values() for p in pts}))
+        ax.set_xticklabels([f"{n / 1000:.0f}K" for n in sorted({p[0] for pts in prefill.values() for p in pts})])
+        ax.set_title("prefill (the same prompts)")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("prefill tokens/s")
+        ax.set_ylim(bottom=0, top=1.3 * max(p[1] for pts in prefill.values() for p in pts))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _prefill_points(summary: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Prefill tokens/s by context, per llama.cpp peer and ours ("ours": the shared prefill of the
+    same prompts), medians over temperatures (each prefill serves them all)."""
+    by: dict[str, dict[int, list[float]]] = {}
+    for r in summary:
+        if "prefill_tokens_per_s" not in r:
+            continue
+        for name, value in ((r["method"], r["prefill_tokens_per_s"]), ("ours", r.get("ours_prefill_tokens_per_s"))):
+            if value is not None:
+                by.setdefault(name, {}).setdefault(r["context_length"], []).append(value)
+    return {name: sorted((n, statistics.median(v)) for n, v in ctx.items()) for name, ctx in by.items()}
 
 
 def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: dict) -> None:
@@ -283,7 +452,8 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
             raise TriforceError(f"prompt file not found: {f}")
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
-                        device=args.device, cache_dir=args.cache_dir, progress=not args.quiet)
+                        device=args.device, cache_dir=args.cache_dir, progress=not args.quiet,
+                        kv_dtype=getattr(args, "kv_dtype", None))
     draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
                              max_context=loaded.config.max_context, progress=False) if draft_path else None
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -293,6 +463,7 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     bandwidth = measure_bandwidth()
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
+            "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."),
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     out_dir = Path(args.out)
     rows = run_bench(loaded, [int(x) for x in args.context_lengths.split(",")], args.methods.split(",") + list(stacks),

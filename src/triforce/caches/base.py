@@ -14,6 +14,10 @@ is a prefix, i.e. `rollback`.
 Keys are stored after RoPE at their absolute positions, so a cache may keep any subset of the
 sequence, in any order. `length` is the logical sequence length (the absolute position of the next
 token), whatever the cache physically keeps. All storage is preallocated; `rollback(n)` is O(1).
+
+K/V are stored in the cache's dtype (fp32, bf16 or fp16: `kv_dtype`), cast when written; attention
+reads the stored, rounded values, the new tokens' own included, so a forward's result does not depend
+on how many tokens it feeds at once.
 """
 from __future__ import annotations
 
@@ -21,7 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import kv_dtype_name
 from ..errors import TriforceError
+
+_KV_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def kv_dtype(value) -> torch.dtype:
+    """The torch dtype of a KV cache element type: 'fp32', 'bf16', 'fp16' (config.KV_DTYPES), a torch dtype
+    name or a torch dtype. Anything else: TriforceError naming the valid values."""
+    return _KV_TORCH[kv_dtype_name(value)]
 
 
 class KVCache:

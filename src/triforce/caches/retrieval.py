@@ -2,8 +2,8 @@
 
 Built from a full cache and the query of one token:
   * the keys of positions [0, n_sel) are cut into chunks of `chunk_size`; a chunk's representative
-    is its mean post-RoPE key; its score is q . mean summed over the query heads that share the KV
-    head (GQA), i.e. (sum of the group's queries) . mean;
+    is its mean post-RoPE key (in fp32, whatever the cache's dtype); its score is q . mean summed
+    over the query heads that share the KV head (GQA), i.e. (sum of the group's queries) . mean;
   * kept: chunk 0 (attention sinks), the top-scoring other chunks, and the recent tokens
     [n_sel, length), with n_sel = floor((length - recent) / chunk_size) * chunk_size;
   * at most `budget` tokens in all, the same count for every layer and head.
@@ -51,8 +51,9 @@ class RetrievalCache(KVCache):
         n_sel = (N - self.recent) // c * c
         n_chunks = n_sel // c
         k_top = min((self.budget - c - (N - n_sel)) // c, n_chunks - 1)
-        means = keys[:, :, :n_sel].reshape(B, Hkv, n_chunks, c, D).mean(dim=3)
-        q = query.reshape(B, Hkv, -1, D).sum(dim=2).to(means.dtype)
+        # chunk means in fp32 whatever the cache's dtype (bf16 / fp16 keys are summed in fp32)
+        means = keys[:, :, :n_sel].reshape(B, Hkv, n_chunks, c, D).sum(dim=3, dtype=torch.float32) / c
+        q = query.reshape(B, Hkv, -1, D).float().sum(dim=2)
         scores = torch.einsum("bhd,bhnd->bhn", q, means)
         top = scores[..., 1:].topk(k_top, dim=-1).indices.add_(1).sort(dim=-1).values
         offsets = torch.arange(c, device=keys.device)

@@ -109,6 +109,7 @@ class SlidingWindowCache(KVCache):
         if row is None:
             return self.full.update(self._full_row[layer], q, k, v)
         ring_k, ring_v = self.k[row], self.v[row]
+        k, v = k.to(ring_k.dtype), v.to(ring_v.dtype)  # stored, and attended to, in the cache's dtype
         if self._in_place:
             ring_k[:, :, self._slots] = k
             ring_v[:, :, self._slots] = v

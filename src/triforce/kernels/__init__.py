@@ -1,8 +1,14 @@
-"""Optional compiled CPU kernels (the `triforce_cpu` extension: attention.cpp, layer_ops.cpp, linear_panels.cpp),
-built on first use with the system compiler and cached under the project's cache directory (build.py:
-a killed or concurrent build never wedges a later run).
-Every caller falls back to plain PyTorch when they are unavailable (no compiler, no AVX-512, or
-TRIFORCE_KERNELS=0); `override` switches them for measurements and tests."""
+"""Optional compiled CPU kernels: one C++ source (attention.cpp, layer_ops.cpp, linear_panels.cpp over
+simd.h's vector type) compiled once per instruction set, `triforce_cpu_avx2` (8 fp32 lanes, 16
+registers) and `triforce_cpu_avx512` (16 lanes, 32 registers). The variant is chosen from the CPU's
+flags when first needed, built on first use with the system compiler and cached under the project's
+cache directory (build.py: a killed or concurrent build never wedges a later run).
+
+`TRIFORCE_ISA=auto|avx512|avx2|off` overrides the choice (`TRIFORCE_KERNELS=0` is `off`); asking for
+an instruction set the CPU lacks is refused with a message naming what it has, never an
+illegal-instruction crash. Every caller falls back to plain PyTorch when no variant is available
+(no compiler, a CPU without AVX2 + FMA, or `off`); `override` switches them for measurements and tests.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -12,28 +18,104 @@ from pathlib import Path
 
 import torch
 
+from ..errors import TriforceError
+
 _HERE = Path(__file__).parent
 _SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "bindings.cpp")
 _HEADERS = ("ops.h", "simd.h")
-_NAME = "triforce_cpu"
+ISAS = ("avx512", "avx2")  # best first
+# what each variant needs from the CPU (/proc/cpuinfo names) and how it is compiled: -march=x86-64-v3
+# is AVX2 + FMA + F16C + BMI1/2 (Haswell, Zen 1 on), x86-64-v4 adds AVX-512 F/BW/CD/DQ/VL (Skylake-X,
+# Zen 4 on); at::vec reads CPU_CAPABILITY to pick its 256- or 512-bit Vectorized<float>.
+_NEEDS = {"avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2"),
+          "avx512": ("avx2", "fma", "f16c", "bmi1", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
+_CFLAGS = {"avx2": ["-march=x86-64-v3", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+           "avx512": ["-march=x86-64-v4", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]}
+_COMMON_CFLAGS = ["-O3", "-mtune=native", "-fopenmp"]
 _state: dict[str, object] = {}
 
 
+class KernelChoiceError(TriforceError):
+    """TRIFORCE_ISA names an instruction set this CPU lacks, or no instruction set at all."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo); elsewhere, what PyTorch detects."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001
+        return frozenset()
+    if cap in ("AVX512", "AMX"):
+        return frozenset(_NEEDS["avx512"])
+    return frozenset(_NEEDS["avx2"]) if cap == "AVX2" else frozenset()
+
+
+def runnable_isas(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The kernel variants this CPU can execute, best first (an x86-64 CPU only)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    flags = cpu_flags() if flags is None else flags
+    return tuple(isa for isa in ISAS if all(f in flags for f in _NEEDS[isa]))
+
+
+def chosen_isa(flags: frozenset[str] | None = None) -> str | None:
+    """The variant to use: TRIFORCE_ISA (auto, avx512, avx2, off), else the best the CPU runs; None
+    for PyTorch only. Raises KernelChoiceError for an unknown value or one the CPU cannot run."""
+    if os.environ.get("TRIFORCE_KERNELS", "1") == "0":
+        return None
+    want = os.environ.get("TRIFORCE_ISA", "auto").strip().lower() or "auto"
+    runnable = runnable_isas(flags)
+    if want == "off":
+        return None
+    if want == "auto":
+        return runnable[0] if runnable else None
+    if want not in ISAS:
+        raise KernelChoiceError(f"TRIFORCE_ISA={want!r} is not one of auto, avx512, avx2, off")
+    if want not in runnable:
+        have = sorted(f for f in (cpu_flags() if flags is None else flags)
+                      if f.startswith(("avx", "fma", "f16c", "bmi")))
+        missing = [f for f in _NEEDS[want] if f not in (cpu_flags() if flags is None else flags)]
+        raise KernelChoiceError(
+            f"TRIFORCE_ISA={want} but this CPU lacks {', '.join(missing) or 'x86-64'} (it has: "
+            f"{', '.join(have) or 'none of AVX/FMA'}); use "
+            + (f"TRIFORCE_ISA={runnable[0]} or " if runnable else "") + "TRIFORCE_ISA=auto")
+    return want
+
+
+def variant(isa: str):
+    """The compiled module for `isa` (built on first use), or None if it cannot be built here. The
+    caller must know that the CPU runs `isa` (runnable_isas)."""
+    key = f"variant-{isa}"
+    if key in _state:
+        return _state[key]
+    from .build import build_and_load
+
+    try:
+        module = build_and_load(f"triforce_cpu_{isa}", [_HERE / s for s in _SOURCES], [_HERE / h for h in _HEADERS],
+                                cflags=_COMMON_CFLAGS + _CFLAGS[isa], ldflags=["-fopenmp"])
+    except Exception as e:  # noqa: BLE001 - a failed build or wait means: use PyTorch's kernels
+        print(f"triforce: CPU kernels ({isa}) unavailable ({type(e).__name__}: {str(e)[:300]}); using PyTorch",
+              file=sys.stderr)
+        module = None
+    _state[key] = module
+    return module
+
+
 def cpu():
-    """The compiled module (decode_attention, rms_norm, rope_split, silu_mul, linear_panels), or None."""
+    """The compiled module of the chosen variant (decode_attention, rms_norm, rope_split, silu_mul,
+    linear_panels; attributes ISA, LANES, HALF_KV), or None for PyTorch's operations."""
     if "cpu" in _state:
         return _state["cpu"]
-    module = None
-    if os.environ.get("TRIFORCE_KERNELS", "1") != "0" and _cpu_has_avx512():
-        from .build import build_and_load
-
-        try:
-            module = build_and_load(_NAME, [_HERE / s for s in _SOURCES], [_HERE / h for h in _HEADERS],
-                                    cflags=["-O3", "-march=native", "-fopenmp"], ldflags=["-fopenmp"])
-        except Exception as e:  # noqa: BLE001 - a failed build or wait means: use PyTorch's kernels
-            print(f"triforce: CPU kernels unavailable ({type(e).__name__}: {str(e)[:300]}); using PyTorch",
-                  file=sys.stderr)
-            module = None
+    isa = chosen_isa()
+    module = variant(isa) if isa is not None else None
     _state["cpu"] = module
     return module
 
@@ -61,7 +143,7 @@ TORCH = Backend(False)  # PyTorch's operations only: layers not (yet) part of a 
 
 @contextlib.contextmanager
 def override(module):
-    """Use `module` (None: PyTorch only, or a wrapper of the real one) inside the block."""
+    """Use `module` (None: PyTorch only, a variant, or a wrapper of one) inside the block."""
     had, old = "cpu" in _state, _state.get("cpu")
     _state["cpu"] = module
     try:
@@ -71,10 +153,3 @@ def override(module):
             _state["cpu"] = old
         else:
             _state.pop("cpu", None)
-
-
-def _cpu_has_avx512() -> bool:
-    try:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
-    except Exception:  # noqa: BLE001
-        return False

@@ -1,250 +1,287 @@
-// Decode attention on the CPU with AVX-512 (fp32, head dim 64), for a few query rows over a long
-// KV cache: out = softmax(q k^T * scale) v, in one pass over K and V.
+// Decode attention on the CPU for a few query rows over a long KV cache: out = softmax(q k^T * scale) v
+// in one pass over K and V. fp32 queries and arithmetic; K/V in fp32, bf16 or fp16 (widened in
+// registers); head dim 64, 128 or 256. Written over simd.h's Vec: one source for AVX2 and AVX-512.
 //
 // Why: decoding reads the whole cache per token, so attention must stream it at memory bandwidth.
 // PyTorch's CPU flash kernel parallelises over heads only (3 KV heads on 2 threads) and reached
 // about 7 GB/s at 32K. Here the keys are split into blocks of BS, every (KV head, block) is one work
 // item (flash-decoding): scores, a block-local softmax (max m_b, sum l_b) and the block's p v are
 // computed while the block sits in L1/L2, and the blocks are merged by their log-sum-exp at the end.
+// A half-precision block's keys are widened once into an fp32 scratch block (L1/L2) and its values
+// as they are read, so both paths below read every cache byte once from memory.
 //
 // Rows are (group head, token) pairs as in model.py: row r belongs to token r % T. Masks: none, or
 // causal over the last T keys (key S - T + u is visible to token t iff u <= t).
 //
-// Two ways to compute a block, chosen by the number of query rows R:
-//  * few rows (a decode step): per row, 16 keys' dot products reduced together (hsum16); K is read
-//    once per row, which is cheap for R <= a few;
+// Two ways to compute a block's scores, chosen by the number of query rows R:
+//  * few rows (a decode step): per row, W keys' dot products reduced together (hsum_lanes); K is
+//    read once per row, which is cheap for R <= a few;
 //  * many rows (verifying k draft tokens, R = g * k): "rows in lanes", a small GEMM. The scores are
-//    computed transposed, s[key][row], with the rows of 16 queries in the 16 lanes of a vector: per
-//    head dimension d one broadcast k[key][d] times the vector q[rows][d], for a tile of keys at
-//    once. Every K element is loaded once per block (not once per row) and no horizontal sums are
-//    needed: at 32K, attention for 7 tokens took 2.3x that of one token instead of 3.8x.
-#include <torch/extension.h>
+//    computed transposed, s[key][row], with W query rows in the W lanes of a vector: per head
+//    dimension d one broadcast k[key][d] times the vector q[rows][d], for a tile of keys at once.
+//    Every K element is loaded once per group of rows (not once per row) and no horizontal sums are
+//    needed.
+// p v is one loop for both (block_pv): TILE rows x DC vectors of accumulators, each V element read
+// once per tile of rows.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
 
 #include "ops.h"
 #include "simd.h"
 
-#include <cmath>
-#include <limits>
-#include <vector>
-
 namespace triforce {
 namespace {
 
-constexpr int64_t D = 64;
-constexpr int64_t BS = 256;     // keys per work item: 64 KB of K plus 64 KB of V
-constexpr int64_t TILE = 6;     // query rows per register tile in p v (6 x 4 zmm accumulators)
 constexpr int64_t MAX_ROWS = 64;
 constexpr int64_t LANES_MIN_ROWS = 8;  // from this many rows on, the rows-in-lanes path (measured: equal at 6)
-
-// 16 vectors -> one vector of their 16 horizontal sums, in order (a transpose-and-add tree:
-// 45 shuffles/adds instead of 16 separate reductions).
-inline __m512 hsum16(const __m512* t) {
-  __m512 u[8], w[4];
-  for (int i = 0; i < 8; ++i)
-    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
-  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+constexpr int64_t BLOCK_FLOATS = 16384;  // keys per work item x head dim: 64 KB of fp32 K (256 keys of 64)
+// Keys per work item: BLOCK_FLOATS / D for fp32 K/V; half that for bf16 / fp16, whose keys are widened
+// into an fp32 scratch block that should stay in L1 (32 KB) for the score loops that read it.
+template <int64_t D, typename KV>
+constexpr int64_t block_keys() {
+  return std::is_same_v<KV, float> ? BLOCK_FLOATS / D : BLOCK_FLOATS / D / 2;
+}
+constexpr int TILE = 6;                  // query rows per register tile in p v
+constexpr int DC = W == 16 ? 4 : 2;      // vectors of a value row per pass: TILE x DC + DC + 1 <= REGS
+// rows-in-lanes scores: row vectors per group and keys per tile, JT x NVG + NVG + 1 <= REGS - 1
+constexpr int NVG_MAX = W == 16 ? 4 : 2;
+template <int NVG>
+constexpr int keys_per_tile() {
+  return W == 16 ? (NVG == 1 ? 16 : NVG == 2 ? 12 : NVG == 3 ? 8 : 6) : (NVG == 1 ? 12 : 5);
 }
 
-// o_b [R, D] = p v for one block of n keys starting at j0, with p(r, j) = p[r * RS + j * JS] (the
-// per-row path keeps scores by row, the lanes path by key; compile-time strides: runtime ones cost
-// 10-20%). TILE rows at a time: 6 x 4 accumulators, V loaded once per tile. Prefetches the next
-// block while the first tile runs.
-template <int64_t RS, int64_t JS>
-void block_pv(const float* p, const float* k, const float* v, int64_t R, int64_t j0, int64_t n, int64_t S,
-              float* o_b) {
+// A block of n keys as fp32 rows: the cache itself (fp32) or widened into `scratch`.
+template <int64_t D, typename KV>
+const float* keys_fp32(const KV* k, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<KV, float>) {
+    return k;
+  } else {
+    for (int64_t i = 0; i < n * D; i += W) load(k + i).store(scratch + i);
+    return scratch;
+  }
+}
+
+// Ask for rows [j, j + count) of the next block's K and V (null: none) while this block computes,
+// a few rows per iteration of a loop over this block's keys (the lanes path: its score loop; the
+// per-row path: its p v loop).
+template <typename KV, int64_t D>
+inline void prefetch_rows(const char* k, const char* v, int64_t j, int64_t count) {
+  if (k == nullptr) return;
+  constexpr int64_t row_bytes = D * sizeof(KV);
+  for (int64_t b = j * row_bytes; b < (j + count) * row_bytes; b += 64) {
+    prefetch_l2(k + b);
+    prefetch_l2(v + b);
+  }
+}
+
+// o_b [R, D] = p v for one block of n keys (v: the block's first value row), with p(r, j) =
+// p[r * RS + j * js] (the per-row path keeps scores by row, RS = BS; the lanes path by key, RS = 1;
+// RS is a compile-time constant: runtime strides in the inner loop cost 10-20%). With next_k /
+// next_v, prefetches the next block's rows during the first pass (the per-row path: a decode step is
+// memory-bound and its p v loop is the longest; this reached 91% of the bandwidth at 32K).
+template <int64_t D, int64_t RS, typename KV>
+void block_pv(const float* p, int64_t js, const KV* v, int64_t R, int64_t n, float* o_b,
+              const char* next_k = nullptr, const char* next_v = nullptr) {
+  constexpr int NC = D / W;
+  constexpr int DCP = NC < DC ? NC : DC;
   for (int64_t r0 = 0; r0 < R; r0 += TILE) {
-    const int64_t nr = std::min(TILE, R - r0);
-    __m512 acc[TILE][4];
-    for (int64_t r = 0; r < nr; ++r)
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vj = v + (j0 + j) * D;
-      if (r0 == 0 && j0 + BS + j < S) {  // stream the next block in while this one computes
-        const float* kn = k + (j0 + BS + j) * D;
-        const float* vn = vj + BS * D;
-        for (int c = 0; c < 4; ++c) {
-          _mm_prefetch(reinterpret_cast<const char*>(kn + 16 * c), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(vn + 16 * c), _MM_HINT_T1);
+    const int64_t nr = std::min<int64_t>(TILE, R - r0);
+    for (int c0 = 0; c0 < NC; c0 += DCP) {
+      Vec acc[TILE][DCP];
+      for (int64_t j = 0; j < n; ++j) {
+        if (r0 == 0 && c0 == 0) prefetch_rows<KV, D>(next_k, next_v, j, 1);
+        const KV* vj = v + j * D + c0 * W;
+        Vec vv[DCP];
+        for (int c = 0; c < DCP; ++c) vv[c] = load(vj + c * W);
+        const float* pj = p + r0 * RS + j * js;
+        for (int64_t r = 0; r < nr; ++r) {
+          const Vec pr(pj[r * RS]);
+          for (int c = 0; c < DCP; ++c) acc[r][c] = fma(pr, vv[c], acc[r][c]);
         }
       }
-      const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
-      const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
-      const float* pj = p + r0 * RS + j * JS;
-      for (int64_t r = 0; r < nr; ++r) {
-        const __m512 pr = _mm512_set1_ps(pj[r * RS]);
-        acc[r][0] = _mm512_fmadd_ps(pr, v0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(pr, v1, acc[r][1]);
-        acc[r][2] = _mm512_fmadd_ps(pr, v2, acc[r][2]);
-        acc[r][3] = _mm512_fmadd_ps(pr, v3, acc[r][3]);
-      }
+      for (int64_t r = 0; r < nr; ++r)
+        for (int c = 0; c < DCP; ++c) acc[r][c].store(o_b + (r0 + r) * D + (c0 + c) * W);
     }
-    for (int64_t r = 0; r < nr; ++r)
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o_b + (r0 + r) * D + 16 * c, acc[r][c]);
   }
 }
 
-// One (head, block) work item. s: scratch [R, BS]; writes o_b [R, D], m_b [R], l_b [R].
-void block_attention(const float* q, const float* k, const float* v, int64_t R, int64_t T, int64_t j0, int64_t n,
-                     int64_t S, bool causal, float* s, float* o_b, float* m_b, float* l_b) {
-  // scores: 16 keys at a time per row, their 16 partial-sum vectors reduced together (hsum16)
-  int64_t j16 = n - n % 16;
+// Where a row's scores are all -inf (every key of the block masked), m is -inf: subtract 0 instead
+// and zero p, so l = 0 marks the block as empty for that row.
+inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
+  const Vec mv(m == NEG_INF ? 0.f : m), neg(NEG_INF);
+  Vec acc(0.f);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Vec s = Vec::loadu(x + j);
+    const Vec p = select(s != neg, exp(s - mv));
+    p.store(x + j);
+    acc = acc + p;
+  }
+  float l = reduce_add(acc);
+  for (; j < n; ++j) {
+    x[j] = x[j] == NEG_INF ? 0.f : std::exp(x[j] - (m == NEG_INF ? 0.f : m));
+    l += x[j];
+  }
+  *l_out = l;
+  return acc;
+}
+
+// One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as fp32
+// rows; s: scratch [R, BS]. Writes o_b [R, D], m_b [R], l_b [R].
+template <int64_t D, typename KV>
+void block_rows(const float* q, const float* k, const KV* v, int64_t R, int64_t T, int64_t j0, int64_t n,
+                int64_t S, bool causal, float* s, const char* next_k, const char* next_v, float* o_b, float* m_b,
+                float* l_b) {
+  constexpr int64_t BS = block_keys<D, KV>();
+  constexpr int NC = D / W;
+  const int64_t nw = n - n % W;
   for (int64_t r = 0; r < R; ++r) {
     const float* qr = q + r * D;
-    const __m512 q0 = _mm512_loadu_ps(qr), q1 = _mm512_loadu_ps(qr + 16);
-    const __m512 q2 = _mm512_loadu_ps(qr + 32), q3 = _mm512_loadu_ps(qr + 48);
-    for (int64_t j = 0; j < j16; j += 16) {
-      __m512 t[16];
-      for (int i = 0; i < 16; ++i) {
-        const float* kj = k + (j0 + j + i) * D;
-        __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kj));
-        a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kj + 16), a);
-        a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kj + 32), a);
-        t[i] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kj + 48), a);
+    float* sr = s + r * BS;
+    for (int64_t j = 0; j < nw; j += W) {  // W keys at a time, their W partial-sum vectors reduced together
+      Vec t[W];
+      for (int c = 0; c < NC; ++c) {
+        const Vec qc = Vec::loadu(qr + c * W);
+        for (int i = 0; i < W; ++i) t[i] = fma(qc, Vec::loadu(k + (j + i) * D + c * W), t[i]);
       }
-      _mm512_storeu_ps(s + r * BS + j, hsum16(t));
+      hsum_lanes(t).store(sr + j);
     }
-    for (int64_t j = j16; j < n; ++j) {
-      const float* kj = k + (j0 + j) * D;
-      __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kj));
-      a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kj + 16), a);
-      a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kj + 32), a);
-      a = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kj + 48), a);
-      s[r * BS + j] = _mm512_reduce_add_ps(a);
+    for (int64_t j = nw; j < n; ++j) {
+      Vec a(0.f);
+      for (int c = 0; c < NC; ++c) a = fma(Vec::loadu(qr + c * W), Vec::loadu(k + j * D + c * W), a);
+      sr[j] = reduce_add(a);
     }
   }
-  const float NEG = -std::numeric_limits<float>::infinity();
   if (causal && j0 + n > S - T) {
     for (int64_t r = 0; r < R; ++r) {
       const int64_t t = r % T;
-      for (int64_t j = std::max<int64_t>(0, S - T + t + 1 - j0); j < n; ++j) s[r * BS + j] = NEG;
+      for (int64_t j = std::max<int64_t>(0, S - T + t + 1 - j0); j < n; ++j) s[r * BS + j] = NEG_INF;
     }
   }
-  // block-local softmax numerators
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * BS;
-    float m = NEG;
+    float m = NEG_INF;
     for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
     m_b[r] = m;
-    if (m == NEG) {  // every key of this block is masked for this row
-      l_b[r] = 0.f;
-      for (int64_t j = 0; j < n; ++j) sr[j] = 0.f;
-      continue;
-    }
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const __m512 x = _mm512_loadu_ps(sr + j);
-      __m512 p = exp512(_mm512_sub_ps(x, mv));
-      p = _mm512_mask_mov_ps(_mm512_setzero_ps(), _mm512_cmp_ps_mask(x, _mm512_set1_ps(NEG), _CMP_NEQ_OQ), p);
-      _mm512_storeu_ps(sr + j, p);
-      acc = _mm512_add_ps(acc, p);
-    }
-    float l = _mm512_reduce_add_ps(acc);
-    for (; j < n; ++j) {
-      sr[j] = sr[j] == NEG ? 0.f : std::exp(sr[j] - m);
-      l += sr[j];
-    }
-    l_b[r] = l;
+    softmax_numerators(sr, n, m, l_b + r);
   }
-  block_pv<BS, 1>(s, k, v, R, j0, n, S, o_b);
+  block_pv<D, BS>(s, 1, v, R, n, o_b, next_k, next_v);
 }
 
-// Rows in lanes: scores of JT keys for all NV * 16 (padded) rows. qt [D][NV*16] holds the scaled,
-// transposed queries (zero in padded lanes); st [n][NV*16] receives the scores.
-template <int NV, int JT>
-inline void scores_lanes(const float* qt, const float* k, float* st) {
-  __m512 acc[JT][NV];
-  for (int jj = 0; jj < JT; ++jj)
-    for (int v = 0; v < NV; ++v) acc[jj][v] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m512 qv[NV];
-    for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qt + d * NV * 16 + 16 * v);
-    for (int jj = 0; jj < JT; ++jj) {
-      const __m512 kb = _mm512_set1_ps(k[jj * D + d]);
-      for (int v = 0; v < NV; ++v) acc[jj][v] = _mm512_fmadd_ps(kb, qv[v], acc[jj][v]);
+// Rows-in-lanes scores of one block for NVG vectors of rows: st[j][row] for the n keys of k (fp32
+// rows), qt [D][RP] the scaled, transposed queries (zero in padded lanes), st of row stride RP.
+template <int64_t D, int NVG, typename KV>
+void scores_lanes(const float* qt, int64_t RP, const float* k, int64_t n, float* st, const char* next_k,
+                  const char* next_v) {
+  constexpr int JT = keys_per_tile<NVG>();
+  auto tile = [&](auto jt_const, int64_t j) {
+    constexpr int JN = decltype(jt_const)::value;
+    Vec acc[JN][NVG];
+    const float* kj = k + j * D;
+    for (int64_t d = 0; d < D; ++d) {
+      Vec qv[NVG];
+      for (int g = 0; g < NVG; ++g) qv[g] = Vec::loadu(qt + d * RP + g * W);
+      for (int jj = 0; jj < JN; ++jj) {
+        const Vec kb(kj[jj * D + d]);
+        for (int g = 0; g < NVG; ++g) acc[jj][g] = fma(kb, qv[g], acc[jj][g]);
+      }
     }
-  }
-  for (int jj = 0; jj < JT; ++jj)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + jj * NV * 16 + 16 * v, acc[jj][v]);
-}
-
-// One (head, block) work item on the rows-in-lanes path; same contract as block_attention, with
-// qt [D][NV*16] instead of q, and st scratch [BS][NV*16].
-template <int NV>
-void block_attention_lanes(const float* qt, const float* k, const float* v, int64_t R, int64_t T, int64_t j0,
-                           int64_t n, int64_t S, bool causal, float* st, float* o_b, float* m_b, float* l_b) {
-  constexpr int RP = NV * 16;
-  constexpr int JT = NV == 1 ? 16 : (NV == 2 ? 12 : (NV == 4 ? 4 : 8));  // <= 24 accumulators
+    for (int jj = 0; jj < JN; ++jj)
+      for (int g = 0; g < NVG; ++g) acc[jj][g].store(st + (j + jj) * RP + g * W);
+  };
   int64_t j = 0;
-  for (; j + JT <= n; j += JT) scores_lanes<NV, JT>(qt, k + (j0 + j) * D, st + j * RP);
-  for (; j < n; ++j) scores_lanes<NV, 1>(qt, k + (j0 + j) * D, st + j * RP);
-  const float NEG = -std::numeric_limits<float>::infinity();
+  for (; j + JT <= n; j += JT) {
+    prefetch_rows<KV, D>(next_k, next_v, j, JT);
+    tile(std::integral_constant<int, JT>{}, j);
+  }
+  prefetch_rows<KV, D>(next_k, next_v, j, block_keys<D, KV>() - j);
+  for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
+}
+
+// One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
+// qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP].
+template <int64_t D, typename KV>
+void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64_t R, int64_t T, int64_t j0,
+                 int64_t n, int64_t S, bool causal, float* st, const char* next_k, const char* next_v, float* o_b,
+                 float* m_b, float* l_b) {
+  const int64_t RP = NV * W;
+  for (int64_t g0 = 0; g0 < NV;) {  // groups of up to NVG_MAX row vectors share each loaded key
+    const int64_t left = NV - g0;
+    const float* qg = qt + g0 * W;
+    float* sg = st + g0 * W;
+    if (left >= NVG_MAX) {
+      scores_lanes<D, NVG_MAX, KV>(qg, RP, k, n, sg, g0 == 0 ? next_k : nullptr, next_v);
+      g0 += NVG_MAX;
+    } else if (NVG_MAX > 3 && left == 3) {
+      scores_lanes<D, 3, KV>(qg, RP, k, n, sg, g0 == 0 ? next_k : nullptr, next_v);
+      g0 += 3;
+    } else if (NVG_MAX > 2 && left == 2) {
+      scores_lanes<D, 2, KV>(qg, RP, k, n, sg, g0 == 0 ? next_k : nullptr, next_v);
+      g0 += 2;
+    } else {
+      scores_lanes<D, 1, KV>(qg, RP, k, n, sg, g0 == 0 ? next_k : nullptr, next_v);
+      g0 += 1;
+    }
+  }
   if (causal && j0 + n > S - T) {
     for (int64_t jj = std::max<int64_t>(0, S - T - j0); jj < n; ++jj) {
       const int64_t u = j0 + jj - (S - T);  // the key is new token u: visible to rows of tokens >= u
       for (int64_t r = 0; r < R; ++r)
-        if (r % T < u) st[jj * RP + r] = NEG;
+        if (r % T < u) st[jj * RP + r] = NEG_INF;
     }
   }
-  // block-local softmax numerators, 16 rows per vector
-  __m512 m[NV], l[NV];
-  for (int w = 0; w < NV; ++w) {
-    m[w] = _mm512_set1_ps(NEG);
-    l[w] = _mm512_setzero_ps();
-  }
-  for (int64_t jj = 0; jj < n; ++jj)
-    for (int w = 0; w < NV; ++w) m[w] = _mm512_max_ps(m[w], _mm512_loadu_ps(st + jj * RP + 16 * w));
-  __m512 ms[NV];  // fully masked rows (m = -inf) subtract 0 instead; their p are zeroed below
-  for (int w = 0; w < NV; ++w)
-    ms[w] = _mm512_mask_mov_ps(_mm512_setzero_ps(), _mm512_cmp_ps_mask(m[w], _mm512_set1_ps(NEG), _CMP_NEQ_OQ), m[w]);
-  for (int64_t jj = 0; jj < n; ++jj)
-    for (int w = 0; w < NV; ++w) {
-      const __m512 x = _mm512_loadu_ps(st + jj * RP + 16 * w);
-      __m512 p = exp512(_mm512_sub_ps(x, ms[w]));
-      p = _mm512_mask_mov_ps(_mm512_setzero_ps(), _mm512_cmp_ps_mask(x, _mm512_set1_ps(NEG), _CMP_NEQ_OQ), p);
-      _mm512_storeu_ps(st + jj * RP + 16 * w, p);
-      l[w] = _mm512_add_ps(l[w], p);
+  // block-local softmax numerators, W rows per vector (one vector at a time: its max and sum stay
+  // in registers; with the vectors inner, indexed at run time, they went through memory: +15%)
+  float mt[MAX_ROWS], lt[MAX_ROWS];
+  const Vec neg(NEG_INF);
+  for (int64_t g = 0; g < NV; ++g) {
+    float* col = st + g * W;
+    Vec m = neg, l(0.f);
+    for (int64_t jj = 0; jj < n; ++jj) m = vmax(m, Vec::loadu(col + jj * RP));
+    const Vec ms = select(m != neg, m);  // fully masked rows (m = -inf) subtract 0; their p are zeroed
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const Vec x = Vec::loadu(col + jj * RP);
+      const Vec p = select(x != neg, exp(x - ms));
+      p.store(col + jj * RP);
+      l = l + p;
     }
-  float mt[RP], lt[RP];
-  for (int w = 0; w < NV; ++w) {
-    _mm512_storeu_ps(mt + 16 * w, m[w]);
-    _mm512_storeu_ps(lt + 16 * w, l[w]);
+    m.store(mt + g * W);
+    l.store(lt + g * W);
   }
   for (int64_t r = 0; r < R; ++r) {
     m_b[r] = mt[r];
     l_b[r] = lt[r];
   }
-  block_pv<1, RP>(st, k, v, R, j0, n, S, o_b);
+  block_pv<D, 1>(st, RP, v, R, n, o_b);
 }
 
-}  // namespace
-
-// q [H, R, 64] (any layout; copied scaled), k/v [H, S, 64] with contiguous rows, T tokens per row
-// group, causal over the last T keys if `causal` -> out [H, R, 64]. path: 0 chooses by R, 1 forces
-// the per-row path, 2 the rows-in-lanes path (for tests and measurements).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
-                               double scale, int64_t path) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.size(2) == D && k.size(2) == D && v.size(2) == D,
-              "decode_attention: q [H, R, 64], k/v [H, S, 64]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
-              "decode_attention: fp32 only");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
-              "decode_attention: k/v rows must be contiguous");
+template <int64_t D, typename KV>
+torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
+                  double scale, bool lanes) {
+  constexpr int64_t BS = block_keys<D, KV>();
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
-  TORCH_CHECK(R <= MAX_ROWS && T >= 1 && R % T == 0 && S >= T && k.size(0) == H && v.size(0) == H && v.size(1) == S,
-              "decode_attention: bad shapes");
-  const bool lanes = path == 2 || (path == 0 && R >= LANES_MIN_ROWS);
-  const int64_t NV = (R + 15) / 16, RP = NV * 16;
+  const int64_t NV = (R + W - 1) / W, RP = NV * W;
   // per-row path: q scaled [H, R, D]; lanes path: q scaled, transposed and zero-padded [H, D, RP]
-  const auto qs = lanes ? torch::constant_pad_nd((q * scale).transpose(1, 2), {0, RP - R}).contiguous()
-                        : (q * scale).contiguous();
+  // (one small copy here instead of PyTorch's mul / transpose / pad / contiguous, each a dispatch)
+  const auto qs = torch::empty({H * (lanes ? D * RP : R * D)}, q.options());
+  {
+    const auto qa = q.accessor<float, 3>();
+    float* dst = qs.data_ptr<float>();
+    const float sc = static_cast<float>(scale);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < (lanes ? RP : R); ++r)
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = r < R ? qa[h][r][d] * sc : 0.f;
+          if (lanes)
+            dst[(h * D + d) * RP + r] = x;
+          else
+            dst[(h * R + r) * D + d] = x;
+        }
+  }
   const int64_t nb = (S + BS - 1) / BS;
   // per-block partial results (not zero-filled: every block writes all of its rows)
   const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
@@ -252,49 +289,89 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   float* const m_part = o_part + H * nb * R * D;
   float* const l_part = m_part + H * nb * R;
   const float* qp = qs.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const KV* kp = reinterpret_cast<const KV*>(k.data_ptr());
+  const KV* vp = reinterpret_cast<const KV*>(v.data_ptr());
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> s(MAX_ROWS * BS);
+    std::vector<float> s(std::max(MAX_ROWS, RP) * BS);
+    std::vector<float> kf(std::is_same_v<KV, float> ? 0 : BS * D);
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
+      const KV* kh = kp + h * ks + j0 * D;
+      const KV* vh = vp + h * vs + j0 * D;
+      const bool last = blk + 1 == nb;
+      const char* next_k = last ? nullptr : reinterpret_cast<const char*>(kh + BS * D);
+      const char* next_v = last ? nullptr : reinterpret_cast<const char*>(vh + BS * D);
+      const float* kb = keys_fp32<D>(kh, n, kf.data());
       float* ob = o_part + w * R * D;
       float* mb = m_part + w * R;
       float* lb = l_part + w * R;
-      const float* qh = qp + h * R * D;
-      if (!lanes) {
-        block_attention(qh, kp + h * ks, vp + h * vs, R, T, j0, n, S, causal, s.data(), ob, mb, lb);
-        continue;
-      }
-      qh = qp + h * D * RP;
-      switch (NV) {
-        case 1: block_attention_lanes<1>(qh, kp + h * ks, vp + h * vs, R, T, j0, n, S, causal, s.data(), ob, mb, lb); break;
-        case 2: block_attention_lanes<2>(qh, kp + h * ks, vp + h * vs, R, T, j0, n, S, causal, s.data(), ob, mb, lb); break;
-        case 3: block_attention_lanes<3>(qh, kp + h * ks, vp + h * vs, R, T, j0, n, S, causal, s.data(), ob, mb, lb); break;
-        default: block_attention_lanes<4>(qh, kp + h * ks, vp + h * vs, R, T, j0, n, S, causal, s.data(), ob, mb, lb);
-      }
+      if (lanes)
+        block_lanes<D>(qp + h * D * RP, NV, kb, vh, R, T, j0, n, S, causal, s.data(), next_k, next_v, ob, mb, lb);
+      else
+        block_rows<D>(qp + h * R * D, kb, vh, R, T, j0, n, S, causal, s.data(), next_k, next_v, ob, mb, lb);
     }
   });
   auto out = torch::empty({H, R, D}, q.options());
   float* op = out.data_ptr<float>();
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t r = 0; r < R; ++r) {
-      float m = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, H * R, 8, [&](int64_t b, int64_t e) {
+    for (int64_t hr = b; hr < e; ++hr) {
+      const int64_t h = hr / R, r = hr % R;
+      float m = NEG_INF;
       for (int64_t blk = 0; blk < nb; ++blk) m = std::max(m, m_part[(h * nb + blk) * R + r]);
-      float l = 0.f, acc[D] = {0.f};
+      float l = 0.f;
+      Vec acc[D / W];
       for (int64_t blk = 0; blk < nb; ++blk) {
         const int64_t i = (h * nb + blk) * R + r;
         if (l_part[i] == 0.f) continue;
-        const float w = std::exp(m_part[i] - m);
-        l += w * l_part[i];
+        const float wt = std::exp(m_part[i] - m);
+        l += wt * l_part[i];
         const float* ob = o_part + i * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * ob[d];
+        for (int c = 0; c < D / W; ++c) acc[c] = fma(Vec(wt), Vec::loadu(ob + c * W), acc[c]);
       }
-      for (int64_t d = 0; d < D; ++d) op[(h * R + r) * D + d] = acc[d] / l;
+      const Vec inv(1.f / l);
+      for (int c = 0; c < D / W; ++c) (acc[c] * inv).store(op + hr * D + c * W);
     }
-  }
+  });
   return out;
+}
+
+template <typename KV>
+torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
+                     double scale, bool lanes) {
+  switch (q.size(2)) {
+    case 64: return run<64, KV>(q, k, v, T, causal, scale, lanes);
+    case 128: return run<128, KV>(q, k, v, T, causal, scale, lanes);
+    default: return run<256, KV>(q, k, v, T, causal, scale, lanes);
+  }
+}
+
+}  // namespace
+
+// q [H, R, D] fp32 (any layout; copied scaled), k/v [H, S, D] fp32, bf16 or fp16 (both the same)
+// with contiguous rows, D in {64, 128, 256}, T tokens per row group, causal over the last T keys if
+// `causal` -> out [H, R, D] fp32. path: 0 chooses by R, 1 forces the per-row path, 2 the
+// rows-in-lanes path (for tests and measurements).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
+                               double scale, int64_t path) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H, R, D], k/v [H, S, D]");
+  const int64_t D = q.size(2);
+  TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(2) == D && v.size(2) == D,
+              "decode_attention: head dim 64, 128 or 256");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat, "decode_attention: q must be fp32");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "decode_attention: k and v of one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
+              "decode_attention: k/v rows must be contiguous");
+  const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
+  TORCH_CHECK(R <= MAX_ROWS && T >= 1 && R % T == 0 && S >= T && k.size(0) == H && v.size(0) == H && v.size(1) == S,
+              "decode_attention: bad shapes");
+  const bool lanes = path == 2 || (path == 0 && R >= LANES_MIN_ROWS);
+  switch (k.scalar_type()) {
+    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, scale, lanes);
+    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, scale, lanes);
+    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, scale, lanes);
+    default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
+  }
 }
 
 }  // namespace triforce

@@ -1,8 +1,13 @@
 #include "ops.h"
+#include "simd.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("ISA") = triforce::ISA;       // the instruction set this module was compiled for
+  m.attr("LANES") = triforce::W;       // fp32 lanes per vector
+  m.attr("HALF_KV") = true;            // decode_attention reads bf16 / fp16 K and V
   m.def("decode_attention", &triforce::decode_attention,
-        "softmax(q k^T * scale) v for q [H, R, 64] over k/v [H, S, 64], causal over the last T keys if asked",
+        "softmax(q k^T * scale) v for q [H, R, D] fp32 over k/v [H, S, D] (fp32, bf16 or fp16; D 64, 128 or 256), "
+        "causal over the last T keys if asked",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("T"), py::arg("causal"), py::arg("scale"),
         py::arg("path") = 0);
   m.def("rms_norm", &triforce::rms_norm, "x [..., C] -> x / sqrt(mean(x^2) + eps) * weight");

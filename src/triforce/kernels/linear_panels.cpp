@@ -7,58 +7,62 @@
 // were no faster than fp32 on this CPU.
 //
 // W is stored in panels of 16 output features, [P, K, 16] (P = ceil(N / 16), zero-padded): for
-// each input feature k the 16 weights of a panel are one load (bf16: widened to fp32 by a shift),
-// multiplied by x[t][k] broadcast, accumulating 16 outputs per vector: no horizontal sums.
+// each input feature k the 16 weights of a panel are one load (two on AVX2; bf16: widened to fp32
+// by a shift), multiplied by x[t][k] broadcast, accumulating 16 outputs per panel: no horizontal sums.
+// One source over simd.h's Vec for AVX2 and AVX-512; register tiles sized from W and REGS.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include "ops.h"
+#include "simd.h"
 
 namespace triforce {
 namespace {
 
-constexpr int64_t PB = 4;  // fewest panels per thread
-constexpr int64_t TB = 8;  // rows of x per pass over the weights
+constexpr int64_t PB = 4;             // fewest panels per thread
+constexpr int VP = 16 / W;            // vectors per 16-output panel: 1 (AVX-512) or 2 (AVX2)
+constexpr int64_t TB = W == 16 ? 8 : 6;  // rows of x per pass over the weights
 
-inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> fp32
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// panels per pass for NT rows: NP x VP x NT accumulators + NP x VP weights + 1 broadcast within the
+// registers (AVX-512, 1 row: 4 panels; 8 rows: 3. AVX2, 1 row: 3 panels; 2: 2; 3 to 6: 1)
+template <int NT>
+constexpr int panels_per_pass() {
+  int best = 1;
+  for (int np = 1; np <= 4; ++np)
+    if (np * VP * NT + np * VP + 1 <= REGS - 1) best = np;
+  return best;
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-template <int NP, int NT, typename W>
-void panels_rows(const float* x, int64_t K, const W* w, int64_t p0, float* y, int64_t N) {
-  __m512 acc[NP][NT];
-  for (int i = 0; i < NP; ++i)
-    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+template <int NP, int NT, typename Wt>
+void panels_rows(const float* x, int64_t K, const Wt* w, int64_t p0, float* y, int64_t N) {
+  Vec acc[NP][VP][NT];
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NP];
-    for (int i = 0; i < NP; ++i) wv[i] = load16(w + ((p0 + i) * K + k) * 16);
+    Vec wv[NP][VP];
+    for (int i = 0; i < NP; ++i)
+      for (int c = 0; c < VP; ++c) wv[i][c] = load(w + ((p0 + i) * K + k) * 16 + c * W);
     for (int t = 0; t < NT; ++t) {
-      const __m512 xb = _mm512_set1_ps(x[t * K + k]);
-      for (int i = 0; i < NP; ++i) acc[i][t] = _mm512_fmadd_ps(xb, wv[i], acc[i][t]);
+      const Vec xb(x[t * K + k]);
+      for (int i = 0; i < NP; ++i)
+        for (int c = 0; c < VP; ++c) acc[i][c][t] = fma(xb, wv[i][c], acc[i][c][t]);
     }
   }
   for (int i = 0; i < NP; ++i) {
     const int64_t o = (p0 + i) * 16;
-    const int64_t n = std::min<int64_t>(16, N - o);
-    const __mmask16 m = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-    for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * N + o, m, acc[i][t]);
+    for (int c = 0; c < VP; ++c)
+      for (int t = 0; t < NT; ++t) store(acc[i][c][t], y + t * N + o + c * W, N - o - c * W);
   }
 }
 
-// A thread's panels for NT rows, NP panels at a time (NP x NT <= 24 accumulators).
-template <int NT, typename W>
-void rows_block(const float* x, int64_t K, const W* w, int64_t p0, int64_t np, float* y, int64_t N) {
-  constexpr int NP = NT <= 6 ? 4 : 3;
+// A thread's panels for NT rows, NP panels at a time.
+template <int NT, typename Wt>
+void rows_block(const float* x, int64_t K, const Wt* w, int64_t p0, int64_t np, float* y, int64_t N) {
+  constexpr int NP = panels_per_pass<NT>();
   int64_t p = p0;
   for (; p + NP <= p0 + np; p += NP) panels_rows<NP, NT>(x, K, w, p, y, N);
   for (; p < p0 + np; ++p) panels_rows<1, NT>(x, K, w, p, y, N);
 }
 
-template <typename W>
-void run(const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64_t N, int64_t P) {
+template <typename Wt>
+void run(const float* xp, const Wt* wp, float* yp, int64_t M, int64_t K, int64_t N, int64_t P) {
   at::parallel_for(0, P, PB, [&](int64_t p0, int64_t e) {  // each thread: a contiguous range of panels
     const int64_t np = e - p0;
     for (int64_t r = 0; r < M; r += TB) {
@@ -72,7 +76,7 @@ void run(const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64_t 
         case 5: rows_block<5>(xr, K, wp, p0, np, yr, N); break;
         case 6: rows_block<6>(xr, K, wp, p0, np, yr, N); break;
         case 7: rows_block<7>(xr, K, wp, p0, np, yr, N); break;
-        default: rows_block<8>(xr, K, wp, p0, np, yr, N);
+        default: rows_block<TB>(xr, K, wp, p0, np, yr, N);
       }
     }
   });
@@ -93,7 +97,7 @@ torch::Tensor linear_panels(torch::Tensor x, torch::Tensor panels, int64_t out_f
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
   if (bf16)
-    run(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
+    run(x.data_ptr<float>(), panels.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
         M, K, N, P);
   else
     run(x.data_ptr<float>(), panels.data_ptr<float>(), y.data_ptr<float>(), M, K, N, P);

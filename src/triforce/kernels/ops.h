@@ -1,4 +1,5 @@
-// The functions of the `triforce_cpu` extension (bindings.cpp). fp32, CPU, AVX-512.
+// The functions of the `triforce_cpu_<isa>` extension (bindings.cpp): fp32 arithmetic on the CPU,
+// one source compiled per ISA (simd.h).
 #pragma once
 #include <torch/extension.h>
 
@@ -6,7 +7,7 @@
 
 namespace triforce {
 
-// attention.cpp: softmax(q k^T * scale) v for q [H, R, 64] over k/v [H, S, 64] (see there).
+// attention.cpp: softmax(q k^T * scale) v for q [H, R, D] fp32 over k/v [H, S, D] fp32/bf16/fp16 (see there).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path);
 

@@ -1,24 +1,123 @@
-// Vector helpers shared by the CPU kernels (AVX-512).
+// The vector type every CPU kernel is written over: PyTorch's at::vec::Vectorized<float>, which this
+// source is compiled with once per ISA (kernels/__init__.py): -DCPU_CAPABILITY_AVX2 gives 8 lanes
+// in 16 registers, -DCPU_CAPABILITY_AVX512 16 lanes in 32 registers. Kernels size their register
+// tiles from W and REGS below, so one source serves both. The few operations at::vec does not offer
+// (horizontal sums of W vectors at once, an exp accurate to 1e-7) are here, with one short
+// intrinsic body per ISA where needed.
 #pragma once
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
+
+#include <cstdint>
+#include <limits>
+
+#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#error "the triforce kernels are built with -DCPU_CAPABILITY_AVX2 or -DCPU_CAPABILITY_AVX512 (kernels/__init__.py)"
+#endif
 
 namespace triforce {
 
-// exp(x), accurate for x <= 88 (larger x overflow to inf), x < -87 taken as -87: 2^n * 2^f with f in [-1/2, 1/2] by its Taylor polynomial (relative error < 1e-7).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+using Vec = at::vec::Vectorized<float>;
+using IVec = at::vec::Vectorized<int32_t>;
+constexpr int W = Vec::size();          // fp32 lanes per vector: 8 (AVX2) or 16 (AVX-512)
+constexpr int REGS = W == 16 ? 32 : 16;  // vector registers: tiles keep their accumulators within these
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr const char* ISA = "avx512";
+#else
+constexpr const char* ISA = "avx2";
+#endif
+
+// W consecutive values, widened to fp32 (bf16: a shift; fp16: vcvtph2ps, F16C).
+inline Vec load(const float* p) { return Vec::loadu(p); }
+inline Vec load(const c10::BFloat16* p) {
+  Vec o;
+  at::vec::load_fp32_from_bf16(p, o);
+  return o;
 }
+inline Vec load(const c10::Half* p) {
+  Vec o;
+  at::vec::load_fp32_from_fp16(p, o);
+  return o;
+}
+
+inline Vec fma(const Vec& a, const Vec& b, const Vec& c) { return at::vec::fmadd(a, b, c); }
+
+// max without NaN propagation (at::vec::maximum adds a NaN check per call; scores are never NaN)
+inline Vec vmax(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(a, b);
+#else
+  return _mm256_max_ps(a, b);
+#endif
+}
+
+// where(keep, x, 0) for a comparison mask `keep` (all-ones lanes)
+inline Vec select(const Vec& keep, const Vec& x) { return Vec::blendv(Vec(0.f), x, keep); }
+
+inline float reduce_add(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#else
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+}
+
+// W vectors -> one vector of their W horizontal sums, in order: a transpose-and-add tree
+// (AVX-512: 45 shuffles/adds instead of 16 separate reductions; AVX2: 6 hadds, 2 permutes, 1 add).
+inline Vec hsum_lanes(const Vec* t) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = t[2 * i], b = t[2 * i + 1];
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+#else
+  const __m256 a0 = _mm256_hadd_ps(t[0], t[1]), a1 = _mm256_hadd_ps(t[2], t[3]);
+  const __m256 a2 = _mm256_hadd_ps(t[4], t[5]), a3 = _mm256_hadd_ps(t[6], t[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // lanes: sums of 0-3 | 4-7 halves
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+#endif
+}
+
+// exp(x) for x <= 88 (larger x overflow to inf), x < -87 taken as -87: 2^n * e^f with
+// f = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 in two parts, Cody-Waite) by its Taylor polynomial
+// (relative error about 1e-7; at::vec's exp_u20 is within 20 ulp, Sleef's exp is a library call).
+inline Vec exp(Vec x) {
+  x = vmax(x, Vec(-87.0f));
+  const Vec n = (x * Vec(1.4426950408889634f)).round();
+  const Vec f = fma(n, Vec(2.12194440e-4f), fma(n, Vec(-0.693359375f), x));
+  Vec p(1.0f / 5040);
+  p = fma(p, f, Vec(1.0f / 720));
+  p = fma(p, f, Vec(1.0f / 120));
+  p = fma(p, f, Vec(1.0f / 24));
+  p = fma(p, f, Vec(1.0f / 6));
+  p = fma(p, f, Vec(0.5f));
+  p = fma(p, f, Vec(1.0f));
+  p = fma(p, f, Vec(1.0f));
+  const IVec e = (at::vec::convert_to_int_of_same_size(n) + IVec(127)) << IVec(23);  // 2^n as float bits
+  return p * at::vec::cast<float>(e);
+}
+
+// Store the first `count` lanes (all when count >= W; none when count <= 0).
+inline void store(const Vec& v, float* p, int64_t count) {
+  if (count >= W)
+    v.store(p);
+  else if (count > 0)
+    v.store(p, count);
+}
+
+inline void prefetch_l2(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 }  // namespace triforce

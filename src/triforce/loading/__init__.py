@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import storage
-from ..config import ModelConfig
+from ..config import DEFAULT_KV_DTYPE, ModelConfig, kv_dtype_name
 from ..errors import TriforceError
 from ..model import Transformer, load_hf_state_dict
 from .gguf_file import check_gguf_architecture
@@ -183,11 +183,13 @@ def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None, progress: 
 
 
 def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> Transformer:
-    """Our Transformer holding the weights of a Hugging Face-named state dict (no random init)."""
+                device: str | torch.device = "cpu", kv_dtype=None) -> Transformer:
+    """Our Transformer holding the weights of a Hugging Face-named state dict (no random init); its KV
+    cache in `kv_dtype` (a name of config.KV_DTYPES or a torch dtype; None: the weights' dtype)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype=dtype)
+    model.kv_dtype = kv_dtype
     load_hf_state_dict(model, hf_state_dict)
     model.init_rotary()  # the one built on "meta" holds no values
     model = model.to(device).eval()
@@ -195,11 +197,20 @@ def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dty
     return model
 
 
+def default_kv_dtype(dtype: torch.dtype) -> str:
+    """The KV cache dtype of a model whose weights are `dtype` when none is asked for: config.DEFAULT_KV_DTYPE
+    for fp32 weights (measured: docs/kv_dtype.md), else the weights' own."""
+    return DEFAULT_KV_DTYPE if dtype == torch.float32 else kv_dtype_name(dtype)
+
+
 def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | None = None,
                max_context: int | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", cache_dir=None, progress: bool = True) -> LoadedModel:
+               device: str | torch.device = "cpu", cache_dir=None, progress: bool = True,
+               kv_dtype=None) -> LoadedModel:
     """Load a model and its tokenizer. `path=None` is the embedded SmolLM2-135M-Instruct with its
-    long-context profile (RoPE base 4e5, 32K context) unless overridden."""
+    long-context profile (RoPE base 4e5, 32K context) unless overridden. `kv_dtype`: its KV cache's
+    dtype, 'fp32', 'bf16' or 'fp16' (or a torch dtype); None: default_kv_dtype(dtype)."""
+    kv_dtype = default_kv_dtype(dtype) if kv_dtype is None else kv_dtype_name(kv_dtype)  # refused before loading
     directory, source, embedded = resolve_model_dir(path, cache_dir, progress)
     from transformers import AutoTokenizer  # after the checks: an unsupported file is refused in about a second
 
@@ -208,7 +219,7 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
         rope_theta = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta
         max_context = DEFAULT_MAX_CONTEXT if max_context is None else max_context
     cfg = cfg.with_overrides(rope_theta=rope_theta, max_context=max_context)
-    model = build_model(cfg, sd, dtype=dtype, device=device)  # builds the CPU kernels (pack_weights)
+    model = build_model(cfg, sd, dtype=dtype, device=device, kv_dtype=kv_dtype)  # builds the CPU kernels (pack_weights)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:

