@@ -7,8 +7,9 @@
 // about 7 GB/s at 32K. Here the keys are split into blocks of BS, every (KV head, block) is one work
 // item (flash-decoding): scores, a block-local softmax (max m_b, sum l_b) and the block's p v are
 // computed while the block sits in L1/L2, and the blocks are merged by their log-sum-exp at the end.
-// A half-precision block's keys are widened once into an fp32 scratch block (L1/L2) and its values
-// as they are read, so both paths below read every cache byte once from memory.
+// Half-precision values are widened as they are read; keys too on the per-row path, and once per
+// block into an fp32 scratch block (L1) on the rows-in-lanes path, whose broadcasts need fp32
+// scalars. Both paths read every cache byte once from memory.
 //
 // Rows are (group head, token) pairs as in model.py: row r belongs to token r % T. Masks: none, or
 // causal over the last T keys (key S - T + u is visible to token t iff u <= t).
@@ -130,10 +131,11 @@ inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
   return acc;
 }
 
-// One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as fp32
-// rows; s: scratch [R, BS]. Writes o_b [R, D], m_b [R], l_b [R].
+// One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as stored
+// (half-precision keys are widened as they are loaded: with a few rows that beat widening the block
+// into a scratch copy first); s: scratch [R, BS]. Writes o_b [R, D], m_b [R], l_b [R].
 template <int64_t D, typename KV>
-void block_rows(const float* q, const float* k, const KV* v, int64_t R, int64_t T, int64_t j0, int64_t n,
+void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t T, int64_t j0, int64_t n,
                 int64_t S, bool causal, float* s, const char* next_k, const char* next_v, float* o_b, float* m_b,
                 float* l_b) {
   constexpr int64_t BS = block_keys<D, KV>();
@@ -146,13 +148,13 @@ void block_rows(const float* q, const float* k, const KV* v, int64_t R, int64_t 
       Vec t[W];
       for (int c = 0; c < NC; ++c) {
         const Vec qc = Vec::loadu(qr + c * W);
-        for (int i = 0; i < W; ++i) t[i] = fma(qc, Vec::loadu(k + (j + i) * D + c * W), t[i]);
+        for (int i = 0; i < W; ++i) t[i] = fma(qc, load(k + (j + i) * D + c * W), t[i]);
       }
       hsum_lanes(t).store(sr + j);
     }
     for (int64_t j = nw; j < n; ++j) {
       Vec a(0.f);
-      for (int c = 0; c < NC; ++c) a = fma(Vec::loadu(qr + c * W), Vec::loadu(k + j * D + c * W), a);
+      for (int c = 0; c < NC; ++c) a = fma(Vec::loadu(qr + c * W), load(k + j * D + c * W), a);
       sr[j] = reduce_add(a);
     }
   }
@@ -302,14 +304,14 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       const bool last = blk + 1 == nb;
       const char* next_k = last ? nullptr : reinterpret_cast<const char*>(kh + BS * D);
       const char* next_v = last ? nullptr : reinterpret_cast<const char*>(vh + BS * D);
-      const float* kb = keys_fp32<D>(kh, n, kf.data());
       float* ob = o_part + w * R * D;
       float* mb = m_part + w * R;
       float* lb = l_part + w * R;
       if (lanes)
-        block_lanes<D>(qp + h * D * RP, NV, kb, vh, R, T, j0, n, S, causal, s.data(), next_k, next_v, ob, mb, lb);
+        block_lanes<D>(qp + h * D * RP, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, T, j0, n, S, causal, s.data(),
+                       next_k, next_v, ob, mb, lb);
       else
-        block_rows<D>(qp + h * R * D, kb, vh, R, T, j0, n, S, causal, s.data(), next_k, next_v, ob, mb, lb);
+        block_rows<D>(qp + h * R * D, kh, vh, R, T, j0, n, S, causal, s.data(), next_k, next_v, ob, mb, lb);
     }
   });
   auto out = torch::empty({H, R, D}, q.options());
