@@ -129,7 +129,7 @@ def test_gguf_of_the_embedded_model(smollm_torch):
 
     assert peers.gguf_path_of(smollm_torch) == default_model_path()
     assert default_model_path().name == DEFAULT_MODEL_FILE
-    hf_dir_model = SimpleNamespace(hf_dir=ROOT, source=str(ROOT))  # a Hugging Face directory: no GGUF
+    hf_dir_model = SimpleNamespace(hf_dir=ROOT, source=str(ROOT), gguf_path=None)  # a Hugging Face directory: no GGUF
     with pytest.raises(LlamaCppUnavailable, match="GGUF files only"):
         peers.gguf_path_of(hf_dir_model)
 

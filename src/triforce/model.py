@@ -138,7 +138,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     if k.dtype != q.dtype:  # a KV cache in another dtype: the visible keys only, in the activations' dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
     if isinstance(mask, str):  # CAUSAL
-        if q.device.type == "cpu" and _flash_cpu is not None and S > T and q.dtype == k.dtype:
+        if q.device.type == "cpu" and _flash_cpu is not None and S > T:
             return _causal_block_attention(q, k, v, scale).view(B, Hq, T, D)
         mask = causal_mask(T, S - T, q.device)
     q = q.reshape(B, Hkv, g * T, D)

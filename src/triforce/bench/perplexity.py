@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..config import DEFAULT_KV_DTYPE, KV_DTYPES
+from ..config import DEFAULT_KV_DTYPE, KV_DTYPES, kv_dtype_name
 
 # Band edges (positions); the last band ends at the last prediction.
 BAND_EDGES = (0, 2048, 4096, 8192, 16384, 24576, 32768, 65536, 131072)
@@ -39,13 +39,6 @@ def token_nll(model, ids: list[int], chunk: int = 512) -> torch.Tensor:
             logp = torch.log_softmax(model(x[:, s:e], cache)[0], -1)
             nll[s:e] = -logp.gather(1, x[0, s + 1:e + 1, None])[:, 0].cpu()
     return nll
-
-
-def kv_name(model) -> str:
-    """The model's KV cache dtype as --kv-dtype names it."""
-    from ..config import kv_dtype_name
-
-    return kv_dtype_name(model.kv_dtype)
 
 
 def bands_for(n_tokens: int) -> list[int]:
@@ -125,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         ppl = [math.exp(nll[a:b].mean().item()) for a, b in zip(bands[:-1], bands[1:])]
         overall = math.exp(nll.mean().item())
         if args.json:
-            print(json.dumps({"model": loaded.source, "rope_theta": theta, "kv_dtype": kv_name(loaded.model),
+            print(json.dumps({"model": loaded.source, "rope_theta": theta, "kv_dtype": kv_dtype_name(loaded.model.kv_dtype),
                               "tokens": len(ids), "scored": len(nll),
                               "perplexity": overall,
                               "bands": [{"from": a, "to": b, "perplexity": p}
@@ -137,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             print("|---" * (len(bands) + 2) + "|")
             first = False
         base = "model's" if theta is None else f"{theta:g}"
-        print(f"| {base} | {kv_name(loaded.model)} | {overall:.2f} | " + " | ".join(f"{p:.2f}" for p in ppl) + " |",
+        print(f"| {base} | {kv_dtype_name(loaded.model.kv_dtype)} | {overall:.2f} | " + " | ".join(f"{p:.2f}" for p in ppl) + " |",
               flush=True)
     return 0
 

@@ -72,6 +72,7 @@ def chosen_isa(flags: frozenset[str] | None = None) -> str | None:
     if os.environ.get("TRIFORCE_KERNELS", "1") == "0":
         return None
     want = os.environ.get("TRIFORCE_ISA", "auto").strip().lower() or "auto"
+    flags = cpu_flags() if flags is None else flags
     runnable = runnable_isas(flags)
     if want == "off":
         return None
@@ -80,9 +81,8 @@ def chosen_isa(flags: frozenset[str] | None = None) -> str | None:
     if want not in ISAS:
         raise KernelChoiceError(f"TRIFORCE_ISA={want!r} is not one of auto, avx512, avx2, off")
     if want not in runnable:
-        have = sorted(f for f in (cpu_flags() if flags is None else flags)
-                      if f.startswith(("avx", "fma", "f16c", "bmi")))
-        missing = [f for f in _NEEDS[want] if f not in (cpu_flags() if flags is None else flags)]
+        have = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "bmi")))
+        missing = [f for f in _NEEDS[want] if f not in flags]
         raise KernelChoiceError(
             f"TRIFORCE_ISA={want} but this CPU lacks {', '.join(missing) or 'x86-64'} (it has: "
             f"{', '.join(have) or 'none of AVX/FMA'}); use "

@@ -295,8 +295,8 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const KV* vp = reinterpret_cast<const KV*>(v.data_ptr());
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> s(std::max(MAX_ROWS, RP) * BS);
-    std::vector<float> kf(std::is_same_v<KV, float> ? 0 : BS * D);
+    std::vector<float> s(MAX_ROWS * BS);  // RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W
+    std::vector<float> kf(lanes && !std::is_same_v<KV, float> ? BS * D : 0);  // widened keys (lanes path)
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
       const KV* kh = kp + h * ks + j0 * D;

@@ -41,6 +41,7 @@ class LoadedModel:
     config: ModelConfig
     source: str  # what the user asked for (path or "embedded default")
     hf_dir: Path  # a Hugging Face-format directory holding these weights (for peers like transformers)
+    gguf_path: Path | None = None  # the GGUF file they were converted from (None: a Hugging Face directory)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -166,11 +167,14 @@ def _convert_for_this_run(gguf_path: Path, why: storage.CacheUnwritable | None, 
     return folder
 
 
-def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None, progress: bool = True) -> tuple[Path, str, bool]:
-    """-> (HF-format directory, a description for messages, whether it is the embedded default)."""
+def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None,
+                      progress: bool = True) -> tuple[Path, str, bool, Path | None]:
+    """-> (HF-format directory, a description for messages, whether it is the embedded default, the
+    GGUF file it was converted from or None)."""
     if path is None:
         gguf_path = default_model_path()
-        return converted_gguf_dir(gguf_path, cache_dir, progress), "SmolLM2-135M-Instruct (embedded default)", True
+        return (converted_gguf_dir(gguf_path, cache_dir, progress), "SmolLM2-135M-Instruct (embedded default)", True,
+                gguf_path)
     p = Path(path).expanduser()
     if not p.exists():
         raise TriforceError(f"model not found: {p} (pass a Hugging Face model directory or a .gguf file)")
@@ -178,8 +182,8 @@ def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None, progress: 
         if p.suffix.lower() != ".gguf":
             raise TriforceError(f"{p} is not a .gguf file: pass a .gguf file or a Hugging Face model directory")
         check_gguf_architecture(p)  # the header alone: refuse an unsupported model in milliseconds
-        return converted_gguf_dir(p, cache_dir, progress), str(p), False
-    return p, str(p), False
+        return converted_gguf_dir(p, cache_dir, progress), str(p), False, p
+    return p, str(p), False, None
 
 
 def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
@@ -211,7 +215,7 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
     long-context profile (RoPE base 4e5, 32K context) unless overridden. `kv_dtype`: its KV cache's
     dtype, 'fp32', 'bf16' or 'fp16' (or a torch dtype); None: default_kv_dtype(dtype)."""
     kv_dtype = default_kv_dtype(dtype) if kv_dtype is None else kv_dtype_name(kv_dtype)  # refused before loading
-    directory, source, embedded = resolve_model_dir(path, cache_dir, progress)
+    directory, source, embedded, gguf_path = resolve_model_dir(path, cache_dir, progress)
     from transformers import AutoTokenizer  # after the checks: an unsupported file is refused in about a second
 
     cfg, sd, _ = load_hf_checkpoint(directory)
@@ -224,4 +228,4 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:
         raise TriforceError(f"cannot load the tokenizer from {directory}: {e}") from e
-    return LoadedModel(model, tokenizer, cfg, source, directory)
+    return LoadedModel(model, tokenizer, cfg, source, directory, gguf_path)
