@@ -6,6 +6,7 @@ import importlib.util
 import pytest
 import torch
 
+from triforce import kernels
 from triforce.config import ModelConfig
 from triforce.loading import build_model
 
@@ -96,3 +97,15 @@ def all_threads():
     torch.set_num_threads(os.cpu_count() or 1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=kernels.ISAS)
+def kern(request):
+    """The compiled kernels of each instruction set this CPU executes (every test using it runs once per variant)."""
+    if request.param not in kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot execute the {request.param} kernels")
+    k = kernels.variant(request.param)
+    if k is None:
+        pytest.skip(f"the {request.param} kernels cannot be built on this machine")
+    assert k.ISA == request.param and k.LANES == (16 if request.param == "avx512" else 8)
+    return k

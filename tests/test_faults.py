@@ -297,17 +297,21 @@ def test_ctrl_c_during_prefill_stops_within_a_second(tmp_path):
 
 
 @needs_model
-def test_damaged_conversion_is_rebuilt_with_a_log_line(tmp_path):
+@pytest.mark.parametrize("weights,damaged", [("native", "tokenizer.json"), ("fp32", "model.safetensors")])
+def test_damaged_conversion_is_rebuilt_with_a_log_line(tmp_path, weights, damaged):
+    """native: the cached tokenizer of the GGUF file; fp32: its cached fp32 conversion."""
     env = env_for(tmp_path / "cache")
-    first = complete(["generate", "--prompt", "The cat", "--max-new-tokens", "6", "--json", "--method", "ar"], env)
+    args = ["generate", "--prompt", "The cat", "--max-new-tokens", "6", "--json", "--method", "ar", "--weights", weights]
+    first = complete(args, env)
     entry = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir() and (p / "manifest.json").exists())
-    weights = entry / "model.safetensors"
-    with open(weights, "r+b") as f:
-        f.truncate(weights.stat().st_size // 2)  # as a crash or a full disk could leave it
-    again = complete(["generate", "--prompt", "The cat", "--max-new-tokens", "6", "--json", "--method", "ar"], env)
+    path = entry / damaged
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)  # as a crash or a full disk could leave it
+    again = complete(args, env)
     assert "damaged" in again.stderr and "converting again" in again.stderr
     assert tokens_of(again) == tokens_of(first)
-    TABLE.append(("truncated file", "cached GGUF conversion", "converted again, same output", again.seconds))
+    TABLE.append((f"truncated {damaged}", f"cached GGUF conversion (--weights {weights})", "converted again, same output",
+                  again.seconds))
 
 
 @needs_model
@@ -328,15 +332,15 @@ def test_unwritable_cache_directory_runs_without_caching(tmp_path):
 @needs_model
 def test_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path):
     cache = tmp_path / "cache"
-    r = Run(["generate", "--prompt", "The cat", "--max-new-tokens", "6", "--method", "ar"], env_for(cache),
-            limit_file_size=64 << 20)  # `ulimit -f`: the 538 MB conversion cannot be written
+    r = Run(["generate", "--prompt", "The cat", "--max-new-tokens", "6", "--method", "ar", "--weights", "fp32"],
+            env_for(cache), limit_file_size=64 << 20)  # `ulimit -f`: the 538 MB fp32 conversion cannot be written
     assert r.finish() == 2, r.stderr
     no_traceback(r)
     assert "TRIFORCE_CACHE_DIR" in r.stderr and str(cache) in r.stderr
     assert leftovers(cache) == [] and not any(p.is_dir() for p in cache.iterdir())
-    again = complete(["generate", "--prompt", "The cat", "--max-new-tokens", "6", "--method", "ar", "--quiet"],
-                     env_for(cache))
-    TABLE.append(("full disk (ulimit -f 64 MiB)", "GGUF conversion", "exit 2, one message; next run converted",
+    again = complete(["generate", "--prompt", "The cat", "--max-new-tokens", "6", "--method", "ar", "--quiet",
+                      "--weights", "fp32"], env_for(cache))
+    TABLE.append(("full disk (ulimit -f 64 MiB)", "GGUF fp32 conversion", "exit 2, one message; next run converted",
                   again.seconds))
 
 
@@ -418,7 +422,8 @@ def test_sigkill_then_the_same_output(tmp_path, point, reference):
     _seed_kernels(reference[0], cache)
     if point != "conversion":
         complete(["generate", "--prompt", "hi", "--max-new-tokens", "1", "--quiet"], env)
-    r = Run(GEN[:-4] + ["--max-new-tokens", "400"], env)
+    weights = ["--weights", "fp32"] if point == "conversion" else []  # native loads convert no weights
+    r = Run(GEN[:-4] + ["--max-new-tokens", "400"] + weights, env)
     if point == "conversion":
         r.wait_for(lambda: b"dequantising" in r.err)
     elif point == "prefill":
@@ -427,8 +432,8 @@ def test_sigkill_then_the_same_output(tmp_path, point, reference):
         r.wait_for(lambda: len(r.out) > 10)
     r.signal(signal.SIGKILL, group=True)
     r.finish()
-    again = complete(GEN + ["--json"], env)
-    assert tokens_of(again) == reference[1]
+    again = complete(GEN + ["--json"] + weights, env)
+    assert tokens_of(again) == reference[1]  # (fp32 weights: the same greedy tokens as native on this prompt)
     TABLE.append(("SIGKILL", point, "completed, same output", again.seconds))
 
 

@@ -75,12 +75,13 @@ def llama3_rope_factors(rope_params: dict, hparams: dict) -> torch.Tensor:
     return torch.tensor(rope_factors, dtype=torch.float32)
 
 
-def convert(hf_dir: Path, out: Path, extra=None) -> Path:
+def convert(hf_dir: Path, out: Path, extra=None, quantize=None) -> Path:
     """Write the save_pretrained directory `hf_dir` as GGUF the way llama.cpp's convert_hf_to_gguf.py
     (llama.cpp vendored in llama-cpp-python 0.3.36, conversion/base.py and llama.py) does with
     --outtype f32, less the tokenizer: TextModel.set_gguf_parameters, LlamaModel.set_gguf_parameters,
     LlamaModel.generate_extra_tensors, and the tensors renamed by gguf-py's TensorNameMap with Q/K
-    permuted for the "llama" architecture only. `extra(writer)` may add more before writing."""
+    permuted for the "llama" architecture only. `extra(writer)` may add more before writing;
+    `quantize(gguf_name, fp32 array)` may return (raw blocks, GGML type) to store a tensor quantized."""
     hp = json.loads((hf_dir / "config.json").read_text())
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
@@ -125,7 +126,12 @@ def convert(hf_dir: Path, out: Path, extra=None) -> Path:
                 t = permute(t, hp["num_attention_heads"], hp["num_attention_heads"])
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = permute(t, hp["num_attention_heads"], hp["num_key_value_heads"])
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.float().numpy())
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        stored = quantize(gguf_name, t.float().numpy()) if quantize is not None else None
+        if stored is None:
+            w.add_tensor(gguf_name, t.float().numpy())
+        else:
+            w.add_tensor(gguf_name, stored[0], raw_dtype=stored[1])
     if extra is not None:
         extra(w)
     w.write_header_to_file()

@@ -8,18 +8,6 @@ import torch
 from triforce import kernels, model
 from triforce.caches.base import CAUSAL
 
-
-@pytest.fixture(scope="module", params=kernels.ISAS)
-def kern(request):
-    if request.param not in kernels.runnable_isas():
-        pytest.skip(f"this CPU cannot execute the {request.param} kernels")
-    k = kernels.variant(request.param)
-    if k is None:
-        pytest.skip(f"the {request.param} kernels cannot be built on this machine")
-    assert k.ISA == request.param and k.LANES == (16 if request.param == "avx512" else 8)
-    return k
-
-
 # S = 1500 is not a multiple of the kernel's 256-key blocks; with S = 1282 and T = 4 the last block
 # holds only new tokens 2 and 3, so it is fully masked for tokens 0 and 1. With Hq / Hkv = 3, T >= 3
 # (9+ rows) runs the rows-in-lanes path; T = 7 and 11 need two and three 16-row vectors.

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
 from . import storage
-from .config import DEFAULT_KV_DTYPE, KV_DTYPES
+from .config import DEFAULT_KV_DTYPE, KV_DTYPES, WEIGHTS, WEIGHTS_HELP
 from .errors import TriforceError
 from .interrupts import EXIT_INTERRUPTED, prompt_interrupts
 from .speculation.config import SpecConfig
@@ -38,6 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"the target's KV cache dtype (its stored keys and values only; ar and every stack use "
                         f"it, so the output stays exact for it): default {DEFAULT_KV_DTYPE} with float32 weights "
                         f"(docs/kv_dtype.md), else the weights' dtype")
+    g.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     g.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
     g.add_argument("--cache-dir", metavar="DIR",
                    help="where converted GGUF models and the compiled CPU kernels are cached (default "
@@ -205,6 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(method="triforce")
     _add_model_args(t)
     _add_spec_args(t)
+    inf = sub.add_parser("info", help="what a model holds and the memory a context will take (nothing is loaded)",
+                         description="Print a model's shape, its weights by format with their bytes, the memory "
+                                     "each --weights choice holds, KV cache bytes per 1K tokens in each --kv-dtype, "
+                                     "and the total a context will need against the memory available. Reads the "
+                                     "GGUF header (or safetensors headers) only.")
+    inf.add_argument("--model", metavar="PATH", help="a .gguf file or Hugging Face directory (default: the embedded model)")
+    inf.add_argument("--context-length", type=_positive_int, metavar="N",
+                     help="tokens of context to size the KV cache for (default: the model's context)")
+    inf.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=f"KV cache dtype (default {DEFAULT_KV_DTYPE})")
+    inf.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
+    inf.add_argument("--rope-theta", type=float, metavar="BASE", help=argparse.SUPPRESS)
+    inf.add_argument("--max-context", type=_positive_int, metavar="N", help="override the maximum context in tokens")
     pp = sub.add_parser("perplexity", help="perplexity of a model on a text, by position band",
                         description="Teacher-forced perplexity of the model on a text (BOS first where the model "
                                     "adds one, as llama.cpp's llama-perplexity does), overall and by position band; "
@@ -212,7 +226,57 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.perplexity import add_arguments as perplexity_arguments
 
     perplexity_arguments(pp)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+                        description="Serve the model over HTTP with the OpenAI API (POST /v1/completions and "
+                                    "/v1/chat/completions, streamed or not; GET /v1/models, /health and /metrics) "
+                                    "with any speculation stack: the output equals `triforce generate`'s for the "
+                                    "same prompt, stack, settings and seed. One request runs at a time, in arrival "
+                                    "order; a request sharing a prompt prefix with an earlier one reuses its K/V "
+                                    "(the prefix cache) and skips that part of the prefill. Needs the serve extra. "
+                                    "Guide: docs/serving.md.")
+    n = sv.add_argument_group("server")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
+                                                       "0.0.0.0 for every interface: there is no authentication)")
+    n.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    n.add_argument("--max-queue", type=_positive_int, default=16, metavar="N",
+                   help="requests that may wait while one runs; more get 429 with Retry-After (default 16)")
+    n.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="a request still unfinished this many seconds after it arrived (queue time included) "
+                        "is stopped with a 504 (default 600)")
+    n.add_argument("--default-max-tokens", type=_positive_int, default=256, metavar="N",
+                   help="max_tokens of a request that gives none (default 256; never past the context)")
+    n.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id in /v1/models and responses (default: the model's file or folder name)")
+    n.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGINT/SIGTERM, how long running responses may finish before they are cut (default 30)")
+    n.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    n.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    c = sv.add_argument_group("prefix cache")
+    c.add_argument("--prefix-cache-bytes", type=_byte_size, default=2 << 30, metavar="BYTES",
+                   help="memory for cached prompt-prefix K/V, least recently used out first; suffixes K, M, G "
+                        "(default 2G; 0 turns the cache off)")
+    c.add_argument("--kv-cache-dir", metavar="DIR",
+                   help="also keep the prefix cache in DIR, so that it survives a restart (files of another model "
+                        "or setting, or damaged ones, are refused with a log line)")
+    c.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N",
+                   help="prompt tokens per prefill forward, and the prefix cache's block size (default 512)")
+    _add_model_args(sv)
+    _add_stack_args(sv)
+    _add_spec_args(sv)
     return parser
+
+
+def _byte_size(s: str) -> int:
+    """'2G', '512M', '1.5g', '0' -> bytes (binary units)."""
+    text = s.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    try:
+        v = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2G, 512M or 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s!r}")
+    return int(v)
 
 
 def _read_prompt(args, tokenizer) -> list[int]:
@@ -258,12 +322,17 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
         raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=not args.quiet,
+                        weights=args.weights,
                         kv_dtype=args.kv_dtype)
     prompt = _read_prompt(args, loaded.tokenizer)
     check_request(len(prompt), args.max_new_tokens, loaded.config.max_context)
+    from .memory import check_kv_fits
+
+    check_kv_fits(loaded.model, len(prompt) + args.max_new_tokens)  # refused now, not OOM-killed mid-prefill
     draft_model = None
     if any(lvl.kind == "draft" for lvl in stack.levels):
         draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
+                        weights=args.weights,
                                  max_context=loaded.config.max_context, progress=not args.quiet).model
     stream = generate_stream(loaded.model, prompt, args.max_new_tokens, params, stack=stack, config=config,
                              draft_model=draft_model, eos_ids=loaded.eos_token_ids, stop=args.stop,
@@ -307,6 +376,16 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
     return 0
 
 
+def cmd_serve(args, config: SpecConfig, draft_path: str | None) -> int:
+    stack, name = stack_from_args(args, config, draft_path)
+    if args.print_stack:
+        print(stack)
+        return 0
+    from .serving.server import main as serve_main
+
+    return serve_main(args, stack, name, config, draft_path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -316,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "cache_dir", None):  # every cache (converted models, kernel builds) follows --cache-dir
         os.environ[storage.CACHE_ENV] = str(Path(args.cache_dir).expanduser().resolve())
     try:
-        with prompt_interrupts():
+        # serve: uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), which the watcher would cut short
+        with contextlib.nullcontext() if args.command == "serve" else prompt_interrupts():
             return _run(args)
     except TriforceError as e:
         print(f"triforce: error: {e}", file=sys.stderr)
@@ -328,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.command == "info":
+        from .loading.inventory import inventory, report
+
+        print(report(inventory(args.model, args.rope_theta, args.max_context), args.weights, args.kv_dtype,
+                     args.context_length))
+        return 0
     if args.command == "perplexity":
         from .bench.perplexity import run as perplexity_run
 
@@ -342,6 +428,8 @@ def _run(args) -> int:
         stacks = [StackSpec.parse(*(part.split("@", 1) if "@" in part else (part, None)), config.gamma)
                    for part in args.stacks.split(";") if part.strip()]
         return bench_main(args, config, draft_path, stacks)
+    if args.command == "serve":
+        return cmd_serve(args, config, draft_path)
     if args.command == "tune":
         from .bench.tune import main as tune_main
 

@@ -25,6 +25,14 @@ KV_DTYPES = ("fp32", "bf16", "fp16")
 # the embedded model's perplexity at 32K tokens within 0.01% of fp32's (bf16: 0.02%): docs/kv_dtype.md.
 DEFAULT_KV_DTYPE = "fp16"
 DEFAULT_DRAFT_KV_DTYPE = "fp16"
+
+# How a model's weights are held (--weights): native keeps a GGUF file's blocks as stored (quantized.py).
+WEIGHTS = ("native", "bf16", "fp32")
+WEIGHTS_HELP = ("how the weights are held: native (default) keeps a GGUF file's quantized blocks as stored "
+                "(memory = the file's tensor bytes; kernels dequantize them in registers); bf16 holds every "
+                "projection in bf16 (2 bytes per weight); fp32 dequantizes the file once to a cached fp32 copy "
+                "(4 bytes). A Hugging Face directory's native weights are its fp32 ones. Activations are fp32 in all.")
+
 _KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 
 

@@ -21,6 +21,7 @@ from . import kernels
 from .config import ModelConfig
 from .errors import TriforceError
 from .caches.base import SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, causal_mask, kv_dtype
+from .quantized import BF16, QuantTensor, dequantize
 from .rope import Rotary, apply_rotary
 
 
@@ -68,6 +69,73 @@ class Linear(nn.Linear):
         if self.packed is not None and rows > 1:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight stays in GGML block formats (quantized.py): `parts`, [N_i, K] each
+    in its own type (a fused projection may mix them: Q4_K_M files keep some V in Q6_K), outputs
+    concatenated. Up to PANEL_MAX_ROWS rows of fp32 x go through the compiled kernel, which reads the
+    blocks as stored; longer inputs (prefill), or no kernels, dequantize a few thousand rows at a time
+    (about 8 MB of fp32) and use F.linear: never a whole fp32 matrix."""
+
+    backend: kernels.Backend = kernels.TORCH  # the model's, set by Transformer.select_backend
+    PANEL_BYTES = 8 << 20
+
+    def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.types = [p.qtype for p in parts]
+        self.n_parts = len(parts)
+        for i, p in enumerate(parts):
+            self.register_buffer(f"raw{i}", p.raw, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def parts(self) -> list[QuantTensor]:
+        raws = [getattr(self, f"raw{i}") for i in range(self.n_parts)]
+        return [QuantTensor(r, t, (r.shape[0], self.in_features)) for r, t in zip(raws, self.types)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        ops = self.backend.ops
+        parts = self.parts
+        if ops is not None and rows <= PANEL_MAX_ROWS and x.dtype == torch.float32 and \
+                all(p.kernel_ready() for p in parts):
+            y = ops.linear_quant(x, [p.raw for p in parts], self.types)
+        else:
+            y = x.new_empty(*x.shape[:-1], self.out_features)
+            col, step = 0, max(16, self.PANEL_BYTES // (4 * self.in_features))
+            for p in parts:
+                for r in range(0, p.shape[0], step):
+                    w = dequantize(p.rows(slice(r, r + step)), ops).to(x.dtype)
+                    y[..., col + r:col + r + w.shape[0]] = F.linear(x, w)
+                col += p.shape[0]
+        return y if self.bias is None else y + self.bias
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding kept in a GGML block format: a lookup dequantizes the looked-up rows only."""
+
+    backend: kernels.Backend = kernels.TORCH
+
+    def __init__(self, table: QuantTensor):
+        super().__init__()
+        self.embedding_dim = table.shape[1]
+        self.qtype = table.qtype
+        self.register_buffer("raw", table.raw, persistent=False)
+
+    @property
+    def table(self) -> QuantTensor:
+        return QuantTensor(self.raw, self.qtype, (self.raw.shape[0], self.embedding_dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.table.rows(tokens.reshape(-1).cpu() if self.raw.device.type == "cpu" else tokens.reshape(-1))
+        return dequantize(rows, self.backend.ops).to(self.raw.device).view(*tokens.shape, self.embedding_dim)
 
 
 class RMSNorm(nn.Module):
@@ -238,11 +306,17 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' dtype (and the weights', unless they are kept quantized: QuantLinear)."""
+        return self.norm.weight.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the weights are kept in GGML block formats (QuantLinear), not as fp32/bf16 tensors."""
+        return isinstance(self.lm_head, QuantLinear)
 
     _kv_dtype: torch.dtype | None = None
 
@@ -300,7 +374,7 @@ class Transformer(nn.Module):
         dtype; called when the model is built and when it moves."""
         backend = kernels.Backend.for_model(self.device, self.dtype)
         for m in self.modules():
-            if isinstance(m, (Linear, RMSNorm, Block)):
+            if isinstance(m, (Linear, QuantLinear, QuantEmbedding, RMSNorm, Block)):
                 m.backend = backend
         self.backend = backend
 
@@ -313,8 +387,9 @@ class Transformer(nn.Module):
     def with_draft_weights(self) -> Transformer:
         """This model with its linear layers' weights in bf16 (panel kernel, fp32 activations), sharing
         everything else (embedding, norms, the fp32 weights): half the weight bytes per forward, for
-        draft levels whose output the fp32 model verifies. Returns self where the kernels are unavailable."""
-        if not self.backend.enabled:
+        draft levels whose output the fp32 model verifies. Returns self where the kernels are unavailable,
+        and for weights kept quantized (already fewer bytes than bf16)."""
+        if not self.backend.enabled or self.quantized:
             return self
 
         def lowp(lin: Linear) -> Linear:
@@ -334,6 +409,34 @@ class Transformer(nn.Module):
         draft._modules["layers"] = nn.ModuleList(layers)
         draft._modules["lm_head"] = lowp(self.lm_head)
         return draft
+
+    def weights_to_bf16(self) -> None:
+        """Hold every projection and the embedding as bf16 bytes (QuantLinear / QuantEmbedding of GGML
+        type BF16, converted a few rows at a time), activations staying fp32: half of fp32's bytes."""
+        from .quantized import to_bf16
+
+        ops = self.backend.ops
+
+        def bf16(weight) -> QuantTensor:
+            if isinstance(weight, QuantTensor):
+                return to_bf16(weight, ops)
+            w = weight.detach().to(torch.bfloat16).contiguous()
+            return QuantTensor(w.view(torch.uint8), BF16, tuple(w.shape))
+
+        for block in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                lin = getattr(block, name)
+                parts = lin.parts if isinstance(lin, QuantLinear) else [lin.weight]
+                bias = lin.bias.detach() if lin.bias is not None else None
+                setattr(block, name, QuantLinear([bf16(p) for p in parts], bias))
+        table = bf16(self.embed.table if isinstance(self.embed, QuantEmbedding) else self.embed.weight)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head = QuantLinear([table])
+        else:
+            head = self.lm_head
+            self.lm_head = QuantLinear([bf16(p) for p in (head.parts if isinstance(head, QuantLinear) else [head.weight])])
+        self.embed = QuantEmbedding(table)
+        self.select_backend()
 
     def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1, dtype=None):
         """The full-attention cache of this model for `capacity` tokens: a FullCache, or with sliding-window
@@ -356,34 +459,66 @@ _SANDWICH_NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_atten
                    "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 
 
-def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
-    """Load a Hugging Face Llama-style (or Gemma 3) state dict, fusing q/k/v and gate/up projections.
-    Norm weights get cfg.norm_weight_offset added in fp32 (Gemma's 1 + w)."""
-    cfg = model.cfg
-    ours: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+def hf_layout(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter -> the Hugging Face tensors it is made of, in order (fused projections: their
+    parts concatenated along the outputs; q/k/v and gate/up)."""
+    ours = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
-        ours["lm_head.weight"] = sd["lm_head.weight"]
+        ours["lm_head.weight"] = ["lm_head.weight"]
     norms = _SANDWICH_NORMS if cfg.sandwich_norms else _NORMS
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         for name, hf_name in norms.items():
-            ours[f"layers.{i}.{name}.weight"] = sd[p + hf_name + ".weight"]
-        ours[f"layers.{i}.wqkv.weight"] = torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]])
+            ours[f"layers.{i}.{name}.weight"] = [p + hf_name + ".weight"]
+        ours[f"layers.{i}.wqkv.weight"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
         if cfg.qkv_bias:
-            ours[f"layers.{i}.wqkv.bias"] = torch.cat([sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
-        ours[f"layers.{i}.wo.weight"] = sd[a + "o_proj.weight"]
+            ours[f"layers.{i}.wqkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        ours[f"layers.{i}.wo.weight"] = [a + "o_proj.weight"]
         if cfg.qk_norm:
-            ours[f"layers.{i}.q_norm.weight"] = sd[a + "q_norm.weight"]
-            ours[f"layers.{i}.k_norm.weight"] = sd[a + "k_norm.weight"]
-        ours[f"layers.{i}.w_gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-        ours[f"layers.{i}.w_down.weight"] = sd[p + "mlp.down_proj.weight"]
+            ours[f"layers.{i}.q_norm.weight"] = [a + "q_norm.weight"]
+            ours[f"layers.{i}.k_norm.weight"] = [a + "k_norm.weight"]
+        ours[f"layers.{i}.w_gate_up.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        ours[f"layers.{i}.w_down.weight"] = [p + "mlp.down_proj.weight"]
+    return ours
+
+
+def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor | QuantTensor]) -> None:
+    """Load a Hugging Face Llama-style (or Gemma 3) state dict, fusing q/k/v and gate/up projections.
+    Norm weights get cfg.norm_weight_offset added in fp32 (Gemma's 1 + w).
+
+    Weights given as QuantTensor (GGUF blocks kept as stored) become QuantLinear / QuantEmbedding
+    modules holding those bytes; a fused projection with a part in plain fp32 is dequantized whole
+    (no file we know of does that)."""
+    cfg = model.cfg
+    layout = hf_layout(cfg)
+    quantized = {name: [sd[n] for n in names] for name, names in layout.items()
+                 if all(isinstance(sd[n], QuantTensor) for n in names) and name.endswith("weight")
+                 and not name.endswith("norm.weight")}
+    ours: dict[str, torch.Tensor] = {}
+    for name, names in layout.items():
+        if name in quantized:
+            continue
+        parts = [dequantize(sd[n]) if isinstance(sd[n], QuantTensor) else sd[n] for n in names]
+        ours[name] = torch.cat(parts) if len(parts) > 1 else parts[0]
     if cfg.norm_weight_offset:
         ours = {k: v.float() + cfg.norm_weight_offset if k.endswith("norm.weight") else v for k, v in ours.items()}
+    for name, parts in quantized.items():
+        owner_name = name.rsplit(".", 1)[0]
+        parent, _, attr = owner_name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        if owner_name == "embed":
+            module = QuantEmbedding(parts[0])
+        else:
+            bias = ours.get(f"{owner_name}.bias")  # loaded below too (assign): a parameter of the module
+            module = QuantLinear(parts, None if bias is None else bias.to(model.dtype))
+        setattr(owner, attr, module)
+    if cfg.tie_word_embeddings and "embed.weight" in quantized:
+        model.lm_head = QuantLinear(quantized["embed.weight"])
     dtype = model.dtype
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and not model.quantized:
         model.lm_head.weight = model.embed.weight

@@ -158,7 +158,7 @@ def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> Non
 
 
 def main(argv=None) -> None:
-    from ..config import KV_DTYPES
+    from ..config import KV_DTYPES, WEIGHTS
     from ..loading import load_model
     from .hardware import floor_seconds, kv_bytes_per_token, measure_bandwidth, measure_fma_peak, weight_bytes
 
@@ -179,42 +179,70 @@ def main(argv=None) -> None:
                          "and the bonus position)")
     ap.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                     help="KV cache dtype of the timed caches (default: the model's, docs/kv_dtype.md)")
+    ap.add_argument("--weights", default="native",
+                    help="comma-separated ways of holding the weights to time, from native, bf16, fp32 "
+                         "(default native: a GGUF file's quantized blocks as stored)")
+    ap.add_argument("--synthetic-1b", type=int, metavar="LAYERS", default=None,
+                    help="instead of --model: Llama 3.2 1B's shapes with LAYERS of its 16 layers, random weights "
+                         "in the Q4_K_M layout (step time against its own floor; no transformers)")
     args = ap.parse_args(argv)
-    loaded = load_model(args.model, progress=False, kv_dtype=args.kv_dtype)
-    model = loaded.model
+    modes = [w.strip() for w in args.weights.split(",") if w.strip()]
+    if bad := [w for w in modes if w not in WEIGHTS]:
+        ap.error(f"--weights: unknown {', '.join(bad)} (choose from {', '.join(WEIGHTS)})")
     bw = measure_bandwidth()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s, "
-          f"weights {weight_bytes(model) / 1e6:.0f} MB, KV {kv_bytes_per_token(model) / 1e3:.1f} "
-          f"KB/token ({str(model.kv_dtype).removeprefix('torch.')})")
-    kern = model.backend.ops
     peak = measure_fma_peak()
-    print(f"kernels: {kern.ISA + ' (' + str(kern.LANES) + ' fp32 lanes)' if kern else 'off (PyTorch)'}; "
-          f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (MKL sgemm, {torch.get_num_threads()} threads)")
-    if args.kernel_ab:
-        kernel_ab(model, [int(x) for x in args.contexts.split(",")], bw, args.steps)
-        return
-    if args.draft_ab:
-        draft_weights_ab(model, [int(x) for x in args.contexts.split(",")], args.budget, args.steps)
-        return
-    hf_model = None if args.no_transformers else load_transformers(loaded.hf_dir, model.cfg.rope.theta)
+    kern = None
+    rows, hf_model, transformers_ms = [], None, {}
     k = args.verify_tokens
-    print(f"| context | ours ms/step | floor ms | ours / floor | {k}-token verification ms | verification / step "
-          f"| attention GFLOP/s in it (of peak) | transformers ms/step | transformers / ours |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n in [int(x) for x in args.contexts.split(",")]:
-        ours = time_ours(model, n, args.steps)
-        verify = time_ours(model, n, args.steps, tokens=k)
-        floor = floor_seconds(model, n, bw)
-        # attention's FLOPs over the whole verification forward's time: a lower bound on the rate the
-        # attention kernel reached (its FLOPs dominate the forward at long context)
-        flops = attention_flops(model.cfg, n, k) / verify
-        if args.no_transformers:
-            hf_s, ratio = "-", "-"
+    for mode in modes if args.synthetic_1b is None else ["native"]:
+        if args.synthetic_1b is not None:
+            from .synthetic import q4_k_m_model
+
+            model, loaded = q4_k_m_model(args.synthetic_1b, kv_dtype=args.kv_dtype or "fp16"), None
+            name = f"Llama-3.2-1B shape, {args.synthetic_1b} layers, random Q4_K_M"
         else:
-            hf = time_transformers(hf_model, n, args.steps)
-            hf_s, ratio = f"{hf * 1e3:.1f}", f"{hf / ours:.2f}x"
-        print(f"| {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | {verify * 1e3:.1f} | "
-              f"{verify / ours:.2f} | {flops / 1e9:.0f} ({flops / peak:.0%}) | {hf_s} | {ratio} |", flush=True)
+            loaded = load_model(args.model, progress=False, kv_dtype=args.kv_dtype, weights=mode)
+            model, name = loaded.model, loaded.source
+        if kern is None:
+            kern = model.backend.ops
+            print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s; "
+                  f"kernels: {kern.ISA + ' (' + str(kern.LANES) + ' fp32 lanes)' if kern else 'off (PyTorch)'}; "
+                  f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (MKL sgemm)")
+        print(f"{name}, --weights {mode}: weights {weight_bytes(model) / 1e6:.0f} MB read per step, KV "
+              f"{kv_bytes_per_token(model) / 1e3:.1f} KB/token ({str(model.kv_dtype).removeprefix('torch.')})",
+              flush=True)
+        if args.kernel_ab:
+            kernel_ab(model, [int(x) for x in args.contexts.split(",")], bw, args.steps)
+            return
+        if args.draft_ab:
+            draft_weights_ab(model, [int(x) for x in args.contexts.split(",")], args.budget, args.steps)
+            return
+        if not args.no_transformers and loaded is not None and hf_model is None:
+            hf_model = load_transformers(loaded.hf_dir, model.cfg.rope.theta)
+        for n in [int(x) for x in args.contexts.split(",")]:
+            ours = time_ours(model, n, args.steps)
+            verify = time_ours(model, n, args.steps, tokens=k)
+            floor = floor_seconds(model, n, bw)
+            # attention's FLOPs over the whole verification forward's time: a lower bound on the rate the
+            # attention kernel reached (its FLOPs dominate the forward at long context)
+            flops = attention_flops(model.cfg, n, k) / verify
+            if hf_model is None:
+                hf_s, ratio = "-", "-"
+            else:
+                if n not in transformers_ms:
+                    transformers_ms[n] = time_transformers(hf_model, n, args.steps)
+                hf = transformers_ms[n]
+                hf_s, ratio = f"{hf * 1e3:.1f}", f"{hf / ours:.2f}x"
+            rows.append(f"| {mode} | {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | "
+                        f"{verify * 1e3:.1f} | {verify / ours:.2f} | {flops / 1e9:.0f} ({flops / peak:.0%}) | {hf_s} | "
+                        f"{ratio} |")
+            print(rows[-1], flush=True)
+        del model, loaded
+    print()
+    print(f"| weights | context | ours ms/step | floor ms | ours / floor | {k}-token verification ms | "
+          f"verification / step | attention GFLOP/s in it (of peak) | transformers ms/step | transformers / ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

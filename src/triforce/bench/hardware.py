@@ -34,18 +34,17 @@ def measure_fma_peak(n: int = 1536, repeats: int = 5) -> float:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights read by one decode step (tied embeddings counted once, as the LM head;
     the embedding lookup itself reads one row). Linear layers holding bf16 panels (a draft-weights
-    copy, model.with_draft_weights) are counted at the panels' size: that is what they read."""
-    from ..model import Linear
+    copy, model.with_draft_weights) are counted at the panels' size, weights kept in GGML blocks
+    (QuantLinear) at their stored bytes: that is what they read."""
+    from ..model import Linear, QuantEmbedding
 
     read_as = {id(m.weight): m.panels.numel() * m.panels.element_size() for m in model.modules()
                if isinstance(m, Linear) and m.panels is not None and m.panels.dtype != m.weight.dtype}
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += read_as.get(id(p), p.numel() * p.element_size())
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # QuantLinear's blocks are buffers
+    total = sum(read_as.get(i, t.numel() * t.element_size()) for i, t in tensors.items())
     if not model.cfg.tie_word_embeddings:
-        total -= model.embed.weight.numel() * model.embed.weight.element_size()
+        table = model.embed.raw if isinstance(model.embed, QuantEmbedding) else model.embed.weight
+        total -= table.numel() * table.element_size()
     return total
 
 

@@ -454,8 +454,10 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=not args.quiet,
+                        weights=args.weights,
                         kv_dtype=getattr(args, "kv_dtype", None))
     draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
+                        weights=args.weights,
                              max_context=loaded.config.max_context, progress=False) if draft_path else None
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     if "transformers-assisted" in peers and draft_model is None:

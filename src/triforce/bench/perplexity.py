@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..config import DEFAULT_KV_DTYPE, KV_DTYPES, kv_dtype_name
+from ..config import DEFAULT_KV_DTYPE, KV_DTYPES, WEIGHTS, WEIGHTS_HELP, kv_dtype_name
 
 # Band edges (positions); the last band ends at the last prediction.
 BAND_EDGES = (0, 2048, 4096, 8192, 16384, 24576, 32768, 65536, 131072)
@@ -78,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                         help=f"KV cache dtype (the stored keys and values only; default {DEFAULT_KV_DTYPE}: "
                              f"docs/kv_dtype.md)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     parser.add_argument("--cache-dir", default=None, help="where converted GGUF files are cached")
 
 
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     first = True
     for theta in thetas:
         loaded = load_model(args.model, rope_theta=theta, max_context=args.tokens, cache_dir=args.cache_dir,
-                            progress=False, kv_dtype=getattr(args, "kv_dtype", None))
+                            progress=False, kv_dtype=getattr(args, "kv_dtype", None),
+                            weights=getattr(args, "weights", "native"))
         ids = model_tokens(loaded.tokenizer, text)[: args.tokens]
         if len(ids) < 2:
             raise TriforceError("the text is too short: it must hold at least 2 tokens")

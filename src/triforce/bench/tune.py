@@ -135,6 +135,7 @@ def main(args, config) -> int:
         raise TriforceError(f"--budgets must be comma-separated integers, got {args.budgets!r}") from None
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context,
                         dtype=getattr(torch, args.dtype), device=args.device, cache_dir=args.cache_dir,
+                        weights=args.weights,
                         progress=not args.quiet, kv_dtype=getattr(args, "kv_dtype", None))
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     budgets = [b for b in asked if b + config.chunk_size < args.context_length]

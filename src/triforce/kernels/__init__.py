@@ -1,5 +1,5 @@
-"""Optional compiled CPU kernels: one C++ source (attention.cpp, layer_ops.cpp, linear_panels.cpp over
-simd.h's vector type) compiled once per instruction set, `triforce_cpu_avx2` (8 fp32 lanes, 16
+"""Optional compiled CPU kernels: one C++ source (attention.cpp, layer_ops.cpp, linear_panels.cpp,
+quant_linear.cpp over simd.h's vector type) compiled once per instruction set, `triforce_cpu_avx2` (8 fp32 lanes, 16
 registers) and `triforce_cpu_avx512` (16 lanes, 32 registers). The variant is chosen from the CPU's
 flags when first needed, built on first use with the system compiler and cached under the project's
 cache directory (build.py: a killed or concurrent build never wedges a later run).
@@ -21,7 +21,7 @@ import torch
 from ..errors import TriforceError
 
 _HERE = Path(__file__).parent
-_SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "bindings.cpp")
+_SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "quant_linear.cpp", "bindings.cpp")
 _HEADERS = ("ops.h", "simd.h")
 ISAS = ("avx512", "avx2")  # best first
 # what each variant needs from the CPU (/proc/cpuinfo names) and how it is compiled: -march=x86-64-v3
@@ -111,7 +111,7 @@ def variant(isa: str):
 
 def cpu():
     """The compiled module of the chosen variant (decode_attention, rms_norm, rope_split, silu_mul,
-    linear_panels; attributes ISA, LANES, HALF_KV), or None for PyTorch's operations."""
+    linear_panels, linear_quant, dequantize_rows; attributes ISA, LANES, HALF_KV), or None for PyTorch's operations."""
     if "cpu" in _state:
         return _state["cpu"]
     isa = chosen_isa()

@@ -15,5 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "qkv [B, T, (Hq + 2 Hkv) D], cos/sin [T, D] -> q [B, Hq, T, D], k [B, Hkv, T, D] (both rotated), v [B, Hkv, T, D]");
   m.def("linear_panels", &triforce::linear_panels,
         "x [..., K] fp32 @ W^T, W (fp32 or bf16) in 16-output panels [P, K, 16] -> [..., N] fp32");
+  m.def("linear_quant", &triforce::linear_quant,
+        "x [..., K] fp32 @ W^T, W given as parts [N_i, row_bytes] uint8 in GGML types (F16, BF16, Q4_0, Q4_1, Q5_0, "
+        "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) -> [..., sum N_i] fp32");
+  m.def("dequantize_rows", &triforce::dequantize_rows,
+        "raw [N, row_bytes] uint8 of a GGML type -> its fp32 values [N, K]");
   m.def("silu_mul", &triforce::silu_mul, "[..., 2F] -> silu(first half) * second half [..., F]");
 }

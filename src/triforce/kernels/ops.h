@@ -21,4 +21,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 // -> [..., N] fp32.
 torch::Tensor linear_panels(torch::Tensor x, torch::Tensor panels, int64_t out_features);
 
+// quant_linear.cpp: x [..., K] fp32 times weights kept in GGML block formats (GGUF's quantized tensors):
+// parts [N_i, row_bytes] uint8 of GGML types `types`, outputs concatenated -> [..., sum N_i] fp32; and
+// the fp32 values of such a tensor's rows.
+torch::Tensor linear_quant(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types);
+torch::Tensor dequantize_rows(torch::Tensor raw, int64_t type);
+
 }  // namespace triforce

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import storage
-from ..config import DEFAULT_KV_DTYPE, ModelConfig, kv_dtype_name
+from ..config import DEFAULT_KV_DTYPE, WEIGHTS, ModelConfig, kv_dtype_name
 from ..errors import TriforceError
 from ..model import Transformer, load_hf_state_dict
 from .gguf_file import check_gguf_architecture
@@ -40,8 +40,18 @@ class LoadedModel:
     tokenizer: object  # a transformers tokenizer
     config: ModelConfig
     source: str  # what the user asked for (path or "embedded default")
-    hf_dir: Path  # a Hugging Face-format directory holding these weights (for peers like transformers)
-    gguf_path: Path | None = None  # the GGUF file they were converted from (None: a Hugging Face directory)
+    directory: Path  # a Hugging Face-format directory with its tokenizer (and, for fp32 weights, its weights)
+    gguf_path: Path | None = None  # the GGUF file it was loaded from (None: a Hugging Face directory)
+    weights: str = "native"  # WEIGHTS
+    cache_dir: Path | None = None
+
+    @property
+    def hf_dir(self) -> Path:
+        """A Hugging Face-format directory holding these weights in fp32 (for peers like transformers):
+        for a GGUF file loaded with its weights kept quantized, its fp32 conversion, made on first use."""
+        if self.gguf_path is None or self.weights == "fp32":
+            return self.directory
+        return converted_gguf_dir(self.gguf_path, self.cache_dir, progress=True, weights=True)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -82,22 +92,24 @@ def _conversion_problem(folder: Path) -> str | None:
     return None
 
 
-def _convert(gguf_path: Path, folder: Path, progress: bool) -> None:
-    """Write the Hugging Face-format copy of `gguf_path` into the empty `folder`, manifest last."""
+def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool) -> None:
+    """Write the Hugging Face-format copy of `gguf_path` into the empty `folder`, manifest last: its
+    tokenizer and config.json, and with `weights` its weights dequantized to fp32 (model.safetensors)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     from .gguf_file import read_gguf
 
     t0 = time.perf_counter()
-    hf, sd = read_gguf(gguf_path, progress=progress)
-    try:
-        save_file(sd, str(folder / "model.safetensors"))
-    except Exception as e:  # safetensors reports I/O failures (full disk, file size limit) as its own error
-        code = re.search(r"os error (\d+)", str(e))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from e
+    hf, sd = read_gguf(gguf_path, progress=progress and weights, keep_quantized=not weights)
+    if weights:
+        try:
+            save_file(sd, str(folder / "model.safetensors"))
+        except Exception as e:  # safetensors reports I/O failures (full disk, file size limit) as its own error
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from e
     del sd
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(folder))
@@ -105,7 +117,7 @@ def _convert(gguf_path: Path, folder: Path, progress: bool) -> None:
     files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file()}
     storage.atomic_write(folder / MANIFEST, json.dumps({"version": CONVERSION_VERSION, "source": str(gguf_path),
                                                        "files": files}, indent=1))
-    if progress:
+    if progress and weights:
         print(f"converted {gguf_path.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
 
@@ -113,8 +125,10 @@ def _log(message: str) -> None:
     print(f"triforce: {message}", file=sys.stderr, flush=True)
 
 
-def converted_gguf_dir(gguf_path: Path, cache_dir=None, progress: bool = True) -> Path:
-    """A cached Hugging Face-format copy (config.json, model.safetensors, tokenizer) of a GGUF file.
+def converted_gguf_dir(gguf_path: Path, cache_dir=None, progress: bool = True, weights: bool = True) -> Path:
+    """A cached Hugging Face-format copy (config.json, model.safetensors, tokenizer) of a GGUF file;
+    without `weights`, its tokenizer and config.json only (what loading it with its weights kept
+    quantized needs: the tokenizer takes seconds to rebuild from the GGUF metadata).
 
     Written in a temporary folder and renamed into place (storage.atomic_directory), with a manifest
     of file sizes that readers check: a damaged or partial entry is converted again, with a log
@@ -125,13 +139,13 @@ def converted_gguf_dir(gguf_path: Path, cache_dir=None, progress: bool = True) -
     st = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_VERSION}".encode()).hexdigest()[:12]
     root = storage.cache_root(cache_dir)
-    target = root / f"{gguf_path.stem}-{key}"
+    target = root / f"{gguf_path.stem}-{key}{'' if weights else '-tokenizer'}"
     if _conversion_problem(target) is None:
         return target
     try:
         storage.writable_dir(root)
     except storage.CacheUnwritable as e:
-        return _convert_for_this_run(gguf_path, e, progress)
+        return _convert_for_this_run(gguf_path, e, progress, weights)
     try:
         with storage.exclusive(root / f"{target.name}.lock", f"converting {gguf_path.name}", CONVERSION_WAIT_SECONDS):
             problem = _conversion_problem(target)  # a concurrent run may have made it meanwhile
@@ -142,16 +156,17 @@ def converted_gguf_dir(gguf_path: Path, cache_dir=None, progress: bool = True) -
                 _log(f"the cached conversion {target} is damaged ({problem}): converting again")
                 shutil.rmtree(target, ignore_errors=True)
             with storage.atomic_directory(target) as tmp:
-                _convert(gguf_path, tmp, progress)
+                _convert(gguf_path, tmp, progress, weights)
     except storage.LockTimeout as e:
         _log(f"{e}; converting in this run without the cache")
-        return _convert_for_this_run(gguf_path, None, progress)
+        return _convert_for_this_run(gguf_path, None, progress, weights)
     except OSError as e:  # full disk, file size limit, permissions changed under us
-        return _convert_for_this_run(gguf_path, storage.CacheUnwritable(root, e), progress)
+        return _convert_for_this_run(gguf_path, storage.CacheUnwritable(root, e), progress, weights)
     return target
 
 
-def _convert_for_this_run(gguf_path: Path, why: storage.CacheUnwritable | None, progress: bool) -> Path:
+def _convert_for_this_run(gguf_path: Path, why: storage.CacheUnwritable | None, progress: bool,
+                          weights: bool) -> Path:
     """Convert into a temporary folder removed when the process exits (no caching)."""
     import atexit
 
@@ -160,21 +175,22 @@ def _convert_for_this_run(gguf_path: Path, why: storage.CacheUnwritable | None, 
     folder = Path(tempfile.mkdtemp(prefix="triforce-model-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     try:
-        _convert(gguf_path, folder, progress)
+        _convert(gguf_path, folder, progress, weights)
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
         raise storage.CacheUnwritable(why.directory if why else folder, e) from e
     return folder
 
 
-def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None,
-                      progress: bool = True) -> tuple[Path, str, bool, Path | None]:
+def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None, progress: bool = True,
+                      weights: bool = True) -> tuple[Path, str, bool, Path | None]:
     """-> (HF-format directory, a description for messages, whether it is the embedded default, the
-    GGUF file it was converted from or None)."""
+    GGUF file it was converted from or None). For a GGUF file the directory is its cached conversion
+    (converted_gguf_dir: with `weights`, its fp32 weights too)."""
     if path is None:
         gguf_path = default_model_path()
-        return (converted_gguf_dir(gguf_path, cache_dir, progress), "SmolLM2-135M-Instruct (embedded default)", True,
-                gguf_path)
+        return (converted_gguf_dir(gguf_path, cache_dir, progress, weights), "SmolLM2-135M-Instruct (embedded default)",
+                True, gguf_path)
     p = Path(path).expanduser()
     if not p.exists():
         raise TriforceError(f"model not found: {p} (pass a Hugging Face model directory or a .gguf file)")
@@ -182,8 +198,16 @@ def resolve_model_dir(path: str | os.PathLike | None, cache_dir=None,
         if p.suffix.lower() != ".gguf":
             raise TriforceError(f"{p} is not a .gguf file: pass a .gguf file or a Hugging Face model directory")
         check_gguf_architecture(p)  # the header alone: refuse an unsupported model in milliseconds
-        return converted_gguf_dir(p, cache_dir, progress), str(p), False, p
+        return converted_gguf_dir(p, cache_dir, progress, weights), str(p), False, p
     return p, str(p), False, None
+
+
+def gguf_file_of(path: str | os.PathLike | None) -> Path | None:
+    """The GGUF file `path` names (None: the embedded default's), or None for a directory."""
+    if path is None:
+        return default_model_path()
+    p = Path(path).expanduser()
+    return p if p.is_file() and p.suffix.lower() == ".gguf" else None
 
 
 def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
@@ -207,25 +231,61 @@ def default_kv_dtype(dtype: torch.dtype) -> str:
     return DEFAULT_KV_DTYPE if dtype == torch.float32 else kv_dtype_name(dtype)
 
 
+def _refuse_types_without_kernels(path: Path, sd: dict) -> None:
+    from .. import quantized
+
+    types = sorted({quantized.type_name(t.qtype) for t in sd.values()
+                    if isinstance(t, quantized.QuantTensor) and not t.kernel_ready()})
+    if types:
+        raise TriforceError(f"{path} holds weights in {', '.join(types)}, which triforce cannot compute with as stored "
+                            f"(supported: {quantized.SUPPORTED_NAMES}): load it with --weights bf16 (2 bytes per "
+                            f"weight) or --weights fp32 (4), or use a file in a supported type")
+
+
 def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | None = None,
                max_context: int | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", cache_dir=None, progress: bool = True,
-               kv_dtype=None) -> LoadedModel:
+               kv_dtype=None, weights: str = "native") -> LoadedModel:
     """Load a model and its tokenizer. `path=None` is the embedded SmolLM2-135M-Instruct with its
     long-context profile (RoPE base 4e5, 32K context) unless overridden. `kv_dtype`: its KV cache's
-    dtype, 'fp32', 'bf16' or 'fp16' (or a torch dtype); None: default_kv_dtype(dtype)."""
+    dtype, 'fp32', 'bf16' or 'fp16' (or a torch dtype); None: default_kv_dtype(dtype). `weights`: one
+    of WEIGHTS (WEIGHTS_HELP). A model whose weights would not fit in the available memory is refused
+    before any is read (memory.check_fits)."""
+    from .. import memory
+
+    if weights not in WEIGHTS:
+        raise TriforceError(f"unknown --weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
     kv_dtype = default_kv_dtype(dtype) if kv_dtype is None else kv_dtype_name(kv_dtype)  # refused before loading
-    directory, source, embedded, gguf_path = resolve_model_dir(path, cache_dir, progress)
+    gguf_path = gguf_file_of(path)
+    sd = None
+    if gguf_path is not None:
+        from .gguf_file import read_gguf
+
+        check_gguf_architecture(gguf_path)  # the header alone: refuse an unsupported model in milliseconds
+        hf, sd = read_gguf(gguf_path, progress=False, keep_quantized=True)  # memory-mapped: nothing read yet
+        memory.check_fits(memory.weight_bytes(sd, weights), f"the weights of {gguf_path.name} with --weights {weights}",
+                          "use --weights native" if weights != "native" else "use a smaller or more quantized file")
+        if weights == "native":
+            _refuse_types_without_kernels(gguf_path, sd)
+        cfg = ModelConfig.from_hf(hf)
+        if weights == "fp32":
+            sd = None  # read from the fp32 conversion below
+    directory, source, embedded, gguf_path = resolve_model_dir(path, cache_dir, progress, weights=sd is None)
     from transformers import AutoTokenizer  # after the checks: an unsupported file is refused in about a second
 
-    cfg, sd, _ = load_hf_checkpoint(directory)
+    if sd is None:
+        cfg, sd, _ = load_hf_checkpoint(directory)
     if embedded:
         rope_theta = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta
         max_context = DEFAULT_MAX_CONTEXT if max_context is None else max_context
     cfg = cfg.with_overrides(rope_theta=rope_theta, max_context=max_context)
     model = build_model(cfg, sd, dtype=dtype, device=device, kv_dtype=kv_dtype)  # builds the CPU kernels (pack_weights)
+    del sd
+    if weights == "bf16":
+        model.weights_to_bf16()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:
         raise TriforceError(f"cannot load the tokenizer from {directory}: {e}") from e
-    return LoadedModel(model, tokenizer, cfg, source, directory, gguf_path)
+    return LoadedModel(model, tokenizer, cfg, source, directory, gguf_path, weights,
+                       storage.cache_root(cache_dir))

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import quantized
 from ..config import GEMMA3_LOCAL_ROPE_THETA, GEMMA3_SLIDING_WINDOW_PATTERN, SUPPORTED_ARCHITECTURES
 from ..errors import TriforceError
 
@@ -240,8 +241,14 @@ def _gemma3_config(meta: _Metadata, rp: dict, n_layers: int, hidden: int, n_head
     }
 
 
-def read_gguf(path: Path, progress: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
-    """-> (HF config dict, HF-named fp32 state dict). The config round-trips through JSON."""
+def read_gguf(path: Path, progress: bool = True,
+              keep_quantized: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
+    """-> (HF config dict, HF-named state dict). The config round-trips through JSON.
+
+    The state dict holds fp32 tensors, or with `keep_quantized` the 2-D weights (projections,
+    embedding, LM head) as QuantTensor: the file's own bytes, memory-mapped (a copy only where rows
+    are reordered: Llama's Q and K), so resident memory is the file's tensor bytes; reading is then
+    about the time gguf's reader takes to parse the header (seconds for a large vocabulary)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -311,11 +318,15 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict, dict[str, torch.
 
     from tqdm.auto import tqdm
 
-    sd: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="dequantising GGUF", unit="tensor", disable=not progress):
+    def kept(t) -> bool:
+        return keep_quantized and len(t.shape) == 2 and int(t.tensor_type) != quantized.F32
+
+    sd: dict[str, torch.Tensor | quantized.QuantTensor] = {}
+    for t in tqdm(reader.tensors, desc="reading GGUF" if keep_quantized else "dequantising GGUF", unit="tensor",
+                  disable=not progress):
         if t.name == _ROPE_FREQS:
             continue  # in the config (freq_factors) above
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = t.data if kept(t) else dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if t.name in _TOP_NAMES:
             key = _TOP_NAMES[t.name]
         else:
@@ -327,7 +338,10 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[dict, dict[str, torch.
                 w = _unpermute(w, n_kv)
         if gemma and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # the converter stored 1 + w; Hugging Face's Gemma3RMSNorm holds w
-        sd[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+        if kept(t):
+            sd[key] = quantized.QuantTensor.from_numpy(w, int(t.tensor_type), int(t.shape[0]))
+        else:
+            sd[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     return hf, sd
 
 

@@ -1,0 +1,322 @@
+"""A bounded load test of `triforce serve`, and its time-to-first-token with the prefix cache.
+
+    python -m triforce.bench.serve                 # 40 requests, 4 at a time, some cancelled mid-stream
+    python -m triforce.bench.serve --ttft 8192     # first token: no cache, in-memory cache, after a restart
+
+Both start `triforce serve` as a child process on 127.0.0.1 (a free port; loopback only), drive it
+over HTTP, stop it with SIGTERM (a graceful shutdown: exit code 0 expected) and stop by themselves
+within --deadline seconds. The load test reports p50 / p95 time to first token and tokens/s, checks
+that no request failed but the cancelled ones, that a burst past the queue gets 429s, that the
+engine still answers afterwards, and that the server's resident memory less its prefix cache
+returns to its baseline (after one warm-up request). Exit code 0 when every check passes, 1 if not.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+QUESTIONS = ("Who speaks first in this scene?", "Summarise the last speech.", "Which characters are named above?",
+             "What is the mood of this passage?", "Quote one line spoken by a king.", "Where does the scene happen?",
+             "Which words are repeated most?", "What happens next?")
+MEMORY_SLACK_BYTES = 96 << 20  # allocator noise allowed over the baseline
+CHARS_PER_TOKEN = 3.3  # the demo corpus with SmolLM2's tokenizer (the responses' usage gives the exact count)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m triforce serve ...` on 127.0.0.1; stderr goes to a log file."""
+
+    def __init__(self, extra: list[str], log_path: Path, ready_seconds: float = 600.0):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "triforce", "serve", "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        self.command = " ".join(cmd[1:])
+        self.log = open(log_path, "ab")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        import httpx
+
+        while time.perf_counter() - t0 < ready_seconds:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with code {self.proc.returncode} while starting; its log: {log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            self.stop()
+            raise SystemExit(f"the server did not start within {ready_seconds:.0f} s; its log: {log_path}")
+        self.ready_seconds = time.perf_counter() - t0
+
+    def rss(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def _metric(text: str, name: str, labels: dict | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += s.value
+    return total
+
+
+async def _one(client, url: str, prompt: str, max_tokens: int, cancel_after: int | None, temperature: float,
+               seed: int) -> dict:
+    """One streamed completion; -> {status, ttft, tokens, seconds, cancelled, error}."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": temperature, "seed": seed,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    out = {"status": None, "ttft": None, "tokens": 0, "cancelled": False, "error": None, "server": None}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        out["status"] = r.status_code
+        if r.status_code != 200:
+            out["error"] = (await r.aread()).decode()[:300]
+            out["retry_after"] = r.headers.get("retry-after")
+            return out
+        chunks = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                out["error"] = obj["error"]["message"]
+                break
+            if obj.get("usage"):
+                out["tokens"] = obj["usage"]["completion_tokens"]
+            if obj.get("triforce"):
+                out["server"] = obj["triforce"]
+            if obj["choices"] and obj["choices"][0]["text"]:
+                chunks += 1
+                if out["ttft"] is None:
+                    out["ttft"] = time.perf_counter() - t0
+                if cancel_after is not None and chunks >= cancel_after:
+                    out["cancelled"] = True
+                    break  # leaving the block closes the connection: the server must cancel
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+async def _single(url: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        return await _one(client, url, prompt, max_tokens, None, 0.0, 0)
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _load(args, server: ServerProcess, doc: str) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.deadline)) as client:
+        sem = asyncio.Semaphore(args.concurrency)
+
+        async def run(i: int):
+            async with sem:
+                cancel = 2 if args.cancel_every and i % args.cancel_every == args.cancel_every - 1 else None
+                prompt = f"{doc}\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n"
+                out = await _one(client, server.url, prompt, args.max_tokens, cancel, 0.0 if i % 2 == 0 else 0.7, i)
+                return {**out, "index": i}
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(i) for i in range(args.requests)))
+        wall = time.perf_counter() - t0
+        # a burst past the queue: max_queue + 3 at once (one runs, max_queue wait, the rest must get 429)
+        burst = await asyncio.gather(*(_one(client, server.url, f"{doc}\n\nBurst {i}.\n", 8, None, 0.0, i)
+                                       for i in range(args.max_queue + 3)))
+    return {"results": results, "wall": wall, "burst": burst}
+
+
+def load_test(args) -> int:
+    from ..corpus import demo_text
+
+    tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-serve-"))
+    server = ServerProcess(["--max-queue", str(args.max_queue), "--method", args.method, "--prefix-cache-bytes",
+                            args.prefix_cache_bytes, *(["--model", args.model] if args.model else [])],
+                           tmp / "server.log")
+    print(f"server: {server.command} (ready in {server.ready_seconds:.0f} s; log {server.log_path})")
+    import httpx
+
+    doc = demo_text()[:int(args.prompt_tokens * CHARS_PER_TOKEN)]
+    deadline = time.monotonic() + args.deadline
+    checks: list[tuple[str, bool]] = []
+    try:
+        warm = asyncio.run(_single(server.url, doc + "\n\nWarm-up.\n", args.max_tokens, 600))
+        checks.append(("warm-up request answered", warm["status"] == 200 and warm["error"] is None))
+        metrics = httpx.get(server.url + "/metrics").text
+        baseline = server.rss() - _metric(metrics, "triforce:prefix_cache_bytes")
+        run = asyncio.run(asyncio.wait_for(_load(args, server, doc), max(1.0, deadline - time.monotonic())))
+        results, burst = run["results"], run["burst"]
+        done = [r for r in results if not r["cancelled"]]
+        cancelled = [r for r in results if r["cancelled"]]
+        errors = [r for r in results if r["status"] != 200 or r["error"]]
+        ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
+        tokens = sum(r["tokens"] for r in done)
+        decode_rates = [r["server"]["tokens_per_second"] for r in done if r["server"] and r["server"]["tokens_per_second"]]
+        hits = sum(1 for r in done if r["server"] and r["server"]["prefix_cache_tokens"])
+        print(f"load: {len(results)} requests, {args.concurrency} concurrent, {len(cancelled)} cancelled mid-stream, "
+              f"{len(errors)} errors, {wall_s(run['wall'])}")
+        print(f"  time to first token: p50 {_pct(ttfts, 0.5):.2f} s, p95 {_pct(ttfts, 0.95):.2f} s "
+              f"(client side, queueing included; {hits}/{len(done)} completed requests reused a cached prefix)")
+        print(f"  throughput: {tokens} tokens in {run['wall']:.1f} s = {tokens / run['wall']:.2f} tokens/s overall; "
+              f"decode {statistics.median(decode_rates) if decode_rates else float('nan'):.2f} tokens/s per request "
+              f"(median)")
+        slow = sorted((r for r in done if r["ttft"] is not None), key=lambda r: -r["ttft"])[:3]
+        print("  slowest first tokens: " + ", ".join(
+            f"#{r['index']} {r['ttft']:.1f} s (queued {r['server']['queue_seconds']:.1f} s, prefilled "
+            f"{r['server']['prefilled_tokens']} tokens)" for r in slow if r["server"]))
+        for r in errors[:5]:
+            print(f"  error: status {r['status']}: {r['error']}")
+        n429 = [r for r in burst if r["status"] == 429]
+        other = [r for r in burst if r["status"] not in (200, 429) or (r["status"] == 200 and r["error"])]
+        print(f"burst: {len(burst)} at once with --max-queue {args.max_queue}: {len(burst) - len(n429)} answered, "
+              f"{len(n429)} got 429 (Retry-After {n429[0].get('retry_after') if n429 else '-'} s)")
+        checks += [("no errors but the cancelled requests", not errors),
+                   ("some requests cancelled mid-stream", bool(cancelled) or not args.cancel_every),
+                   ("429 when the queue is full", bool(n429) and not other)]
+        # the engine is idle again and still answers
+        for _ in range(120):
+            h = httpx.get(server.url + "/health").json()
+            if h["running"] == 0 and h["waiting"] == 0:
+                break
+            time.sleep(0.5)
+        after = asyncio.run(_single(server.url, doc + "\n\nAfter.\n", 8, 600))
+        checks.append(("the engine answers after the load", after["status"] == 200 and after["error"] is None))
+        metrics = httpx.get(server.url + "/metrics").text
+        n_cancel = _metric(metrics, "triforce:request_success_total", {"finished_reason": "cancelled"})
+        checks.append((f"the server counted the cancellations ({n_cancel:.0f})", n_cancel >= len(cancelled)))
+        time.sleep(1.0)
+        now = server.rss() - _metric(metrics, "triforce:prefix_cache_bytes")
+        grew = now - baseline
+        print(f"memory: resident less the prefix cache {baseline / 2**20:.0f} MiB after the warm-up, "
+              f"{now / 2**20:.0f} MiB after the load ({grew / 2**20:+.0f} MiB)")
+        checks.append((f"memory back to its baseline (within {MEMORY_SLACK_BYTES >> 20} MiB)", grew < MEMORY_SLACK_BYTES))
+    finally:
+        code = server.stop()
+    checks.append((f"graceful shutdown (exit code {code})", code == 0))
+    for name, ok in checks:
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    return 0 if all(ok for _, ok in checks) else 1
+
+
+def wall_s(seconds: float) -> str:
+    return f"{seconds:.1f} s"
+
+
+def ttft_test(args) -> int:
+    """Cold, warm (in-memory prefix cache) and after a restart (from --kv-cache-dir) first-token times."""
+    from ..corpus import demo_text
+
+    directory = Path(args.kv_cache_dir or tempfile.mkdtemp(prefix="triforce-kv-"))
+    tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-serve-"))
+    doc = demo_text(int(args.ttft * CHARS_PER_TOKEN) + 1000)[:int(args.ttft * CHARS_PER_TOKEN)]
+    flags = ["--method", args.method, "--kv-cache-dir", str(directory), "--prefix-cache-bytes", args.prefix_cache_bytes,
+             "--request-timeout", str(args.deadline), *(["--model", args.model] if args.model else [])]
+    rows = []
+
+    def ask(server, label, question):
+        r = asyncio.run(_single(server.url, f"{doc}\n\nQuestion: {question}\n", 8, args.deadline))
+        if r["status"] != 200 or r["error"]:
+            raise SystemExit(f"{label}: status {r['status']}: {r['error']}")
+        s = r["server"]
+        rows.append((label, s["prefilled_tokens"] + s["prefix_cache_tokens"] + 1, s["prefix_cache_tokens"], r["ttft"],
+                     s["time_to_first_token"]))
+        print(f"{label}: first token after {r['ttft']:.2f} s (server: {s['time_to_first_token']:.2f} s; "
+              f"{s['prefix_cache_tokens']} prompt tokens from the cache, {s['prefilled_tokens']} prefilled)", flush=True)
+
+    server = ServerProcess(flags, tmp / "server.log")
+    print(f"server: {server.command}")
+    try:
+        ask(server, "no cache", QUESTIONS[0])
+        ask(server, "in-memory cache", QUESTIONS[1])
+    finally:
+        server.stop()
+    server = ServerProcess(flags, tmp / "server.log")
+    loaded = re.findall(r"prefix cache: loaded .*", server.log_path.read_text())
+    print(f"restarted in {server.ready_seconds:.1f} s: {loaded[-1] if loaded else 'no prefix cache loaded'}")
+    try:
+        ask(server, "after a restart (disk)", QUESTIONS[2])
+    finally:
+        code = server.stop()
+    cold = rows[0][3]
+    print("\n| request | prompt tokens | from the cache | first token (client) | server-side | speedup |")
+    print("|---|---|---|---|---|---|")
+    for label, n, hit, client, srv in rows:
+        print(f"| {label} | {n} | {hit} | {client:.2f} s | {srv:.2f} s | {cold / client:.1f}x |")
+    ok = all(cold / r[3] >= 3 for r in rows[1:])
+    print(f"\n[{'ok' if ok else 'FAILED'}] the cached requests' first token at least 3x sooner; server exit code {code}")
+    return 0 if ok and code == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m triforce.bench.serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="passed to triforce serve (default: the embedded model)")
+    p.add_argument("--method", default="triforce", help="passed to triforce serve (default triforce)")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=1500, help="about this many tokens of shared document per prompt")
+    p.add_argument("--cancel-every", type=int, default=8, help="every Nth request is cancelled after 2 chunks (0: none)")
+    p.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue (default 4)")
+    p.add_argument("--prefix-cache-bytes", default="1G")
+    p.add_argument("--deadline", type=float, default=1800.0, help="stop (as failed) after this many seconds")
+    p.add_argument("--ttft", type=int, metavar="TOKENS",
+                   help="instead: first-token times for a TOKENS-long prompt with no cache, the in-memory cache, "
+                        "and after a restart from --kv-cache-dir")
+    p.add_argument("--kv-cache-dir", help="with --ttft: the directory (default: a fresh temporary one)")
+    args = p.parse_args(argv)
+    # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.ttft:
+        return ttft_test(args)
+    return load_test(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

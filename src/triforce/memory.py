@@ -1,0 +1,70 @@
+"""What a model and its KV cache take in memory, and refusing a run that will not fit.
+
+A run that outgrows RAM is killed by the OOM killer with no message, often after minutes of loading
+or prefill; these checks refuse it up front with the numbers instead. Sizes are what we allocate:
+weights as held (--weights), K and V for every token of the context in the KV dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import TriforceError
+
+# A run needs some room beyond weights and KV (activations, the tokenizer, Python): refused if the
+# estimate exceeds what is available minus this.
+HEADROOM = 256 << 20
+
+
+def gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB"
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none: then nothing is refused)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(need: int, what: str, hint: str) -> None:
+    """Raise TriforceError if `need` bytes (`what`) exceed the available memory less HEADROOM."""
+    avail = available_bytes()
+    if avail is not None and need > avail - HEADROOM:
+        raise TriforceError(f"{what} would take {gib(need)}, but only {gib(avail)} of memory is available "
+                            f"(MemAvailable, less {gib(HEADROOM)} for the rest of the run): {hint}")
+
+
+def weight_bytes(state: dict, weights: str) -> int:
+    """Bytes the tensors of `state` (torch tensors or quantized.QuantTensor, as read_gguf gives them)
+    take when held as `weights` (native: as stored; bf16: 2 bytes per weight of a 2-D tensor; fp32: 4)."""
+    from .quantized import QuantTensor
+
+    total = 0
+    for t in state.values():
+        if isinstance(t, QuantTensor):
+            n = t.shape[0] * t.shape[1]
+            total += t.nbytes if weights == "native" else n * (2 if weights == "bf16" else 4)
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes(cfg, tokens: int, kv_dtype: torch.dtype) -> int:
+    """K and V of `tokens` tokens over every layer in `kv_dtype` (an upper bound for sliding-window
+    layers, whose caches hold only their window)."""
+    return cfg.kv_bytes_per_token // 4 * kv_dtype.itemsize * tokens
+
+
+def check_kv_fits(model, tokens: int) -> None:
+    """Refuse a context of `tokens` tokens whose KV cache (the model's kv_dtype) will not fit."""
+    from .config import kv_dtype_name
+
+    name = kv_dtype_name(model.kv_dtype)
+    check_fits(kv_bytes(model.cfg, tokens, model.kv_dtype), f"the KV cache of {tokens} tokens ({name})",
+               "shorten the prompt or --max-new-tokens" + (", or use --kv-dtype fp16 (half the bytes)"
+                                                           if name == "fp32" else ""))

@@ -1,0 +1,300 @@
+"""One engine (batch size 1): requests wait in a FIFO queue of bounded length and a worker thread
+generates them one at a time with `generate_stream`, the full-cache prefill reusing the prefix cache.
+
+A request (`Job`) reports through `job.deliver(event)`, called on the worker thread, in order:
+    {"type": "delta", "text": str, "tokens": [ids]}          one per speculation round (text may be "")
+    {"type": "done", "finish_reason": "stop" | "length", "usage": {...}, "triforce": {...}}
+or  {"type": "error", "status": int, "code": str, "message": str}   (timeout 504, shutdown 503, a bug 500)
+and nothing after that. A cancelled request (client gone) gets nothing more.
+
+Cancellation and timeouts are looked at between prefill chunks and between speculation rounds, so
+a request stops within one chunk's or one round's time and the engine goes on with the next.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..generate import generate_stream
+from ..model import Transformer
+from ..sampling import SamplingParams
+from ..speculation.config import SpecConfig
+from ..speculation.stack import ROUND_SLACK, StackSpec
+from .metrics import ServerMetrics
+from .prefill import CachedPrefill, Stopped
+from .prefix_cache import PrefixCache
+
+log = logging.getLogger("triforce.serve")
+
+
+class QueueFull(Exception):
+    """The queue holds --max-queue requests; retry after `retry_after` seconds (an estimate)."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server is busy: {retry_after} s")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int | None
+    stop: tuple[str, ...]
+    deliver: Callable[[dict], None]
+    arrived: float = field(default_factory=time.perf_counter)
+    deadline: float = math.inf  # perf_counter time past which the request times out
+    started: float | None = None  # when the worker took it
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False
+
+    def __post_init__(self):
+        if self.seed is None:  # OpenAI's default: a fresh draw; the seed used is reported, to reproduce it
+            self.seed = secrets.randbits(31)
+
+    def stopped(self) -> bool:
+        return self.cancelled.is_set() or time.perf_counter() > self.deadline
+
+
+@dataclass
+class EngineSettings:
+    model: Transformer
+    tokenizer: object
+    stack: StackSpec
+    stack_name: str
+    config: SpecConfig
+    eos_ids: tuple[int, ...]
+    draft_model: Transformer | None = None
+    max_queue: int = 16
+    request_timeout: float = 600.0
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings, prefix_cache: PrefixCache | None = None,
+                 metrics: ServerMetrics | None = None):
+        self.s, self.prefix_cache, self.metrics = settings, prefix_cache, metrics
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._running: Job | None = None
+        self._closing = False
+        self._seconds_per_job = 5.0  # moving average, for Retry-After
+        self._thread = threading.Thread(target=self._work, name="triforce-engine", daemon=True)
+        # the prefix cache needs a FullCache whose blocks are contiguous slices (not a sliding-window ring)
+        self._reuse = settings.model.windows is None
+        if metrics is not None:
+            metrics.watch(lambda: len(self._queue), lambda: int(self._running is not None),
+                          prefix_cache.stats if prefix_cache is not None else None)
+
+    # ---- the API side (any thread) -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; QueueFull when --max-queue jobs wait already, ShuttingDown after stop()."""
+        job.deadline = job.arrived + self.s.request_timeout
+        with self._cv:
+            if self._closing:
+                raise ShuttingDown()
+            if len(self._queue) >= self.s.max_queue:
+                raise QueueFull(max(1, math.ceil(self._seconds_per_job * (len(self._queue) + 1))))
+            self._queue.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Forget a job (its client left): out of the queue now, or stopped at its next chunk or round."""
+        job.cancelled.set()
+        with self._cv:
+            if job in self._queue:
+                self._queue.remove(job)
+                self._finished(job, "cancelled")
+
+    def depth(self) -> tuple[int, int]:
+        """(waiting, running)."""
+        return len(self._queue), int(self._running is not None)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """No new jobs; queued ones get a 503; the running one is cancelled; the worker exits."""
+        with self._cv:
+            self._closing = True
+            waiting, self._queue = list(self._queue), collections.deque()
+            running = self._running
+            self._cv.notify_all()
+        for job in waiting:
+            self._error(job, 503, "shutting_down", "the server is shutting down: retry on another server or later")
+        if running is not None:
+            running.cancelled.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
+
+    # ---- the worker thread -------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    return
+                job = self._queue.popleft()
+                self._running = job
+            t0 = time.perf_counter()
+            try:
+                self._run(job)
+            except Exception:  # noqa: BLE001 - a bug must not take the engine down: log it, answer 500
+                log.exception("generation failed")
+                self._error(job, 500, "internal_error", "internal error while generating (see the server log)")
+            finally:
+                with self._cv:
+                    self._running = None
+                self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * (time.perf_counter() - t0)
+                _release_memory()
+
+    def _run(self, job: Job) -> None:
+        s, m = self.s, self.metrics
+        job.started = time.perf_counter()
+        if job.stopped():
+            return self._end_stopped(job)
+        capacity = len(job.prompt) + job.max_tokens + max(s.stack.gammas, default=0) + ROUND_SLACK
+        with torch.inference_mode():
+            prefilled = None
+            if self._reuse:
+                try:
+                    prefilled = CachedPrefill(s.model, job.prompt, capacity, s.config.prefill_chunk,
+                                              self.prefix_cache, job.stopped)
+                except Stopped as e:  # keep the blocks it prefilled: a retry (or the next turn) starts from them
+                    if self.prefix_cache is not None:
+                        p = e.partial
+                        self.prefix_cache.insert(p.head, p.cache, p.block_queries)
+                    return self._end_stopped(job)
+                if m is not None and self.prefix_cache is not None:
+                    (m.prefix_hits if prefilled.reused_tokens else m.prefix_misses).inc()
+                    m.prefix_hit_tokens.inc(prefilled.reused_tokens)
+                if m is not None:
+                    m.prefilled_tokens.inc(prefilled.computed_tokens)
+            try:
+                self._generate(job, prefilled)
+            finally:
+                if prefilled is not None and self.prefix_cache is not None:
+                    # after the answer (not delaying it); the prompt's K/V is untouched by decoding
+                    self.prefix_cache.insert(prefilled.head, prefilled.cache, prefilled.block_queries)
+
+    def _generate(self, job: Job, prefilled: CachedPrefill | None) -> None:
+        s = self.s
+        stream = generate_stream(s.model, job.prompt, job.max_tokens, job.params, stack=s.stack, config=s.config,
+                                 draft_model=s.draft_model, eos_ids=s.eos_ids, stop=job.stop, tokenizer=s.tokenizer,
+                                 seed=job.seed, prefilled=prefilled)
+        rounds = iter(stream)
+        try:
+            first, n = self._deliver_rounds(job, rounds)
+        finally:
+            rounds.close()  # here, not at garbage collection: the generator's inference_mode is thread-local
+        if stream.result is None:  # stopped between rounds
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(job.prompt))
+                self.metrics.generation_tokens.inc(n)
+            return self._end_stopped(job)
+        self._done(job, stream.result, first, prefilled)
+
+    def _deliver_rounds(self, job: Job, rounds) -> tuple[float | None, int]:
+        """Deliver each round's tokens until the stream ends or the job is stopped; -> (time of the
+        first token or None, tokens delivered)."""
+        m = self.metrics
+        first = last = None
+        n = 0
+        for chunk in rounds:
+            now = time.perf_counter()
+            if chunk.tokens:
+                if first is None:
+                    first = now
+                    if m is not None:
+                        m.ttft.observe(now - job.arrived)
+                elif m is not None:
+                    for _ in chunk.tokens:
+                        m.itl.observe((now - last) / len(chunk.tokens))
+                last = now
+                n += len(chunk.tokens)
+            job.deliver({"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens)})
+            if job.stopped():
+                break
+        return first, n
+
+    def _done(self, job: Job, res, first: float | None, prefilled: CachedPrefill | None) -> None:
+        s, m = self.s, self.metrics
+        finish = "length" if res.finish_reason == "length" else "stop"  # OpenAI's names: EOS and stop strings are "stop"
+        if m is not None:
+            m.prompt_tokens.inc(res.prompt_tokens)
+            m.generation_tokens.inc(len(res.tokens))
+            m.e2e.observe(time.perf_counter() - job.arrived)
+            m.speculation(res.stats)
+            m.finished.labels(finish).inc()
+        job.finished = True
+        extra = {
+            "stack": str(s.stack), "method": s.stack_name, "seed": job.seed,
+            "finish_reason": res.finish_reason,  # eos, stop (a stop string) or length
+            "queue_seconds": round(job.started - job.arrived, 4),
+            "time_to_first_token": round(first - job.arrived, 4) if first is not None else None,
+            "prefill_seconds": round((prefilled.seconds if prefilled else 0.0) + res.prefill_seconds, 4),
+            "prefix_cache_tokens": prefilled.reused_tokens if prefilled else 0,
+            "prefilled_tokens": prefilled.computed_tokens if prefilled else res.prompt_tokens - 1,
+            "decode_seconds": round(res.decode_seconds, 4),
+            "tokens_per_second": round(res.tokens_per_second, 3) if res.tokens else None,
+            "stats": res.stats,
+        }
+        job.deliver({"type": "done", "finish_reason": finish, "triforce": extra,
+                     "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
+                               "total_tokens": res.prompt_tokens + len(res.tokens)}})
+
+    def _end_stopped(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._finished(job, "cancelled")
+        else:
+            self._error(job, 504, "timeout", f"the request took longer than the server's --request-timeout of "
+                                             f"{self.s.request_timeout:g} s")
+
+    def _error(self, job: Job, status: int, code: str, message: str) -> None:
+        if job.finished:  # nothing after a job's last event
+            return
+        self._finished(job, {500: "error", 504: "timeout", 503: "shutdown"}.get(status, "error"))
+        job.deliver({"type": "error", "status": status, "code": code, "message": message})
+
+    def _finished(self, job: Job, reason: str) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        if self.metrics is not None:
+            self.metrics.finished.labels(reason).inc()
+
+
+def _release_memory() -> None:
+    """Give the freed heap of a request (its KV caches) back to the OS, so that the server's resident
+    memory returns to its baseline between requests: glibc keeps freed chunks below its adaptive mmap
+    threshold (up to 32 MB) in the heap otherwise. A no-op without glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None

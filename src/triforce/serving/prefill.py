@@ -1,0 +1,78 @@
+"""A prompt's full-cache prefill that starts from the cached blocks of its longest cached prefix.
+
+`CachedPrefill` has PrefilledPrompt's interface (`model`, `cache`, `restore(prompt)`), so
+`generate_stream(..., prefilled=...)` runs any stack on it: the full level starts from this cache,
+the drafting levels are rebuilt from it as usual (a retrieval level from its K/V and the last
+prompt token's queries; a streaming or draft level prefills its own small cache).
+
+Invariant: the cache holds, bit for bit, what `prefill(model, cache, head, chunk)` would (head = the
+prompt but its last token, as Decoder.prefill feeds it): reused blocks were whole prefill chunks at
+the same positions (prefix_cache.py), and the rest is fed in chunks of the same size from a chunk
+boundary on.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..model import Transformer
+from .prefix_cache import PrefixCache
+
+
+class Stopped(Exception):
+    """The prefill was stopped between chunks (`should_stop` said so): the request was cancelled
+    or timed out. `partial` is the CachedPrefill as far as it got (its whole blocks can be cached)."""
+
+    def __init__(self, partial: CachedPrefill):
+        super().__init__("prefill stopped")
+        self.partial = partial
+
+
+class CachedPrefill:
+    """The full cache (record_queries, `capacity` tokens) holding the prompt's head.
+
+    Attributes: reused_tokens (from the prefix cache), computed_tokens (prefilled here), seconds,
+    block_queries (block index -> [n_layers, n_heads, D], the last-token queries of each whole
+    block computed here: PrefixCache.insert stores those blocks)."""
+
+    def __init__(self, model: Transformer, prompt: list[int], capacity: int, chunk: int,
+                 prefix_cache: PrefixCache | None = None, should_stop: Callable[[], bool] = lambda: False):
+        t0 = time.perf_counter()
+        self.model, self.head = model, list(prompt[:-1])
+        self.block_queries: dict[int, torch.Tensor] = {}
+        with torch.inference_mode():
+            self.cache = model.new_cache(capacity, record_queries=True)
+            blocks = prefix_cache.lookup(self.head) if prefix_cache is not None else []
+            n = 0
+            for b in blocks:  # block_size == chunk (the engine makes the prefix cache with its prefill chunk)
+                self.cache.k[:, 0, :, n:n + chunk] = b.k
+                self.cache.v[:, 0, :, n:n + chunk] = b.v
+                n += chunk
+            self.cache.commit(n)
+            last_q = blocks[-1].q_last if blocks else None  # [n_layers, n_heads, D]
+            ids = torch.tensor([self.head], device=model.device)
+            for start in range(n, len(self.head), chunk):
+                if should_stop():
+                    raise Stopped(self)
+                end = min(start + chunk, len(self.head))
+                model(ids[:, start:end], self.cache, last=1)  # the call state.prefill makes per chunk
+                last_q = torch.stack([q[0, :, -1] for q in self.cache.queries])
+                if end - start == chunk:
+                    self.block_queries[start // chunk] = last_q
+        # every state reads the last prompt token's queries (query_start = len(head) - 1), as PrefilledPrompt keeps them
+        n_layers = model.cfg.n_layers
+        self.queries = ([last_q[i][None, :, None, :] for i in range(n_layers)] if last_q is not None
+                        else [None] * n_layers)
+        self.reused_tokens, self.computed_tokens = n, len(self.head) - n
+        self.seconds = time.perf_counter() - t0
+
+    def restore(self, prompt: list[int]):
+        """The full cache holding exactly this prompt's head (PrefilledPrompt.restore's contract)."""
+        if list(prompt[:-1]) != self.head:
+            raise ValueError("the prefilled prompt belongs to another prompt")
+        self.cache.rollback(len(self.head))
+        self.cache.queries = list(self.queries)
+        self.cache.query_start = len(self.head) - 1
+        return self.cache

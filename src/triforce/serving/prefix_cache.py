@@ -1,0 +1,425 @@
+"""The prefix KV cache: the target's full-cache keys and values of prompt prefixes, in hashed token
+blocks (as vLLM's automatic prefix caching), LRU under a byte budget, optionally mirrored on disk.
+
+Blocks. A block holds `block_size` consecutive prompt tokens at positions [i*C, (i+1)*C) (C = the
+block size, which is the prefill chunk) and their K/V, [n_layers, n_kv_heads, C, head_dim] each in
+the model's KV dtype, plus the post-RoPE queries of its last token ([n_layers, n_heads, head_dim]:
+a retrieval level builds its cache from the query of the last prompt token). Its key is the chain
+hash of its tokens and its parent's key, so a key names the whole prefix [0, (i+1)*C): the longest
+cached prefix of a prompt is found by hashing its blocks in order until one is missing.
+
+Why blocks of exactly the prefill chunk: a block is stored only when its tokens were one whole
+prefill forward (positions [i*C, (i+1)*C) fed together), and a prompt reuses blocks only up to a
+multiple of C, prefilling the rest from there in chunks of C. So the full cache of a request that
+hit the cache holds bit for bit what a fresh prefill of its prompt would: the output is exactly
+`triforce generate`'s. (Reusing a prefix of any length, or generated tokens, whose K/V came from
+forwards of other shapes, would change the last bits and could flip a greedy choice.)
+
+Eviction: least recently used *leaf* blocks first (a block no cached block extends), so every
+cached block's prefix stays cached; a chain is touched root to leaf, the leaf newest.
+
+Persistence (`directory`): DIR/<settings digest>/ holds one safetensors file per block and
+manifest.json, keyed by the settings (`settings_key`: a fingerprint of the weights, the KV dtype,
+RoPE, the block size, the compute backend). Files are written atomically (storage.atomic_write),
+the manifest after the files it lists. At start-up every file is checked (listed, size, SHA-256,
+its own metadata naming these settings, tokens hashing to its key, tensor shapes and dtypes): a
+file that fails is refused with a log line, removed, and never loaded. Directories of other
+settings (another model, KV dtype, RoPE base...) are left alone, with a log line.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .. import storage
+from ..config import kv_dtype_name
+from ..model import Transformer
+
+log = logging.getLogger("triforce.serve")
+
+FORMAT = 1  # of the block files and the manifest; bump when either changes
+MANIFEST = "manifest.json"
+_SAMPLES_PER_TENSOR = 4096  # weight elements hashed per tensor for the model fingerprint
+
+
+def model_fingerprint(model: Transformer) -> str:
+    """A hash of the model: its config and, per weight tensor (parameters and buffers, quantized
+    blocks included), its name, shape, dtype and a strided sample of its values. Hashing every byte of
+    a 7B model would take minutes at each start; two models with different weights differ in (nearly)
+    every sample."""
+    h = hashlib.sha256(repr(model.cfg).encode())
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    for name, t in sorted(tensors.items()):
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+        try:
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+            h.update(flat[::step][:_SAMPLES_PER_TENSOR].float().cpu().numpy().tobytes())
+        except (RuntimeError, TypeError):  # a packed / quantized tensor without a plain view: shape only
+            pass
+    return h.hexdigest()[:24]
+
+
+def _compute_backend(model: Transformer) -> str:
+    """Which operations computed the K/V (the compiled kernels or PyTorch, and torch's version):
+    another backend may differ in the last bits."""
+    enabled = bool(getattr(getattr(model.layers[0], "backend", None), "enabled", False)) if len(model.layers) else False
+    isa = "torch"
+    if enabled:
+        from .. import kernels
+
+        try:
+            isa = kernels.chosen_isa() or "torch"
+        except Exception:  # noqa: BLE001 - a bad TRIFORCE_ISA was already reported when the model loaded
+            isa = "kernels"
+    return f"{isa}|torch {torch.__version__}"
+
+
+def settings_key(model: Transformer, block_size: int) -> dict:
+    """Everything the cached K/V depend on. Blocks are reused (and files loaded) only under equal keys."""
+    cfg = model.cfg
+    return {
+        "format": FORMAT,
+        "model": model_fingerprint(model),
+        "kv_dtype": kv_dtype_name(model.kv_dtype),
+        "weights_dtype": str(model.dtype).removeprefix("torch."),
+        "rope": json.loads(json.dumps(asdict(cfg.rope))),
+        "rope_local": json.loads(json.dumps(asdict(cfg.rope_local))) if cfg.rope_local else None,
+        "max_context": cfg.max_context,
+        "block_size": block_size,
+        "compute": _compute_backend(model),
+    }
+
+
+def key_digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def chain_hash(parent: str | None, tokens) -> str:
+    """The key of a block: its tokens and its parent's key (None for the first block)."""
+    h = hashlib.sha256((parent or "root").encode())
+    h.update(b"|" + ",".join(map(str, tokens)).encode())
+    return h.hexdigest()[:32]
+
+
+@dataclass(eq=False)
+class Block:
+    key: str
+    parent: str | None
+    index: int  # the block covers positions [index * C, (index + 1) * C)
+    tokens: tuple[int, ...]
+    k: torch.Tensor  # [n_layers, n_kv_heads, C, head_dim], the model's KV dtype
+    v: torch.Tensor
+    q_last: torch.Tensor  # [n_layers, n_heads, head_dim]: post-RoPE queries of the block's last token
+    children: int = 0  # cached blocks whose parent this is (a block with children is never evicted)
+    last_used: int = 0
+    file: tuple[int, str] | None = None  # (bytes, SHA-256) of its file on disk, once written
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.q_last))
+
+
+class PrefixCache:
+    """Cached prompt-prefix blocks of one model and settings; see the module docstring.
+
+    Used by the engine's single worker thread; `stats()` may be read from any thread (a lock); the
+    files are written by a writer thread of its own, in the order the blocks came and went."""
+
+    def __init__(self, model: Transformer, block_size: int, budget_bytes: int, directory: str | os.PathLike | None = None):
+        self.model, self.block_size, self.budget = model, block_size, budget_bytes
+        self.key = settings_key(model, block_size)
+        self.digest = key_digest(self.key)
+        self.blocks: dict[str, Block] = {}
+        self.bytes = 0
+        self.hits = self.misses = self.hit_tokens = 0
+        self._clock = 0
+        self._lock = threading.Lock()
+        self._exit = ExitStack()
+        self.dir: Path | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        if directory is not None and budget_bytes > 0:
+            self.dir = self._open_directory(Path(directory).expanduser())
+            if self.dir is not None:
+                self._load()
+                # one writer thread, in order: the next request does not wait for the files (724 MB at 32K)
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="triforce-kv-writer")
+
+    # ---- lookup and insertion ---------------------------------------------------------------
+
+    def lookup(self, tokens: list[int]) -> list[Block]:
+        """The cached blocks of the longest cached prefix of `tokens` (whole blocks only), root first;
+        touches them (most recently used). Counts a hit (at least one block) or a miss."""
+        C, out, parent = self.block_size, [], None
+        with self._lock:
+            for i in range(len(tokens) // C):
+                part = tuple(tokens[i * C:(i + 1) * C])
+                b = self.blocks.get(chain_hash(parent, part))
+                if b is None or b.tokens != part:  # (a hash collision would show here)
+                    break
+                out.append(b)
+                parent = b.key
+            self._touch(out)
+            if out:
+                self.hits += 1
+                self.hit_tokens += len(out) * C
+            else:
+                self.misses += 1
+        return out
+
+    def insert(self, tokens: list[int], cache, block_queries: dict[int, torch.Tensor]) -> int:
+        """Store the whole blocks of `tokens` whose K/V `cache` (a FullCache, batch 1) holds at
+        positions [0, len(tokens)) from one prefill forward each: blocks already cached, or computed
+        with their last-token queries in `block_queries` (block index -> [n_layers, n_heads, D]).
+        Stops at the first block it has neither for. Evicts down to the budget, writes the new
+        blocks to disk. -> the number of new blocks."""
+        if self.budget <= 0:
+            return 0
+        C, parent, chain, new = self.block_size, None, [], []
+        with self._lock:
+            for i in range(min(len(tokens), cache.length) // C):
+                part = tuple(tokens[i * C:(i + 1) * C])
+                key = chain_hash(parent, part)
+                b = self.blocks.get(key)
+                if b is None:
+                    if i not in block_queries:
+                        break
+                    b = Block(key, parent, i, part, cache.k[:, 0, :, i * C:(i + 1) * C].clone(),
+                              cache.v[:, 0, :, i * C:(i + 1) * C].clone(), block_queries[i].clone())
+                    if b.nbytes > self.budget:
+                        break
+                    self.blocks[key] = b
+                    self.bytes += b.nbytes
+                    if parent is not None:
+                        self.blocks[parent].children += 1
+                    new.append(b)
+                chain.append(b)
+                parent = key
+            self._touch(chain)
+            evicted = self._evict()
+            new = [b for b in new if b.key in self.blocks]
+        if self._writer is not None and self.dir is not None and (new or evicted):
+            self._writer.submit(self._persist, new, evicted)
+        return len(new)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"blocks": len(self.blocks), "bytes": self.bytes, "budget_bytes": self.budget,
+                    "block_size": self.block_size, "hits": self.hits, "misses": self.misses,
+                    "hit_tokens": self.hit_tokens, "directory": str(self.dir) if self.dir else None}
+
+    def close(self) -> None:
+        """Finish the pending writes, release the directory lock (the files stay)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        self._exit.close()
+
+    def _touch(self, chain: list[Block]) -> None:
+        for b in chain:  # root first: the leaf ends up newest, so leaves go before their parents
+            self._clock += 1
+            b.last_used = self._clock
+
+    def _evict(self) -> list[Block]:
+        """Drop least recently used leaves until the cache fits its budget; -> the dropped blocks."""
+        out = []
+        while self.bytes > self.budget and self.blocks:
+            victim = min((b for b in self.blocks.values() if b.children == 0), key=lambda b: b.last_used)
+            self._drop(victim)
+            out.append(victim)
+        return out
+
+    def _drop(self, b: Block) -> None:
+        del self.blocks[b.key]
+        self.bytes -= b.nbytes
+        if b.parent is not None and b.parent in self.blocks:
+            self.blocks[b.parent].children -= 1
+
+    # ---- the on-disk copy -------------------------------------------------------------------
+
+    def _open_directory(self, root: Path) -> Path | None:
+        """Our settings' folder under `root`, locked for this process (None: persistence off, logged)."""
+        folder = root / self.digest
+        try:
+            storage.writable_dir(folder)
+            self._exit.enter_context(storage.exclusive(folder / ".lock", "serving from this KV cache", 0.0,
+                                                       log=lambda message: None))
+        except storage.LockTimeout:
+            log.warning("the KV cache directory %s is in use by another server: not persisting this one's cache", folder)
+            return None
+        except storage.CacheUnwritable as e:
+            log.warning("%s: not persisting the prefix cache", e)
+            return None
+        storage.remove_stale_temporaries(folder)
+        for other in sorted(p for p in root.iterdir() if p.is_dir() and p != folder):
+            self._refuse_foreign(other)
+        return folder
+
+    def _refuse_foreign(self, folder: Path) -> None:
+        try:
+            theirs = json.loads((folder / MANIFEST).read_text()).get("key")
+        except (OSError, ValueError, AttributeError):
+            return  # not one of ours
+        if not isinstance(theirs, dict):
+            return
+        diff = [k for k in sorted(set(self.key) | set(theirs)) if self.key.get(k) != theirs.get(k)]
+        log.warning("refusing the KV cache in %s: made with other settings (%s differ%s); not loaded",
+                    folder, ", ".join(diff) or "the digest", "" if len(diff) != 1 else "s")
+
+    def _manifest_entries(self) -> dict:
+        path = self.dir / MANIFEST
+        if not path.exists():
+            return {}
+        try:
+            manifest = json.loads(path.read_text())
+            if manifest.get("key") != self.key:
+                log.warning("refusing the KV cache manifest %s: made with other settings; starting empty", path)
+                return {}
+            entries = manifest["blocks"]
+            if not isinstance(entries, dict):
+                raise TypeError("blocks is not an object")
+            return entries
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("refusing the KV cache manifest %s: unreadable (%s: %s); starting empty", path, type(e).__name__, e)
+            return {}
+
+    def _load(self) -> None:
+        """Load the checked blocks of our folder, parents first, while they fit the budget."""
+        t0 = time.perf_counter()
+        entries = self._manifest_entries()
+        refused = 0
+        listed = {str(e.get("file")) for e in entries.values() if isinstance(e, dict)}
+        for p in sorted(self.dir.glob("*.safetensors")):
+            if p.name not in listed:
+                log.warning("refusing the KV cache file %s: not in the manifest (an interrupted write?); removed", p)
+                p.unlink(missing_ok=True)
+        order = sorted(entries.items(), key=lambda kv: (kv[1].get("index", 0) if isinstance(kv[1], dict) else 0,
+                                                        -(kv[1].get("last_used", 0) if isinstance(kv[1], dict) else 0)))
+        skipped = 0
+        for key, entry in order:
+            try:
+                b = self._read_block(key, entry)
+            except _Refused as e:
+                log.warning("refusing the KV cache file %s: %s; removed, not loaded", self.dir / str(entry.get("file")
+                            if isinstance(entry, dict) else key), e)
+                (self.dir / f"{key}.safetensors").unlink(missing_ok=True)
+                refused += 1
+                continue
+            if b.parent is not None and b.parent not in self.blocks:
+                skipped += 1  # its prefix was refused or did not fit: unreachable
+                continue
+            if self.bytes + b.nbytes > self.budget:
+                skipped += 1
+                continue
+            self.blocks[key] = b
+            self.bytes += b.nbytes
+            if b.parent is not None:
+                self.blocks[b.parent].children += 1
+        for b in sorted(self.blocks.values(), key=lambda b: (b.index, b.last_used)):
+            self._clock += 1
+            b.last_used = self._clock
+        if refused or skipped or set(entries) != set(self.blocks):
+            self._write_manifest()
+            for key in set(entries) - set(self.blocks):
+                (self.dir / f"{key}.safetensors").unlink(missing_ok=True)
+        if self.blocks or refused:
+            log.info("prefix cache: loaded %d blocks (%.1f MB, %d tokens of prefixes) from %s in %.1f s%s",
+                     len(self.blocks), self.bytes / 1e6, len(self.blocks) * self.block_size, self.dir,
+                     time.perf_counter() - t0, f"; {refused} refused" if refused else "")
+        if skipped:
+            log.info("prefix cache: %d blocks on disk not loaded and removed (their prefix was refused, or they were "
+                     "over --prefix-cache-bytes)", skipped)
+
+    def _read_block(self, key: str, entry) -> Block:
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        if not isinstance(entry, dict) or entry.get("file") != f"{key}.safetensors":
+            raise _Refused("its manifest entry is malformed")
+        path = self.dir / entry["file"]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise _Refused(f"unreadable ({e.strerror or e})") from None
+        if len(data) != entry.get("bytes"):
+            raise _Refused(f"truncated or changed: {len(data)} bytes, the manifest says {entry.get('bytes')}")
+        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+            raise _Refused("corrupt: its SHA-256 differs from the manifest's")
+        try:
+            tensors = load(data)
+            meta = _metadata(data)
+        except (SafetensorError, ValueError, RuntimeError, OSError) as e:
+            raise _Refused(f"not a readable safetensors file ({e})") from None
+        if meta.get("triforce_kv_cache") != self.digest or meta.get("key") != json.dumps(self.key, sort_keys=True):
+            raise _Refused("made with another model or settings (its metadata names other settings)")
+        cfg, C = self.model.cfg, self.block_size
+        kv = self.model.kv_dtype
+        want = {"k": ((cfg.n_layers, cfg.n_kv_heads, C, cfg.head_dim), kv),
+                "v": ((cfg.n_layers, cfg.n_kv_heads, C, cfg.head_dim), kv),
+                "q_last": ((cfg.n_layers, cfg.n_heads, cfg.head_dim), None), "tokens": ((C,), torch.int64)}
+        for name, (shape, dtype) in want.items():
+            t = tensors.get(name)
+            if t is None or tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+                raise _Refused(f"tensor {name} is missing or has the wrong shape or dtype")
+        tokens = tuple(tensors["tokens"].tolist())
+        parent = meta.get("parent") or None
+        if chain_hash(parent, tokens) != key or parent != entry.get("parent"):
+            raise _Refused("its tokens do not hash to its name")
+        return Block(key, parent, int(entry.get("index", 0)), tokens, tensors["k"], tensors["v"], tensors["q_last"],
+                     last_used=int(entry.get("last_used", 0)), file=(len(data), entry["sha256"]))
+
+    def _persist(self, new: list[Block], evicted: list[Block]) -> None:
+        """Block files first, then the manifest listing them, then the evicted files go. A failure
+        (full disk...) turns persistence off with one log line: serving goes on from memory."""
+        from safetensors.torch import save
+
+        try:
+            for b in new:
+                meta = {"triforce_kv_cache": self.digest, "key": json.dumps(self.key, sort_keys=True),
+                        "parent": b.parent or ""}
+                data = save({"k": b.k.contiguous(), "v": b.v.contiguous(), "q_last": b.q_last.contiguous(),
+                             "tokens": torch.tensor(b.tokens, dtype=torch.int64)}, metadata=meta)
+                storage.atomic_write(self.dir / f"{b.key}.safetensors", data)
+                b.file = (len(data), hashlib.sha256(data).hexdigest())
+            self._write_manifest()
+            for b in evicted:
+                (self.dir / f"{b.key}.safetensors").unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot write the KV cache to %s (%s): persistence off for this run", self.dir, e.strerror or e)
+            self.dir = None
+        except Exception:  # noqa: BLE001 - on the writer thread: nobody else would see it
+            log.exception("writing the KV cache to %s failed: persistence off for this run", self.dir)
+            self.dir = None
+
+    def _write_manifest(self) -> None:
+        blocks = {}
+        with self._lock:
+            for b in self.blocks.values():
+                if b.file is None:
+                    continue  # never written
+                blocks[b.key] = {"file": f"{b.key}.safetensors", "bytes": b.file[0], "sha256": b.file[1],
+                                 "parent": b.parent, "index": b.index, "last_used": b.last_used}
+        storage.atomic_write(self.dir / MANIFEST, json.dumps({"format": FORMAT, "key": self.key, "blocks": blocks},
+                                                             indent=1, sort_keys=True))
+
+
+class _Refused(Exception):
+    """Why a block file is not loaded."""
+
+
+def _metadata(data: bytes) -> dict:
+    """The __metadata__ of a safetensors file's header (8-byte little-endian length, JSON)."""
+    n = int.from_bytes(data[:8], "little")
+    if n <= 0 or n > len(data) - 8:
+        raise ValueError("bad header length")
+    return json.loads(data[8:8 + n]).get("__metadata__") or {}

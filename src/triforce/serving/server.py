@@ -1,0 +1,130 @@
+"""`triforce serve`: load the model, build the prefix cache, the engine and the app, run uvicorn.
+
+uvicorn owns SIGINT / SIGTERM here: the first one stops accepting connections, lets the running
+responses finish for up to --shutdown-timeout seconds, then cancels what is left; queued requests get
+a 503. (The CLI does not wrap this command in its Ctrl-C watcher, which would exit at once.)
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import TriforceError
+
+log = logging.getLogger("triforce.serve")
+
+
+def _require_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise TriforceError(f"`triforce serve` needs the serve extra ({e.name} is missing): "
+                            f"pip install -e '.[serve]' (or ./install.sh)") from None
+
+
+@dataclass
+class Server:
+    """What `build` made: the app and the pieces behind it (tests and the load test reach in)."""
+
+    app: object
+    engine: object
+    prefix_cache: object
+    metrics: object
+    model_id: str
+
+
+def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue: int = 16,
+          prefix_cache_bytes: int = 2 << 30, kv_cache_dir=None, request_timeout: float = 600.0,
+          default_max_tokens: int = 256, model_id: str | None = None, shutdown_timeout: float = 30.0) -> Server:
+    """The app over a loaded model (loading.LoadedModel) and a stack (its engine starts with the app)."""
+    _require_extra()
+    from .app import create_app
+    from .engine import Engine, EngineSettings
+    from .metrics import ServerMetrics
+    from .prefix_cache import PrefixCache
+
+    model = loaded.model
+    prefix_cache = None
+    if prefix_cache_bytes > 0:
+        if model.windows is not None:
+            log.warning("the prefix cache is off for models with sliding-window layers (%s): every request "
+                        "prefills its whole prompt", model.cfg.arch)
+        else:
+            prefix_cache = PrefixCache(model, config.prefill_chunk, prefix_cache_bytes, kv_cache_dir)
+    metrics = ServerMetrics()
+    settings = EngineSettings(model, loaded.tokenizer, stack, stack_name, config, loaded.eos_token_ids, draft_model,
+                              max_queue, request_timeout)
+    engine = Engine(settings, prefix_cache, metrics)
+    model_id = model_id or default_model_id(loaded)
+    app = create_app(engine, loaded.tokenizer, model_id=model_id, max_context=loaded.config.max_context,
+                     default_max_tokens=default_max_tokens, metrics=metrics, shutdown_timeout=shutdown_timeout)
+    return Server(app, engine, prefix_cache, metrics, model_id)
+
+
+def default_model_id(loaded) -> str:
+    if loaded.gguf_path is not None and "embedded" in loaded.source:
+        return "SmolLM2-135M-Instruct"
+    return Path(loaded.source).stem if loaded.source else "model"
+
+
+def _configure_logging(level: str) -> None:
+    """The server's own log lines on stderr as `triforce: ...` (uvicorn logs its own)."""
+    logger = logging.getLogger("triforce")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "_triforce", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("triforce: %(message)s"))
+        handler._triforce = True
+        logger.addHandler(handler)
+
+
+def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
+    """The `serve` command (arguments checked by the CLI)."""
+    _require_extra()
+    import torch
+    import uvicorn
+
+    from ..loading import load_model
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
+    try:  # before the model loads: a busy port is said in a second, not after a minute
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        raise TriforceError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}): pick another --port "
+                            f"or --host") from None
+    _configure_logging(args.log_level)
+    dtype = getattr(torch, args.dtype)
+    loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
+                        device=args.device, cache_dir=args.cache_dir, progress=True, kv_dtype=args.kv_dtype,
+                        weights=args.weights)
+    draft_model = None
+    if any(lvl.kind == "draft" for lvl in stack.levels):
+        draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
+                                 max_context=loaded.config.max_context, progress=True, weights=args.weights).model
+    server = build(loaded, stack, stack_name, config, draft_model=draft_model, max_queue=args.max_queue,
+                   prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_dir=args.kv_cache_dir,
+                   request_timeout=args.request_timeout, default_max_tokens=args.default_max_tokens,
+                   model_id=args.served_model_name, shutdown_timeout=args.shutdown_timeout)
+    cache = (f"prefix cache {args.prefix_cache_bytes / 2**30:g} GiB" + (f" in {args.kv_cache_dir}" if args.kv_cache_dir
+                                                                      else " (in memory)")
+             if server.prefix_cache is not None else "no prefix cache")
+    log.info("serving %s as %r on http://%s:%d/v1 (stack %s; %s; queue %d)", loaded.source, server.model_id,
+             args.host, args.port, stack, cache, args.max_queue)
+    config_ = uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,
+                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.access_log)
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully: SIGINT then ends as
+    # Ctrl-C does everywhere (exit code 130), SIGTERM (a service manager's stop) as a clean exit, 0
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.Server(config_).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

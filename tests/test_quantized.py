@@ -1,0 +1,241 @@
+"""Weights kept in GGML block formats (quantized.py, kernels/quant_linear.cpp, model.QuantLinear): the
+model computed from a GGUF file's stored blocks is the model of their dequantized fp32 values (logits
+within 1e-4, the same greedy tokens, every speculation stack still exact), in the file's bytes of memory.
+
+Test files come from gguf's own writer: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / F16 / BF16 quantized by
+gguf.quants from real (tiny) weights, K-quants as random valid blocks (gguf has no K-quant quantizer),
+in the Q4_K_M layout llama.cpp writes. Each kernel is checked against gguf.quants.dequantize + matmul."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from conftest import embedded_available
+from test_gguf_loading import convert, saved
+from triforce import kernels
+from triforce.bench.hardware import weight_bytes
+from triforce.cli import main as cli_main
+from triforce.config import ModelConfig
+from triforce.errors import TriforceError
+from triforce.generate import generate, generate_ar
+from triforce.loading import build_model, load_model
+from triforce.loading.gguf_file import read_gguf
+from triforce.model import QuantLinear
+from triforce.quantized import FORMATS, QuantTensor, dequantize, random_blocks
+from triforce.speculation.config import SpecConfig
+
+QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F16, Q.BF16)  # gguf.quants.quantize makes these
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# The kernel gives gguf's dequantized values bit for bit, except one rounding of d * q + m (one fma)
+EXACT = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.F16, Q.BF16)
+TINY_SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=8, recent=8, rebuild_every=16,
+                       sink=4, window=16, ngram=3, prefill_chunk=64)
+
+
+def blocks(qtype, n: int, k: int, seed: int = 0) -> QuantTensor:
+    """[n, k] weights of `qtype`: real quantization of N(0, 0.02) values, or random K-quant blocks."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        return random_blocks(int(qtype), n, k, rng)
+    raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32), qtype)
+    return QuantTensor.from_numpy(raw, int(qtype), k)
+
+
+def reference(t: QuantTensor) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(t.raw.numpy(), t.qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
+def test_kernel_equals_gguf_dequantize_and_matmul(kern, qtype):
+    """dequantize_rows is gguf's dequantize; linear_quant is x @ that^T for 1-16 rows of x, parts
+    of several types concatenated (a fused projection of a Q4_K_M file mixes Q4_K and Q6_K)."""
+    k = 512
+    w = blocks(qtype, 37, k)  # 37 rows: thread ranges and 4-row tiles do not divide it
+    want = reference(w)
+    got = kern.dequantize_rows(w.raw, w.qtype)
+    if qtype in EXACT:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    other = blocks(Q.Q6_K if qtype != Q.Q6_K else Q.Q8_0, 21, k, seed=1)
+    full = torch.cat([want, reference(other)]).double()
+    for rows in (1, 2, 3, 5, 8, 9, 13, 16):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        y = kern.linear_quant(x, [w.raw, other.raw], [w.qtype, other.qtype])
+        ref = x.double() @ full.T
+        assert y.shape == (rows, 58)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, rows
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "pytorch"])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_quant_linear_equals_dequantized_linear(use_kernels, rows):
+    """QuantLinear on the kernel (<= 16 rows), on dequantized panels (prefill; no kernels): x W^T + b
+    with W the dequantized values. The panels are a few rows at a time: set small here to span several."""
+    parts = [blocks(Q.Q4_K, 40, 256), blocks(Q.Q8_0, 24, 256, seed=3)]
+    bias = torch.randn(64)
+    lin = QuantLinear(parts, bias)
+    lin.PANEL_BYTES = 16 * 4 * 256  # 16-row panels
+    want = F.linear(x := torch.randn(2, rows, 256), torch.cat([reference(p) for p in parts]), bias)
+    with kernels.override(kernels.cpu() if use_kernels else None):
+        lin.backend = kernels.Backend.for_model(torch.device("cpu"), torch.float32)
+        got = lin(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def q4_k_m(name: str, w: np.ndarray):
+    """Q4_K_M as llama.cpp lays it out, with random blocks of each tensor's shape: Q4_K, Q6_K for the
+    LM head and for layer 0's V and down projections; one Q5_K and one Q8_0 tensor to mix in more."""
+    if w.ndim != 2:
+        return None
+    qtype = (Q.Q6_K if name in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight") else
+             Q.Q5_K if name == "blk.1.attn_output.weight" else Q.Q8_0 if name == "blk.1.attn_k.weight" else Q.Q4_K)
+    t = random_blocks(int(qtype), w.shape[0], w.shape[1], np.random.default_rng(abs(hash(name)) % 2 ** 32), std=0.05)
+    return t.raw.numpy(), qtype
+
+
+def models(path):
+    """(native, fp32) models of one GGUF file."""
+    hf, sd = read_gguf(path, progress=False, keep_quantized=True)
+    native = build_model(ModelConfig.from_hf(hf), sd)
+    hf, sd = read_gguf(path, progress=False)
+    return native, build_model(ModelConfig.from_hf(hf), sd)
+
+
+K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_file(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("q4km")
+    hf_dir, _ = saved(tmp, "llama", **K_SHAPE)
+    return convert(hf_dir, tmp / "q4_k_m.gguf", quantize=q4_k_m)
+
+
+@torch.no_grad()
+def test_q4_k_m_file_is_the_model_of_its_dequantized_weights(q4_k_m_file):
+    native, fp32 = models(q4_k_m_file)
+    assert native.quantized and not fp32.quantized
+    reader = gguf.GGUFReader(str(q4_k_m_file))
+    held = {id(t): t for t in [*native.parameters(), *native.buffers()]}.values()
+    assert sum(t.numel() * t.element_size() for t in held) == sum(int(t.n_bytes) for t in reader.tensors)  # no copy
+    assert not any(p.numel() > 256 for p in native.parameters())  # only norms are fp32 parameters
+    ids = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(0))
+    want = fp32(ids, fp32.new_cache(300))
+    for module in (kernels.cpu(), None):
+        with kernels.override(module):
+            got = native(ids, native.new_cache(300))  # prefill: dequantized panels
+            step = native.new_cache(300)
+            native(ids[:, :290], step)
+            rows = [native(ids[:, i:i + 1], step) for i in range(290, 300)]  # decode steps: the kernel
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat(rows, 1), want[:, 290:], rtol=1e-4, atol=1e-4)
+    prompt = ids[0, :200].tolist()
+    assert generate_ar(native, prompt, 64).tokens == generate_ar(fp32, prompt, 64).tokens
+
+
+@pytest.mark.parametrize("levels", ["ngram,full", "ngram,retrieval:40,full", "streaming:24,full",
+                                    "ngram,streaming:24,retrieval:96,full"])
+def test_speculation_stays_exact_on_quantized_weights(q4_k_m_file, levels):
+    native, _ = models(q4_k_m_file)
+    prompt = (torch.randint(0, 96, (60,), generator=torch.Generator().manual_seed(5)).tolist() * 4)
+    ref = generate_ar(native, prompt, 48).tokens
+    assert generate(native, prompt, 48, stack=levels, config=TINY_SPEC).tokens == ref
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.F16], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.no_grad()
+def test_quantized_real_weights(tmp_path, arch, qtype):
+    """Real weights quantized by gguf: Llama's Q/K rows (permuted by the converter) and Qwen2's biases."""
+    hf_dir, _ = saved(tmp_path, arch)
+    path = convert(hf_dir, tmp_path / "m.gguf", quantize=lambda name, w: (
+        (gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else None))
+    native, fp32 = models(path)
+    assert native.quantized
+    ids = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(native(ids, native.new_cache(200)), fp32(ids, fp32.new_cache(200)),
+                               rtol=1e-4, atol=1e-4)
+    assert generate_ar(native, ids[0, :120].tolist(), 40).tokens == generate_ar(fp32, ids[0, :120].tolist(), 40).tokens
+
+
+@torch.no_grad()
+def test_bf16_weights(q4_k_m_file):
+    """--weights bf16: every projection as bf16 bytes (half of fp32), fp32 activations."""
+    native, fp32 = models(q4_k_m_file)
+    native.weights_to_bf16()
+    assert all(t == int(Q.BF16) for m in native.modules() if isinstance(m, QuantLinear) for t in m.types)
+    n_weights = sum(p.numel() for p in fp32.parameters() if p.dim() == 2)
+    held = {id(t): t for t in [*native.parameters(), *native.buffers()]}.values()
+    assert sum(t.numel() * t.element_size() for t in held) == \
+        2 * n_weights + sum(4 * p.numel() for p in fp32.parameters() if p.dim() == 1)
+    for p in fp32.parameters():  # the model it computes: the dequantized weights rounded to bf16
+        if p.dim() == 2:
+            p.data = p.data.to(torch.bfloat16).float()
+    fp32.pack_weights()
+    ids = torch.randint(0, 96, (1, 100), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(native(ids, native.new_cache(100)), fp32(ids, fp32.new_cache(100)), rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_type_is_refused_by_name(tmp_path):
+    hf_dir, _ = saved(tmp_path, "llama", **K_SHAPE)
+    q2k = gguf.GGML_QUANT_SIZES[Q.Q2_K]
+
+    def with_q2_k(name, w):
+        if name != "blk.0.ffn_up.weight":
+            return None
+        return np.zeros((w.shape[0], w.shape[1] // q2k[0] * q2k[1]), np.uint8), Q.Q2_K
+
+    path = convert(hf_dir, tmp_path / "q2k.gguf", quantize=with_q2_k)
+    cache = tmp_path / "cache"
+    with pytest.raises(TriforceError, match=r"Q2_K.*supported: .*Q4_K.*--weights bf16"):
+        load_model(path, cache_dir=cache, progress=False)
+    assert not cache.exists() or not any(cache.iterdir())  # refused before anything was written
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bad magic"])
+def test_corrupt_gguf_is_refused_and_leaves_nothing(q4_k_m_file, tmp_path, damage):
+    data = q4_k_m_file.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[: len(data) * 6 // 10] if damage == "truncated" else b"GGUX" + data[4:])
+    cache = tmp_path / "cache"
+    for weights in ("native", "fp32"):
+        with pytest.raises(TriforceError, match="cannot read GGUF file"):
+            load_model(bad, cache_dir=cache, progress=False, weights=weights)
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_info_and_memory_refusal(capsys):
+    if not embedded_available():
+        pytest.skip("embedded model not installed")
+    assert cli_main(["info", "--context-length", "32768"]) == 0
+    out = capsys.readouterr().out
+    assert "Q4_1" in out and "Q8_0" in out and "KV cache per 1K tokens" in out and "fits" in out
+    # a context whose KV cache cannot fit: refused with the numbers before any prefill
+    assert cli_main(["generate", "--prompt", "hi", "--max-context", "100000000", "--max-new-tokens", "90000000",
+                     "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "the KV cache of 90000001 tokens (fp16) would take" in err and "GiB of memory is available" in err
+
+
+@pytest.mark.skipif(not embedded_available(), reason="embedded model not installed")
+@torch.no_grad()
+def test_embedded_model_native_equals_fp32_weights(tmp_path, all_threads):
+    """The default (native Q4_1 / Q8_0 blocks) against the fp32 conversion on a long prompt; the native
+    load writes no weights to the cache (its tokenizer only)."""
+    from triforce.corpus import demo_tokens
+
+    native = load_model(cache_dir=tmp_path, progress=False)
+    assert native.model.quantized
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [p.name for p in tmp_path.glob("*-tokenizer")]
+    assert not list(tmp_path.rglob("*.safetensors"))
+    fp32 = load_model(weights="fp32", progress=False)
+    prompt = demo_tokens(native.tokenizer, 1500)
+    a = generate_ar(native.model, prompt, 32).tokens
+    assert a == generate_ar(fp32.model, prompt, 32).tokens
+    assert weight_bytes(native.model) < weight_bytes(fp32.model) / 5
