@@ -60,17 +60,17 @@ inline float f16(const uint8_t* p) {  // an fp16 scale: one F16C instruction (c1
   return _cvtsh_ss(bits);
 }
 
-// Each format: QK weights in BYTES bytes per block; block(b, emit) calls emit(s, w) for its
-// sub-blocks s = 0 .. QK/32 - 1 in order, w[0 .. NV) holding weights 32 s .. 32 s + 31.
+// Each format: QK weights in BYTES bytes per block, SUBS = QK / 32 sub-blocks. prepare(b) decodes a
+// block's scales (State); sub(b, st, s, w) puts weights 32 s .. 32 s + 31 in w[0 .. NV). (No
+// callbacks: with the accumulators captured by a lambda GCC kept them in memory, halving the speed.)
 // Byte layouts: ggml-common.h (block_q4_0 ...), the same as gguf.quants reads.
 
 struct Q8_0 {  // d (f16), 32 int8: w = d q
-  static constexpr int QK = 32, BYTES = 34;
-  template <class E> static void block(const uint8_t* b, E&& emit) {
-    const Vec d(f16(b));
-    Vec w[NV];
-    for (int j = 0; j < NV; ++j) w[j] = tof(widen_i8(b + 2 + j * W)) * d;
-    emit(0, w);
+  static constexpr int QK = 32, BYTES = 34, SUBS = 1;
+  struct State { Vec d; };
+  static State prepare(const uint8_t* b) { return {Vec(f16(b))}; }
+  static void sub(const uint8_t* b, const State& st, int, Vec* w) {
+    for (int j = 0; j < NV; ++j) w[j] = tof(widen_i8(b + 2 + j * W)) * st.d;
   }
 };
 
@@ -78,13 +78,15 @@ struct Q8_0 {  // d (f16), 32 int8: w = d q
 // i + 16 its high nibble; Q5 adds bit i of a 32-bit qh as bit 4. w = d q + c (c = -8 d, m, -16 d, m).
 template <int HEAD, bool MIN, bool HIGH, int OFFSET>
 struct Nibbles32 {
-  static constexpr int QK = 32, BYTES = HEAD + (HIGH ? 4 : 0) + 16;
-  template <class E> static void block(const uint8_t* b, E&& emit) {
+  static constexpr int QK = 32, BYTES = HEAD + (HIGH ? 4 : 0) + 16, SUBS = 1;
+  struct State { Vec d, c; };
+  static State prepare(const uint8_t* b) {
     const float df = f16(b);
-    const Vec d(df), c(MIN ? f16(b + 2) : -OFFSET * df);
+    return {Vec(df), Vec(MIN ? f16(b + 2) : -OFFSET * df)};
+  }
+  static void sub(const uint8_t* b, const State& st, int, Vec* w) {
     const uint8_t* qs = b + HEAD + (HIGH ? 4 : 0);
     const IV lo4 = iset(15);
-    Vec w[NV];
     for (int h = 0; h < NV / 2; ++h) {
       const IV v = widen_u8(qs + h * W);
       IV ql = iand(v, lo4), qh = srl(v, 4);
@@ -95,10 +97,9 @@ struct Nibbles32 {
         ql = ior(ql, sll4(iand(srlv(all, ior(lanes(), iset(h * W))), one)));
         qh = ior(qh, sll4(iand(srlv(all, ior(lanes(), iset(16 + h * W))), one)));
       }
-      w[h] = fma(tof(ql), d, c);
-      w[h + NV / 2] = fma(tof(qh), d, c);
+      w[h] = fma(tof(ql), st.d, st.c);
+      w[h + NV / 2] = fma(tof(qh), st.d, st.c);
     }
-    emit(0, w);
   }
 };
 using Q4_0 = Nibbles32<2, false, false, 8>;
@@ -117,37 +118,33 @@ inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& m) {
   }
 }
 
-// Q4_K / Q5_K: d, dmin (f16), 12 bytes of scales/mins, [Q5: 32 bytes qh], 128 bytes qs. Chunk c of 64
-// weights: sub-block 2c the low nibbles of qs[32c ..], 2c + 1 the high ones; Q5 adds bit s of qh[l]
+// Q4_K / Q5_K: d, dmin (f16), 12 bytes of scales/mins, [Q5: 32 bytes qh], 128 bytes qs. Sub-block s:
+// the low nibbles of qs[32 (s / 2) ..] for even s, the high ones for odd s; Q5 adds bit s of qh[l]
 // as bit 4. w = (d sc_s) q - dmin m_s.
 template <bool HIGH>
 struct KQuant45 {
-  static constexpr int QK = 256, BYTES = 4 + 12 + (HIGH ? 32 : 0) + 128;
-  template <class E> static void block(const uint8_t* b, E&& emit) {
+  static constexpr int QK = 256, BYTES = 4 + 12 + (HIGH ? 32 : 0) + 128, SUBS = 8;
+  struct State { float a[8], c[8]; };
+  static State prepare(const uint8_t* b) {
+    State st;
     const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t* scales = b + 4;
+    for (int s = 0; s < 8; ++s) {
+      int sc, m;
+      scale_min_k4(b + 4, s, sc, m);
+      st.a[s] = d * sc;
+      st.c[s] = -(dmin * m);
+    }
+    return st;
+  }
+  static void sub(const uint8_t* b, const State& st, int s, Vec* w) {
     const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 16 + (HIGH ? 32 : 0);
-    const IV lo4 = iset(15), one = iset(1);
-    for (int c = 0; c < 4; ++c) {
-      int sc0, m0, sc1, m1;
-      scale_min_k4(scales, 2 * c, sc0, m0);
-      scale_min_k4(scales, 2 * c + 1, sc1, m1);
-      const Vec a0(d * sc0), c0(-(dmin * m0)), a1(d * sc1), c1(-(dmin * m1));
-      Vec lo[NV], hi[NV];
-      for (int j = 0; j < NV; ++j) {
-        const IV v = widen_u8(qs + 32 * c + j * W);
-        IV l = iand(v, lo4), h = srl(v, 4);
-        if constexpr (HIGH) {
-          const IV hb = widen_u8(qh + j * W);
-          l = ior(l, sll4(iand(srl(hb, 2 * c), one)));
-          h = ior(h, sll4(iand(srl(hb, 2 * c + 1), one)));
-        }
-        lo[j] = fma(tof(l), a0, c0);
-        hi[j] = fma(tof(h), a1, c1);
-      }
-      emit(2 * c, lo);
-      emit(2 * c + 1, hi);
+    const uint8_t* qs = b + 16 + (HIGH ? 32 : 0) + 32 * (s / 2);
+    const Vec a(st.a[s]), c(st.c[s]);
+    for (int j = 0; j < NV; ++j) {
+      const IV v = widen_u8(qs + j * W);
+      IV q = s % 2 ? srl(v, 4) : iand(v, iset(15));
+      if constexpr (HIGH) q = ior(q, sll4(iand(srl(widen_u8(qh + j * W), s), iset(1))));
+      w[j] = fma(tof(q), a, c);
     }
   }
 };
@@ -158,42 +155,38 @@ using Q5_K = KQuant45<true>;
 // sub-block 4n + i): low 4 bits from ql[64n + 32 (i & 1) + l] (high nibble when i >= 2), bits 4-5
 // from qh[32n + l] >> 2i; q - 32, times d * scale of its 16-weight group (sub-block s: groups 2s, 2s+1).
 struct Q6_K {
-  static constexpr int QK = 256, BYTES = 210;
-  template <class E> static void block(const uint8_t* b, E&& emit) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  static constexpr int QK = 256, BYTES = 210, SUBS = 8;
+  struct State { float ds[16]; };
+  static State prepare(const uint8_t* b) {
+    State st;
     const float d = f16(b + 208);
-    const IV lo4 = iset(15), three = iset(3), off = iset(32);
-    for (int n = 0; n < 2; ++n)
-      for (int i = 0; i < 4; ++i) {
-        const int s = 4 * n + i;
-        Vec w[NV];
-        for (int j = 0; j < NV; ++j) {
-          IV l = widen_u8(ql + 64 * n + 32 * (i & 1) + j * W);
-          l = i >= 2 ? srl(l, 4) : iand(l, lo4);
-          const IV h = iand(srl(widen_u8(qh + 32 * n + j * W), 2 * i), three);
-          const IV q = ior(l, sll4(h));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int g = 0; g < 16; ++g) st.ds[g] = d * static_cast<float>(sc[g]);
+    return st;
+  }
+  static void sub(const uint8_t* b, const State& st, int s, Vec* w) {
+    const int n = s / 4, i = s % 4;
+    for (int j = 0; j < NV; ++j) {
+      IV l = widen_u8(b + 64 * n + 32 * (i & 1) + j * W);
+      l = i >= 2 ? srl(l, 4) : iand(l, iset(15));
+      const IV h = iand(srl(widen_u8(b + 128 + 32 * n + j * W), 2 * i), iset(3));
 #if defined(CPU_CAPABILITY_AVX512)
-          const IV qc = _mm512_sub_epi32(q, off);
+      const IV q = _mm512_sub_epi32(ior(l, sll4(h)), iset(32));
 #else
-          const IV qc = _mm256_sub_epi32(q, off);
+      const IV q = _mm256_sub_epi32(ior(l, sll4(h)), iset(32));
 #endif
-          const int group = 2 * s + (j * W) / 16;  // W = 8: two vectors per group; W = 16: one
-          w[j] = tof(qc) * Vec(d * static_cast<float>(sc[group]));
-        }
-        emit(s, w);
-      }
+      w[j] = tof(q) * Vec(st.ds[2 * s + (j * W) / 16]);  // W = 8: two vectors per group; W = 16: one
+    }
   }
 };
 
 template <typename Half>
 struct Plain16 {  // F16 / BF16, taken 32 at a time
-  static constexpr int QK = 32, BYTES = 64;
-  template <class E> static void block(const uint8_t* b, E&& emit) {
-    Vec w[NV];
+  static constexpr int QK = 32, BYTES = 64, SUBS = 1;
+  struct State {};
+  static State prepare(const uint8_t*) { return {}; }
+  static void sub(const uint8_t* b, const State&, int, Vec* w) {
     for (int j = 0; j < NV; ++j) w[j] = load(reinterpret_cast<const Half*>(b) + j * W);
-    emit(0, w);
   }
 };
 using F16 = Plain16<c10::Half>;
@@ -210,21 +203,29 @@ inline void tile(const float* x, int64_t K, const uint8_t* rows, int64_t row_byt
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TB; ++t) acc[r][t] = Vec(0.f);
   const int64_t nb = K / F::QK;
-  // Blocks per 64-byte line (at least 1): the loop prefetches one line per row every EVERY blocks,
-  // PF_BYTES ahead. The dequantization work per byte keeps few loads in flight, so the hardware
-  // prefetcher alone streamed the weights from DRAM at well under half the bandwidth.
+  // One 64-byte line per row every EVERY blocks (all LINES of a block), PF_BYTES ahead: the
+  // dequantization work per byte keeps few loads in flight, and the hardware prefetcher alone
+  // streamed the weights from DRAM at well under half the bandwidth.
   constexpr int EVERY = F::BYTES >= 64 ? 1 : 64 / F::BYTES;
   constexpr int LINES = (F::BYTES + 63) / 64;
+  int until_prefetch = 0;
   for (int64_t blk = 0; blk < nb; ++blk) {
-    const float* xb = x + blk * F::QK;
-    if (blk % EVERY == 0)
+    const uint8_t* b0 = rows + blk * F::BYTES;
+    if (until_prefetch-- == 0) {
+      until_prefetch = EVERY - 1;
       for (int r = 0; r < R; ++r)
-        for (int l = 0; l < LINES; ++l) prefetch_l2(rows + r * row_bytes + blk * F::BYTES + PF_BYTES + 64 * l);
-    for (int r = 0; r < R; ++r)
-      F::block(rows + r * row_bytes + blk * F::BYTES, [&](int s, const Vec* w) {
+        for (int l = 0; l < LINES; ++l) prefetch_l2(b0 + r * row_bytes + PF_BYTES + 64 * l);
+    }
+    typename F::State st[R];
+    for (int r = 0; r < R; ++r) st[r] = F::prepare(b0 + r * row_bytes);
+    const float* xb = x + blk * F::QK;
+    for (int s = 0; s < F::SUBS; ++s)
+      for (int r = 0; r < R; ++r) {
+        Vec w[NV];
+        F::sub(b0 + r * row_bytes, st[r], s, w);
         for (int j = 0; j < NV; ++j)
           for (int t = 0; t < TB; ++t) acc[r][t] = fma(w[j], load(xb + t * K + s * 32 + j * W), acc[r][t]);
-      });
+      }
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TB; ++t) y[t * ldy + r] = reduce_add(acc[r][t]);
@@ -353,9 +354,13 @@ torch::Tensor dequantize_rows(torch::Tensor raw, int64_t type) {
       for (int64_t n = b; n < e; ++n)
         for (int64_t blk = 0; blk < K / F::QK; ++blk) {
           float* o = dst + n * K + blk * F::QK;
-          F::block(src + n * rb + blk * F::BYTES, [&](int s, const Vec* w) {
+          const uint8_t* b = src + n * rb + blk * F::BYTES;
+          const typename F::State st = F::prepare(b);
+          for (int s = 0; s < F::SUBS; ++s) {
+            Vec w[NV];
+            F::sub(b, st, s, w);
             for (int j = 0; j < NV; ++j) w[j].store(o + s * 32 + j * W);
-          });
+          }
         }
     });
   });
