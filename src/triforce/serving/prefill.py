@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..model import Transformer
+from ..speculation.state import PrefilledPrompt
 from .prefix_cache import PrefixCache
 
 
@@ -30,8 +31,9 @@ class Stopped(Exception):
         self.partial = partial
 
 
-class CachedPrefill:
-    """The full cache (record_queries, `capacity` tokens) holding the prompt's head.
+class CachedPrefill(PrefilledPrompt):
+    """The full cache (record_queries, `capacity` tokens) holding the prompt's head: a PrefilledPrompt
+    (its `restore`) made from cached blocks and a prefill of the rest.
 
     Attributes: reused_tokens (from the prefix cache), computed_tokens (prefilled here), seconds,
     block_queries (block index -> [n_layers, n_heads, D], the last-token queries of each whole
@@ -39,6 +41,7 @@ class CachedPrefill:
 
     def __init__(self, model: Transformer, prompt: list[int], capacity: int, chunk: int,
                  prefix_cache: PrefixCache | None = None, should_stop: Callable[[], bool] = lambda: False):
+        # (not PrefilledPrompt.__init__, which prefills the whole prompt)
         t0 = time.perf_counter()
         self.model, self.head = model, list(prompt[:-1])
         self.block_queries: dict[int, torch.Tensor] = {}
@@ -68,11 +71,3 @@ class CachedPrefill:
         self.reused_tokens, self.computed_tokens = n, len(self.head) - n
         self.seconds = time.perf_counter() - t0
 
-    def restore(self, prompt: list[int]):
-        """The full cache holding exactly this prompt's head (PrefilledPrompt.restore's contract)."""
-        if list(prompt[:-1]) != self.head:
-            raise ValueError("the prefilled prompt belongs to another prompt")
-        self.cache.rollback(len(self.head))
-        self.cache.queries = list(self.queries)
-        self.cache.query_start = len(self.head) - 1
-        return self.cache
