@@ -25,6 +25,10 @@
 namespace triforce {
 namespace {
 
+// The formats' prepare / sub are always inlined into the tile loop: GCC left Q4_1's sub a call in the
+// AVX2 build (weights through memory, 1.5x slower with 5 rows of x).
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+
 constexpr int NV = 32 / W;  // vectors per 32-weight sub-block: 4 (AVX2) or 2 (AVX-512)
 
 // Integer lanes of one vector (W int32), and the few operations the formats need.
@@ -40,6 +44,8 @@ inline IV srlv(IV a, IV n) { return _mm512_srlv_epi32(a, n); }
 inline IV sll4(IV a) { return _mm512_slli_epi32(a, 4); }
 inline IV lanes() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 inline Vec tof(IV a) { return _mm512_cvtepi32_ps(a); }
+inline Vec iota() { return _mm512_cvtepi32_ps(lanes()); }  // 0, 1, ..., 15
+inline Vec lookup(IV idx, const Vec& table) { return _mm512_permutexvar_ps(idx, table); }  // table[idx & 15]
 #else
 using IV = __m256i;
 inline IV widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
@@ -52,6 +58,8 @@ inline IV srlv(IV a, IV n) { return _mm256_srlv_epi32(a, n); }
 inline IV sll4(IV a) { return _mm256_slli_epi32(a, 4); }
 inline IV lanes() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 inline Vec tof(IV a) { return _mm256_cvtepi32_ps(a); }
+inline Vec iota() { return _mm256_cvtepi32_ps(lanes()); }  // (the 16-entry lookups are AVX-512 only)
+inline Vec lookup(IV, const Vec& table) { return table; }
 #endif
 
 inline float f16(const uint8_t* p) {  // an fp16 scale: one F16C instruction (c10::Half's conversion is ~15 integer ops)
@@ -68,8 +76,8 @@ inline float f16(const uint8_t* p) {  // an fp16 scale: one F16C instruction (c1
 struct Q8_0 {  // d (f16), 32 int8: w = d q
   static constexpr int QK = 32, BYTES = 34, SUBS = 1;
   struct State { Vec d; };
-  static State prepare(const uint8_t* b) { return {Vec(f16(b))}; }
-  static void sub(const uint8_t* b, const State& st, int, Vec* w) {
+  ALWAYS_INLINE static State prepare(const uint8_t* b) { return {Vec(f16(b))}; }
+  ALWAYS_INLINE static void sub(const uint8_t* b, const State& st, int, Vec* w) {
     for (int j = 0; j < NV; ++j) w[j] = tof(widen_i8(b + 2 + j * W)) * st.d;
   }
 };
@@ -79,13 +87,26 @@ struct Q8_0 {  // d (f16), 32 int8: w = d q
 template <int HEAD, bool MIN, bool HIGH, int OFFSET>
 struct Nibbles32 {
   static constexpr int QK = 32, BYTES = HEAD + (HIGH ? 4 : 0) + 16, SUBS = 1;
-  struct State { Vec d, c; };
-  static State prepare(const uint8_t* b) {
-    const float df = f16(b);
-    return {Vec(df), Vec(MIN ? f16(b + 2) : -OFFSET * df)};
+  // AVX-512, 4-bit codes: the 16 values d q + c of the block as one vector, indexed by the codes
+  // (vpermps reads the low 4 bits of each lane: no masking, no int-to-float conversion)
+  static constexpr bool LUT = W == 16 && !HIGH;
+  struct State { Vec d, c, table; };
+  ALWAYS_INLINE static State prepare(const uint8_t* b) {
+    uint32_t head;  // d, and the min of Q4_1 / Q5_1: converted together (one F16C instruction)
+    std::memcpy(&head, b, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(head)));
+    const Vec d = Vec(_mm_cvtss_f32(dm));
+    const Vec c = MIN ? Vec(_mm_cvtss_f32(_mm_movehdup_ps(dm))) : d * Vec(static_cast<float>(-OFFSET));
+    return {d, c, LUT ? fma(iota(), d, c) : d};
   }
-  static void sub(const uint8_t* b, const State& st, int, Vec* w) {
+  ALWAYS_INLINE static void sub(const uint8_t* b, const State& st, int, Vec* w) {
     const uint8_t* qs = b + HEAD + (HIGH ? 4 : 0);
+    if constexpr (LUT) {
+      const IV v = widen_u8(qs);
+      w[0] = lookup(v, st.table);
+      w[1] = lookup(srl(v, 4), st.table);
+      return;
+    }
     const IV lo4 = iset(15);
     for (int h = 0; h < NV / 2; ++h) {
       const IV v = widen_u8(qs + h * W);
@@ -125,7 +146,7 @@ template <bool HIGH>
 struct KQuant45 {
   static constexpr int QK = 256, BYTES = 4 + 12 + (HIGH ? 32 : 0) + 128, SUBS = 8;
   struct State { float a[8], c[8]; };
-  static State prepare(const uint8_t* b) {
+  ALWAYS_INLINE static State prepare(const uint8_t* b) {
     State st;
     const float d = f16(b), dmin = f16(b + 2);
     for (int s = 0; s < 8; ++s) {
@@ -136,10 +157,18 @@ struct KQuant45 {
     }
     return st;
   }
-  static void sub(const uint8_t* b, const State& st, int s, Vec* w) {
+  ALWAYS_INLINE static void sub(const uint8_t* b, const State& st, int s, Vec* w) {
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 16 + (HIGH ? 32 : 0) + 32 * (s / 2);
     const Vec a(st.a[s]), c(st.c[s]);
+    if constexpr (W == 16 && !HIGH) {  // AVX-512 Q4_K: the sub-block's 16 values, indexed by the codes (Nibbles32)
+      const Vec table = fma(iota(), a, c);
+      for (int j = 0; j < NV; ++j) {
+        const IV v = widen_u8(qs + j * W);
+        w[j] = lookup(s % 2 ? srl(v, 4) : v, table);
+      }
+      return;
+    }
     for (int j = 0; j < NV; ++j) {
       const IV v = widen_u8(qs + j * W);
       IV q = s % 2 ? srl(v, 4) : iand(v, iset(15));
@@ -157,14 +186,14 @@ using Q5_K = KQuant45<true>;
 struct Q6_K {
   static constexpr int QK = 256, BYTES = 210, SUBS = 8;
   struct State { float ds[16]; };
-  static State prepare(const uint8_t* b) {
+  ALWAYS_INLINE static State prepare(const uint8_t* b) {
     State st;
     const float d = f16(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int g = 0; g < 16; ++g) st.ds[g] = d * static_cast<float>(sc[g]);
     return st;
   }
-  static void sub(const uint8_t* b, const State& st, int s, Vec* w) {
+  ALWAYS_INLINE static void sub(const uint8_t* b, const State& st, int s, Vec* w) {
     const int n = s / 4, i = s % 4;
     for (int j = 0; j < NV; ++j) {
       IV l = widen_u8(b + 64 * n + 32 * (i & 1) + j * W);
@@ -184,8 +213,8 @@ template <typename Half>
 struct Plain16 {  // F16 / BF16, taken 32 at a time
   static constexpr int QK = 32, BYTES = 64, SUBS = 1;
   struct State {};
-  static State prepare(const uint8_t*) { return {}; }
-  static void sub(const uint8_t* b, const State&, int, Vec* w) {
+  ALWAYS_INLINE static State prepare(const uint8_t*) { return {}; }
+  ALWAYS_INLINE static void sub(const uint8_t* b, const State&, int, Vec* w) {
     for (int j = 0; j < NV; ++j) w[j] = load(reinterpret_cast<const Half*>(b) + j * W);
   }
 };
@@ -235,7 +264,10 @@ inline void tile(const float* x, int64_t K, const uint8_t* rows, int64_t row_byt
 template <class F, int TB>
 void rows_group(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
                 float* y, int64_t ldy) {
-  constexpr int R = TB == 1 ? 4 : (TB < 4 ? 2 : 1);
+  // R weight rows at once: R x TB accumulators, enough independent fma chains (each takes NV fmas per
+  // sub-block) to keep both fma ports busy, within the registers (AVX-512: 5 rows of x on 1 weight row
+  // were latency-bound, 2 weight rows 1.3x faster)
+  constexpr int R = TB == 1 ? 4 : (TB <= (W == 16 ? 6 : 4) ? 2 : 1);
   int64_t n = n0;
   for (; n + R <= n1; n += R) tile<F, R, TB>(x, K, w + n * row_bytes, row_bytes, y + n, ldy);
   for (; n < n1; ++n) tile<F, 1, TB>(x, K, w + n * row_bytes, row_bytes, y + n, ldy);
