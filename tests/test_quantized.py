@@ -239,3 +239,12 @@ def test_embedded_model_native_equals_fp32_weights(tmp_path, all_threads):
     a = generate_ar(native.model, prompt, 32).tokens
     assert a == generate_ar(fp32.model, prompt, 32).tokens
     assert weight_bytes(native.model) < weight_bytes(fp32.model) / 5
+
+
+def test_info_on_a_hugging_face_directory(tmp_path, capsys):
+    hf_dir, _ = saved(tmp_path, "llama")
+    assert cli_main(["info", "--model", str(hf_dir), "--context-length", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "| F32 | 16 |" in out and "KiB" in out and "a 100-token context" in out
+    assert cli_main(["info", "--model", str(tmp_path / "missing")]) == 2
+    assert "model not found" in capsys.readouterr().err

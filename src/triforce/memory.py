@@ -16,7 +16,12 @@ HEADROOM = 256 << 20
 
 
 def gib(n: float) -> str:
-    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB"
+    """Bytes as GiB, MiB or KiB, whichever reads best."""
+    if n >= 2 ** 30:
+        return f"{n / 2 ** 30:.2f} GiB"
+    if n >= 10 * 2 ** 20:
+        return f"{n / 2 ** 20:.0f} MiB"
+    return f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:.1f} KiB"
 
 
 def available_bytes() -> int | None:
