@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CAUSAL, KVCache, TokenBlock, check_capacity
+from .base import CAUSAL, KVCache, TokenBlock, check_capacity, kv_buffer
 
 
 class FullCache(KVCache):
@@ -18,8 +18,8 @@ class FullCache(KVCache):
                  batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  record_queries: bool = False):
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = kv_buffer(shape, dtype, device)
+        self.v = kv_buffer(shape, dtype, device)
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
         self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
         self.query_start = 0

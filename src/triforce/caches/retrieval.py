@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import CAUSAL, SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, check_capacity
+from .base import CAUSAL, SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, check_capacity, kv_buffer
 from .full import FullCache
 
 
@@ -33,8 +33,8 @@ class RetrievalCache(KVCache):
         self.budget, self.chunk_size, self.recent, self.max_new = budget, chunk_size, recent, max_new
         self.capacity = budget + max_new
         shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = kv_buffer(shape, dtype, device)
+        self.v = kv_buffer(shape, dtype, device)
         self.n_layers, self.length = n_layers, 0
         self.built_at = 0  # sequence length at the last build
         self.base = 0  # tokens selected at the last build

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import KVCache
+from .base import KVCache, kv_buffer
 from .full import FullCache
 
 # Slots beyond the window: forwards of up to this many tokens write in place, and rollbacks may go
@@ -57,8 +57,8 @@ class SlidingWindowCache(KVCache):
         self._full_row = {layer: row for row, layer in enumerate(full)}
         self.full = FullCache(len(full), n_kv_heads, head_dim, capacity, batch=batch, dtype=dtype, device=device)
         shape = (len(sliding), batch, n_kv_heads, self.ring_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = kv_buffer(shape, dtype, device)
+        self.v = kv_buffer(shape, dtype, device)
         self.pos = torch.full((self.ring_size,), -1, dtype=torch.long, device=device)
         self.high = -1  # the highest position ever written into the ring
         self.queries: list[torch.Tensor | None] | None = [None] * self.n_layers if record_queries else None

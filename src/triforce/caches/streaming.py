@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import KVCache
+from .base import KVCache, kv_buffer
 
 
 class StreamingCache(KVCache):
@@ -29,8 +29,8 @@ class StreamingCache(KVCache):
         self.slack = slack if slack is not None else max(window, 512)
         self.capacity = sink + self.retained + self.slack
         shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = kv_buffer(shape, dtype, device)
+        self.v = kv_buffer(shape, dtype, device)
         self.pos = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
         self.n_layers, self.length, self.start = n_layers, 0, sink
         self._mask: torch.Tensor | None = None
