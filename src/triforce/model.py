@@ -134,8 +134,8 @@ class QuantEmbedding(nn.Module):
         return QuantTensor(self.raw, self.qtype, (self.raw.shape[0], self.embedding_dim))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows = self.table.rows(tokens.reshape(-1).cpu() if self.raw.device.type == "cpu" else tokens.reshape(-1))
-        return dequantize(rows, self.backend.ops).to(self.raw.device).view(*tokens.shape, self.embedding_dim)
+        rows = self.table.rows(tokens.reshape(-1))
+        return dequantize(rows, self.backend.ops).view(*tokens.shape, self.embedding_dim)
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TriforceError
-from ..storage import atomic_file, atomic_write
+from ..storage import atomic_file, atomic_write, remove_stale_temporaries
 
 
 def sampling_params(temperature: float):
@@ -426,9 +426,11 @@ def _prefill_points(summary: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: dict) -> None:
     """results.json, results.md and speedup.png, each written atomically (a reader never sees a
-    half-written file; an interrupted run leaves the previous complete version)."""
+    half-written file; an interrupted run leaves the previous complete version, and a run killed in
+    the middle of a write its temporary, which the next write here removes)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out_dir)
         atomic_write(out_dir / "results.json", json.dumps({"meta": meta, "rows": summary, "runs": rows}, indent=1))
         atomic_write(out_dir / "results.md", markdown(summary))
         with atomic_file(out_dir / "speedup.png") as tmp:
