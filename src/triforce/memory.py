@@ -6,8 +6,6 @@ weights as held (--weights), K and V for every token of the context in the KV dt
 """
 from __future__ import annotations
 
-import torch
-
 from .errors import TriforceError
 
 # A run needs some room beyond weights and KV (activations, the tokenizer, Python): refused if the
@@ -44,25 +42,32 @@ def check_fits(need: int, what: str, hint: str) -> None:
                             f"(MemAvailable, less {gib(HEADROOM)} for the rest of the run): {hint}")
 
 
+def held_bytes(values: int, stored: int, matrix: bool, weights: str) -> int:
+    """Bytes one weight tensor of `values` values, `stored` bytes as read, takes when held as `weights`
+    (native: as stored; bf16 / fp32: 2 / 4 bytes per value of a matrix; vectors (norms, biases) fp32)."""
+    if weights == "native":
+        return stored
+    return values * (2 if weights == "bf16" and matrix else 4)
+
+
 def weight_bytes(state: dict, weights: str) -> int:
     """Bytes the tensors of `state` (torch tensors or quantized.QuantTensor, as read_gguf gives them)
-    take when held as `weights` (native: as stored; bf16: 2 bytes per weight of a 2-D tensor; fp32: 4)."""
+    take when held as `weights` (held_bytes)."""
     from .quantized import QuantTensor
 
     total = 0
     for t in state.values():
         if isinstance(t, QuantTensor):
-            n = t.shape[0] * t.shape[1]
-            total += t.nbytes if weights == "native" else n * (2 if weights == "bf16" else 4)
+            total += held_bytes(t.shape[0] * t.shape[1], t.nbytes, True, weights)
         else:
-            total += t.numel() * t.element_size()
+            total += held_bytes(t.numel(), t.numel() * t.element_size(), t.dim() > 1, weights)
     return total
 
 
-def kv_bytes(cfg, tokens: int, kv_dtype: torch.dtype) -> int:
-    """K and V of `tokens` tokens over every layer in `kv_dtype` (an upper bound for sliding-window
-    layers, whose caches hold only their window)."""
-    return cfg.kv_bytes_per_token // 4 * kv_dtype.itemsize * tokens
+def kv_bytes(cfg, tokens: int, element_size: int) -> int:
+    """K and V of `tokens` tokens over every layer, `element_size` bytes per value (an upper bound for
+    sliding-window layers, whose caches hold only their window). (cfg.kv_bytes_per_token counts fp32.)"""
+    return cfg.kv_bytes_per_token // 4 * element_size * tokens
 
 
 def check_kv_fits(model, tokens: int) -> None:
@@ -70,6 +75,6 @@ def check_kv_fits(model, tokens: int) -> None:
     from .config import kv_dtype_name
 
     name = kv_dtype_name(model.kv_dtype)
-    check_fits(kv_bytes(model.cfg, tokens, model.kv_dtype), f"the KV cache of {tokens} tokens ({name})",
+    check_fits(kv_bytes(model.cfg, tokens, model.kv_dtype.itemsize), f"the KV cache of {tokens} tokens ({name})",
                "shorten the prompt or --max-new-tokens" + (", or use --kv-dtype fp16 (half the bytes)"
                                                            if name == "fp32" else ""))

@@ -90,6 +90,7 @@ class QuantLinear(nn.Module):
         for i, p in enumerate(parts):
             self.register_buffer(f"raw{i}", p.raw, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.kernel_ready = all(p.kernel_ready() for p in parts)  # types and shapes: fixed
 
     @property
     def parts(self) -> list[QuantTensor]:
@@ -103,14 +104,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         ops = self.backend.ops
-        parts = self.parts
-        if ops is not None and rows <= PANEL_MAX_ROWS and x.dtype == torch.float32 and \
-                all(p.kernel_ready() for p in parts):
-            y = ops.linear_quant(x, [p.raw for p in parts], self.types)
+        if ops is not None and rows <= PANEL_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready:
+            y = ops.linear_quant(x, [getattr(self, f"raw{i}") for i in range(self.n_parts)], self.types)
         else:
             y = x.new_empty(*x.shape[:-1], self.out_features)
             col, step = 0, max(16, self.PANEL_BYTES // (4 * self.in_features))
-            for p in parts:
+            for p in self.parts:
                 for r in range(0, p.shape[0], step):
                     w = dequantize(p.rows(slice(r, r + step)), ops).to(x.dtype)
                     y[..., col + r:col + r + w.shape[0]] = F.linear(x, w)
@@ -423,18 +422,15 @@ class Transformer(nn.Module):
             w = weight.detach().to(torch.bfloat16).contiguous()
             return QuantTensor(w.view(torch.uint8), BF16, tuple(w.shape))
 
+        def bf16_linear(lin: Linear | QuantLinear) -> QuantLinear:
+            parts = lin.parts if isinstance(lin, QuantLinear) else [lin.weight]
+            return QuantLinear([bf16(p) for p in parts], None if lin.bias is None else lin.bias.detach())
+
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                lin = getattr(block, name)
-                parts = lin.parts if isinstance(lin, QuantLinear) else [lin.weight]
-                bias = lin.bias.detach() if lin.bias is not None else None
-                setattr(block, name, QuantLinear([bf16(p) for p in parts], bias))
+                setattr(block, name, bf16_linear(getattr(block, name)))
         table = bf16(self.embed.table if isinstance(self.embed, QuantEmbedding) else self.embed.weight)
-        if self.cfg.tie_word_embeddings:
-            self.lm_head = QuantLinear([table])
-        else:
-            head = self.lm_head
-            self.lm_head = QuantLinear([bf16(p) for p in (head.parts if isinstance(head, QuantLinear) else [head.weight])])
+        self.lm_head = QuantLinear([table]) if self.cfg.tie_word_embeddings else bf16_linear(self.lm_head)
         self.embed = QuantEmbedding(table)
         self.select_backend()
 

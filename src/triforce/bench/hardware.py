@@ -51,9 +51,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def kv_bytes_per_token(model, kv_element_size: int | None = None) -> int:
     """K and V bytes of one token over every layer, with elements of `kv_element_size` bytes (None:
     those of the model's own cache, model.kv_dtype). (cfg.kv_bytes_per_token counts fp32 elements.)"""
-    if kv_element_size is None:
-        kv_element_size = model.kv_dtype.itemsize
-    return model.cfg.kv_bytes_per_token // 4 * kv_element_size
+    from ..memory import kv_bytes
+
+    return kv_bytes(model.cfg, 1, model.kv_dtype.itemsize if kv_element_size is None else kv_element_size)
 
 
 def floor_seconds(model, kv_tokens: int, bandwidth: float, kv_element_size: int | None = None) -> float:

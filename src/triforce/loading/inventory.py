@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import memory
+from ..caches.base import kv_dtype as kv_torch_dtype
 from ..config import KV_DTYPES, WEIGHTS, ModelConfig, kv_dtype_name
 from ..errors import TriforceError
 
-_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+VECTOR = " (1-D)"  # the suffix of a format row of vectors (norms, biases)
 
 
 @dataclass
@@ -23,19 +24,22 @@ class Inventory:
     config: ModelConfig
     formats: dict[str, list[int]] = field(default_factory=dict)  # type name -> [tensors, parameters, bytes]
 
+    def add(self, fmt: str, matrix: bool, values: int, nbytes: int) -> None:
+        """Count one tensor of `values` values stored in `nbytes` bytes as `fmt`."""
+        row = self.formats.setdefault(fmt if matrix else fmt + VECTOR, [0, 0, 0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + values, row[2] + nbytes
+
     @property
     def parameters(self) -> int:
         return sum(v[1] for v in self.formats.values())
 
     def weight_bytes(self, weights: str) -> int:
-        """Bytes of the weights held as `weights` (WEIGHTS): 1-D tensors (norms) stay fp32 in all."""
-        if weights == "native":
-            return sum(v[2] for v in self.formats.values())
-        per = 2 if weights == "bf16" else 4
-        return sum(v[1] * (per if name != "F32 (1-D)" else 4) for name, v in self.formats.items())
+        """Bytes of the weights held as `weights` (WEIGHTS; memory.held_bytes)."""
+        return sum(memory.held_bytes(values, nbytes, not name.endswith(VECTOR), weights)
+                   for name, (_, values, nbytes) in self.formats.items())
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
-        return self.config.kv_bytes_per_token // 4 * _ELEMENT_BYTES[kv_dtype]
+        return memory.kv_bytes(self.config, 1, kv_torch_dtype(kv_dtype).itemsize)
 
 
 def inventory(path: str | os.PathLike | None, rope_theta: float | None = None,
@@ -52,11 +56,9 @@ def inventory(path: str | os.PathLike | None, rope_theta: float | None = None,
         inv = Inventory(str(path) if path else "SmolLM2-135M-Instruct (embedded default)", cfg)
         for t in sd.values():
             if isinstance(t, QuantTensor):
-                key, n, b = type_name(t.qtype), t.shape[0] * t.shape[1], t.nbytes
+                inv.add(type_name(t.qtype), True, t.shape[0] * t.shape[1], t.nbytes)
             else:
-                key, n, b = "F32 (1-D)" if t.dim() == 1 else "F32", t.numel(), t.numel() * t.element_size()
-            row = inv.formats.setdefault(key, [0, 0, 0])
-            row[0], row[1], row[2] = row[0] + 1, row[1] + n, row[2] + b
+                inv.add("F32", t.dim() > 1, t.numel(), t.numel() * t.element_size())
         if path is None:
             rope_theta = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta
             max_context = DEFAULT_MAX_CONTEXT if max_context is None else max_context
@@ -80,13 +82,8 @@ def inventory(path: str | os.PathLike | None, rope_theta: float | None = None,
                     n = 1
                     for d in sl.get_shape():
                         n *= d
-                    dtype = sl.get_dtype()
-                    key = dtype if len(sl.get_shape()) > 1 else f"{dtype} (1-D)"
-                    row = inv.formats.setdefault(key, [0, 0, 0])
-                    size = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}.get(dtype, 4)
-                    row[0], row[1], row[2] = row[0] + 1, row[1] + n, row[2] + n * size
-        # an HF directory's native weights are fp32 in memory (load_model), whatever the file holds
-        inv.formats = {k: [v[0], v[1], v[1] * 4] for k, v in inv.formats.items()}
+                    # an HF directory's native weights are fp32 in memory (load_model), whatever the file holds
+                    inv.add(sl.get_dtype(), len(sl.get_shape()) > 1, n, 4 * n)
     inv.config = inv.config.with_overrides(rope_theta=rope_theta, max_context=max_context)
     return inv
 
