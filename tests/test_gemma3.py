@@ -2,7 +2,7 @@
 file in llama.cpp's converter layout: (1 + w) norms, sandwich norms, scaled embeddings, GeGLU, QK-norm,
 query_pre_attn_scalar, final logit softcapping, and sliding-window layers with their own RoPE, checked at
 positions far past the window. The sliding-window cache (a ring) equals the one-shot forward fed token by
-token, in chunks and across rollbacks; the drafting caches refuse such models clearly."""
+token, in chunks and across rollbacks; drafting levels act on the global layers and every stack equals ar."""
 from __future__ import annotations
 
 import json
@@ -26,6 +26,7 @@ from triforce.loading import build_model
 from triforce.loading.gguf_file import check_gguf_architecture, read_gguf
 from triforce.loading.hf import load_hf_checkpoint
 from triforce.sampling import SamplingParams
+from triforce.speculation.config import SpecConfig
 
 V, WINDOW, T = 96, 16, 200  # positions 0..199: twelve windows
 # 1 KV head for 4 query heads, head_dim 32 != hidden / heads = 16
@@ -237,20 +238,101 @@ def test_ring_cache_rollback(tiny_gemma):
 
 
 @torch.no_grad()
-def test_drafting_caches_refuse_sliding_window_models(tiny_gemma):
-    """The retrieval and streaming caches (and any cache without the model's windows) are refused with
-    the message that names what works: ar and ngram."""
+def test_caches_without_the_windows_are_refused(tiny_gemma):
+    """A cache that does not implement the sliding-window layers (any cache but a SlidingWindowCache) is
+    refused, never run with keys the model would not see."""
     m, c = tiny_gemma, tiny_gemma.cfg
-    full = m.new_cache(64, record_queries=True)
-    m(ids_of(40), full)
-    retrieval = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=32, chunk_size=4, recent=8)
-    with pytest.raises(TriforceError, match="--method ngram"):
-        retrieval.build(full)
     streaming = StreamingCache(c.n_layers, c.n_kv_heads, c.head_dim, sink=4, window=16)
     plain = FullCache(c.n_layers, c.n_kv_heads, c.head_dim, 64)
     for cache in (streaming, plain):
-        with pytest.raises(TriforceError, match="not yet supported for models with sliding-window layers"):
+        with pytest.raises(TriforceError, match="use a SlidingWindowCache"):
             m(ids_of(4), cache)
+
+
+def drafting_cache(model, global_cache) -> SlidingWindowCache:
+    c = model.cfg
+    return SlidingWindowCache(c.layer_windows, c.n_kv_heads, c.head_dim, global_cache=global_cache)
+
+
+@torch.no_grad()
+def test_retrieval_level_copies_the_ring(tiny_gemma):
+    """A retrieval level of a sliding-window model selects over the global layers and copies the target's
+    ring: with a budget holding the whole context it equals the target (same logits for the next tokens,
+    after drafts rolled back on both sides); with a small budget it differs (the test can fail)."""
+    m, c = tiny_gemma, tiny_gemma.cfg
+    n_global = sum(w is None for w in c.layer_windows)
+    ids = ids_of(T, seed=5)
+    n = 150
+    target = m.new_cache(T + 16, record_queries=True)
+    m(ids[:, :n], target)
+    m(ids_of(6, seed=9), target)  # a draft the target verified and rejected
+    target.rollback(n)
+    m(ids[:, n:n + 1], target)  # the last token fed: its queries score the chunks
+    drafts = {}
+    for budget in (n + 64, 40):
+        drafts[budget] = drafting_cache(m, RetrievalCache(n_global, c.n_kv_heads, c.head_dim, budget=budget,
+                                                          chunk_size=4, recent=8))
+        drafts[budget].build(target)
+        assert drafts[budget].length == n + 1 and drafts[budget].built_at == n + 1
+    want = m(ids[:, n + 1:n + 9], target)
+    for budget, equal in ((n + 64, True), (40, False)):
+        got = torch.cat([m(ids[:, i:i + 1], drafts[budget]) for i in range(n + 1, n + 9)], dim=1)
+        assert torch.allclose(got, want, atol=1e-4) == equal
+    with pytest.raises(ValueError, match="ring of"):
+        other = SlidingWindowCache(c.layer_windows, c.n_kv_heads, c.head_dim, global_cache=RetrievalCache(
+            n_global, c.n_kv_heads, c.head_dim, budget=40, chunk_size=4, recent=8), extra=8)
+        other.build(target)
+
+
+GEMMA_SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=4, recent=8, rebuild_every=16, sink=4, window=20,
+                        ngram=3, prefill_chunk=64)
+GEMMA_STACKS = [("ngram,retrieval,full", "3,4"), ("streaming,retrieval,full", "2,4"), ("retrieval,full", "4"),
+                ("streaming:12,full", "3"), ("ngram,streaming:24,retrieval:40,retrieval:96,full", "2,2,3,4"),
+                ("ngram,full", "5")]
+
+
+@pytest.mark.parametrize("levels,gammas", GEMMA_STACKS)
+def test_every_stack_equals_ar_on_a_sliding_window_model(tiny_gemma, levels, gammas):
+    """Retrieval and streaming levels act on the global layers of a Gemma-like model (the sliding-window
+    layers keep the target's window): every stack is greedy-identical to ar, on a prompt many windows
+    long, with rebuilds, and each drafting level proposes."""
+    from triforce.generate import generate
+    from triforce.speculation.stack import StackSpec
+
+    m = tiny_gemma
+    base = ids_of(60, seed=7)[0].tolist()
+    prompt = (base * 4)[:230]  # repeats, so the n-gram drafter proposes
+    ref = generate_ar(m, prompt, 60).tokens
+    res = generate(m, prompt, 60, stack=StackSpec.parse(levels, gammas), config=GEMMA_SPEC)
+    assert res.tokens == ref
+    assert not res.stats.get("notes")
+    for lvl in res.stats["levels"][:-1]:
+        assert lvl["rounds"] >= 1 and lvl["proposed"] >= 1
+    if "retrieval" in levels:
+        assert res.stats["retrieval_rebuilds"] >= 2
+
+
+def test_prefilled_prompt_is_reused_on_a_sliding_window_model(tiny_gemma):
+    """A prefilled prompt restores the ring too: generations after a long one start from the prompt's
+    window (a plain rollback that deep is refused by the ring)."""
+    from triforce.generate import generate
+    from triforce.speculation.state import PrefilledPrompt
+
+    m = tiny_gemma
+    prompt = ids_of(150, seed=8)[0].tolist()
+    ref = generate_ar(m, prompt, 100).tokens
+    pre = PrefilledPrompt(m, prompt, len(prompt) + 200)
+    for method in ("ar", "triforce", "ar"):
+        assert generate(m, prompt, 100, method=method, config=GEMMA_SPEC, prefilled=pre).tokens == ref
+
+
+def test_deep_gammas_are_refused_on_a_sliding_window_model(tiny_gemma):
+    from triforce.generate import generate
+    from triforce.speculation.stack import StackSpec
+
+    with pytest.raises(TriforceError, match="use smaller gammas"):
+        generate(tiny_gemma, ids_of(100)[0].tolist(), 8, stack=StackSpec.parse("ngram,retrieval,full", "8,12"),
+                 config=GEMMA_SPEC)
 
 
 def test_real_gemma3_270m_matches_transformers():
@@ -284,3 +366,43 @@ def test_real_gemma3_270m_matches_transformers():
     print(f"argmax agreement {agreement:.4f}, perplexity {ppl:.3f} vs transformers {ppl_ref:.3f}")
     assert agreement >= 0.99
     assert abs(ppl / ppl_ref - 1) < 0.01
+
+
+@pytest.mark.parametrize("kind,n_prompt", [("prose", 8000), ("code", 4000)])
+def test_real_gemma3_270m_every_stack_equals_ar(kind, n_prompt):
+    """The real Gemma 3 270M GGUF (TRIFORCE_GEMMA3_GGUF=path): every named method and user stacks with
+    retrieval and streaming levels (over its 3 global layers; its 15 sliding-window layers keep the
+    target's window) give ar's greedy tokens on prose (Shakespeare) and code (Python)."""
+    path = os.environ.get("TRIFORCE_GEMMA3_GGUF")
+    if not path or not Path(path).is_file():
+        pytest.skip("set TRIFORCE_GEMMA3_GGUF to the Gemma 3 270M GGUF (docs/gemma3.md)")
+    from test_speculation_greedy import _code_tokens
+
+    from triforce.corpus import demo_tokens
+    from triforce.generate import generate
+    from triforce.loading import load_model
+    from triforce.speculation.decoder import full_capacity
+    from triforce.speculation.stack import StackSpec, method_stack
+    from triforce.speculation.state import PrefilledPrompt
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    loaded = load_model(Path(path), progress=False)
+    model = loaded.model
+    prompt = (demo_tokens(loaded.tokenizer, n_prompt, offset_chars=100_000) if kind == "prose"
+              else _code_tokens(loaded.tokenizer, n_prompt))
+    new = 32
+    cfg = SpecConfig(budget=512, recent=32, rebuild_every=16, window=128, sink=4)
+    user = [("streaming:256,full", "5"), ("ngram,retrieval:1024,full", "3,4"),
+            ("ngram,streaming,retrieval:512,retrieval:1024,full", "2,2,3,4")]
+    stacks = [method_stack(m, cfg.gamma, cfg.gamma_draft) for m in ("triforce", "retrieval", "streaming", "ngram")]
+    stacks += [StackSpec.parse(levels, gammas) for levels, gammas in user]
+    shared = PrefilledPrompt(model, prompt, max(full_capacity(n_prompt, new, s) for s in stacks))
+    ref = generate(model, prompt, new, method="ar", prefilled=shared).tokens
+    for method, drafter in [("triforce", "ngram"), ("triforce", "streaming"), ("retrieval", "ngram"),
+                            ("streaming", "ngram"), ("ngram", "ngram")]:
+        res = generate(model, prompt, new, method=method, config=SpecConfig(**{**cfg.__dict__, "draft": drafter}),
+                       prefilled=shared)
+        assert res.tokens == ref, (method, drafter)
+    for levels, gammas in user:
+        res = generate(model, prompt, new, stack=StackSpec.parse(levels, gammas), config=cfg, prefilled=shared)
+        assert res.tokens == ref, levels

@@ -243,7 +243,7 @@ def test_sliding_window_cache_in_half(kv="fp16"):
     with torch.inference_mode():
         whole_cache = m.new_cache(128)
         assert isinstance(whole_cache, SlidingWindowCache)
-        assert whole_cache.k.dtype is TORCH_DTYPE[kv] and whole_cache.full.k.dtype is TORCH_DTYPE[kv]
+        assert whole_cache.k.dtype is TORCH_DTYPE[kv] and whole_cache.global_cache.k.dtype is TORCH_DTYPE[kv]
         whole = m(ids, whole_cache)
         cache, got, pos = m.new_cache(128), [], 0
         for n in (1, 70, 3, 1, 45):  # 70 > extra: over ring + new keys; the others in place

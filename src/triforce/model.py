@@ -20,7 +20,7 @@ from torch import nn
 from . import kernels
 from .config import ModelConfig
 from .errors import TriforceError
-from .caches.base import SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, causal_mask, kv_dtype
+from .caches.base import KVCache, TokenBlock, causal_mask, kv_dtype
 from .quantized import BF16, QuantTensor, dequantize
 from .rope import Rotary, apply_rotary
 
@@ -347,7 +347,8 @@ class Transformer(nn.Module):
         tokens are committed to the cache (a tree: until cache.keep() keeps its accepted path)."""
         if cache.windows != self.windows:
             raise TriforceError(f"{type(cache).__name__} does not implement the sliding-window layers of this "
-                                f"{self.cfg.arch} model: {SLIDING_WINDOW_UNSUPPORTED}"
+                                f"{self.cfg.arch} model: use a SlidingWindowCache (any cache can hold its "
+                                f"global layers)"
                                 if self.windows is not None else
                                 f"{type(cache).__name__} was made for a model with sliding-window layers")
         B, T = tokens.shape

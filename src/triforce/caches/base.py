@@ -89,6 +89,14 @@ class KVCache:
         """Forget every token at position >= `length`."""
         raise NotImplementedError
 
+    def checkpoint(self):
+        """A point `restore` returns to (a prefilled prompt reused by several generations); a cache
+        whose rollback is bounded (a ring) saves what later writes overwrite."""
+        return self.length
+
+    def restore(self, point) -> None:
+        self.rollback(point)
+
     def keep(self, start: int, rows: list[int]) -> None:
         """After a forward whose new tokens began at position `start`: keep new tokens `rows`
         (ascending indices into them, whose positions are start, start + 1, ...: a root-to-leaf path)
@@ -126,14 +134,6 @@ class TokenBlock:
         T = self.visible.shape[0]
         past = torch.ones(T, n_past, dtype=torch.bool, device=self.visible.device)
         return torch.cat([past, self.visible], dim=1)
-
-
-# Why the drafting caches (retrieval, streaming) refuse models with sliding-window layers.
-SLIDING_WINDOW_UNSUPPORTED = (
-    "speculation levels other than ngram (the retrieval and streaming caches: methods triforce, retrieval, "
-    "streaming) are not yet supported for models with sliding-window layers such as Gemma 3: use --method ar "
-    "or --method ngram"
-)
 
 
 # A mask marker: every key but the newest T is visible to all T new tokens, and the newest T keys

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import CAUSAL, SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, check_capacity, kv_buffer
+from .base import CAUSAL, KVCache, TokenBlock, check_capacity, kv_buffer
 from .full import FullCache
 
 
@@ -63,12 +63,13 @@ class RetrievalCache(KVCache):
         return torch.cat([head, chunk_tokens, tail], dim=-1)
 
     def build(self, full: FullCache) -> None:
-        """(Re)build from the first `full.length` tokens of `full` (a FullCache: never the cache of a model
-        with sliding-window layers, whose selection is not implemented), scoring chunks with the query of
-        its last token (position full.length - 1), which its last forward must have recorded
-        (`record_queries=True`; rolling `full` back after that forward is fine)."""
-        if full.windows is not None:
-            raise TriforceError(SLIDING_WINDOW_UNSUPPORTED)
+        """(Re)build from the first `full.length` tokens of `full` (a FullCache with as many layers; for a
+        model with sliding-window layers, SlidingWindowCache.build calls this on the global layers), scoring
+        chunks with the query of its last token (position full.length - 1), which its last forward must
+        have recorded (`record_queries=True`; rolling `full` back after that forward is fine)."""
+        if not isinstance(full, FullCache) or full.n_layers != self.n_layers:
+            raise ValueError(f"a retrieval cache of {self.n_layers} layers is built from a FullCache of as many "
+                             f"(got {type(full).__name__} of {full.n_layers})")
         n = full.length
         query_index = n - 1 - full.query_start
         if full.queries is None or full.queries[0] is None or not 0 <= query_index < full.queries[0].shape[2]:
@@ -84,6 +85,10 @@ class RetrievalCache(KVCache):
             self.v[layer, :, :, :m] = torch.gather(full.v[layer, :, :, :n], 2, gather)
             self.indices.append(idx)
         self.base, self.built_at, self.length = m, n, n
+
+    def room(self, committed: int) -> int:
+        """Slots left for tokens after `committed` (the decoder rebuilds before they run out)."""
+        return self.capacity - self._slot(committed)
 
     def _slot(self, position: int) -> int:
         """Slot of a position appended since the build (position >= built_at)."""

@@ -1,5 +1,6 @@
-"""The KV cache of a model with sliding-window layers (Gemma 3): every key of the global layers, a
-bounded ring of keys for the sliding-window layers.
+"""The KV cache of a model with sliding-window layers (Gemma 3): the global layers' keys in a cache of
+any kind (every key: a FullCache; or a drafting cache: retrieval, StreamingLLM), a bounded ring of keys
+for the sliding-window layers.
 
 A sliding-window layer's query at position i sees the keys at positions (i - window, i] (transformers'
 sliding_window_overlay), so before a forward such a layer needs only the last window - 1 keys. They
@@ -19,6 +20,10 @@ position x - R. So a rollback may go down to a length whose window is still whol
 high - extra, with `high` the highest position ever written (the largest value in `pos`), or any length
 at all while no slot has been reused (high < R). `extra` thus bounds both the tokens of an in-place
 forward and the depth of a rollback (a speculative draft and its verification).
+
+The drafting levels of such a model (retrieval, streaming) act on the global layers only, which hold
+the long-range context: their sliding-window layers see exactly the target's window, so a drafting
+level differs from the target only where the target attends beyond the window.
 """
 from __future__ import annotations
 
@@ -35,14 +40,16 @@ DEFAULT_EXTRA = 64
 
 class SlidingWindowCache(KVCache):
     """`windows[layer]`: the layer's sliding window, or None for a global layer (all layers that slide
-    share one window, as in Gemma 3). Global layers are kept in a FullCache of `capacity` tokens.
+    share one window, as in Gemma 3). The global layers are kept in `global_cache` (its layer i is the
+    model's i-th global layer), by default a FullCache of `capacity` tokens.
 
-    With `record_queries=True`, the post-RoPE queries of the last forward are kept per layer, as
-    FullCache does (`queries`, `query_start`)."""
+    With `record_queries=True` (default global cache only), the post-RoPE queries of the last forward
+    are kept for the global layers, as FullCache does (`queries[i]` for the i-th global layer,
+    `query_start`): what a retrieval cache is built from."""
 
-    def __init__(self, windows: tuple[int | None, ...], n_kv_heads: int, head_dim: int, capacity: int, *,
-                 extra: int = DEFAULT_EXTRA, batch: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", record_queries: bool = False):
+    def __init__(self, windows: tuple[int | None, ...], n_kv_heads: int, head_dim: int, capacity: int | None = None,
+                 *, global_cache: KVCache | None = None, extra: int = DEFAULT_EXTRA, batch: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", record_queries: bool = False):
         sizes = {w for w in windows if w is not None}
         if len(sizes) != 1 or min(sizes) < 1 or extra < 1:
             raise ValueError(f"a sliding-window cache needs one window >= 1 shared by its sliding layers and "
@@ -52,17 +59,20 @@ class SlidingWindowCache(KVCache):
         self.ring_size = self.window - 1 + extra
         self.n_layers = len(windows)
         sliding = [i for i, w in enumerate(windows) if w is not None]
-        full = [i for i, w in enumerate(windows) if w is None]
+        global_layers = [i for i, w in enumerate(windows) if w is None]
         self._ring_row = {layer: row for row, layer in enumerate(sliding)}
-        self._full_row = {layer: row for row, layer in enumerate(full)}
-        self.full = FullCache(len(full), n_kv_heads, head_dim, capacity, batch=batch, dtype=dtype, device=device)
+        self._global_row = {layer: row for row, layer in enumerate(global_layers)}
+        if global_cache is None:
+            global_cache = FullCache(len(global_layers), n_kv_heads, head_dim, capacity, batch=batch, dtype=dtype,
+                                     device=device, record_queries=record_queries)
+        elif global_cache.n_layers != len(global_layers):
+            raise ValueError(f"the global cache has {global_cache.n_layers} layers, the model {len(global_layers)}")
+        self.global_cache = global_cache
         shape = (len(sliding), batch, n_kv_heads, self.ring_size, head_dim)
         self.k = kv_buffer(shape, dtype, device)
         self.v = kv_buffer(shape, dtype, device)
         self.pos = torch.full((self.ring_size,), -1, dtype=torch.long, device=device)
         self.high = -1  # the highest position ever written into the ring
-        self.queries: list[torch.Tensor | None] | None = [None] * self.n_layers if record_queries else None
-        self.query_start = 0
         self._mask: torch.Tensor | None = None  # the sliding layers' mask for this forward
         self._slots: torch.Tensor | None = None  # ring slots written by this forward
         self._write_from = 0  # the first of this forward's tokens written into the ring
@@ -70,19 +80,35 @@ class SlidingWindowCache(KVCache):
 
     @property
     def length(self) -> int:
-        return self.full.length
+        return self.global_cache.length
 
     @property
     def capacity(self) -> int:
-        return self.full.capacity
+        return self.global_cache.capacity
+
+    # the retrieval build reads the global layers' queries (FullCache.queries)
+    @property
+    def queries(self):
+        return getattr(self.global_cache, "queries", None)
+
+    @queries.setter
+    def queries(self, value):
+        self.global_cache.queries = value
+
+    @property
+    def query_start(self) -> int:
+        return self.global_cache.query_start
+
+    @query_start.setter
+    def query_start(self, value: int) -> None:
+        self.global_cache.query_start = value
 
     def prepare(self, n_new: int, block=None) -> None:
         if block is not None:
             raise TriforceError("draft trees (token blocks) are not supported yet for models with sliding-window "
                                 "layers: use chain drafts")
         L = self.length
-        self.full.prepare(n_new)  # checks the capacity first: nothing below runs for a refused forward
-        self.query_start = L
+        self.global_cache.prepare(n_new)  # checks the capacity first: nothing below runs for a refused forward
         R, window = self.ring_size, self.window
         new = torch.arange(L, L + n_new, device=self.pos.device)
         q = new[:, None]
@@ -103,11 +129,9 @@ class SlidingWindowCache(KVCache):
         self.high = max(self.high, L + n_new - 1)
 
     def update(self, layer, q, k, v):
-        if self.queries is not None:
-            self.queries[layer] = q
         row = self._ring_row.get(layer)
         if row is None:
-            return self.full.update(self._full_row[layer], q, k, v)
+            return self.global_cache.update(self._global_row[layer], q, k, v)
         ring_k, ring_v = self.k[row], self.v[row]
         k, v = k.to(ring_k.dtype), v.to(ring_v.dtype)  # stored, and attended to, in the cache's dtype
         if self._in_place:
@@ -120,7 +144,7 @@ class SlidingWindowCache(KVCache):
         return keys, values, self._mask
 
     def commit(self, n_new: int) -> None:
-        self.full.commit(n_new)
+        self.global_cache.commit(n_new)
 
     def min_rollback(self) -> int:
         """The lowest length `rollback` accepts now."""
@@ -131,4 +155,48 @@ class SlidingWindowCache(KVCache):
         if length < self.min_rollback():
             raise ValueError(f"sliding-window cache cannot roll back to {length}: the ring (window {self.window} "
                              f"+ {self.extra} extra slots) keeps the window of lengths >= {self.min_rollback()} only")
-        self.full.rollback(length)
+        self.global_cache.rollback(length)
+
+    def checkpoint(self):
+        """The whole state (ring included: a later rollback this deep would be refused)."""
+        return (self.global_cache.checkpoint(), self.k.clone(), self.v.clone(), self.pos.clone(), self.high)
+
+    def restore(self, point) -> None:
+        inner, k, v, pos, high = point
+        self.k.copy_(k)
+        self.v.copy_(v)
+        self.pos.copy_(pos)
+        self.high = high
+        self.global_cache.restore(inner)
+
+    # --- drafting caches over the global layers -------------------------------------------------------
+
+    def build(self, full: SlidingWindowCache) -> None:
+        """A retrieval level's (re)build from the target's cache: the global layers' retrieval cache from
+        `full`'s global layers (RetrievalCache.build), and the sliding-window layers' ring copied (cast to
+        this cache's dtype), so they see exactly what the target's see."""
+        if full.ring_size != self.ring_size or full.windows != self.windows:
+            raise ValueError(f"ring of {full.ring_size} slots (windows {full.windows}) cannot be copied into one of "
+                             f"{self.ring_size} (windows {self.windows})")
+        self.global_cache.build(full.global_cache)
+        self.k.copy_(full.k)
+        self.v.copy_(full.v)
+        self.pos.copy_(full.pos)
+        self.high = full.high
+
+    @property
+    def built_at(self) -> int:
+        return self.global_cache.built_at
+
+    def room(self, committed: int) -> int:
+        return self.global_cache.room(committed)
+
+    def tail_needed(self) -> int:
+        """Tokens at the end of a prompt that a streaming level's prefill must feed: its global layers'
+        window and the sliding window, each with the rollback depth."""
+        return max(self.global_cache.tail_needed(), self.window - 1 + self.extra)
+
+    def skip_to(self, position: int) -> None:
+        """Continue at `position` without feeding the tokens in between (a streaming level's prefill):
+        the ring's slots of earlier positions fall outside every later window."""
+        self.global_cache.skip_to(position)

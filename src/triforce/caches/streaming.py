@@ -73,6 +73,11 @@ class StreamingCache(KVCache):
         self.v[layer, :, :, a:b] = v
         return self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._mask
 
+    def tail_needed(self) -> int:
+        """Tokens at the end of a prompt that a prefill must feed (past the sinks, earlier ones may be
+        skipped: skip_to): the window and the rollback depth."""
+        return self.window + self.max_rollback
+
     def skip_to(self, position: int) -> None:
         """Continue at `position` without feeding the tokens in between (they fall outside the window
         anyway): a draft can read the sinks and the prompt's tail instead of the whole prompt. The

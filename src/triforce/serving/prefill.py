@@ -65,9 +65,10 @@ class CachedPrefill(PrefilledPrompt):
                 if end - start == chunk:
                     self.block_queries[start // chunk] = last_q
         # every state reads the last prompt token's queries (query_start = len(head) - 1), as PrefilledPrompt keeps them
-        n_layers = model.cfg.n_layers
+        n_layers = len(self.cache.queries)  # the global layers' (a sliding-window model records no others)
         self.queries = ([last_q[i][None, :, None, :] for i in range(n_layers)] if last_q is not None
                         else [None] * n_layers)
+        self.point = self.cache.checkpoint()
         self.reused_tokens, self.computed_tokens = n, len(self.head) - n
         self.seconds = time.perf_counter() - t0
 

@@ -12,6 +12,8 @@ from dataclasses import asdict
 
 import torch
 
+from ..caches.sliding import DEFAULT_EXTRA
+from ..errors import TriforceError
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
@@ -52,6 +54,10 @@ class Decoder:
         self.rebuilds = 0
         self.rebuild_seconds = 0.0
         self.stack = self._useful(stack, prompt_len)
+        if model.windows is not None and max_rollback(self.stack) > DEFAULT_EXTRA:
+            raise TriforceError(f"the stack {self.stack.levels_text} with --gammas {','.join(map(str, self.stack.gammas))} "
+                                f"may roll back {max_rollback(self.stack)} tokens, more than the sliding-window "
+                                f"layers' ring of this {model.cfg.arch} model keeps ({DEFAULT_EXTRA}): use smaller gammas")
         capacity = full_capacity(prompt_len, max_new_tokens, self.stack)
         self.prefilled = prefilled
         full_cache = None
@@ -118,7 +124,7 @@ class Decoder:
                 continue
             cache = state.cache
             since = committed - cache.built_at
-            room = cache.capacity - (cache.base + since)
+            room = cache.room(committed)
             top = self.top
             low = (self.config.rebuild_below > 0 and isinstance(top, Level) and len(top.recent) >= 4
                    and sum(top.recent[-4:]) / 4 < self.config.rebuild_below and since >= 32)

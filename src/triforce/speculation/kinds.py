@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TriforceError
-from ..caches import SLIDING_WINDOW_UNSUPPORTED, RetrievalCache, StreamingCache
+from ..caches import KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
 from ..caches.base import kv_dtype
 from ..model import Transformer
 from ..sampling import SamplingParams
@@ -117,12 +117,11 @@ class Streaming(Kind):
     def state(self, ctx, spec, name):
         cfg = ctx.config
         m = drafting_model(ctx.model, cfg)
-        _refuse_sliding_windows(m)
         budget = spec.budget or cfg.streaming_budget
         window = budget - cfg.sink
-        cache = StreamingCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, sink=cfg.sink, window=window,
-                               max_rollback=ctx.max_rollback, slack=max(cfg.prefill_chunk, window),
-                               dtype=kv_dtype(cfg.draft_kv_dtype), device=m.device)
+        cache = _drafting_cache(m, cfg, lambda n_layers, **kw: StreamingCache(
+            n_layers, sink=cfg.sink, window=window, max_rollback=ctx.max_rollback,
+            slack=max(cfg.prefill_chunk, window), **kw))
         return ModelState(name, m, cache, ctx.params)
 
     def prefill(self, state, head, full, config):
@@ -131,7 +130,7 @@ class Streaming(Kind):
         sink = min(config.sink, len(head))
         if sink:
             prefill(m, cache, torch.tensor([head[:sink]], device=m.device), config.prefill_chunk)
-        tail_from = max(sink, len(head) - cache.window - cache.max_rollback)
+        tail_from = max(sink, len(head) - cache.tail_needed())
         if tail_from > cache.length:
             cache.skip_to(tail_from)
         if tail_from < len(head):
@@ -147,11 +146,10 @@ class Retrieval(Kind):
 
     def state(self, ctx, spec, name):
         cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
-        _refuse_sliding_windows(m)
         max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
-        cache = RetrievalCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, budget=spec.budget or cfg.budget,
-                               chunk_size=cfg.chunk_size, recent=cfg.recent, max_new=max_new,
-                               dtype=kv_dtype(cfg.draft_kv_dtype), device=m.device)
+        cache = _drafting_cache(m, cfg, lambda n_layers, **kw: RetrievalCache(
+            n_layers, budget=spec.budget or cfg.budget, chunk_size=cfg.chunk_size, recent=cfg.recent,
+            max_new=max_new, **kw))
         return ModelState(name, m, cache, ctx.params)
 
     def prefill(self, state, head, full, config):
@@ -161,10 +159,18 @@ class Retrieval(Kind):
         return True
 
 
-def _refuse_sliding_windows(model: Transformer) -> None:
-    """Before any prefill: the drafting caches do not implement sliding-window layers (Gemma 3)."""
-    if model.cfg.layer_windows is not None:
-        raise TriforceError(SLIDING_WINDOW_UNSUPPORTED)
+def _drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
+    """A drafting level's cache (config.draft_kv_dtype): make(n_layers, n_kv_heads=, head_dim=, dtype=,
+    device=) over every layer, or, for a model with sliding-window layers (Gemma 3), over its global
+    layers only, inside a SlidingWindowCache whose ring gives the sliding-window layers exactly the
+    target's window (the long-range context, which the drafting caches cut, lives in the global layers)."""
+    c, dtype = model.cfg, kv_dtype(config.draft_kv_dtype)
+    kw = dict(n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=dtype, device=model.device)
+    if model.windows is None:
+        return make(c.n_layers, **kw)
+    n_global = sum(w is None for w in model.windows)
+    return SlidingWindowCache(model.windows, c.n_kv_heads, c.head_dim, global_cache=make(n_global, **kw),
+                              dtype=dtype, device=model.device)
 
 
 def rebuild(state: ModelState, full: ModelState) -> None:

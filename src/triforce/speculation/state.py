@@ -127,12 +127,13 @@ class PrefilledPrompt:
         self.cache = model.new_cache(capacity, record_queries=True)
         prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress)
         self.queries = [q[:, :, -1:].clone() if q is not None else None for q in self.cache.queries]
+        self.point = self.cache.checkpoint()  # a sliding-window ring is saved: generations overwrite it
 
     def restore(self, prompt: list[int]):
         """The full cache holding exactly this prompt's head; ValueError for another prompt."""
         if list(prompt[:-1]) != self.head:
             raise ValueError("the prefilled prompt belongs to another prompt")
-        self.cache.rollback(len(self.head))
+        self.cache.restore(self.point)
         self.cache.queries = list(self.queries)
         self.cache.query_start = len(self.head) - 1
         return self.cache
