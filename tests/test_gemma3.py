@@ -406,3 +406,19 @@ def test_real_gemma3_270m_every_stack_equals_ar(kind, n_prompt):
     for levels, gammas in user:
         res = generate(model, prompt, new, stack=StackSpec.parse(levels, gammas), config=cfg, prefilled=shared)
         assert res.tokens == ref, levels
+
+
+def test_gemma3_chat_template_fallback():
+    """A Gemma 3 file without a chat template (a base-model conversion) gets Gemma's turn format, the
+    system message inside the first user turn, ending with the model's turn opened."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from triforce.loading import GEMMA3_CHAT_TEMPLATE
+
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(GEMMA3_CHAT_TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": " Colour?"}]
+    assert template.render(messages=messages, add_generation_prompt=True) == (
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nColour?<end_of_turn>\n<start_of_turn>model\n")
+    assert template.render(messages=messages[1:2], add_generation_prompt=False) == "<start_of_turn>user\nHi<end_of_turn>\n"

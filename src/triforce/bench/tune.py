@@ -61,8 +61,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from ..corpus import demo_tokens
     from ..generate import generate
     from ..caches import RetrievalCache
-    from ..caches.base import kv_dtype
-    from ..speculation.kinds import drafting_model
+    from ..speculation.kinds import drafting_cache, drafting_model
     from ..speculation.state import PrefilledPrompt
     from .decode_step import time_forwards
     from .methods import sampling_params
@@ -82,9 +81,8 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
                  for k in tqdm(ks, desc="full-cache forwards", disable=not progress, leave=False)}
     cost_retr: dict[int, dict[int, float]] = {}
     for b in budgets:
-        rc = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=b, chunk_size=config.chunk_size,
-                            recent=config.recent, max_new=64, dtype=kv_dtype(config.draft_kv_dtype),
-                            device=model.device)
+        rc = drafting_cache(drafting, config, lambda n_layers, **kw: RetrievalCache(
+            n_layers, budget=b, chunk_size=config.chunk_size, recent=config.recent, max_new=64, **kw))
         shared.restore(prompt)  # the timed forwards replaced the recorded queries
         with torch.inference_mode():
             rc.build(full)

@@ -58,7 +58,26 @@ class LoadedModel:
         ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             ids.add(self.tokenizer.eos_token_id)
+        if self.config.arch == "gemma3_text":  # a Gemma turn ends with <end_of_turn> (its generation_config's [1, 106])
+            end_of_turn = self.tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)
+            if isinstance(end_of_turn, int) and end_of_turn != self.tokenizer.unk_token_id:
+                ids.add(end_of_turn)
         return tuple(sorted(ids))
+
+
+# Gemma's turn format (as its instruction-tuned models' template, and llama.cpp's built-in "gemma" one),
+# for Gemma 3 files without a tokenizer.chat_template (conversions of the base models): a system message
+# goes at the start of the first user turn; the BOS token is the tokenizer's own (added when encoding).
+GEMMA_END_OF_TURN = "<end_of_turn>"
+GEMMA3_CHAT_TEMPLATE = (
+    "{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] | trim + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ ns.system }}{% set ns.system = '' %}{{ m['content'] | trim }}<end_of_turn>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 
 def default_model_path() -> Path:
@@ -98,7 +117,7 @@ def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool) -> No
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from .gguf_file import read_gguf
+    from .gguf_file import check_gguf_tokenizer, read_gguf
 
     t0 = time.perf_counter()
     hf, sd = read_gguf(gguf_path, progress=progress and weights, keep_quantized=not weights)
@@ -111,6 +130,7 @@ def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool) -> No
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from e
     del sd
+    check_gguf_tokenizer(gguf_path)
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
@@ -287,5 +307,7 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:
         raise TriforceError(f"cannot load the tokenizer from {directory}: {e}") from e
+    if cfg.arch == "gemma3_text" and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE  # --chat and the server's chat endpoint
     return LoadedModel(model, tokenizer, cfg, source, directory, gguf_path, weights,
                        storage.cache_root(cache_dir))

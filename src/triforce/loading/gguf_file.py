@@ -134,6 +134,24 @@ def check_gguf_architecture(path: Path) -> str:
     return arch
 
 
+def check_gguf_tokenizer(path: Path) -> None:
+    """Refuse a file whose tokenizer transformers would rebuild wrongly: it picks its GGUF tokenizer
+    converter by architecture, and for gemma3 always builds Gemma's SentencePiece tokenizer
+    (tokenizer.ggml.model "llama"), whatever the file holds (a BPE "gpt2" one is then silently
+    mis-tokenized). Reads the header only."""
+    import gguf
+
+    arch = gguf_architecture(path)
+    if arch != "gemma3":
+        return
+    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.model")
+    kind = None if field is None else field.contents()
+    if kind not in (None, "llama"):
+        raise TriforceError(f"{path} is a gemma3 model with a {kind!r} tokenizer (tokenizer.ggml.model): "
+                            f"transformers reads only Gemma's own SentencePiece tokenizer ('llama') correctly "
+                            f"for this architecture, so its text would be tokenized wrongly")
+
+
 class _Metadata:
     """The key-value pairs of a GGUF file, read by name; remembers which were read, so that
     `unread` can name the ones this module does not understand."""

@@ -119,7 +119,7 @@ class Streaming(Kind):
         m = drafting_model(ctx.model, cfg)
         budget = spec.budget or cfg.streaming_budget
         window = budget - cfg.sink
-        cache = _drafting_cache(m, cfg, lambda n_layers, **kw: StreamingCache(
+        cache = drafting_cache(m, cfg, lambda n_layers, **kw: StreamingCache(
             n_layers, sink=cfg.sink, window=window, max_rollback=ctx.max_rollback,
             slack=max(cfg.prefill_chunk, window), **kw))
         return ModelState(name, m, cache, ctx.params)
@@ -147,7 +147,7 @@ class Retrieval(Kind):
     def state(self, ctx, spec, name):
         cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
         max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
-        cache = _drafting_cache(m, cfg, lambda n_layers, **kw: RetrievalCache(
+        cache = drafting_cache(m, cfg, lambda n_layers, **kw: RetrievalCache(
             n_layers, budget=spec.budget or cfg.budget, chunk_size=cfg.chunk_size, recent=cfg.recent,
             max_new=max_new, **kw))
         return ModelState(name, m, cache, ctx.params)
@@ -159,7 +159,7 @@ class Retrieval(Kind):
         return True
 
 
-def _drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
+def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
     """A drafting level's cache (config.draft_kv_dtype): make(n_layers, n_kv_heads=, head_dim=, dtype=,
     device=) over every layer, or, for a model with sliding-window layers (Gemma 3), over its global
     layers only, inside a SlidingWindowCache whose ring gives the sliding-window layers exactly the
