@@ -85,6 +85,7 @@ needs_model = pytest.mark.skipif(not embedded_available(), reason="embedded mode
     ([], ["exactly one of"]),
     (["--prompt", "hi", "--temperature", "-1"], ["--temperature"]),
     (["--prompt", "hi", "--top-p", "2"], ["--top-p"]),
+    (["--prompt", "hi", "--threads", "0"], ["--threads", ">= 1"]),
     (["--demo-tokens", "200", "--max-context", "100"], ["exceeds the context", "--max-context"]),
     (["--prompt-file", "/nonexistent/prompt.txt"], ["cannot read the prompt file"]),
     (["--demo-tokens", "100", "--budget", "40000"], ["--budget 40000", "context"]),
@@ -100,7 +101,7 @@ def test_bad_requests_are_clear_errors(args, words):
 def test_generate_json_on_embedded_model(tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("To be, or not to be, that is the question:")
-    r = run("generate", "--prompt-file", str(prompt), "--max-new-tokens", "8", "--json")
+    r = run("generate", "--prompt-file", str(prompt), "--max-new-tokens", "8", "--json", "--threads", "1")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for key in ("text", "token_ids", "prompt_tokens", "method", "seconds", "tokens_per_second"):

@@ -41,6 +41,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(docs/kv_dtype.md), else the weights' dtype")
     g.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     g.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
+    g.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="CPU threads (default: PyTorch's, one per core; peers in `bench` use as many). Use fewer "
+                        "when other work shares the cores: a parallel step waits for its slowest thread, so a "
+                        "busy core can make each step many times slower")
     g.add_argument("--cache-dir", metavar="DIR",
                    help="where converted GGUF models and the compiled CPU kernels are cached (default "
                         "$TRIFORCE_CACHE_DIR or ~/.cache/triforce)")
@@ -392,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     if getattr(args, "cache_dir", None):  # every cache (converted models, kernel builds) follows --cache-dir
         os.environ[storage.CACHE_ENV] = str(Path(args.cache_dir).expanduser().resolve())
     try:

@@ -37,10 +37,26 @@ def time_ours(model, n_ctx: int, steps: int, tokens: int = 1) -> float:
     """Median seconds of a `tokens`-token forward (1: a decode step; k: the verification of k - 1
     drafts plus the bonus position) over a cache of n_ctx random keys and values."""
     cache = model.new_cache(n_ctx + tokens)
+    fake_context(cache, n_ctx)
+    return time_forwards(model, cache, n_ctx, tokens, steps, warmup=2)
+
+
+def fake_context(cache, n_ctx: int) -> None:
+    """Make a new full cache (a FullCache, or a SlidingWindowCache: its global layers' FullCache and its
+    ring, full of the last positions) hold n_ctx random keys and values, as if prefilled."""
+    from ..caches import SlidingWindowCache
+
+    if isinstance(cache, SlidingWindowCache):
+        ring = min(n_ctx, cache.ring_size)
+        positions = torch.arange(n_ctx - ring, n_ctx, device=cache.pos.device)
+        cache.pos[positions % cache.ring_size] = positions
+        cache.k.normal_()
+        cache.v.normal_()
+        cache.high = n_ctx - 1
+        cache = cache.global_cache
     cache.k[:, :, :, :n_ctx].normal_()
     cache.v[:, :, :, :n_ctx].normal_()
     cache.length = n_ctx
-    return time_forwards(model, cache, n_ctx, tokens, steps, warmup=2)
 
 
 def attention_flops(cfg, n_ctx: int, tokens: int) -> float:
