@@ -92,7 +92,7 @@ def p_values(counts, exact) -> list[float]:
 
 
 CASES = [("triforce", "ngram"), ("triforce", "streaming"), ("triforce", "draft"), ("retrieval", "ngram"),
-         ("streaming", "ngram"), ("ngram", "ngram"), ("draft", "ngram"), ("ar", "ngram")]
+         ("streaming", "ngram"), ("ngram", "ngram"), ("draft", "ngram"), ("ar", "ngram"), ("sequoia", "ngram")]
 
 
 @pytest.mark.parametrize("method,drafter", CASES)
@@ -160,3 +160,35 @@ def test_accept_rule_alone_is_exact_and_the_check_has_power():
     assert pv[0] > ALPHA
     bad = p_values(_accept_first_token(wrong_accept, p, q, n, 0)[None], [p[0].double()])
     assert bad[0] < 1e-6
+
+
+# Sequoia trees drafted by the bottom model (children without replacement, Sequoia's rule), sampled with
+# top-k / top-p: each output position follows the target's distribution
+TREE_STACKS = [("draft,full", "3", "3,2", SamplingParams(temperature=1.0, top_k=6)),
+               ("streaming:8,full", "3", "2,2,1", SamplingParams(temperature=0.6, top_p=0.9)),
+               ("draft,retrieval:12,full", "2,3", "4,1", SamplingParams(temperature=1.0))]
+
+
+@pytest.mark.parametrize("levels,gammas,tree,params", TREE_STACKS)
+def test_tree_stacks_follow_target_distribution(models, prompt, levels, gammas, tree, params):
+    from triforce.speculation.stack import StackSpec
+
+    exact_p = exact_marginals(models[0], prompt, params)
+    counts = sample_counts(models, prompt, None, CFG, params=params, stack=StackSpec.parse(levels, gammas, tree=tree))
+    pv = p_values(counts, exact_p)
+    assert min(pv) > ALPHA, f"{levels} --tree {tree}: chi-square p-values {pv}"
+
+
+def test_check_detects_children_sampled_with_replacement(models, prompt, exact, monkeypatch):
+    """The deliberately wrong tree sampler: siblings drawn independently (with replacement), which
+    Sequoia's rule (it removes a rejected child from q) does not correct for: the check must fail."""
+    import triforce.speculation.drafters as drafters_mod
+    from triforce.speculation.stack import StackSpec
+
+    def with_replacement(row, m, greedy, generator):
+        return [int(sample(row, generator)) for _ in range(m)]
+
+    monkeypatch.setattr(drafters_mod, "sample_children", with_replacement)
+    counts = sample_counts(models, prompt, None, CFG, stack=StackSpec.parse("draft,full", "3", tree="4,2"))
+    pv = p_values(counts, exact)
+    assert min(pv) < 1e-6, f"the wrong tree sampler went undetected: p-values {pv}"

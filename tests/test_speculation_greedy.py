@@ -225,3 +225,34 @@ def test_greedy_equals_ar_on_embedded_model(smollm, all_threads, n_prompt, offse
     for levels, gammas in USER_STACKS_EMBEDDED:
         res = generate(model, prompt, new, stack=StackSpec.parse(levels, gammas), config=cfg, prefilled=shared)
         assert res.tokens == ref, levels
+
+
+# Sequoia trees drafted by the bottom model level (widths per depth), under the full level or a middle one
+TREE_STACKS = [("streaming:24,full", "3", "3,2,1"), ("retrieval:40,full", "4", "2,2,2"), ("draft,full", "4", "4,1,1,1"),
+               ("streaming:24,retrieval:40,full", "3,4", "2,1,1"), ("draft,retrieval:96,full", "2,3", "1,1,1,1")]
+
+
+@pytest.mark.parametrize("levels,gammas,tree", TREE_STACKS)
+@pytest.mark.parametrize("n_prompt,seed", [(200, 0), (333, 1)])
+def test_tree_stacks_equal_ar(target, small_draft, levels, gammas, tree, n_prompt, seed):
+    prompt = _prompt(n_prompt, seed)
+    ref = generate_ar(target, prompt, 64).tokens
+    stack = StackSpec.parse(levels, gammas, tree=tree)
+    res = generate(target, prompt, 64, stack=stack, config=TINY_SPEC, draft_model=small_draft)
+    assert res.tokens == ref
+    bottom_verifier = res.stats["levels"][-2]  # the level that verified the trees
+    assert bottom_verifier["rounds"] >= 1 and bottom_verifier["proposed"] >= stack.tree_nodes
+
+
+@pytest.mark.parametrize("levels,tree,words", [
+    ("ngram,full", "2,2", ["needs a model at the bottom"]),
+    ("full", "2", ["needs a model at the bottom"]),
+    ("streaming,full", "8,8", ["72 nodes", "at most 64"]),
+    ("streaming,full", "2,0", [">= 1"]),
+    ("streaming,full", "2,x", ["integers separated by commas"]),
+])
+def test_invalid_trees_are_user_errors(levels, tree, words):
+    with pytest.raises(TriforceError) as e:
+        StackSpec.parse(levels, None, tree=tree)
+    for w in words:
+        assert w in str(e.value)

@@ -97,6 +97,11 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="tokens each level drafts for the one above: one value for every boundary, or one per "
                         "boundary, bottom first (default: --gamma everywhere for --levels; --gamma-draft,--gamma "
                         "for triforce)")
+    g.add_argument("--tree", metavar="W[,W...]",
+                   help="Sequoia: the bottom level (a model: streaming, retrieval or draft) drafts a token tree "
+                        "for the level above instead of a chain: W children of the context's last token, then W "
+                        "children of each node per further depth (sampled without replacement; greedy: the "
+                        "top W); e.g. --levels streaming,full --tree 3,2,1 (at most 64 nodes)")
     g.add_argument("--print-stack", action="store_true",
                    help="print the stack that --method or --levels/--gammas expand to, and exit")
 
@@ -116,12 +121,14 @@ def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
 
 def stack_from_args(args, config: SpecConfig, draft_path: str | None) -> tuple[StackSpec, str]:
     """-> (the stack, its name for results: the method, or the levels). Checked before any model loads."""
+    tree = getattr(args, "tree", None)
     if args.levels is not None:
-        stack, name = StackSpec.parse(args.levels, args.gammas, config.gamma), None
+        stack, name = StackSpec.parse(args.levels, args.gammas, config.gamma, tree), None
     else:
         named = method_stack(args.method, config.gamma, config.gamma_draft, config.draft)
-        stack = StackSpec.parse(named.levels_text, args.gammas, config.gamma) if args.gammas else named
-        name = args.method
+        stack = (StackSpec.parse(named.levels_text, args.gammas or named.gammas, config.gamma, tree)
+                 if args.gammas or tree else named)
+        name = args.method if not tree else None
     if draft_path is None and any(lvl.kind == "draft" for lvl in stack.levels):
         raise TriforceError("the stack has a 'draft' level but no draft model: pass --draft PATH (a small model "
                             "that shares the target's tokenizer)")

@@ -22,6 +22,7 @@ from .kinds import KINDS, BuildContext, rebuild
 from .level import Level
 from .stack import ROLLBACK_SLACK, StackSpec
 from .state import ModelState, PrefilledPrompt
+from .tree import fixed_tree
 
 MIN_STREAMING_WINDOW = 1  # a streaming level's budget must hold the sinks and a window of at least this
 
@@ -35,7 +36,7 @@ def max_rollback(stack: StackSpec) -> int:
     """Tokens past the committed sequence that a bounded cache (streaming, retrieval) may be asked
     to drop: a top round of gamma tokens, each made by rounds of the levels below."""
     below = max(stack.gammas[:-1], default=1)
-    return stack.top_gamma * (below + 1) + ROLLBACK_SLACK
+    return max(stack.top_gamma * (below + 1), stack.tree_nodes + len(stack.tree)) + ROLLBACK_SLACK
 
 
 class Decoder:
@@ -77,8 +78,10 @@ class Decoder:
         bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
         proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
                     else KINDS[bottom_spec.kind].drafter(ctx, bottom_spec))
+        tree = fixed_tree(self.stack.tree) if self.stack.tree else None  # drafted by the bottom level only
         for state, gamma in zip(self.states[1:], self.stack.gammas):
-            proposer = Level(state.name, proposer, state, gamma, generator)
+            proposer = Level(state.name, proposer, state, gamma, generator, tree=tree)
+            tree = None
         self.top = proposer
 
     def _useful(self, stack: StackSpec, prompt_len: int) -> StackSpec:

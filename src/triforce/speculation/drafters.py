@@ -13,6 +13,20 @@ import torch
 
 from ..sampling import sample
 from .state import ModelState
+from .tree import DraftTree
+
+
+def sample_children(row: torch.Tensor, m: int, greedy: bool, generator: torch.Generator | None) -> list[int]:
+    """Up to m distinct children of a slot, in the order they are tried: greedy, the top-m of the logits
+    row; else m draws without replacement from the probabilities row (Gumbel top-k: the order of
+    sequential sampling without replacement, with fresh randomness for every slot), never a token of
+    probability 0 (so fewer than m where fewer are possible)."""
+    if greedy:
+        return row.topk(m).indices.tolist()
+    u = torch.rand(row.shape, generator=generator, device=row.device, dtype=torch.float64).clamp_(min=1e-300)
+    keys = row.double().log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q = 0
+    top = keys.topk(m)
+    return top.indices[top.values > float("-inf")].tolist()
 
 
 class ModelDrafter:
@@ -42,6 +56,51 @@ class ModelDrafter:
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
         return self.propose(ctx, committed, 1)[0]
+
+    def propose_tree(self, ctx: list[int], committed: int, template: tuple[int, ...]
+                     ) -> tuple[DraftTree, torch.Tensor | None]:
+        """A draft tree in the shape of `template` (parents, tree.fixed_tree / best_tree), made depth by
+        depth: one forward per depth feeds the tree so far as a token block (each node seeing its
+        ancestors), and each slot's children are drawn from the row after it (sample_children). A slot
+        with fewer possible children than the template asks drops the missing subtrees. -> (the tree,
+        q [len + 1, V]: the row each slot's children came from, zeros at leaves; None when greedy)."""
+        t = time.perf_counter()
+        greedy = self.state.params.greedy
+        kids: list[list[int]] = [[] for _ in range(len(template) + 1)]
+        for node, parent in enumerate(template):
+            kids[parent + 1].append(node)
+        tokens: list[int] = []
+        parents: list[int] = []
+        rows: dict[int, torch.Tensor] = {}  # actual slot -> its row
+        rows[0] = self.state.score(ctx, committed, [], ranked=True)[-1]
+        frontier = [(-1, -1)]  # (template node, actual node) whose children come next
+        while True:
+            nxt = []
+            for t_node, a_node in frontier:
+                want = kids[t_node + 1]
+                if not want:
+                    continue
+                for t_child, token in zip(want, sample_children(rows[a_node + 1], len(want), greedy, self.generator)):
+                    nxt.append((t_child, len(tokens)))
+                    tokens.append(token)
+                    parents.append(a_node)
+            self.syncs += 1
+            frontier = [(tc, ac) for tc, ac in nxt if kids[tc + 1]]
+            if not frontier:
+                break
+            out = self.state.score(ctx, committed, DraftTree(tuple(tokens), tuple(parents)), ranked=True)
+            self.state.keep_path([])  # the next forward feeds the whole tree again
+            for _, ac in frontier:
+                rows[ac + 1] = out[ac + 1]
+        tree = DraftTree(tuple(tokens), tuple(parents))
+        q = None
+        if not greedy:
+            q = torch.zeros(len(tokens) + 1, rows[0].shape[-1], device=rows[0].device)
+            for slot, row in rows.items():
+                q[slot] = row
+        self.tokens += len(tokens)
+        self.seconds += time.perf_counter() - t
+        return tree, q
 
     def stats(self) -> dict:
         return {"level": self.name, "role": "draft", "tokens": self.tokens, "seconds": round(self.seconds, 4),

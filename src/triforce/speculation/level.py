@@ -115,32 +115,41 @@ def accept(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
 
 
 class Level:
-    """`drafter` proposes up to `gamma` tokens, `verifier` checks them in one forward."""
+    """`drafter` proposes up to `gamma` tokens, `verifier` checks them in one forward. With a tree
+    template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a model at the
+    bottom: ModelDrafter.propose_tree), each round drafts that tree instead of a chain (Sequoia)."""
 
-    def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator):
+    def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator,
+                 tree: tuple[int, ...] | None = None):
         self.name, self.drafter, self.verifier, self.gamma, self.generator = name, drafter, verifier, gamma, generator
+        self.tree = tree if tree and hasattr(drafter, "propose_tree") else None
         self.rounds = self.drafted = self.accepted = self.syncs = 0
         self.seconds = 0.0
         self.recent: list[float] = []  # acceptance of the last rounds, for rebuild policies
 
     def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
-        draft, q = self.drafter.propose(ctx, committed, k)
+        if self.tree is not None:
+            tree, q = self.drafter.propose_tree(ctx, committed, self.tree)
+        else:
+            draft, q = self.drafter.propose(ctx, committed, k)
+            tree = DraftTree.chain(draft)
+            if q is not None:
+                q = torch.cat([q, torch.zeros_like(q[:1])])  # the last node is a leaf: no children
         t = time.perf_counter()
-        tree = DraftTree.chain(draft)
         p = self.verifier.score(ctx, committed, tree)
-        if q is not None:
-            q = torch.cat([q, torch.zeros_like(q[:1])])  # the last node is a leaf: no children
         path, nxt = verify_tree(tree, q, p, self.generator)
         self.verifier.keep_path(path)
         j = len(path)
         self.seconds += time.perf_counter() - t
         self.rounds += 1
         self.syncs += 1
-        self.drafted += len(draft)
+        self.drafted += len(tree)
         self.accepted += j
-        if draft:
-            self.recent = (self.recent + [j / len(draft)])[-8:]
-        return draft[:j] + [nxt], (p[:j + 1] if p.dim() == 2 else None)
+        if len(tree):
+            self.recent = (self.recent + [j / len(tree)])[-8:]
+        tokens = [tree.tokens[i] for i in path] + [nxt]  # a tree may give more than k + 1: callers cut
+        slots = [0] + [i + 1 for i in path]  # the verifier's rows after the context and each accepted node
+        return tokens, (p[slots][:len(tokens)] if p.dim() == 2 else None)
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
         """One round at the top of the stack: 1 to gamma + 1 tokens (at most `limit`)."""

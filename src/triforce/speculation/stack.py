@@ -11,6 +11,9 @@
   bottom, or verify the level below and draft for the one above.
 - gammas[i] is how many tokens level i drafts per verification by level i + 1; one value serves
   every boundary.
+- `tree` (`--tree W0,W1,...`): the bottom level, a model, drafts a token tree for the level above
+  instead of a chain (Sequoia): W0 children of the context's last token, W_d children of every node
+  at depth d - 1 (children sampled without replacement; at temperature 0 the top-W).
 
 The named methods are aliases of stacks (`METHOD_STACKS`). Budgets and paddings are computed here,
 once, with named constants.
@@ -35,6 +38,7 @@ ROUND_SLACK = 2
 # Extra room of the capacity-bounded caches (retrieval, streaming) past a round's lookahead: rollback
 # may reach back over a whole round of every level below the top.
 ROLLBACK_SLACK = 8
+MAX_TREE_NODES = 64  # a tree round feeds this many tokens at most (a verification of as many rows)
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,21 @@ class StackSpec:
 
     levels: tuple[LevelSpec, ...]
     gammas: tuple[int, ...]
+    tree: tuple[int, ...] = ()  # widths per depth of the bottom level's draft tree (empty: chains)
 
     def __str__(self) -> str:
         text = ",".join(map(str, self.levels))
-        return text + (f" --gammas {','.join(map(str, self.gammas))}" if self.gammas else "")
+        text += f" --gammas {','.join(map(str, self.gammas))}" if self.gammas else ""
+        return text + (f" --tree {','.join(map(str, self.tree))}" if self.tree else "")
+
+    @property
+    def tree_nodes(self) -> int:
+        """Tokens in the bottom level's draft tree (0: chains)."""
+        total, width = 0, 1
+        for w in self.tree:
+            width *= w
+            total += width
+        return total
 
     @property
     def levels_text(self) -> str:
@@ -80,7 +95,7 @@ class StackSpec:
 
     @classmethod
     def parse(cls, levels: str, gammas: str | int | tuple[int, ...] | list[int] | None = None,
-              default_gamma: int = 4) -> StackSpec:
+              default_gamma: int = 4, tree: str | tuple[int, ...] | None = None) -> StackSpec:
         """Parse `--levels` and `--gammas` (see the module docstring); TriforceError on bad input."""
         parts = [p for p in levels.split(",")]
         if any(not p.strip() for p in parts):
@@ -99,7 +114,14 @@ class StackSpec:
                 values = (gammas,) if isinstance(gammas, int) else tuple(gammas)
             if len(values) == 1:
                 values = values * n
-        stack = cls(specs, tuple(values))
+        widths = ()
+        if tree:
+            try:
+                widths = tuple(int(w) for w in tree.split(",")) if isinstance(tree, str) else tuple(tree)
+            except ValueError:
+                raise TriforceError(f"--tree {tree!r} must be integers separated by commas (children per node at "
+                                    f"each depth, e.g. --tree 3,2,1)") from None
+        stack = cls(specs, tuple(values), widths)
         stack.check()
         return stack
 
@@ -122,6 +144,15 @@ class StackSpec:
                                 f"{self.levels_text}: give one value, or one per boundary; {GRAMMAR}")
         if any(g < 1 for g in self.gammas):
             raise TriforceError(f"--gammas must be >= 1, got {','.join(map(str, self.gammas))}")
+        if self.tree:
+            if any(w < 1 for w in self.tree):
+                raise TriforceError(f"--tree widths must be >= 1, got {','.join(map(str, self.tree))}")
+            if len(kinds) < 2 or kinds[0] in DRAFT_ONLY:
+                raise TriforceError(f"--tree needs a model at the bottom of the stack to draft the tree (streaming, "
+                                    f"retrieval or draft), not {self.levels_text}; e.g. --levels streaming,full --tree 3,2")
+            if self.tree_nodes > MAX_TREE_NODES:
+                raise TriforceError(f"--tree {','.join(map(str, self.tree))} has {self.tree_nodes} nodes: at most "
+                                    f"{MAX_TREE_NODES} (every node is a row of the verification)")
 
     def check_budgets(self, max_context: int, default_budgets: dict[str, int], min_streaming: int) -> None:
         """Budgets (a level's own, else default_budgets[kind]) against the model's context and the
@@ -145,18 +176,20 @@ class StackSpec:
         return self.gammas[-1] if self.gammas else 0
 
     def lookahead(self) -> int:
-        """Tokens past the committed sequence a cache may hold within one round."""
-        return self.top_gamma + ROUND_SLACK
+        """Tokens past the committed sequence a cache may hold within one round (a tree: all its nodes)."""
+        return max(self.top_gamma, self.tree_nodes) + ROUND_SLACK
 
     def without(self, index: int) -> StackSpec:
         """The stack without level `index` (not the top); the level below it drafts for the one above
         with the removed level's gamma (the one nearer the top)."""
         levels = self.levels[:index] + self.levels[index + 1:]
         gammas = self.gammas[:max(index - 1, 0)] + self.gammas[index:] if index else self.gammas[1:]
-        return replace(self, levels=levels, gammas=gammas)
+        return replace(self, levels=levels, gammas=gammas, tree=self.tree if index else ())
 
 
-METHODS = ("ar", "triforce", "retrieval", "streaming", "ngram", "draft")
+METHODS = ("ar", "triforce", "retrieval", "streaming", "ngram", "draft", "sequoia")
+# sequoia's tree (widths per depth): 10 nodes, depth 3; not yet chosen by `triforce tune` (docs/trees.md)
+SEQUOIA_TREE = (2, 2, 1)
 
 
 def method_stack(method: str, gamma: int = 4, gamma_draft: int = 3, bottom: str = "ngram",
@@ -171,11 +204,12 @@ def method_stack(method: str, gamma: int = 4, gamma_draft: int = 3, bottom: str 
         "draft": ("draft,full", (gamma,)),
         "retrieval": (f"{r},full", (gamma,)),
         "triforce": (f"{bottom},{r},full", (gamma_draft, gamma)),
+        "sequoia": ("streaming,full", (gamma,)),
     }
     if method not in stacks:
         raise TriforceError(f"unknown method {method!r}: choose one of {', '.join(stacks)}, or give --levels")
     levels, gammas = stacks[method]
-    return StackSpec.parse(levels, gammas or None, gamma)
+    return StackSpec.parse(levels, gammas or None, gamma, SEQUOIA_TREE if method == "sequoia" else None)
 
 
 METHOD_DOC = {
@@ -185,4 +219,5 @@ METHOD_DOC = {
     "draft": "draft,full: a small model (--draft PATH)",
     "retrieval": "retrieval,full: the target with a retrieval cache (TriForce without hierarchy)",
     "triforce": "DRAFTER,retrieval,full: TriForce (DRAFTER from --draft: ngram, streaming or a model)",
+    "sequoia": "streaming,full --tree 2,2,1: token trees drafted by the target with a StreamingLLM cache",
 }

@@ -69,13 +69,14 @@ class ModelState:
         return n
 
     @torch.inference_mode()
-    def score(self, ctx: list[int], committed: int, draft: list[int] | DraftTree) -> torch.Tensor:
+    def score(self, ctx: list[int], committed: int, draft: list[int] | DraftTree, ranked: bool = False) -> torch.Tensor:
         """Next-token distributions after ctx and after each drafted token: [len(draft) + 1, V]
         (fp32, after temperature, top-k, top-p; row 0 after ctx, row i + 1 after draft node i); when
         greedy, their argmax ids [len(draft) + 1] instead (a one-hot distribution is its argmax).
         One forward over the ctx tokens not yet fed plus the draft: a list is a chain, a DraftTree
         is fed as a token block (each node at position len(ctx) + depth, seeing its ancestors) and
-        must be followed by keep_path() before the next forward."""
+        must be followed by keep_path() before the next forward. `ranked`: when greedy, the fp32 logits
+        rows instead of their argmax (a tree drafter takes each slot's top-k)."""
         n = self._sync(ctx, committed)
         pending = ctx[n:]
         tree = draft if isinstance(draft, DraftTree) else None
@@ -92,7 +93,7 @@ class ModelState:
         self.forwards += 1
         self.fed.extend(feed)
         if self.params.greedy:
-            return logits.argmax(-1)
+            return logits if ranked else logits.argmax(-1)
         return probs_from_logits(logits, self.params)
 
     def keep_path(self, path: list[int]) -> None:

@@ -69,3 +69,51 @@ class DraftTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+
+def fixed_tree(widths) -> tuple[int, ...]:
+    """The parents of a tree template whose nodes at depth d each have widths[d] children (the root's
+    children are depth 0), in breadth-first order, siblings in rank order: (2, 2) -> 2 + 4 nodes."""
+    parents: list[int] = []
+    frontier = [-1]
+    for w in widths:
+        nxt = []
+        for p in frontier:
+            for _ in range(w):
+                nxt.append(len(parents))
+                parents.append(p)
+        frontier = nxt
+    return tuple(parents)
+
+
+def best_tree(acceptance, n_nodes: int, max_depth: int) -> tuple[int, ...]:
+    """Sequoia's tree for a positional acceptance vector: acceptance[r] is the probability that the
+    (r + 1)-th child tried at a slot is accepted given the ones before it were rejected. A node's chance
+    of being reached and accepted is the product, along its path, of P(its rank is tried and accepted)
+    = prod(1 - a[s] for s < r) * a[r]; the expected accepted tokens of a tree is the sum over its nodes.
+    Every candidate node is worth no more than its parent and its earlier sibling, so adding the most
+    valuable candidate n_nodes times (best-first) is optimal (what the paper's dynamic program computes
+    under this model). -> parents in the order added (a parent before its children, siblings in rank order)."""
+    import heapq
+
+    reach = []  # reach[r]: P(child r is tried and accepted)
+    rejected = 1.0
+    for a in acceptance:
+        reach.append(rejected * a)
+        rejected *= 1.0 - a
+    parents: list[int] = []
+    # candidates: (-value, tie-break, parent node, rank, depth)
+    heap = [(-reach[0], 0, -1, 0, 0)] if reach and n_nodes > 0 and max_depth > 0 else []
+    count = 1
+    while heap and len(parents) < n_nodes:
+        neg, _, parent, rank, depth = heapq.heappop(heap)
+        node = len(parents)
+        parents.append(parent)
+        if rank + 1 < len(reach):  # its next sibling
+            heapq.heappush(heap, (neg / reach[rank] * reach[rank + 1] if reach[rank] > 0 else 0.0, count,
+                                  parent, rank + 1, depth))
+            count += 1
+        if depth + 1 < max_depth:  # its first child
+            heapq.heappush(heap, (neg * reach[0], count, node, 0, depth + 1))
+            count += 1
+    return tuple(parents)
