@@ -213,12 +213,13 @@ def test_greedy_equals_ar_on_embedded_model(smollm, all_threads, n_prompt, offse
     new = 24
     # a budget well below the prompt, so the retrieval level really drops most of the context
     cfg = SpecConfig(budget=512, recent=32, rebuild_every=16, window=128, sink=4)
-    stacks = [method_stack(m, cfg.gamma, cfg.gamma_draft) for m in ("ar", "triforce", "retrieval", "streaming", "ngram")]
+    stacks = [method_stack(m, cfg.gamma, cfg.gamma_draft) for m in ("ar", "triforce", "retrieval", "streaming", "ngram",
+                                                                    "sequoia")]
     stacks += [StackSpec.parse(levels, gammas) for levels, gammas in USER_STACKS_EMBEDDED]
     shared = PrefilledPrompt(model, prompt, max(full_capacity(n_prompt, new, s) for s in stacks))
     ref = generate(model, prompt, new, method="ar", prefilled=shared).tokens
     for method, drafter in [("triforce", "ngram"), ("triforce", "streaming"), ("retrieval", "ngram"),
-                            ("streaming", "ngram"), ("ngram", "ngram")]:
+                            ("streaming", "ngram"), ("ngram", "ngram"), ("sequoia", "ngram")]:
         res = generate(model, prompt, new, method=method, config=SpecConfig(**{**cfg.__dict__, "draft": drafter}),
                        prefilled=shared)
         assert res.tokens == ref, (method, drafter)

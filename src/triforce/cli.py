@@ -173,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context-lengths", default="8192,16384", metavar="N,N", help="prompt lengths in tokens")
     b.add_argument("--methods", default="ar,triforce,retrieval,streaming,ngram", metavar="M,M",
                    help=f"methods to run, from {', '.join(METHODS)} (ar is always run: it is the baseline)")
-    b.add_argument("--stacks", default="", metavar="LEVELS[@GAMMAS];...",
-                   help="also run these stacks (the --levels grammar, gammas after @, stacks separated by ;), "
-                        "e.g. 'ngram,streaming,retrieval:1024,full@3,3,4;streaming:600,full@5'")
+    b.add_argument("--stacks", default="", metavar="LEVELS[@GAMMAS[@TREE]];...",
+                   help="also run these stacks (the --levels grammar, gammas after @, a --tree after a second @, "
+                        "stacks separated by ;), e.g. 'ngram,streaming,retrieval:1024,full@3,3,4;streaming:600,full@5'"
+                        " or 'streaming,full@4@3,2,1'")
     b.add_argument("--temperatures", default="0,0.6", metavar="T,T", help="temperatures (top-p 0.9 when T > 0)")
     b.add_argument("--prompts", type=_positive_int, default=1, metavar="N",
                    help="prompts per context length, cut from Shakespeare's plays (verse and prose)")
@@ -440,8 +441,10 @@ def _run(args) -> int:
         unknown = set(args.methods.split(",")) - set(METHODS)
         if unknown:
             raise TriforceError(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
-        stacks = [StackSpec.parse(*(part.split("@", 1) if "@" in part else (part, None)), config.gamma)
-                   for part in args.stacks.split(";") if part.strip()]
+        stacks = []
+        for part in (p for p in args.stacks.split(";") if p.strip()):
+            levels, gammas, tree = (part.split("@") + [None, None])[:3]
+            stacks.append(StackSpec.parse(levels, gammas or None, config.gamma, tree or None))
         return bench_main(args, config, draft_path, stacks)
     if args.command == "serve":
         return cmd_serve(args, config, draft_path)
