@@ -159,6 +159,23 @@ def test_tune_predicts_and_checks(tmp_path):
 
 
 @needs_model
+def test_tune_trees():
+    """`tune --trees`: the probe's acceptance per child rank (rank 0 tried at every path slot), forward
+    costs, and the best widths-per-depth tree as flags that parse."""
+    from triforce.speculation.stack import StackSpec
+
+    r = run("tune", "--trees", "--context-length", "600", "--tokens", "16", "--json", "--quiet", "--sink", "4",
+            "--window", "64", "--max-tree-nodes", "6")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    acc, tried = out["acceptance_by_rank"], out["tried_by_rank"]
+    assert len(acc) == 4 and all(0 <= a <= 1 for a in acc) and tried[0] >= max(tried) and tried[0] > 0
+    assert out["best"]["predicted_ms_per_token"] == min(x["predicted_ms_per_token"] for x in out["top"])
+    assert all(x["nodes"] <= 6 for x in out["top"])
+    assert StackSpec.parse("streaming,full", 4, tree=out["best"]["tree"]).tree_nodes == out["best"]["nodes"]
+
+
+@needs_model
 def test_bench_on_the_users_own_files(tmp_path):
     from triforce.corpus import demo_tokens
     from triforce.loading import load_model

@@ -35,3 +35,36 @@ def test_predict_prefers_cheap_drafts_when_acceptance_is_high():
     good = predict_ms(cost_full, cost_retr, 0.9, 0.8, 8, 3)
     bad = predict_ms(cost_full, cost_retr, 0.2, 0.8, 8, 3)
     assert good < cost_full[1] < bad
+
+
+def test_tree_value_matches_simulated_rounds():
+    """tree_value (expected tokens per round of a tree under the positional acceptance model) against a
+    simulation of Sequoia's walk: at each slot children are tried in rank order, rank r accepted with
+    probability a[r] given the earlier ones rejected; the walk goes on from an accepted child."""
+    import random
+
+    from triforce.bench.tune import tree_value
+    from triforce.speculation.tree import DraftTree, fixed_tree
+
+    a = [0.6, 0.4, 0.3]
+    parents = fixed_tree((3, 2, 1))
+    kids = DraftTree(tuple(range(len(parents))), parents).children
+    rng, n, total = random.Random(0), 40000, 0
+    for _ in range(n):
+        slot, tokens = 0, 1
+        while True:
+            nxt = next((c for r, c in enumerate(kids[slot]) if rng.random() < (a[r] if r < len(a) else 0)), None)
+            if nxt is None:
+                break
+            tokens += 1
+            slot = nxt + 1
+        total += tokens
+    assert total / n == pytest.approx(tree_value(parents, a), abs=0.02)
+
+
+def test_width_trees_enumerates_bounded_shapes():
+    from triforce.bench.tune import width_trees
+
+    trees = dict(width_trees(10, 3, max_width=3))
+    assert (2, 2, 1) in trees and len(trees[(2, 2, 1)]) == 10 and (3, 3) not in trees  # 3 + 9 > 10
+    assert all(len(p) <= 10 and len(w) <= 3 and list(w) == sorted(w, reverse=True) for w, p in trees.items())

@@ -213,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the best flags, depend on it")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--check", action="store_true", help="also run the tuned and the default settings for real")
+    t.add_argument("--trees", action="store_true",
+                   help="tune Sequoia trees instead (streaming,full --tree): measure the acceptance of each child "
+                        "rank and the forward costs, predict every widths-per-depth tree, print the best")
+    t.add_argument("--max-tree-nodes", type=_positive_int, default=32, metavar="N",
+                   help="--trees: largest tree considered (default 32)")
     t.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
     t.add_argument("--json", action="store_true", help="print the measurements and predictions as JSON")
     t.add_argument("--quiet", action="store_true")

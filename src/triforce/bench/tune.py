@@ -136,6 +136,11 @@ def main(args, config) -> int:
                         weights=args.weights,
                         progress=not args.quiet, kv_dtype=getattr(args, "kv_dtype", None))
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.context_length + args.tokens + 80 > loaded.config.max_context:
+        raise TriforceError(f"--context-length {args.context_length} plus {args.tokens} tokens exceeds the model's "
+                            f"context of {loaded.config.max_context}: lower --context-length or raise --max-context")
+    if args.trees:
+        return _main_trees(args, config, loaded, log)
     budgets = [b for b in asked if b + config.chunk_size < args.context_length]
     if not budgets:
         raise TriforceError(f"every budget in --budgets {args.budgets} is as large as --context-length "
@@ -169,3 +174,140 @@ def main(args, config) -> int:
               f"{best['predicted_ms_per_token']} ms/token (x{out['predicted_ar_ms_per_token'] / best['predicted_ms_per_token']:.2f})")
         print(f"  flags: --budget {best['budget']} --gamma {best['gamma']} --gamma-draft {best['gamma_draft']}")
     return 0
+
+
+def _main_trees(args, config, loaded, log) -> int:
+    from ..corpus import demo_tokens
+    from ..generate import generate
+    from ..speculation.stack import StackSpec
+    from ..speculation.state import PrefilledPrompt
+    from .methods import sampling_params
+
+    prompt = demo_tokens(loaded.tokenizer, args.context_length)
+    t = time.perf_counter()
+    shared = PrefilledPrompt(loaded.model, prompt, args.context_length + max(args.tokens, 64) + 80,
+                             config.prefill_chunk, not args.quiet)
+    log(f"prefill of {args.context_length} tokens: {time.perf_counter() - t:.1f} s")
+    out = tune_trees(loaded, shared, prompt, config, args.tokens, args.temperature, args.seed,
+                     max_nodes=args.max_tree_nodes, log=log)
+    best = out["best"]
+    if args.check:
+        runs = {}
+        for name, stack in (("ar", StackSpec.parse("full")), ("tuned", StackSpec.parse("streaming,full", config.gamma,
+                                                                                      tree=best["tree"]))):
+            res = generate(loaded.model, prompt, args.tokens, sampling_params(args.temperature), stack=stack,
+                           config=config, prefilled=shared, seed=args.seed)
+            runs[name] = res.decode_seconds / len(res.tokens) * 1e3
+        out["check"] = {"tuned_ms_per_token": round(runs["tuned"], 2), "ar_ms_per_token": round(runs["ar"], 2),
+                        "speedup_vs_ar": round(runs["ar"] / runs["tuned"], 3)}
+        log(f"check: streaming,full --tree {best['tree']} {runs['tuned']:.1f} ms/token, ar {runs['ar']:.1f}")
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"context {args.context_length}, temperature {args.temperature}: ar ~{out['predicted_ar_ms_per_token']} "
+              f"ms/token; best tree predicted {best['predicted_ms_per_token']} ms/token "
+              f"(x{out['predicted_ar_ms_per_token'] / best['predicted_ms_per_token']:.2f}, "
+              f"{best['expected_tokens']} tokens per round)")
+        print(f"  flags: --levels streaming,full --tree {best['tree']}")
+    return 0
+
+
+# --- Sequoia trees: `triforce tune --trees` ------------------------------------------------------------
+
+PROBE_TREE = (4, 2, 2, 1)  # wide at the root, where most ranks are tried: 4 + 8 + 16 + 16 = 44 nodes
+
+
+def tree_value(parents, acceptance) -> float:
+    """Expected tokens of a round drafting this tree (1 + the expected accepted nodes) under the positional
+    acceptance model: a child of rank r is tried and accepted with prod(1 - a[s], s < r) * a[r]."""
+    reach, rejected = [], 1.0
+    for a in acceptance:
+        reach.append(rejected * a)
+        rejected *= 1.0 - a
+    kids: dict[int, int] = {}
+    value: list[float] = []
+    for p in parents:
+        r = kids.get(p, 0)
+        kids[p] = r + 1
+        value.append((value[p] if p >= 0 else 1.0) * (reach[r] if r < len(reach) else 0.0))
+    return 1.0 + sum(value)
+
+
+def width_trees(max_nodes: int, max_depth: int, max_width: int = 4):
+    """Every widths-per-depth tree (`--tree W0,W1,...`, widths not increasing with depth) of at most
+    max_nodes nodes and max_depth depths."""
+    from ..speculation.tree import fixed_tree
+
+    def grow(widths):
+        if widths:
+            yield tuple(widths), fixed_tree(widths)
+        if len(widths) == max_depth:
+            return
+        for w in range(1, (widths[-1] if widths else max_width) + 1):
+            nxt = widths + [w]
+            if len(fixed_tree(nxt)) <= max_nodes:
+                yield from grow(nxt)
+
+    yield from grow([])
+
+
+def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperature: float, seed: int,
+               repeats: int = 3, max_nodes: int = 32, max_depth: int = 6, progress: bool = True, log=print) -> dict:
+    """Sequoia's hardware-aware choice for `streaming,full --tree`: the positional acceptance vector of the
+    streaming level's trees under the full model, measured from a run with a wide probe tree; the cost of a
+    full-cache forward of k tokens and of a streaming-cache forward of k tokens (k up to max_nodes + 2);
+    then, for every widths-per-depth tree, predicted ms/token = (the draft's forwards, one per depth,
+    each feeding the tree so far, + the verification of all nodes) / expected tokens per round. Also the
+    expected tokens of Sequoia's optimal tree (tree.best_tree) of as many nodes, for reference."""
+    from ..generate import generate
+    from ..speculation.stack import StackSpec
+    from ..speculation.tree import best_tree
+    from .decode_step import time_forwards
+    from .methods import sampling_params
+
+    model = loaded.model
+    probe = StackSpec.parse("streaming,full", config.gamma, tree=PROBE_TREE)
+    res = generate(model, prompt, tokens, sampling_params(temperature), stack=probe, config=config, prefilled=shared,
+                   seed=seed)
+    top = res.stats["levels"][0]
+    acceptance = top["acceptance_by_rank"]
+    log(f"trees, T={temperature}: acceptance by child rank {acceptance} (tried {top['tried_by_rank']})")
+
+    full = shared.cache
+    length = shared.restore(prompt).length
+    sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_nodes + 3)) | {max_nodes + 2})
+    cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3 for k in sizes}
+    from ..speculation.kinds import KINDS, BuildContext
+    from ..speculation.decoder import max_rollback
+
+    ctx = BuildContext(model, sampling_params(temperature), config, length + 256, max_rollback(probe))
+    state = KINDS["streaming"].state(ctx, probe.levels[0], "streaming")
+    KINDS["streaming"].prefill(state, prompt[:-1], None, config)
+    cost_stream = {k: time_forwards(state.model, state.cache, state.cache.length, k, repeats) * 1e3 for k in sizes}
+    shared.restore(prompt)
+
+    def interp(costs: dict[int, float], k: int) -> float:
+        lo = max(s for s in costs if s <= k)
+        hi = min((s for s in costs if s >= k), default=lo)
+        return costs[lo] if hi == lo else costs[lo] + (costs[hi] - costs[lo]) * (k - lo) / (hi - lo)
+
+    rows = []
+    for widths, parents in width_trees(max_nodes, max_depth):
+        fed, drafting = 0, interp(cost_stream, 1)  # the root's row, then one forward per depth but the last
+        width = 1
+        for w in widths[:-1]:
+            width *= w
+            fed += width
+            drafting += interp(cost_stream, fed + 1)
+        verify = interp(cost_full, len(parents) + 1)
+        e = tree_value(parents, acceptance)
+        rows.append({"tree": ",".join(map(str, widths)), "nodes": len(parents), "expected_tokens": round(e, 3),
+                     "predicted_ms_per_token": round((drafting + verify) / e, 2)})
+    rows.sort(key=lambda r: r["predicted_ms_per_token"])
+    best = rows[0]
+    optimal = tree_value(best_tree(acceptance, best["nodes"], max_depth), acceptance)
+    return {"temperature": temperature, "acceptance_by_rank": acceptance, "tried_by_rank": top["tried_by_rank"],
+            "cost_full_ms": {k: round(v, 2) for k, v in cost_full.items()},
+            "cost_streaming_ms": {k: round(v, 2) for k, v in cost_stream.items()},
+            "predicted_ar_ms_per_token": round(cost_full[1], 2), "best": best, "top": rows[:10],
+            "sequoia_optimal_expected_tokens_same_nodes": round(optimal, 3)}

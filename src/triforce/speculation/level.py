@@ -126,6 +126,10 @@ class Level:
         self.rounds = self.drafted = self.accepted = self.syncs = 0
         self.seconds = 0.0
         self.recent: list[float] = []  # acceptance of the last rounds, for rebuild policies
+        # trees: per child rank, how often a child of that rank was tried / accepted at the slots of the
+        # accepted path (Sequoia's positional acceptance vector: accepted / tried, `triforce tune --trees`)
+        self.rank_tried: list[int] = []
+        self.rank_accepted: list[int] = []
 
     def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
         if self.tree is not None:
@@ -147,9 +151,30 @@ class Level:
         self.accepted += j
         if len(tree):
             self.recent = (self.recent + [j / len(tree)])[-8:]
+        if self.tree is not None:
+            self._count_ranks(tree, path)
         tokens = [tree.tokens[i] for i in path] + [nxt]  # a tree may give more than k + 1: callers cut
         slots = [0] + [i + 1 for i in path]  # the verifier's rows after the context and each accepted node
         return tokens, (p[slots][:len(tokens)] if p.dim() == 2 else None)
+
+    def _count_ranks(self, tree: DraftTree, path: list[int]) -> None:
+        """At each slot of the accepted path (the root, then each accepted node): its children up to the
+        accepted one were tried, that one accepted; at the last slot every child was tried and rejected."""
+        slots = [-1] + path
+        for i, slot in enumerate(slots):
+            kids = tree.children[slot + 1]
+            accepted = kids.index(slots[i + 1]) if i + 1 < len(slots) else None
+            tried = len(kids) if accepted is None else accepted + 1
+            while len(self.rank_tried) < len(kids):
+                self.rank_tried.append(0)
+                self.rank_accepted.append(0)
+            for r in range(tried):
+                self.rank_tried[r] += 1
+            if accepted is not None:
+                self.rank_accepted[accepted] += 1
+
+    def acceptance_by_rank(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.rank_accepted, self.rank_tried)]
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
         """One round at the top of the stack: 1 to gamma + 1 tokens (at most `limit`)."""
@@ -176,4 +201,6 @@ class Level:
             "tokens_per_round": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else None,
             "seconds": round(self.seconds, 4), "forwards": self.verifier.forwards,
             "host_syncs": self.syncs, "syncs_per_round": round(self.syncs / self.rounds, 3) if self.rounds else None,
+            **({"tree_nodes": len(self.tree), "acceptance_by_rank": [round(a, 4) for a in self.acceptance_by_rank()],
+                "tried_by_rank": list(self.rank_tried)} if self.tree is not None else {}),
         }
