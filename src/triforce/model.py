@@ -21,6 +21,7 @@ from . import kernels
 from .config import ModelConfig
 from .errors import TriforceError
 from .caches.base import SLIDING_WINDOW_UNSUPPORTED, KVCache, TokenBlock, causal_mask, kv_dtype
+from .caches.quantized import QuantizedKV
 from .quantized import BF16, QuantTensor, dequantize
 from .rope import Rotary, apply_rotary
 
@@ -185,7 +186,8 @@ KERNEL_HEAD_DIMS = (64, 128, 256)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None,
               ops=None) -> torch.Tensor:
-    """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL or [T, S] bool -> [B, Hq, T, D].
+    """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL or [T, S] bool -> [B, Hq, T, D]. (k a
+    caches.quantized.QuantizedKV instead: the quantized cache's attention, v and mask unused.)
     `ops`: the compiled kernels (the model's backend) or None for PyTorch's attention.
 
     k and v are the cache's (its dtype: fp32, bf16 or fp16; q keeps the model's). The kernel reads fp32
@@ -194,9 +196,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     Scores are q . k * scale (None: D ** -0.5). Query head h uses KV head h // g (the transformers convention).
     """
     B, Hq, T, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    if isinstance(k, QuantizedKV):  # a quantized cache: its planes and buffer, read by its own attention
+        return k.attend(q, scale, ops)
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
     if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D in KERNEL_HEAD_DIMS \
             and (mask is None or isinstance(mask, str)) and ops is not None \
             and (k.dtype == torch.float32 or getattr(ops, "HALF_KV", False)):
