@@ -233,6 +233,24 @@ class QuantizedCache(KVCache):
             self.queries = [q[:, :, idx] if q is not None else None for q in self.queries]
         self.length = start + len(rows)
 
+    def build(self, full) -> None:
+        """Start over as the quantization of the first `full.length` tokens of `full` (a FullCache; its K/V
+        are cast when read): positions < fp_from(full.length) into the planes, TILE tokens at a time, the rest
+        into the buffer. A kv4 level starts from the target's prompt this way instead of a prefill of its own."""
+        n = full.length
+        a = fp_from(n)
+        check_capacity(n, self.capacity, "the quantized KV cache")
+        self.length = self.nq = self.fb = 0
+        if n - a > self.fk.shape[3]:
+            self._grow(n - a + GROUP_K)
+        for layer in range(self.n_layers):
+            for t0 in range(0, a, TILE):
+                t1 = min(a, t0 + TILE)
+                self.store(layer, t0, full.k[layer, :, :, t0:t1], full.v[layer, :, :, t0:t1])
+        self.fk[:, :, :, :n - a] = full.k[:, :, :, a:n]
+        self.fv[:, :, :, :n - a] = full.v[:, :, :, a:n]
+        self.length, self.nq, self.fb = n, a // GROUP_K, a
+
     # --- reading ----------------------------------------------------------------------------------------
 
     def dequantized(self, layer: int, start: int, end: int, four_bit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 from ..errors import TriforceError
 from ..caches import SLIDING_WINDOW_UNSUPPORTED, RetrievalCache, StreamingCache
 from ..caches.base import kv_dtype
+from ..caches.quantized import QuantizedCache
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
@@ -161,6 +162,27 @@ class Retrieval(Kind):
         return True
 
 
+class KV4(Kind):
+    """QuantSpec's draft: the target (draft weights) reading its KV cache at 4 bits, the upper planes of the
+    hierarchical INT8 layout (caches/quantized.py), with the newest tokens in full precision. Over a float
+    target cache: a cache of its own holding the upper plane only (config.draft_kv_dtype for its buffer),
+    started as the quantization of the target's prompt cache (no prefill of its own) and kept in step by
+    feeding the level's tokens as any level does."""
+
+    name = "kv4"
+
+    def state(self, ctx, spec, name):
+        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
+        _refuse_sliding_windows(m)
+        cache = QuantizedCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, ctx.capacity, bits=4,
+                               max_rollback=ctx.max_rollback, dtype=kv_dtype(cfg.draft_kv_dtype), device=m.device)
+        return ModelState(name, m, cache, ctx.params)
+
+    def prefill(self, state, head, full, config):
+        state.cache.build(full.cache)
+        state.fed, state.stable = list(full.fed), len(full.fed)
+
+
 def _refuse_sliding_windows(model: Transformer) -> None:
     """Before any prefill: the drafting caches do not implement sliding-window layers (Gemma 3)."""
     if model.cfg.layer_windows is not None:
@@ -174,4 +196,4 @@ def rebuild(state: ModelState, full: ModelState) -> None:
     state.stable = len(full.fed)
 
 
-KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval())}
+KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), KV4())}
