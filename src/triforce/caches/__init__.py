@@ -1,10 +1,11 @@
-"""KV caches behind one interface: full, sliding-window (Gemma 3), StreamingLLM (sink + window) and TriForce
-retrieval."""
+"""KV caches behind one interface: full, sliding-window (Gemma 3), StreamingLLM (sink + window), TriForce
+retrieval, and quantized (int8 / the 4-bit planes of kv4)."""
 from .base import SLIDING_WINDOW_UNSUPPORTED, KVCache
 from .full import FullCache
+from .quantized import QuantizedCache
 from .retrieval import RetrievalCache
 from .sliding import SlidingWindowCache
 from .streaming import StreamingCache
 
-__all__ = ["KVCache", "FullCache", "RetrievalCache", "SlidingWindowCache", "StreamingCache",
+__all__ = ["KVCache", "FullCache", "QuantizedCache", "RetrievalCache", "SlidingWindowCache", "StreamingCache",
            "SLIDING_WINDOW_UNSUPPORTED"]

@@ -83,11 +83,23 @@ class QuantizedCache(KVCache):
     the target's cache, --kv-dtype int8) or 4 (the upper plane only: a kv4 level's own cache over a target
     with a float cache). `dtype`: the full-precision buffer's. `max_rollback`: the furthest rollback below
     `length` the cache must allow (the buffer keeps what such a rollback needs). With `record_queries=True`
-    the last forward's post-RoPE queries are kept per layer, as FullCache keeps them (retrieval builds)."""
+    the last forward's post-RoPE queries are kept per layer, as FullCache keeps them (retrieval builds).
+
+    `shared`: an int8 QuantizedCache (the target's) whose upper planes, scales and zeros this cache reads instead
+    of planes of its own (a kv4 level over an int8 target: no second copy of the cache). It then never
+    quantizes: a query at p reads positions < min(fp_from(p), what `shared` has quantized) from the shared
+    planes and the rest from its own buffer, which keeps every position `shared` has not quantized yet (the
+    draft's boundary depends on the target's progress; exactness does not, the target verifies)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, bits: int = 8,
                  max_rollback: int = 256, batch: int = 1, dtype: torch.dtype = torch.float16,
-                 device: torch.device | str = "cpu", record_queries: bool = False):
+                 device: torch.device | str = "cpu", record_queries: bool = False,
+                 shared: QuantizedCache | None = None):
+        if shared is not None:
+            if shared.shared is not None or shared.k_lo is None or (n_layers, n_kv_heads, head_dim, batch) != (
+                    shared.n_layers, shared.n_kv_heads, shared.head_dim, shared.batch):
+                raise TriforceError("a cache can only share the planes of an int8 QuantizedCache of its own shape")
+            bits, capacity = 4, shared.capacity
         if bits not in (4, 8):
             raise TriforceError(f"a quantized KV cache has 4 or 8 bits, got {bits}")
         self.group_v = min(GROUP_V, head_dim)  # a head dim below GROUP_V (tiny test models): one group per head
@@ -96,16 +108,22 @@ class QuantizedCache(KVCache):
                                 f"divisor of it), got {head_dim}")
         self.n_layers, self.capacity, self.bits, self.max_rollback = n_layers, capacity, bits, max_rollback
         self.n_kv_heads, self.head_dim, self.batch, self.dtype = n_kv_heads, head_dim, batch, dtype
+        self.shared = shared
         groups = -(-capacity // GROUP_K)
         tokens = groups * GROUP_K
         plane = (n_layers, batch, n_kv_heads, tokens, head_dim // 2)
-        self.k_hi, self.v_hi = kv_buffer(plane, torch.uint8, device), kv_buffer(plane, torch.uint8, device)
-        self.k_lo = kv_buffer(plane, torch.uint8, device) if bits == 8 else None
-        self.v_lo = kv_buffer(plane, torch.uint8, device) if bits == 8 else None
-        self.k_scale = kv_buffer((n_layers, batch, n_kv_heads, groups, head_dim), torch.float16, device)
-        self.k_zero = kv_buffer((n_layers, batch, n_kv_heads, groups, head_dim), torch.float16, device)
         vs = (n_layers, batch, n_kv_heads, tokens, head_dim // self.group_v)
-        self.v_scale, self.v_zero = kv_buffer(vs, torch.float16, device), kv_buffer(vs, torch.float16, device)
+        if shared is not None:  # the same tensors: written by the target's forwards only
+            self.k_hi, self.v_hi, self.k_lo, self.v_lo = shared.k_hi, shared.v_hi, None, None
+            self.k_scale, self.k_zero, self.v_scale, self.v_zero = (shared.k_scale, shared.k_zero, shared.v_scale,
+                                                                    shared.v_zero)
+        else:
+            self.k_hi, self.v_hi = kv_buffer(plane, torch.uint8, device), kv_buffer(plane, torch.uint8, device)
+            self.k_lo = kv_buffer(plane, torch.uint8, device) if bits == 8 else None
+            self.v_lo = kv_buffer(plane, torch.uint8, device) if bits == 8 else None
+            self.k_scale = kv_buffer((n_layers, batch, n_kv_heads, groups, head_dim), torch.float16, device)
+            self.k_zero = kv_buffer((n_layers, batch, n_kv_heads, groups, head_dim), torch.float16, device)
+            self.v_scale, self.v_zero = kv_buffer(vs, torch.float16, device), kv_buffer(vs, torch.float16, device)
         self.length = 0
         self.nq = 0  # quantized groups: positions [0, nq * GROUP_K) are in the planes
         self.fb = 0  # the buffer holds positions fb .. length - 1 (fb a multiple of GROUP_K)
@@ -133,7 +151,10 @@ class QuantizedCache(KVCache):
         self.fk, self.fv = fk, fv
 
     def _advance(self, fb: int) -> None:
-        """Drop buffer positions below `fb` (a multiple of GROUP_K), quantizing them first if needed."""
+        """Drop buffer positions below `fb` (a multiple of GROUP_K), quantizing them first if needed (sharing
+        planes: only positions the shared cache has quantized)."""
+        if self.shared is not None:
+            fb = min(fb, self.shared.nq * GROUP_K)
         if fb <= self.fb:
             return
         self._quantize(range(self.n_layers), fb // GROUP_K)
@@ -146,7 +167,7 @@ class QuantizedCache(KVCache):
     def _quantize(self, layers, upto: int) -> None:
         """Quantize groups nq .. upto - 1 of `layers` from the buffer (their positions must be in it)."""
         g0 = self.nq
-        if upto <= g0:
+        if upto <= g0 or self.shared is not None:
             return
         assert g0 * GROUP_K >= self.fb, (g0, self.fb)
         a, b = g0 * GROUP_K, upto * GROUP_K
@@ -188,6 +209,13 @@ class QuantizedCache(KVCache):
                 raise TriforceError(f"a draft tree reaches {GROUP_K} tokens past a quantization group: "
                                     f"use trees shallower than {GROUP_K}")
         qb = fp_from_tensor(positions)
+        if self.shared is not None:  # the shared planes as far as the target has quantized, then the buffer
+            avail = self.shared.nq * GROUP_K
+            if avail < self.fb:
+                raise TriforceError(f"the int8 cache shared by a kv4 level was rolled back below position {self.fb}, "
+                                    f"which the level no longer holds: keep rollbacks within {GROUP_K} tokens")
+            qb = qb.clamp(max=avail)
+            self._nq_target = min(self._nq_target, self.shared.nq)
         old = torch.arange(self.fb, L, device=dev)
         key_pos = torch.cat([old, positions])
         visible = key_pos[None, :] >= qb[:, None]
@@ -236,8 +264,17 @@ class QuantizedCache(KVCache):
     def build(self, full) -> None:
         """Start over as the quantization of the first `full.length` tokens of `full` (a FullCache; its K/V
         are cast when read): positions < fp_from(full.length) into the planes, TILE tokens at a time, the rest
-        into the buffer. A kv4 level starts from the target's prompt this way instead of a prefill of its own."""
+        into the buffer. A kv4 level starts from the target's prompt this way instead of a prefill of its own.
+        Sharing planes, `full` is the shared cache: its buffer is copied, its planes are already ours."""
         n = full.length
+        if self.shared is not None:
+            assert full is self.shared
+            if n - full.fb > self.fk.shape[3]:
+                self._grow(n - full.fb + GROUP_K)
+            self.fk[:, :, :, :n - full.fb] = full.fk[:, :, :, :n - full.fb]
+            self.fv[:, :, :, :n - full.fb] = full.fv[:, :, :, :n - full.fb]
+            self.length, self.nq, self.fb = n, full.nq, full.fb
+            return
         a = fp_from(n)
         check_capacity(n, self.capacity, "the quantized KV cache")
         self.length = self.nq = self.fb = 0
@@ -250,6 +287,20 @@ class QuantizedCache(KVCache):
         self.fk[:, :, :, :n - a] = full.k[:, :, :, a:n]
         self.fv[:, :, :, :n - a] = full.v[:, :, :, a:n]
         self.length, self.nq, self.fb = n, a // GROUP_K, a
+
+    def mark(self) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+        """The cache as it is now, to come back to with reset_to after any number of tokens (a prompt
+        reused by several generations): the counters and a copy of the buffer (the planes of groups quantized
+        by then are never rewritten by later tokens)."""
+        n = self.length - self.fb
+        return self.length, self.nq, self.fb, self.fk[:, :, :, :n].clone(), self.fv[:, :, :, :n].clone()
+
+    def reset_to(self, mark) -> None:
+        length, nq, fb, fk, fv = mark
+        assert self.shared is None and self.nq >= nq, "a reset may not go where groups were forgotten"
+        n = fk.shape[3]
+        self.fk[:, :, :, :n], self.fv[:, :, :, :n] = fk, fv
+        self.length, self.nq, self.fb = length, nq, fb
 
     # --- reading ----------------------------------------------------------------------------------------
 
@@ -277,9 +328,9 @@ class QuantizedCache(KVCache):
                 torch.cat([v, self.fv[layer, :, :, a:b].float()], dim=2))
 
     def nbytes(self) -> int:
-        """Bytes of this cache's storage (planes, scales and zeros, the full-precision buffer)."""
-        ts = [self.k_hi, self.v_hi, self.k_lo, self.v_lo, self.k_scale, self.k_zero, self.v_scale, self.v_zero,
-              self.fk, self.fv]
+        """Bytes of this cache's own storage (planes, scales and zeros unless shared, the full-precision buffer)."""
+        ts = [self.fk, self.fv] + ([] if self.shared is not None else [
+            self.k_hi, self.v_hi, self.k_lo, self.v_lo, self.k_scale, self.k_zero, self.v_scale, self.v_zero])
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 

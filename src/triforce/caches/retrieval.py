@@ -63,8 +63,9 @@ class RetrievalCache(KVCache):
         return torch.cat([head, chunk_tokens, tail], dim=-1)
 
     def build(self, full: FullCache) -> None:
-        """(Re)build from the first `full.length` tokens of `full` (a FullCache: never the cache of a model
-        with sliding-window layers, whose selection is not implemented), scoring chunks with the query of
+        """(Re)build from the first `full.length` tokens of `full` (a FullCache, or an int8 QuantizedCache read
+        one dequantized layer at a time: never the cache of a model with sliding-window layers, whose
+        selection is not implemented; `layer_kv` gives both), scoring chunks with the query of
         its last token (position full.length - 1), which its last forward must have recorded
         (`record_queries=True`; rolling `full` back after that forward is fine)."""
         if full.windows is not None:
@@ -77,11 +78,12 @@ class RetrievalCache(KVCache):
         self.indices = []
         for layer in range(self.n_layers):
             q = full.queries[layer][:, :, query_index]
-            idx = self.select(full.k[layer, :, :, :n], q)
-            gather = idx[..., None].expand(-1, -1, -1, full.k.shape[-1])
+            keys, values = full.layer_kv(layer, n)
+            idx = self.select(keys, q)
+            gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
             m = idx.shape[-1]
-            self.k[layer, :, :, :m] = torch.gather(full.k[layer, :, :, :n], 2, gather)
-            self.v[layer, :, :, :m] = torch.gather(full.v[layer, :, :, :n], 2, gather)
+            self.k[layer, :, :, :m] = torch.gather(keys, 2, gather)
+            self.v[layer, :, :, :m] = torch.gather(values, 2, gather)
             self.indices.append(idx)
         self.base, self.built_at, self.length = m, n, n
 

@@ -164,18 +164,21 @@ class Retrieval(Kind):
 
 class KV4(Kind):
     """QuantSpec's draft: the target (draft weights) reading its KV cache at 4 bits, the upper planes of the
-    hierarchical INT8 layout (caches/quantized.py), with the newest tokens in full precision. Over a float
-    target cache: a cache of its own holding the upper plane only (config.draft_kv_dtype for its buffer),
-    started as the quantization of the target's prompt cache (no prefill of its own) and kept in step by
-    feeding the level's tokens as any level does."""
+    hierarchical INT8 layout (caches/quantized.py), with the newest tokens in full precision
+    (config.draft_kv_dtype for its buffer). Over an int8 target: the target's own planes, shared (no second
+    cache). Over a float target: a cache of its own holding the upper plane only, started as the quantization
+    of the target's prompt cache (no prefill of its own). Either way the level's buffer is kept in step by
+    feeding the level's tokens, as any level's cache is."""
 
     name = "kv4"
 
     def state(self, ctx, spec, name):
         cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
         _refuse_sliding_windows(m)
+        shared = ctx.full_cache if isinstance(ctx.full_cache, QuantizedCache) else None
         cache = QuantizedCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, ctx.capacity, bits=4,
-                               max_rollback=ctx.max_rollback, dtype=kv_dtype(cfg.draft_kv_dtype), device=m.device)
+                               max_rollback=ctx.max_rollback, dtype=kv_dtype(cfg.draft_kv_dtype), device=m.device,
+                               shared=shared)
         return ModelState(name, m, cache, ctx.params)
 
     def prefill(self, state, head, full, config):

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from ..caches import KVCache
+from ..caches import KVCache, QuantizedCache
 from ..caches.base import TokenBlock
 from ..model import Transformer
 from ..sampling import SamplingParams, probs_from_logits
@@ -127,12 +127,17 @@ class PrefilledPrompt:
         self.cache = model.new_cache(capacity, record_queries=True)
         prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress)
         self.queries = [q[:, :, -1:].clone() if q is not None else None for q in self.cache.queries]
+        # an int8 cache drops old full-precision tokens as it goes: restore() comes back to a mark of it
+        self.mark = self.cache.mark() if isinstance(self.cache, QuantizedCache) else None
 
     def restore(self, prompt: list[int]):
         """The full cache holding exactly this prompt's head; ValueError for another prompt."""
         if list(prompt[:-1]) != self.head:
             raise ValueError("the prefilled prompt belongs to another prompt")
-        self.cache.rollback(len(self.head))
+        if self.mark is not None:
+            self.cache.reset_to(self.mark)
+        else:
+            self.cache.rollback(len(self.head))
         self.cache.queries = list(self.queries)
         self.cache.query_start = len(self.head) - 1
         return self.cache
