@@ -5,7 +5,7 @@ zero point per group and channel: keys have outlier channels); values per token 
 GROUP_V = 32 channels. A value x becomes the 8-bit code c = clamp(round((x - zero) / scale), 0, 255) with
 scale = (max - min) / 255 and zero = min of its group (both stored in fp16; the codes are computed from the
 stored fp16 numbers), so x ~ c * scale + zero within scale / 2. The code is stored as two 4-bit planes,
-upper = c >> 4 and lower = c & 15 (each packed two codes per byte, channel 2i in the low nibble): the
+upper = c >> 4 and lower = c & 15 (each packed two codes per byte: `pack`): the
 8-bit reading is (16 * upper + lower) * scale + zero, the 4-bit reading (QuantSpec's draft) uses the upper
 plane alone, (16 * upper + 8) * scale + zero (within 8.5 * scale). `bits=4` stores only the upper plane.
 
@@ -36,6 +36,8 @@ from .base import KVCache, TokenBlock, check_capacity, kv_buffer
 GROUP_K = 64  # tokens per key group (per-channel scales)
 GROUP_V = 32  # channels per value group (per-token scales)
 TILE = 1024  # tokens dequantized at a time by the PyTorch attention (a multiple of GROUP_K)
+KERNEL_MAX_ROWS, KERNEL_HEAD_DIMS = 64, (64, 128, 256)  # what kernels.quant_attention takes (rows: g * T)
+PACK = 32  # channels per packing block of a plane (see pack)
 LEVELS = 255  # 8-bit codes 0..255
 
 
@@ -48,16 +50,29 @@ def fp_from_tensor(positions: torch.Tensor) -> torch.Tensor:
     return ((positions // GROUP_K - 1).clamp(min=0) * GROUP_K).long()
 
 
+def _pack_block(d: int) -> int:
+    return min(PACK, d)
+
+
 def pack(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit codes [..., D] (uint8) -> (upper, lower) planes [..., D / 2] uint8, two 4-bit codes per byte
-    (channel 2i in the low nibble, 2i + 1 in the high one)."""
-    hi, lo = codes >> 4, codes & 15
-    return hi[..., 0::2] | (hi[..., 1::2] << 4), lo[..., 0::2] | (lo[..., 1::2] << 4)
+    """8-bit codes [..., D] (uint8) -> (upper, lower) planes [..., D / 2] uint8, two 4-bit codes per byte: in
+    every block of PACK = 32 channels (D below 32: one block), byte i holds channel i in its low nibble and
+    channel i + 16 in its high one (the kernels widen 16 bytes into two vectors of 16 codes)."""
+    *lead, D = codes.shape
+    P = _pack_block(D)
+    c = codes.reshape(*lead, D // P, P)
+    hi, lo = c >> 4, c & 15
+    h = P // 2
+    return ((hi[..., :h] | (hi[..., h:] << 4)).reshape(*lead, D // 2),
+            (lo[..., :h] | (lo[..., h:] << 4)).reshape(*lead, D // 2))
 
 
 def unpack(plane: torch.Tensor) -> torch.Tensor:
     """A plane [..., D / 2] -> its 4-bit codes [..., D] (uint8)."""
-    return torch.stack((plane & 15, plane >> 4), dim=-1).flatten(-2)
+    *lead, half = plane.shape
+    h = _pack_block(2 * half) // 2
+    p = plane.reshape(*lead, half // h, h)
+    return torch.cat((p & 15, p >> 4), dim=-1).reshape(*lead, 2 * half)
 
 
 def codes_of(hi: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
@@ -343,16 +358,29 @@ class QuantizedKV:
         self.cache, self.layer, self.four_bit = cache, layer, four_bit
 
     def attend(self, q: torch.Tensor, scale: float, ops=None) -> torch.Tensor:
-        """q [B, Hq, T, D] -> [B, Hq, T, D] (q's dtype), fp32 arithmetic; `ops` the compiled kernels or None."""
+        """q [B, Hq, T, D] -> [B, Hq, T, D] (q's dtype), fp32 arithmetic; `ops` the compiled kernels (their
+        quant_attention, kernels/attention.cpp: the planes dequantized a group at a time into L1, for up to
+        KERNEL_MAX_ROWS rows g * T: decode steps and verifications) or None (PyTorch, TILE tokens at a time)."""
         c = self.cache
         B, Hq, T, D = q.shape
         H = c.n_kv_heads
         g = Hq // H
         R = g * T
-        qf = q.reshape(B, H, R, D).float() * scale
         qb = c._qb.repeat(g)  # rows are (group head, token): row r is token r % T
         q_end = int(c._qb.max())  # planes: positions < q_end (some rows read fewer)
         n_fp = c.length + T - c.fb
+        lo = c.k_lo is not None and not self.four_bit
+        if ops is not None and B == 1 and R <= KERNEL_MAX_ROWS and D in KERNEL_HEAD_DIMS \
+                and hasattr(ops, "quant_attention"):
+            L, none = self.layer, torch.empty(0, dtype=torch.uint8)
+            out = ops.quant_attention(q.reshape(H, R, D).float(), c.k_hi[L, 0, :, :q_end],
+                                      c.k_lo[L, 0, :, :q_end] if lo else none, c.k_scale[L, 0, :, :q_end // GROUP_K],
+                                      c.k_zero[L, 0, :, :q_end // GROUP_K], c.v_hi[L, 0, :, :q_end],
+                                      c.v_lo[L, 0, :, :q_end] if lo else none, c.v_scale[L, 0, :, :q_end],
+                                      c.v_zero[L, 0, :, :q_end], qb, c.fk[L, 0, :, :n_fp], c.fv[L, 0, :, :n_fp],
+                                      c._fp_mask, T, scale)
+            return out.to(q.dtype).view(B, Hq, T, D)
+        qf = q.reshape(B, H, R, D).float() * scale
         m = torch.full((B, H, R), float("-inf"), device=q.device)
         l = torch.zeros(B, H, R, device=q.device)
         acc = torch.zeros(B, H, R, D, device=q.device)
