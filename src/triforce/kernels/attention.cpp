@@ -171,19 +171,16 @@ void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
 }
 
 // One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as stored;
-// s: scratch [R, BS]. Writes o_b [R, D], m_b [R], l_b [R].
-template <int64_t D, typename KV>
-void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t T, int64_t j0, int64_t n,
-                int64_t S, bool causal, float* s, const char* next_k, const char* next_v, float* o_b, float* m_b,
-                float* l_b) {
-  constexpr int64_t BS = block_keys<D, KV>();
+// s: scratch [R, BS] (BS: the row stride); mask(r, j) -> whether row r sees key j of the block (called
+// for every pair only where `masked`). Writes o_b [R, D], m_b [R], l_b [R].
+template <int64_t D, int64_t BS, typename KV, typename Mask>
+void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, bool masked, const Mask& mask, float* s,
+                const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b) {
   scores_rows<D, BS>(q, k, R, n, s);
-  if (causal && j0 + n > S - T) {
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t t = r % T;
-      for (int64_t j = std::max<int64_t>(0, S - T + t + 1 - j0); j < n; ++j) s[r * BS + j] = NEG_INF;
-    }
-  }
+  if (masked)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < n; ++j)
+        if (!mask(r, j)) s[r * BS + j] = NEG_INF;
   rows_softmax<BS>(s, R, n, m_b, l_b);
   block_pv<D, BS>(s, 1, v, R, n, o_b, next_k, next_v);
 }
@@ -219,11 +216,11 @@ void scores_lanes(const float* qt, int64_t RP, const float* k, int64_t n, float*
 }
 
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
-// qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP].
-template <int64_t D, typename KV>
-void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64_t R, int64_t T, int64_t j0,
-                 int64_t n, int64_t S, bool causal, float* st, const char* next_k, const char* next_v, float* o_b,
-                 float* m_b, float* l_b) {
+// qt [D][RP] (RP = NV * W) instead of q, fp32 keys, and st scratch [BS][RP].
+template <int64_t D, typename KV, typename Mask>
+void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64_t R, int64_t n, bool masked,
+                 const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
+                 float* l_b) {
   const int64_t RP = NV * W;
   for (int64_t g0 = 0; g0 < NV;) {  // groups of up to NVG_MAX row vectors share each loaded key
     const int64_t left = NV - g0;
@@ -243,13 +240,10 @@ void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64
       g0 += 1;
     }
   }
-  if (causal && j0 + n > S - T) {
-    for (int64_t jj = std::max<int64_t>(0, S - T - j0); jj < n; ++jj) {
-      const int64_t u = j0 + jj - (S - T);  // the key is new token u: visible to rows of tokens >= u
+  if (masked)
+    for (int64_t jj = 0; jj < n; ++jj)
       for (int64_t r = 0; r < R; ++r)
-        if (r % T < u) st[jj * RP + r] = NEG_INF;
-    }
-  }
+        if (!mask(r, jj)) st[jj * RP + r] = NEG_INF;
   // block-local softmax numerators, W rows per vector (one vector at a time: its max and sum stay
   // in registers; with the vectors inner, indexed at run time, they went through memory: +15%)
   float mt[MAX_ROWS], lt[MAX_ROWS];
@@ -306,29 +300,34 @@ torch::Tensor merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R
   return out;
 }
 
+// The queries for either path: per-row, q scaled [H, R, D]; lanes, q scaled, transposed and zero-padded
+// [H, D, RP] (RP = NV * W). One small copy here instead of PyTorch's mul / transpose / pad / contiguous,
+// each a dispatch.
+torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, int64_t RP) {
+  const int64_t H = q.size(0), R = q.size(1), D = q.size(2);
+  const auto qs = torch::empty({H * (lanes ? D * RP : R * D)}, q.options());
+  const auto qa = q.accessor<float, 3>();
+  float* dst = qs.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < (lanes ? RP : R); ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = r < R ? qa[h][r][d] * sc : 0.f;
+        if (lanes)
+          dst[(h * D + d) * RP + r] = x;
+        else
+          dst[(h * R + r) * D + d] = x;
+      }
+  return qs;
+}
+
 template <int64_t D, typename KV>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
                   double scale, bool lanes) {
   constexpr int64_t BS = block_keys<D, KV>();
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
   const int64_t NV = (R + W - 1) / W, RP = NV * W;
-  // per-row path: q scaled [H, R, D]; lanes path: q scaled, transposed and zero-padded [H, D, RP]
-  // (one small copy here instead of PyTorch's mul / transpose / pad / contiguous, each a dispatch)
-  const auto qs = torch::empty({H * (lanes ? D * RP : R * D)}, q.options());
-  {
-    const auto qa = q.accessor<float, 3>();
-    float* dst = qs.data_ptr<float>();
-    const float sc = static_cast<float>(scale);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t r = 0; r < (lanes ? RP : R); ++r)
-        for (int64_t d = 0; d < D; ++d) {
-          const float x = r < R ? qa[h][r][d] * sc : 0.f;
-          if (lanes)
-            dst[(h * D + d) * RP + r] = x;
-          else
-            dst[(h * R + r) * D + d] = x;
-        }
-  }
+  const auto qs = scaled_queries(q, scale, lanes, RP);
   const int64_t nb = (S + BS - 1) / BS;
   // per-block partial results (not zero-filled: every block writes all of its rows)
   const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
@@ -352,11 +351,14 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       float* ob = o_part + w * R * D;
       float* mb = m_part + w * R;
       float* lb = l_part + w * R;
+      // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u
+      const bool masked = causal && j0 + n > S - T;
+      const auto mask = [&](int64_t r, int64_t j) { return j0 + j - (S - T) <= r % T; };
       if (lanes)
-        block_lanes<D>(qp + h * D * RP, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, T, j0, n, S, causal, s.data(),
+        block_lanes<D>(qp + h * D * RP, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, n, masked, mask, s.data(),
                        next_k, next_v, ob, mb, lb);
       else
-        block_rows<D>(qp + h * R * D, kh, vh, R, T, j0, n, S, causal, s.data(), next_k, next_v, ob, mb, lb);
+        block_rows<D, BS>(qp + h * R * D, kh, vh, R, n, masked, mask, s.data(), next_k, next_v, ob, mb, lb);
     }
   });
   return merge_blocks<D>(o_part, H, nb, R, q.options());
@@ -377,8 +379,9 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
 // scratch block in L1 as they are read: the planes are all that comes from memory) or 64 positions of the
 // full-precision buffer (blocks aligned to positions, as the groups are). Each row r reads the quantized
 // positions < lim[r] and the buffer positions its mask row (token r % T) marks; the per-row scores,
-// softmax and p v are those of the per-row path above, so a row's result depends on its own query and
-// visible keys only (not on the other rows, nor on where the buffer starts).
+// softmax and p v are those of decode_attention's two paths (per-row below LANES_MIN_ROWS rows, rows in
+// lanes from there on), so a row's result depends on its query, its visible keys and the path only (not on
+// where the buffer starts: masked keys add exact zeros).
 constexpr int64_t QB = 64;  // caches/quantized.py GROUP_K
 
 // Keys and values of one quantized group of n keys -> fp32 rows kf, vf [n, D]. Planes: rows of D / 2 bytes
@@ -424,7 +427,9 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
                         const torch::Tensor& fmask, int64_t T, double scale) {
   const int64_t H = q.size(0), R = q.size(1), Sq = k_hi.size(1), F = fk.size(1);
   const int64_t nq = Sq / QB, nf = (F + QB - 1) / QB, nb = nq + nf;
-  const auto qs = (q * scale).contiguous();
+  const bool lanes = R >= LANES_MIN_ROWS;
+  const int64_t NV = (R + W - 1) / W, RP = NV * W;
+  const auto qs = scaled_queries(q, scale, lanes, RP);
   const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
   float* const o_part = parts.data_ptr<float>();
   float* const m_part = o_part + H * nb * R * D;
@@ -450,7 +455,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
     std::vector<float> s(MAX_ROWS * QB), kf(QB * D), vf(QB * D);
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb;
-      const float* qh = qp + h * R * D;
+      const float* qh = qp + h * (lanes ? D * RP : R * D);
       float* ob = o_part + w * R * D;
       float* mb = m_part + w * R;
       float* lb = l_part + w * R;
@@ -466,23 +471,23 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
                             ksp + h * ks_s + blk * D, kzp + h * ks_s + blk * D, vhp + h * vplane_s + j0 * (D / 2),
                             eight_bit ? vlp + h * vlo_s + j0 * (D / 2) : nullptr, vsp + h * vs_s + j0 * (D / 32),
                             vzp + h * vs_s + j0 * (D / 32), QB, kf.data(), vf.data());
-        scores_rows<D, QB>(qh, kf.data(), R, QB, s.data());
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = std::max<int64_t>(0, limp[r] - j0); j < QB; ++j) s[r * QB + j] = NEG_INF;
-        rows_softmax<QB>(s.data(), R, QB, mb, lb);
-        block_pv<D, QB>(s.data(), 1, vf.data(), R, QB, ob);
+        bool masked = false;
+        for (int64_t r = 0; r < R; ++r) masked = masked || limp[r] < j0 + QB;
+        const auto mask = [&](int64_t r, int64_t j) { return j0 + j < limp[r]; };
+        if (lanes)
+          block_lanes<D>(qh, NV, kf.data(), vf.data(), R, QB, masked, mask, s.data(), nullptr, nullptr, ob, mb, lb);
+        else
+          block_rows<D, QB>(qh, kf.data(), vf.data(), R, QB, masked, mask, s.data(), nullptr, nullptr, ob, mb, lb);
       } else {
         const int64_t f0 = (blk - nq) * QB, n = std::min(QB, F - f0);
         const KV* kh = fkp + h * fk_s + f0 * D;
         const KV* vh = fvp + h * fv_s + f0 * D;
-        scores_rows<D, QB>(qh, kh, R, n, s.data());
-        for (int64_t r = 0; r < R; ++r) {
-          const bool* mr = maskp + (r % T) * F + f0;
-          for (int64_t j = 0; j < n; ++j)
-            if (!mr[j]) s[r * QB + j] = NEG_INF;
-        }
-        rows_softmax<QB>(s.data(), R, n, mb, lb);
-        block_pv<D, QB>(s.data(), 1, vh, R, n, ob);
+        const auto mask = [&](int64_t r, int64_t j) { return maskp[(r % T) * F + f0 + j]; };
+        if (lanes)
+          block_lanes<D>(qh, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, n, true, mask, s.data(), nullptr, nullptr, ob,
+                         mb, lb);
+        else
+          block_rows<D, QB>(qh, kh, vh, R, n, true, mask, s.data(), nullptr, nullptr, ob, mb, lb);
       }
     }
   });
