@@ -260,3 +260,21 @@ def test_tree_forward_and_keep_equal_plain_decoding(model, seed):
     nxt = ctx + [tree.tokens[i] for i in path] + [rng.randrange(96)]
     torch.testing.assert_close(state.score(nxt, len(prompt), [])[-1], copy.deepcopy(before).score(nxt, len(prompt), [])[-1],
                                atol=2e-5, rtol=1e-4)
+
+
+def test_a_prefilled_prompt_comes_back_after_generations(model):
+    """PrefilledPrompt over an int8 cache: the buffer grows inside a forward (inference mode) and later
+    generations drop its old groups; restore() still brings back the prompt exactly (and in place, outside
+    inference mode), so every run from it gives the same tokens as a run from scratch."""
+    from triforce.generate import generate
+    from triforce.speculation.config import SpecConfig
+    from triforce.speculation.state import PrefilledPrompt
+
+    m = copy.copy(model)
+    m.kv_dtype = "int8"
+    prompt = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    cfg = SpecConfig(gamma=3, budget=48, chunk_size=8, recent=8, rebuild_every=16, prefill_chunk=128)
+    pre = PrefilledPrompt(m, prompt, 300 + 200 + 8, chunk_size=128)
+    ref = generate(m, prompt, 150, method="ar", config=cfg).tokens
+    for method in ("ar", "quantspec", "ar"):
+        assert generate(m, prompt, 150, method=method, config=cfg, prefilled=pre).tokens == ref

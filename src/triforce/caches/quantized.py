@@ -158,8 +158,11 @@ class QuantizedCache(KVCache):
     # --- the full-precision buffer ---------------------------------------------------------------------
 
     def _grow(self, slots: int) -> None:
+        """A buffer of `slots` positions holding the current ones. Made as normal tensors even inside a forward
+        (inference mode): rollback, keep and reset_to update them in place outside one."""
         shape = (self.n_layers, self.batch, self.n_kv_heads, slots, self.head_dim)
-        fk, fv = kv_buffer(shape, self.dtype, self.device), kv_buffer(shape, self.dtype, self.device)
+        with torch.inference_mode(False):
+            fk, fv = kv_buffer(shape, self.dtype, self.device), kv_buffer(shape, self.dtype, self.device)
         if self.fk is not None:
             n = self.length - self.fb
             fk[:, :, :, :n], fv[:, :, :, :n] = self.fk[:, :, :, :n], self.fv[:, :, :, :n]
