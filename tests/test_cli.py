@@ -193,3 +193,10 @@ def test_bench_runs_user_stacks_beside_methods(tmp_path):
     assert "streaming:100" in rows["ngram,streaming:100,full --gammas 2,3"]["level_cost"]
     bad = run("bench", "--stacks", "ngram,retrieval", "--quiet")
     assert bad.returncode == 2 and "no 'full' level" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_serve_refuses_an_int8_kv_cache():
+    """Its prefix cache stores float K/V blocks: one line, exit 2, before loading anything."""
+    r = run("serve", "--kv-dtype", "int8", "--port", "8931")
+    _assert_user_error(r, "does not support --kv-dtype int8", "fp16")
+    assert len(r.stderr.strip().splitlines()) == 1
