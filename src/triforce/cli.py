@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the best flags, depend on it")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--check", action="store_true", help="also run the tuned and the default settings for real")
+    t.add_argument("--kv4", action="store_true",
+                   help="also measure the kv4 level (the target reading its cache at 4 bits: over an int8 target, "
+                        "--kv-dtype int8, its own upper planes) and predict the best --gamma of --method quantspec")
     t.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
     t.add_argument("--json", action="store_true", help="print the measurements and predictions as JSON")
     t.add_argument("--quiet", action="store_true")
