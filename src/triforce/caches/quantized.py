@@ -357,8 +357,8 @@ class QuantizedKV:
     buffer. `attend` computes softmax(q k^T * scale) v with each new token reading positions < fp_from(its
     position) from the planes and the buffer from there on (its own mask)."""
 
-    def __init__(self, cache: QuantizedCache, layer: int, four_bit: bool = False):
-        self.cache, self.layer, self.four_bit = cache, layer, four_bit
+    def __init__(self, cache: QuantizedCache, layer: int):
+        self.cache, self.layer = cache, layer
 
     def attend(self, q: torch.Tensor, scale: float, ops=None) -> torch.Tensor:
         """q [B, Hq, T, D] -> [B, Hq, T, D] (q's dtype), fp32 arithmetic; `ops` the compiled kernels (their
@@ -372,7 +372,7 @@ class QuantizedKV:
         qb = c._qb.repeat(g)  # rows are (group head, token): row r is token r % T
         q_end = int(c._qb.max())  # planes: positions < q_end (some rows read fewer)
         n_fp = c.length + T - c.fb
-        lo = c.k_lo is not None and not self.four_bit
+        lo = c.k_lo is not None  # no lower planes: the 4-bit reading
         if ops is not None and B == 1 and R <= KERNEL_MAX_ROWS and D in KERNEL_HEAD_DIMS \
                 and hasattr(ops, "quant_attention"):
             L, none = self.layer, torch.empty(0, dtype=torch.uint8)
@@ -401,7 +401,7 @@ class QuantizedKV:
 
         for t0 in range(0, q_end, TILE):
             t1 = min(q_end, t0 + TILE)
-            k, v = c.dequantized(self.layer, t0, t1, self.four_bit)
+            k, v = c.dequantized(self.layer, t0, t1)
             step(k, v, torch.arange(t0, t1, device=q.device)[None, :] < qb[:, None])
         k, v = c.fk[self.layer, :, :, :n_fp].float(), c.fv[self.layer, :, :, :n_fp].float()
         step(k, v, c._fp_mask.repeat(g, 1))
