@@ -55,6 +55,8 @@ def test_unsupported_architecture(tmp_path):
     ("h3,full", None, ["unknown level kind 'h3'", "valid stacks"]),
     ("ngram,retrieval,full", "1,2,3", ["3 values for 2 boundaries", "valid stacks"]),
     ("draft,full", None, ["--draft PATH"]),
+    ("full,kv4", None, ["does not end with 'full'", "kv4", "valid stacks"]),
+    ("kv4:512,full", None, ["level 'kv4' takes no budget", "valid stacks"]),
 ])
 def test_invalid_stack_is_one_line_exit_2_before_loading(levels, gammas, words):
     """Checked before anything loads: fast, one line, no traceback (the model path does not even exist)."""
@@ -69,6 +71,8 @@ def test_print_stack_shows_what_a_method_expands_to():
     assert r.returncode == 0 and r.stdout.strip() == "ngram,retrieval,full --gammas 2,5"
     r = run("generate", "--levels", "ngram,streaming:600,retrieval:1024,full", "--gammas", "3", "--print-stack")
     assert r.stdout.strip() == "ngram,streaming:600,retrieval:1024,full --gammas 3,3,3"
+    r = run("generate", "--method", "quantspec", "--gamma", "6", "--print-stack")
+    assert r.returncode == 0 and r.stdout.strip() == "kv4,full --gammas 6"
 
 
 def test_unknown_option_and_missing_prompt():
@@ -207,3 +211,10 @@ def test_bench_runs_user_stacks_beside_methods(tmp_path):
     assert "streaming:100" in rows["ngram,streaming:100,full --gammas 2,3"]["level_cost"]
     bad = run("bench", "--stacks", "ngram,retrieval", "--quiet")
     assert bad.returncode == 2 and "no 'full' level" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_serve_refuses_an_int8_kv_cache():
+    """Its prefix cache stores float K/V blocks: one line, exit 2, before loading anything."""
+    r = run("serve", "--kv-dtype", "int8", "--port", "8931")
+    _assert_user_error(r, "does not support --kv-dtype int8", "fp16")
+    assert len(r.stderr.strip().splitlines()) == 1

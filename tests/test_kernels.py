@@ -218,3 +218,56 @@ def test_isa_refusal_is_a_clear_cli_message(tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "TRIFORCE_ISA='sse9' is not one of auto, avx512, avx2, off" in r.stderr
+
+
+QUANT_CASES = {  # name: (head dim, bits, buffer dtype, new tokens, tree, shared planes)
+    "decode": (64, 8, torch.float16, 1, False, False),
+    "verify": (64, 8, torch.float16, 5, False, False),
+    "rows-64": (64, 8, torch.float16, 21, False, False),
+    "tree": (64, 8, torch.float16, 9, True, False),
+    "4-bit": (64, 4, torch.float16, 3, False, False),
+    "bf16-buffer": (128, 8, torch.bfloat16, 2, False, False),
+    "fp32-buffer": (256, 8, torch.float32, 1, False, False),
+    "kv4-over-int8": (64, 8, torch.float16, 4, False, True),
+}
+
+
+@pytest.mark.parametrize("case", QUANT_CASES)
+def test_quant_attention_matches_pytorch(kern, case):
+    """kernels' quant_attention (the planes dequantized a group at a time in L1) equals the quantized cache's
+    PyTorch attention (tile by tile): 8-bit and 4-bit readings, chains, trees, every buffer dtype and head dim,
+    and a kv4 cache reading an int8 cache's upper planes."""
+    from triforce.caches.base import TokenBlock
+    from triforce.caches.quantized import QuantizedCache
+
+    D, bits, dtype, T, tree, shared = QUANT_CASES[case]
+    torch.manual_seed(1)
+    H, g, S = 2, 3, 1290
+    cache = QuantizedCache(1, H, D, 1500, bits=bits, dtype=dtype, max_rollback=32)
+    k, v = torch.randn(1, H, S + T, D) * (1 + 4 * (torch.arange(D) % 11 == 0)), torch.randn(1, H, S + T, D)
+    for a in range(0, S, 300):  # the buffer fills and drops its oldest groups on the way
+        b = min(S, a + 300)
+        cache.prepare(b - a)
+        cache.update(0, None, k[:, :, a:b], v[:, :, a:b])
+        cache.commit(b - a)
+    if shared:
+        view = QuantizedCache(1, H, D, 1500, max_rollback=32, shared=cache)
+        view.build(cache)
+        cache = view
+    block = None
+    if tree:  # 2 chain tokens, then branches of 3 and 4 nodes
+        offsets = torch.tensor([0, 1, 2, 3, 4, 2, 3, 4, 5])
+        visible = torch.zeros(T, T, dtype=torch.bool)
+        visible[:, :2] = torch.ones(T, 2, dtype=torch.bool).tril()
+        for a, b in ((2, 5), (5, 9)):
+            visible[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        block = TokenBlock(offsets, visible)
+    q = torch.randn(1, H * g, T, D)
+    cache.prepare(T, block)
+    kv, _, _ = cache.update(0, q, k[:, :, S:S + T], v[:, :, S:S + T])
+    assert int(cache._qb.max()) >= 1024 and cache.fb > 0
+    counting = _Counting(kern)
+    got = kv.attend(q, D ** -0.5, counting)
+    assert counting.calls == 1
+    want = kv.attend(q, D ** -0.5, None)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)

@@ -1,4 +1,5 @@
 """KV cache dtype (--kv-dtype for the target's cache, --draft-kv-dtype for the drafting caches).
+int8 is the quantized layout of caches/quantized.py (tests/test_quantized_kv.py tests the cache itself).
 
 A target whose cache stores K/V in bf16 or fp16 is another model than with fp32, but one model: `ar` and
 every stack read the same cache dtype, so greedy output of every stack equals `ar`'s within a setting,
@@ -17,7 +18,8 @@ from triforce.bench.methods import level_floor_ms
 from triforce.caches import RetrievalCache, SlidingWindowCache
 from triforce.caches.base import kv_dtype
 from triforce.cli import build_parser
-from triforce.config import DEFAULT_DRAFT_KV_DTYPE, KV_DTYPES, ModelConfig, kv_dtype_name
+from triforce.caches.quantized import QuantizedCache
+from triforce.config import DEFAULT_DRAFT_KV_DTYPE, FLOAT_KV_DTYPES, KV_DTYPES, ModelConfig, kv_dtype_name
 from triforce.errors import TriforceError
 from triforce.generate import generate, generate_ar
 from triforce.loading import build_model, load_model
@@ -26,12 +28,14 @@ from triforce.speculation.config import SpecConfig
 from triforce.speculation.decoder import Decoder
 from triforce.speculation.stack import StackSpec
 
-TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=8, recent=8, rebuild_every=16, sink=4, window=16,
                   ngram=3, prefill_chunk=64)
 # every drafting kind below the full level: a small model, the target with a StreamingLLM cache, with a
 # retrieval cache
 ALL_KINDS = StackSpec.parse("draft,streaming:24,retrieval:48,full", "2,2,3")
+# the target reading its cache at 4 bits (over an int8 target: its own upper planes) below a retrieval level
+KV4_STACK = StackSpec.parse("ngram,kv4,retrieval:48,full", "2,2,3")
 
 
 def target(kv: str | None):
@@ -52,20 +56,20 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def test_names_and_errors():
-    assert KV_DTYPES == ("fp32", "bf16", "fp16")
+    assert KV_DTYPES == ("fp32", "bf16", "fp16", "int8") and FLOAT_KV_DTYPES == KV_DTYPES[:3]
     for name, dt in TORCH_DTYPE.items():
         assert kv_dtype(name) is dt and kv_dtype(dt) is dt and kv_dtype_name(str(dt)) == name
-    for bad in ("int3", "fp8", torch.int8, None, 16):
-        with pytest.raises(TriforceError, match="choose one of fp32, bf16, fp16"):
+    for bad in ("int3", "fp8", torch.uint8, None, 16):
+        with pytest.raises(TriforceError, match="choose one of fp32, bf16, fp16, int8"):
             kv_dtype(bad)
     m = target(None)
     assert m.kv_dtype is torch.float32  # default: the weights' dtype
-    with pytest.raises(TriforceError, match="'int3' is not supported: choose one of fp32, bf16, fp16"):
+    with pytest.raises(TriforceError, match="'int3' is not supported: choose one of fp32, bf16, fp16, int8"):
         m.kv_dtype = "int3"
-    with pytest.raises(TriforceError, match="fp32, bf16, fp16"):
-        m.new_cache(8, dtype="int8")
-    with pytest.raises(TriforceError, match="--draft-kv-dtype 'q4' is not supported: choose one of fp32, bf16, fp16"):
-        SpecConfig(draft_kv_dtype="q4").validate()
+    assert isinstance(m.new_cache(8, dtype="int8"), QuantizedCache)
+    for bad in ("q4", "int8"):  # the drafting caches are float
+        with pytest.raises(TriforceError, match=f"--draft-kv-dtype '{bad}' is not supported: choose one of fp32, bf16, fp16$"):
+            SpecConfig(draft_kv_dtype=bad).validate()
     with pytest.raises(TriforceError, match="--draft-kv-dtype"):
         generate(m, _prompt(40, 0), 4, method="triforce", config=SpecConfig(draft_kv_dtype="fp8"))
     with pytest.raises(TriforceError, match="fp32, bf16, fp16"):  # refused before looking for the model
@@ -81,7 +85,8 @@ def test_cli_lists_the_choices(command, flag, capsys):
         build_parser().parse_args([*command, flag, "int3"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}: invalid choice: " in err and "int3" in err and all(v in err for v in KV_DTYPES)
+    choices = KV_DTYPES if flag == "--kv-dtype" else FLOAT_KV_DTYPES
+    assert f"argument {flag}: invalid choice: " in err and "int3" in err and all(v in err for v in choices)
     args = build_parser().parse_args([*command, flag, "bf16"])
     assert getattr(args, flag[2:].replace("-", "_")) == "bf16"
 
@@ -99,13 +104,13 @@ def test_cli_bad_kv_dtype_exit_2_without_traceback():
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_greedy_equals_ar_for_each_kv_dtype(kv, use_kernels, small_draft):
-    """triforce, retrieval and a stack with every drafting kind give ar's tokens with the same target kv dtype."""
+    """triforce, retrieval and stacks with every drafting kind give ar's tokens with the same target kv dtype."""
     m = target(kv)
     with kernels.override(kernels.cpu() if use_kernels else None):
         for n, seed in ((200, 0), (333, 1)):
             prompt = _prompt(n, seed)
             ref = generate_ar(m, prompt, 48).tokens
-            for kw in (dict(method="triforce"), dict(method="retrieval"), dict(stack=ALL_KINDS)):
+            for kw in (dict(method="triforce"), dict(method="retrieval"), dict(stack=ALL_KINDS), dict(stack=KV4_STACK)):
                 res = generate(m, prompt, 48, config=SPEC, draft_model=small_draft, **kw)
                 assert res.tokens == ref, (kv, kw)
                 assert not res.stats.get("notes")  # the retrieval level really ran
@@ -116,7 +121,8 @@ def test_greedy_equals_ar_on_the_attention_kernel(kv):
     """Past KERNEL_MIN_KEYS keys with head_dim 64, decode steps and verifications run the compiled attention
     kernel on the cache's dtype (bf16 / fp16 where it reads them): still ar's tokens."""
     kern = kernels.cpu()
-    if kern is None or (kv != "fp32" and not getattr(kern, "HALF_KV", False)):
+    if kern is None or (kv in ("bf16", "fp16") and not getattr(kern, "HALF_KV", False)) or (
+            kv == "int8" and not hasattr(kern, "quant_attention")):
         pytest.skip("the compiled attention kernel does not read this KV dtype here")
     m = ours_from_hf(hf_tiny("llama", seed=13, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=2048))
@@ -139,7 +145,7 @@ class _CountingKernel:
         self.kern, self.attention = kern, 0
 
     def __getattr__(self, name):
-        if name == "decode_attention":
+        if name in ("decode_attention", "quant_attention"):
             self.attention += 1
         return getattr(self.kern, name)
 
@@ -268,3 +274,71 @@ def test_floor_counts_the_cache_element_size():
     assert full == round((weight_bytes(m) + n * kv_fp32) / bw * 1e3, 1)  # the target's own (fp32) cache
     a, b = level_floor_ms(m, n, cfg32, bw, "retrieval:48"), level_floor_ms(m, n, cfg16, bw, "retrieval:48")
     assert a > b  # the drafting level reads its KV in the draft dtype
+
+
+def test_int8_changes_the_model_a_little_more():
+    """An int8 cache (8-bit codes for all but the newest one or two groups of 64 tokens) gives logits close
+    to the fp32 cache's; closer than its 4-bit reading (a kv4 level's)."""
+    m = target("fp32")
+    ids = torch.tensor([_prompt(300, 3)])
+    with torch.inference_mode():
+        ref = m(ids, m.new_cache(320))
+        err8 = (m(ids, m.new_cache(320, dtype="int8")) - ref).abs()
+        c = m.cfg
+        err4 = (m(ids, QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 320, bits=4)) - ref).abs()
+    assert 0 < err8.max() < 0.1 * ref.abs().max() and err8.mean() < 0.02 * ref.std()
+    assert err4.mean() > 3 * err8.mean()
+
+
+@pytest.mark.parametrize("stack", ["ngram,kv4,full", "ngram,kv4,retrieval:48,full"])
+def test_kv4_over_an_int8_target_reads_its_upper_planes(stack):
+    """No second cache: the kv4 level's cache holds the target's plane tensors themselves (and a buffer of its
+    own), and reads only the upper ones: zeroing the target's lower planes leaves the level's logits as they
+    are, changing an upper plane does not."""
+    m = target("int8")
+    prompt = _prompt(300, 5)
+    dec = Decoder(StackSpec.parse(stack, "2"), m, SamplingParams(), SPEC, make_generator(0, m.device), len(prompt), 16)
+    dec.prefill(prompt)
+    full, kv4 = dec.full.cache, dec.states[1].cache
+    assert isinstance(full, QuantizedCache) and full.bits == 8 and kv4.shared is full and kv4.bits == 4
+    for name in ("k_hi", "v_hi", "k_scale", "k_zero", "v_scale", "v_zero"):
+        assert getattr(kv4, name) is getattr(full, name)
+    assert kv4.k_lo is None and kv4.nbytes() == 2 * kv4.fk.numel() * kv4.fk.element_size()
+    assert kv4.length == full.length == len(prompt) - 1 and full.nq * 64 >= 192
+
+    def logits():
+        with torch.inference_mode():
+            out = dec.states[1].model(torch.tensor([prompt[-1:]]), kv4)
+        kv4.rollback(len(prompt) - 1)
+        return out
+
+    before = logits()
+    full.k_lo.zero_()
+    full.v_lo.zero_()
+    assert torch.equal(logits(), before)
+    full.k_hi[:, :, :, :128] ^= 0x11
+    assert not torch.allclose(logits(), before)
+
+
+def test_int8_over_sliding_windows_is_refused():
+    from conftest import hf_tiny as tiny
+
+    hf = tiny("gemma3", seed=3, num_key_value_heads=1, head_dim=32, sliding_window=16, tie_word_embeddings=True,
+              num_hidden_layers=3, sliding_window_pattern=3)
+    m = build_model(ModelConfig.from_hf(hf.config.to_dict()), dict(hf.state_dict()), kv_dtype="int8")
+    with pytest.raises(TriforceError, match="--kv-dtype int8 is not supported for models with sliding-window"):
+        m.new_cache(64)
+
+
+def test_kv_bytes_are_what_the_quantized_caches_hold():
+    """memory.kv_value_bytes (triforce info, the memory check, the benchmarks' floors) counts the planes,
+    scales and zeros a QuantizedCache allocates (its full-precision buffer aside)."""
+    from types import SimpleNamespace
+
+    from triforce.memory import kv_bytes, kv_value_bytes
+
+    cfg = SimpleNamespace(kv_bytes_per_token=2 * 3 * 2 * 64 * 4)  # K and V, 3 layers, 2 KV heads of 64, fp32
+    for name, bits in (("int8", 8), ("int4", 4)):
+        c = QuantizedCache(3, 2, 64, 4096, bits=bits)
+        assert c.nbytes() - 2 * c.fk.numel() * 2 == kv_bytes(cfg, 4096, kv_value_bytes(name))
+    assert kv_value_bytes(torch.int8) == kv_value_bytes("int8") < 0.55 * kv_value_bytes("fp16")

@@ -216,6 +216,7 @@ def test_info_and_memory_refusal(capsys):
     assert cli_main(["info", "--context-length", "32768"]) == 0
     out = capsys.readouterr().out
     assert "Q4_1" in out and "Q8_0" in out and "KV cache per 1K tokens" in out and "fits" in out
+    assert "fp16 22 MiB, int8 12 MiB" in out and "4-bit cache over a float target: 6.7 MiB" in out  # SmolLM2-135M
     # a context whose KV cache cannot fit: refused with the numbers before any prefill
     assert cli_main(["generate", "--prompt", "hi", "--max-context", "100000000", "--max-new-tokens", "90000000",
                      "--quiet"]) == 2

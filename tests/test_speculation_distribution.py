@@ -118,6 +118,26 @@ def test_user_stacks_follow_target_distribution(models, prompt, levels, gammas, 
     assert min(pv) > ALPHA, f"{levels}: chi-square p-values {pv}"
 
 
+@pytest.fixture(scope="module")
+def long_prompt():
+    base = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    return (base * 5)[:200]  # long enough that kv4 reads most of it from its 4-bit planes
+
+
+@pytest.mark.parametrize("levels,gammas,params", [("kv4,full", "3", PARAMS),
+                                                  ("ngram,kv4,full", "2,3",
+                                                   SamplingParams(temperature=0.8, top_k=5))])
+def test_kv4_stacks_follow_target_distribution(models, long_prompt, levels, gammas, params):
+    from triforce.caches.quantized import fp_from
+    from triforce.speculation.stack import StackSpec
+
+    assert fp_from(len(long_prompt)) >= 128  # most of the prompt is read quantized by the kv4 level
+    exact_p = exact_marginals(models[0], long_prompt, params)
+    counts = sample_counts(models, long_prompt, None, CFG, n=600, params=params, stack=StackSpec.parse(levels, gammas))
+    pv = p_values(counts, exact_p)
+    assert min(pv) > ALPHA, f"{levels}: chi-square p-values {pv}"
+
+
 def wrong_accept(draft, q, p, generator):
     """The research code's middle-level bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     j = 0

@@ -100,6 +100,9 @@ USER_STACKS = [
     ("ngram,streaming:24,retrieval:40,retrieval:96,full", "2,2,3,4"),
     ("retrieval:96,retrieval:40,full", "3"),  # a larger budget below a smaller one: odd, still exact
     ("ngram,draft,retrieval,full", "3,2,5"),
+    ("ngram,kv4,full", "3"),  # QuantSpec's draft: the target reading its cache at 4 bits
+    ("ngram,kv4,retrieval:40,full", "2,3,4"),
+    ("kv4,streaming:24,full", "2,3"),
 ]
 
 

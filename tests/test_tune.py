@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from triforce.bench.tune import expected_tokens, per_token_acceptance, predict_ms
+from triforce.bench.tune import expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms
 
 
 @pytest.mark.parametrize("a", [0.0, 0.3, 0.7, 0.95])
@@ -68,3 +68,13 @@ def test_width_trees_enumerates_bounded_shapes():
     trees = dict(width_trees(10, 3, max_width=3))
     assert (2, 2, 1) in trees and len(trees[(2, 2, 1)]) == 10 and (3, 3) not in trees  # 3 + 9 > 10
     assert all(len(p) <= 10 and len(w) <= 3 and list(w) == sorted(w, reverse=True) for w, p in trees.items())
+
+
+def test_two_level_prediction():
+    """quantspec's model: a draft step per drafted token, one verification per round."""
+    cost_full = {k: 100.0 + 5 * k for k in range(1, 12)}
+    assert predict_two_level_ms(cost_full, 50.0, 0.0, 3) == pytest.approx(105 + 15 + 150)  # one token per round
+    assert predict_two_level_ms(cost_full, 50.0, 1.0, 3) == pytest.approx((120 + 150) / 4)
+    # a draft step as dear as the target's never pays; a cheap one with high acceptance does
+    assert predict_two_level_ms(cost_full, 105.0, 0.9, 4) > cost_full[1]
+    assert predict_two_level_ms(cost_full, 20.0, 0.9, 4) < cost_full[1]

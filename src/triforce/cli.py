@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import storage
-from .config import DEFAULT_KV_DTYPE, KV_DTYPES, WEIGHTS, WEIGHTS_HELP
+from .config import DEFAULT_KV_DTYPE, FLOAT_KV_DTYPES, KV_DTYPES, WEIGHTS, WEIGHTS_HELP
 from .errors import TriforceError
 from .interrupts import EXIT_INTERRUPTED, prompt_interrupts
 from .speculation.config import SpecConfig
@@ -38,7 +38,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help=f"the target's KV cache dtype (its stored keys and values only; ar and every stack use "
                         f"it, so the output stays exact for it): default {DEFAULT_KV_DTYPE} with float32 weights "
-                        f"(docs/kv_dtype.md), else the weights' dtype")
+                        f"(docs/kv_dtype.md), else the weights' dtype; int8: 8-bit KIVI-grouped codes as two 4-bit planes, "
+                        f"0.55x fp16's bytes, read at 4 bits by kv4 levels (docs/quantized_kv.md)")
     g.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     g.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
     g.add_argument("--threads", type=_positive_int, metavar="N",
@@ -74,7 +75,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="weights of the target when it drafts (retrieval and streaming levels): bf16 (default; "
                         "half the bytes per forward, needs the CPU kernels, else fp32) or fp32. The output "
                         "is exact either way: the full level verifies with the fp32 weights")
-    g.add_argument("--draft-kv-dtype", choices=KV_DTYPES, default=d.draft_kv_dtype,
+    g.add_argument("--draft-kv-dtype", choices=FLOAT_KV_DTYPES, default=d.draft_kv_dtype,
                    help=f"KV cache dtype of the drafting levels (retrieval, streaming, a draft model; default "
                         f"{d.draft_kv_dtype}). The output is exact either way")
     g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
@@ -218,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "rank and the forward costs, predict every widths-per-depth tree, print the best")
     t.add_argument("--max-tree-nodes", type=_positive_int, default=32, metavar="N",
                    help="--trees: largest tree considered (default 32)")
+    t.add_argument("--kv4", action="store_true",
+                   help="also measure the kv4 level (the target reading its cache at 4 bits: over an int8 target, "
+                        "--kv-dtype int8, its own upper planes) and predict the best --gamma of --method quantspec")
     t.add_argument("--prefill-chunk", type=_positive_int, default=512, metavar="N")
     t.add_argument("--json", action="store_true", help="print the measurements and predictions as JSON")
     t.add_argument("--quiet", action="store_true")

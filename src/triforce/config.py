@@ -19,7 +19,11 @@ class Architecture:
 # Element types of the KV cache (--kv-dtype for the target's, --draft-kv-dtype for the drafting caches):
 # only the stored K/V change type (cast when written); activations and weights keep theirs. A target
 # with another KV dtype is another model: `ar` and every stack use the same one, so output stays exact.
-KV_DTYPES = ("fp32", "bf16", "fp16")
+# int8 is the hierarchical quantized layout (caches/quantized.py: 8-bit KIVI-grouped codes as two 4-bit
+# planes, the newest tokens at fp16): the target's cache only; the drafting levels' caches are float
+# (FLOAT_KV_DTYPES), and a kv4 level reads an int8 target's upper planes.
+KV_DTYPES = ("fp32", "bf16", "fp16", "int8")
+FLOAT_KV_DTYPES = ("fp32", "bf16", "fp16")
 # The defaults, for fp32 weights: the target's cache, and the caches of the drafting levels (retrieval,
 # streaming, a small draft model), whose precision only moves acceptance. fp16: half the bytes of fp32, and
 # the embedded model's perplexity at 32K tokens within 0.01% of fp32's (bf16: 0.02%): docs/kv_dtype.md.
@@ -36,13 +40,13 @@ WEIGHTS_HELP = ("how the weights are held: native (default) keeps a GGUF file's 
 _KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 
 
-def kv_dtype_name(value, what: str = "KV cache dtype") -> str:
-    """'fp32', 'bf16' or 'fp16' for one of those names, a torch dtype name (float32, bfloat16, float16) or
-    a torch dtype; TriforceError naming the valid values for anything else."""
+def kv_dtype_name(value, what: str = "KV cache dtype", choices: tuple[str, ...] = KV_DTYPES) -> str:
+    """One of `choices` ('fp32', 'bf16', 'fp16', 'int8') for one of those names, a torch dtype name (float32,
+    bfloat16, float16, int8) or a torch dtype; TriforceError naming the valid values for anything else."""
     name = str(value).removeprefix("torch.")
     name = _KV_ALIASES.get(name, name)
-    if name not in KV_DTYPES:
-        raise TriforceError(f"{what} {value!r} is not supported: choose one of {', '.join(KV_DTYPES)}")
+    if name not in choices:
+        raise TriforceError(f"{what} {value!r} is not supported: choose one of {', '.join(choices)}")
     return name
 
 

@@ -64,10 +64,25 @@ def weight_bytes(state: dict, weights: str) -> int:
     return total
 
 
-def kv_bytes(cfg, tokens: int, element_size: int) -> int:
-    """K and V of `tokens` tokens over every layer, `element_size` bytes per value (an upper bound for
-    sliding-window layers, whose caches hold only their window). (cfg.kv_bytes_per_token counts fp32.)"""
-    return cfg.kv_bytes_per_token // 4 * element_size * tokens
+# Bytes per K/V value held, by KV dtype. int8 (caches/quantized.py): an 8-bit code plus an fp16 scale and zero
+# per group, keys per channel over 64 tokens (4 / 64 bytes a value) and values per token over 32 channels
+# (4 / 32): 1.094 bytes on average; int4 (a kv4 level's own cache over a float target) the upper plane alone,
+# 0.594. Their full-precision buffer of the newest tokens (2 groups + rollback + a forward) is not counted.
+_GROUP_OVERHEAD = (4 / 64 + 4 / 32) / 2
+KV_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1 + _GROUP_OVERHEAD, "int4": 0.5 + _GROUP_OVERHEAD}
+
+
+def kv_value_bytes(kv_dtype) -> float:
+    """Bytes per stored K/V value of a KV dtype (a name of KV_VALUE_BYTES or a torch dtype: torch.int8 is int8)."""
+    from .config import kv_dtype_name
+
+    return KV_VALUE_BYTES[kv_dtype_name(kv_dtype, choices=tuple(KV_VALUE_BYTES))]
+
+
+def kv_bytes(cfg, tokens: int, value_bytes: float) -> int:
+    """K and V of `tokens` tokens over every layer, `value_bytes` bytes per value (kv_value_bytes; an upper bound
+    for sliding-window layers, whose caches hold only their window). (cfg.kv_bytes_per_token counts fp32.)"""
+    return round(cfg.kv_bytes_per_token // 4 * value_bytes * tokens)
 
 
 def check_kv_fits(model, tokens: int) -> None:
@@ -75,6 +90,8 @@ def check_kv_fits(model, tokens: int) -> None:
     from .config import kv_dtype_name
 
     name = kv_dtype_name(model.kv_dtype)
-    check_fits(kv_bytes(model.cfg, tokens, model.kv_dtype.itemsize), f"the KV cache of {tokens} tokens ({name})",
+    check_fits(kv_bytes(model.cfg, tokens, kv_value_bytes(model.kv_dtype)), f"the KV cache of {tokens} tokens ({name})",
                "shorten the prompt or --max-new-tokens" + (", or use --kv-dtype fp16 (half the bytes)"
-                                                           if name == "fp32" else ""))
+                                                           if name == "fp32" else
+                                                           ", or use --kv-dtype int8 (0.55x fp16's bytes)"
+                                                           if name in ("fp16", "bf16") else ""))

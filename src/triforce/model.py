@@ -21,8 +21,13 @@ from . import kernels
 from .config import ModelConfig
 from .errors import TriforceError
 from .caches.base import KVCache, TokenBlock, causal_mask, kv_dtype
+from .caches.quantized import QuantizedKV
 from .quantized import BF16, QuantTensor, dequantize
 from .rope import Rotary, apply_rotary
+
+
+# The full-precision buffer of an int8 KV cache (its newest one or two groups of 64 tokens).
+INT8_BUFFER_DTYPE = torch.float16
 
 
 def _mkldnn_packing_available() -> bool:
@@ -185,7 +190,8 @@ KERNEL_HEAD_DIMS = (64, 128, 256)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None,
               ops=None) -> torch.Tensor:
-    """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL or [T, S] bool -> [B, Hq, T, D].
+    """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL or [T, S] bool -> [B, Hq, T, D]. (k a
+    caches.quantized.QuantizedKV instead: the quantized cache's attention, v and mask unused.)
     `ops`: the compiled kernels (the model's backend) or None for PyTorch's attention.
 
     k and v are the cache's (its dtype: fp32, bf16 or fp16; q keeps the model's). The kernel reads fp32
@@ -194,9 +200,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     Scores are q . k * scale (None: D ** -0.5). Query head h uses KV head h // g (the transformers convention).
     """
     B, Hq, T, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    if isinstance(k, QuantizedKV):  # a quantized cache: its planes and buffer, read by its own attention
+        return k.attend(q, scale, ops)
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
     if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D in KERNEL_HEAD_DIMS \
             and (mask is None or isinstance(mask, str)) and ops is not None \
             and (k.dtype == torch.float32 or getattr(ops, "HALF_KV", False)):
@@ -322,8 +330,9 @@ class Transformer(nn.Module):
     @property
     def kv_dtype(self) -> torch.dtype:
         """The dtype of this model's KV cache (new_cache): set it with a torch dtype or a name of
-        config.KV_DTYPES ('fp32', 'bf16', 'fp16'); default (None): the weights' dtype. Only the stored
-        K/V change: a model with another KV dtype is, exactly, another model (ar and every stack use it)."""
+        config.KV_DTYPES ('fp32', 'bf16', 'fp16', 'int8': torch.int8, the quantized layout of
+        caches/quantized.py); default (None): the weights' dtype. Only the stored K/V change: a model with
+        another KV dtype is, exactly, another model (ar and every stack use it)."""
         return self._kv_dtype or self.dtype
 
     @kv_dtype.setter
@@ -438,11 +447,19 @@ class Transformer(nn.Module):
     def new_cache(self, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1, dtype=None):
         """The full-attention cache of this model for `capacity` tokens: a FullCache, or with sliding-window
         layers a SlidingWindowCache (their keys in a ring of the window plus a few slots). Its dtype is
-        `dtype` (a torch dtype or a name of config.KV_DTYPES; drafting caches) or the model's kv_dtype."""
-        from .caches import FullCache, SlidingWindowCache
+        `dtype` (a torch dtype or a name of config.KV_DTYPES; drafting caches) or the model's kv_dtype;
+        int8: a QuantizedCache (8 bits, the newest tokens in an INT8_BUFFER_DTYPE buffer)."""
+        from .caches import FullCache, QuantizedCache, SlidingWindowCache
 
         cfg = self.cfg
         dtype = self.kv_dtype if dtype is None else kv_dtype(dtype)
+        if dtype == torch.int8:
+            if self.windows is not None:
+                raise TriforceError(f"--kv-dtype int8 is not supported for models with sliding-window layers "
+                                    f"({cfg.arch}): use fp32, bf16 or fp16")
+            return QuantizedCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, bits=8,
+                                  batch=batch, dtype=INT8_BUFFER_DTYPE, device=self.device,
+                                  record_queries=record_queries)
         kw = dict(batch=batch, dtype=dtype, device=self.device, record_queries=record_queries)
         if self.windows is not None:
             return SlidingWindowCache(self.windows, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)

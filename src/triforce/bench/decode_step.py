@@ -3,6 +3,8 @@
     python -m triforce.bench.decode_step --contexts 8192,32768 [--no-transformers]
     python -m triforce.bench.decode_step --kernel-ab     # compiled kernels vs PyTorch
     python -m triforce.bench.decode_step --draft-ab      # fp32 vs bf16 draft weights, retrieval level
+    python -m triforce.bench.decode_step --kv-dtype int8 # the quantized cache, and a kv4 draft step over it
+    python -m triforce.bench.decode_step --kv-ab         # fp16 vs int8 cache and kv4 draft, alternating
 
 Decode time does not depend on the cache's contents, so both engines get a KV cache of N tokens
 filled with random values instead of a multi-minute prefill: the work per step is exactly that of
@@ -33,12 +35,28 @@ def time_forwards(model, cache, length: int, k: int, repeats: int, warmup: int =
     return statistics.median(times)
 
 
-def time_ours(model, n_ctx: int, steps: int, tokens: int = 1) -> float:
-    """Median seconds of a `tokens`-token forward (1: a decode step; k: the verification of k - 1
-    drafts plus the bonus position) over a cache of n_ctx random keys and values."""
+def random_cache(model, n_ctx: int, tokens: int):
+    """The model's cache holding n_ctx tokens of random keys and values, with room for `tokens` more. An int8
+    cache (caches/quantized.py) gets random codes, scales and zeros for the positions a query at n_ctx reads
+    from its planes, and a random buffer for the rest."""
+    from ..caches import QuantizedCache
+    from ..caches.quantized import GROUP_K, fp_from
+
     cache = model.new_cache(n_ctx + tokens)
-    fake_context(cache, n_ctx)
-    return time_forwards(model, cache, n_ctx, tokens, steps, warmup=2)
+    if isinstance(cache, QuantizedCache):
+        for plane in (cache.k_hi, cache.v_hi, cache.k_lo, cache.v_lo):
+            plane.random_(0, 256)
+        for scale, zero in ((cache.k_scale, cache.k_zero), (cache.v_scale, cache.v_zero)):
+            scale.uniform_(0.001, 0.05)
+            zero.normal_()
+        a = fp_from(n_ctx)
+        cache.nq, cache.fb = a // GROUP_K, a
+        cache.fk.normal_()
+        cache.fv.normal_()
+    else:
+        fake_context(cache, n_ctx)
+    cache.length = n_ctx
+    return cache
 
 
 def fake_context(cache, n_ctx: int) -> None:
@@ -57,6 +75,25 @@ def fake_context(cache, n_ctx: int) -> None:
     cache.k[:, :, :, :n_ctx].normal_()
     cache.v[:, :, :, :n_ctx].normal_()
     cache.length = n_ctx
+
+
+def time_ours(model, n_ctx: int, steps: int, tokens: int = 1) -> float:
+    """Median seconds of a `tokens`-token forward (1: a decode step; k: the verification of k - 1
+    drafts plus the bonus position) over a cache of n_ctx random keys and values."""
+    return time_forwards(model, random_cache(model, n_ctx, tokens), n_ctx, tokens, steps, warmup=2)
+
+
+def time_kv4(model, n_ctx: int, steps: int) -> float:
+    """Median seconds of a kv4 level's draft step at n_ctx over an int8 target: the bf16 draft weights reading
+    the upper planes of the target's (random) cache."""
+    from ..caches import QuantizedCache
+    from ..speculation.kinds import draft_weights_model
+
+    target = random_cache(model, n_ctx, 1)
+    view = QuantizedCache(target.n_layers, target.n_kv_heads, target.head_dim, target.capacity, max_rollback=64,
+                          shared=target)
+    view.build(target)
+    return time_forwards(draft_weights_model(model), view, n_ctx, 1, steps, warmup=2)
 
 
 def attention_flops(cfg, n_ctx: int, tokens: int) -> float:
@@ -173,6 +210,32 @@ def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> Non
             print(f"| {n} | {budget} | {k} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x |", flush=True)
 
 
+def kv_ab(model, contexts: list[int], steps: int, rounds: int = 3) -> None:
+    """The target's decode step and 5-token verification over an fp16 and an int8 cache, and a kv4 draft step
+    over the int8 cache's upper planes, alternating in one process (`rounds` times; the fastest median of
+    each is kept: on a shared machine the others' load only ever adds)."""
+    from .hardware import kv_bytes_per_token
+
+    print("| context | fp16 step ms | int8 step ms | fp16 5-token verify ms | int8 5-token verify ms | "
+          "kv4 draft step ms | KV bytes/token fp16 / int8 |")
+    print("|---|---|---|---|---|---|---|")
+    for n in contexts:
+        best: dict[str, float] = {}
+        for _ in range(rounds):
+            for kv in ("fp16", "int8"):
+                model.kv_dtype = kv
+                for name, t in ((f"{kv} step", time_ours(model, n, steps)), (f"{kv} verify", time_ours(model, n, steps, 5))):
+                    best[name] = min(best.get(name, float("inf")), t)
+            best["kv4"] = min(best.get("kv4", float("inf")), time_kv4(model, n, steps))
+        model.kv_dtype = "fp16"
+        b16 = kv_bytes_per_token(model)
+        model.kv_dtype = "int8"
+        b8 = kv_bytes_per_token(model)
+        ms = {k: f"{v * 1e3:.1f}" for k, v in best.items()}
+        print(f"| {n} | {ms['fp16 step']} | {ms['int8 step']} | {ms['fp16 verify']} | {ms['int8 verify']} | {ms['kv4']} "
+              f"| {b16} / {b8} |", flush=True)
+
+
 def main(argv=None) -> None:
     from ..config import KV_DTYPES, WEIGHTS
     from ..loading import load_model
@@ -189,6 +252,10 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-ab", action="store_true",
                     help="instead: retrieval-level forwards (1, 3, 5 tokens over --budget keys) with the fp32 "
                          "weights vs the bf16 draft weights")
+    ap.add_argument("--kv-ab", action="store_true",
+                    help="instead: decode steps and verifications over an fp16 vs an int8 cache, and a kv4 draft step "
+                         "over the int8 cache, alternating in one process")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
     ap.add_argument("--budget", type=int, default=1024, help="retrieval budget for --draft-ab (default 1024)")
     ap.add_argument("--verify-tokens", type=int, default=5,
                     help="tokens of the verification forward compared with a decode step (default 5: 4 drafts "
@@ -205,6 +272,8 @@ def main(argv=None) -> None:
     modes = [w.strip() for w in args.weights.split(",") if w.strip()]
     if bad := [w for w in modes if w not in WEIGHTS]:
         ap.error(f"--weights: unknown {', '.join(bad)} (choose from {', '.join(WEIGHTS)})")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bw = measure_bandwidth()
     peak = measure_fma_peak()
     kern = None
@@ -230,6 +299,9 @@ def main(argv=None) -> None:
         if args.kernel_ab:
             kernel_ab(model, [int(x) for x in args.contexts.split(",")], bw, args.steps)
             return
+        if args.kv_ab:
+            kv_ab(model, [int(x) for x in args.contexts.split(",")], args.steps)
+            return
         if args.draft_ab:
             draft_weights_ab(model, [int(x) for x in args.contexts.split(",")], args.budget, args.steps)
             return
@@ -249,15 +321,17 @@ def main(argv=None) -> None:
                     transformers_ms[n] = time_transformers(hf_model, n, args.steps)
                 hf = transformers_ms[n]
                 hf_s, ratio = f"{hf * 1e3:.1f}", f"{hf / ours:.2f}x"
+            kv4 = f"{time_kv4(model, n, args.steps) * 1e3:.1f}" if model.kv_dtype == torch.int8 else "-"
             rows.append(f"| {mode} | {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | "
-                        f"{verify * 1e3:.1f} | {verify / ours:.2f} | {flops / 1e9:.0f} ({flops / peak:.0%}) | {hf_s} | "
-                        f"{ratio} |")
+                        f"{verify * 1e3:.1f} | {verify / ours:.2f} | {flops / 1e9:.0f} ({flops / peak:.0%}) | {kv4} | "
+                        f"{hf_s} | {ratio} |")
             print(rows[-1], flush=True)
         del model, loaded
     print()
     print(f"| weights | context | ours ms/step | floor ms | ours / floor | {k}-token verification ms | "
-          f"verification / step | attention GFLOP/s in it (of peak) | transformers ms/step | transformers / ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"verification / step | attention GFLOP/s in it (of peak) | kv4 draft step ms (int8) | transformers ms/step | "
+          f"transformers / ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -48,15 +48,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def kv_bytes_per_token(model, kv_element_size: int | None = None) -> int:
+def kv_bytes_per_token(model, kv_element_size: float | None = None) -> int:
     """K and V bytes of one token over every layer, with elements of `kv_element_size` bytes (None:
-    those of the model's own cache, model.kv_dtype). (cfg.kv_bytes_per_token counts fp32 elements.)"""
-    from ..memory import kv_bytes
+    those of the model's own cache, memory.kv_value_bytes(model.kv_dtype)). (cfg.kv_bytes_per_token counts fp32 elements.)"""
+    from ..memory import kv_bytes, kv_value_bytes
 
-    return kv_bytes(model.cfg, 1, model.kv_dtype.itemsize if kv_element_size is None else kv_element_size)
+    return kv_bytes(model.cfg, 1, kv_value_bytes(model.kv_dtype) if kv_element_size is None else kv_element_size)
 
 
-def floor_seconds(model, kv_tokens: int, bandwidth: float, kv_element_size: int | None = None) -> float:
+def floor_seconds(model, kv_tokens: int, bandwidth: float, kv_element_size: float | None = None) -> float:
     """(weight bytes + KV bytes read) / bandwidth for one decode step attending to `kv_tokens`, whose
     K/V elements take `kv_element_size` bytes (None: those of the model's own cache, model.kv_dtype)."""
     return (weight_bytes(model) + kv_tokens * kv_bytes_per_token(model, kv_element_size)) / bandwidth

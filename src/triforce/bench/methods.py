@@ -31,22 +31,24 @@ def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: st
     (weights + the KV it reads) / bandwidth. The drafting levels read the bf16 draft weights where
     the run uses them, and their KV in config.draft_kv_dtype; the full level its KV in the model's
     kv_dtype. None without a bandwidth or for a level without a model of the target."""
-    from ..caches.base import kv_dtype
+    from ..memory import kv_value_bytes
     from ..speculation.kinds import drafting_model
     from ..speculation.stack import LevelSpec
     from .hardware import floor_seconds
 
     spec = LevelSpec.parse(level)
-    if not bandwidth or spec.kind not in ("full", "retrieval", "streaming"):
+    if not bandwidth or spec.kind not in ("full", "retrieval", "streaming", "kv4"):
         return None
-    kv = kv_dtype(config.draft_kv_dtype)
+    kv = kv_value_bytes(config.draft_kv_dtype)
     if spec.kind == "full":
-        m, n, kv = model, n_ctx, model.kv_dtype
+        m, n, kv = model, n_ctx, kv_value_bytes(model.kv_dtype)
+    elif spec.kind == "kv4":  # the upper planes (the 4-bit codes' bytes and the groups' scales)
+        m, n, kv = drafting_model(model, config), n_ctx, kv_value_bytes("int4")
     elif spec.kind == "retrieval":
         m, n = drafting_model(model, config), min(n_ctx, (spec.budget or config.budget) + config.recent)
     else:
         m, n = drafting_model(model, config), min(n_ctx, spec.budget or config.streaming_budget)
-    return round(floor_seconds(m, n, bandwidth, kv.itemsize) * 1e3, 1)
+    return round(floor_seconds(m, n, bandwidth, kv) * 1e3, 1)
 
 
 def _agreement(tokens: list[int], ref: list[int] | None) -> int | None:

@@ -54,8 +54,47 @@ def predict_ms(cost_full, cost_retr, a_full: float, a_retr: float, gamma: int, g
     return round_ms / e_top
 
 
+def predict_two_level_ms(cost_full, cost_draft_step: float, a: float, gamma: int) -> float:
+    """ms/token of a two-level stack (quantspec: kv4,full): each round drafts gamma tokens one forward at a
+    time (cost_draft_step each) and verifies them in one full forward of gamma + 1 tokens."""
+    return (cost_full[gamma + 1] + gamma * cost_draft_step) / expected_tokens(a, gamma)
+
+
+def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tokens: int, repeats: int,
+             temperature: float, seed: int, log=print) -> dict:
+    """The kv4 level's draft step (the drafting weights over a 4-bit reading of the prefilled prompt: the
+    int8 target's own upper planes, or a 4-bit cache built from the float one) and the full level's per-token
+    acceptance of its drafts from a quantspec run at gamma max_gamma; the predicted ms/token of quantspec for
+    every gamma, best first."""
+    from ..caches import QuantizedCache
+    from ..caches.base import kv_dtype
+    from ..generate import generate
+    from ..speculation.kinds import drafting_model
+    from .decode_step import time_forwards
+    from .methods import sampling_params
+
+    full = shared.restore(prompt)
+    c = model.cfg
+    cache = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, full.capacity, bits=4, max_rollback=64,
+                           dtype=kv_dtype(config.draft_kv_dtype), device=model.device,
+                           shared=full if isinstance(full, QuantizedCache) else None)
+    with torch.inference_mode():
+        cache.build(full)
+    step = time_forwards(drafting_model(model, config), cache, cache.length, 1, repeats) * 1e3
+    del cache
+    res = generate(model, prompt, tokens, sampling_params(temperature), method="quantspec",
+                   config=replace(config, gamma=max_gamma), prefilled=shared, seed=seed)
+    top = next(x for x in res.stats["levels"] if x.get("level") == "full")
+    a = per_token_acceptance(top["mean_accepted"], max_gamma)
+    log(f"kv4: per-token acceptance {a:.3f}; forward ms k=1 {step:.1f} (full {cost_full[1]:.1f})")
+    grid = sorted(({"gamma": g, "predicted_ms_per_token": round(predict_two_level_ms(cost_full, step, a, g), 2)}
+                   for g in range(1, max_gamma + 1)), key=lambda r: r["predicted_ms_per_token"])
+    return {"acceptance": round(a, 4), "cost_kv4_ms": round(step, 2), "best": grid[0], "top": grid[:5]}
+
+
 def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft: int, config, tokens: int,
-         repeats: int = 3, progress: bool = True, log=print, temperature: float = 0.0, seed: int = 0) -> dict:
+         repeats: int = 3, progress: bool = True, log=print, temperature: float = 0.0, seed: int = 0,
+         kv4: bool = False) -> dict:
     from tqdm.auto import tqdm
 
     from ..corpus import demo_tokens
@@ -66,7 +105,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from .decode_step import time_forwards
     from .methods import sampling_params
 
-    model, c = loaded.model, loaded.model.cfg
+    model = loaded.model
     prompt = demo_tokens(loaded.tokenizer, n_ctx)
     capacity = n_ctx + tokens + max(max_gamma, max_gamma_draft) + 8
     t = time.perf_counter()
@@ -114,7 +153,9 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
                 grid.append({"budget": b, "gamma": g, "gamma_draft": gd,
                              "predicted_ms_per_token": round(predict_ms(cost_full, cost_retr[b], *accept[b], g, gd), 2)})
     grid.sort(key=lambda r: r["predicted_ms_per_token"])
-    return {"context_length": n_ctx, "temperature": temperature, "cost_full_ms": {k: round(v, 2) for k, v in cost_full.items()},
+    extra = {"quantspec": tune_kv4(model, shared, prompt, cost_full, max_gamma, config, tokens, repeats, temperature,
+                                   seed, log)} if kv4 else {}
+    return {**extra, "context_length": n_ctx, "temperature": temperature, "cost_full_ms": {k: round(v, 2) for k, v in cost_full.items()},
             "cost_retrieval_ms": {b: {k: round(v, 2) for k, v in d.items()} for b, d in cost_retr.items()},
             "acceptance": {b: {"full": round(a, 4), "retrieval": round(r, 4)} for b, (a, r) in accept.items()},
             "predicted_ar_ms_per_token": round(cost_full[1], 2), "best": grid[0], "top": grid[:10],
@@ -149,7 +190,8 @@ def main(args, config) -> int:
         raise TriforceError(f"--context-length {args.context_length} plus {args.tokens} tokens exceeds the model's "
                             f"context of {loaded.config.max_context}: lower --context-length or raise --max-context")
     out = tune(loaded, args.context_length, budgets, args.max_gamma, args.max_gamma_draft, config, args.tokens,
-               progress=not args.quiet, log=log, temperature=args.temperature, seed=args.seed)
+               progress=not args.quiet, log=log, temperature=args.temperature, seed=args.seed,
+               kv4=getattr(args, "kv4", False))
     shared, prompt = out.pop("shared"), out.pop("prompt")
     best = out["best"]
     if args.check:
@@ -173,6 +215,10 @@ def main(args, config) -> int:
         print(f"context {args.context_length}, temperature {args.temperature}: ar ~{out['predicted_ar_ms_per_token']} ms/token; best predicted "
               f"{best['predicted_ms_per_token']} ms/token (x{out['predicted_ar_ms_per_token'] / best['predicted_ms_per_token']:.2f})")
         print(f"  flags: --budget {best['budget']} --gamma {best['gamma']} --gamma-draft {best['gamma_draft']}")
+        if "quantspec" in out:
+            qs = out["quantspec"]
+            print(f"  quantspec (kv4,full; kv4 acceptance {qs['acceptance']}): best predicted "
+                  f"{qs['best']['predicted_ms_per_token']} ms/token with --method quantspec --gamma {qs['best']['gamma']}")
     return 0
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import kv_dtype_name
+from ..config import KV_DTYPES, kv_dtype_name
 from ..errors import TriforceError
 
 _HUGE_PAGE = 2 << 20
@@ -50,13 +50,15 @@ def kv_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
             pass
     return t.zero_()
 
-_KV_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch.int8 stands for the int8 layout (caches/quantized.py): a model whose kv_dtype is int8 gets a QuantizedCache
+_KV_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
 
-def kv_dtype(value) -> torch.dtype:
-    """The torch dtype of a KV cache element type: 'fp32', 'bf16', 'fp16' (config.KV_DTYPES), a torch dtype
-    name or a torch dtype. Anything else: TriforceError naming the valid values."""
-    return _KV_TORCH[kv_dtype_name(value)]
+def kv_dtype(value, choices: tuple[str, ...] = KV_DTYPES) -> torch.dtype:
+    """The torch dtype of a KV cache element type: 'fp32', 'bf16', 'fp16', 'int8' (config.KV_DTYPES; `choices`
+    narrows them, e.g. to config.FLOAT_KV_DTYPES for a cache that stores K/V tensors), a torch dtype name or a
+    torch dtype. Anything else: TriforceError naming the valid values."""
+    return _KV_TORCH[kv_dtype_name(value, choices=choices)]
 
 
 class KVCache:

@@ -40,6 +40,10 @@ class FullCache(KVCache):
             self.queries[layer] = q
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end], self._mask
 
+    def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, n, D] of positions 0 .. n - 1 of `layer` (views, as stored)."""
+        return self.k[layer, :, :, :n], self.v[layer, :, :, :n]
+
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length

@@ -63,12 +63,13 @@ class RetrievalCache(KVCache):
         return torch.cat([head, chunk_tokens, tail], dim=-1)
 
     def build(self, full: FullCache) -> None:
-        """(Re)build from the first `full.length` tokens of `full` (a FullCache with as many layers; for a
-        model with sliding-window layers, SlidingWindowCache.build calls this on the global layers), scoring
-        chunks with the query of its last token (position full.length - 1), which its last forward must
-        have recorded (`record_queries=True`; rolling `full` back after that forward is fine)."""
-        if not isinstance(full, FullCache) or full.n_layers != self.n_layers:
-            raise ValueError(f"a retrieval cache of {self.n_layers} layers is built from a FullCache of as many "
+        """(Re)build from the first `full.length` tokens of `full` (a FullCache with as many layers, or an
+        int8 QuantizedCache read one dequantized layer at a time: `layer_kv` gives both; for a model with
+        sliding-window layers, SlidingWindowCache.build calls this on the global layers), scoring chunks with
+        the query of its last token (position full.length - 1), which its last forward must have recorded
+        (`record_queries=True`; rolling `full` back after that forward is fine)."""
+        if not hasattr(full, "layer_kv") or full.n_layers != self.n_layers:
+            raise ValueError(f"a retrieval cache of {self.n_layers} layers is built from a full cache of as many "
                              f"(got {type(full).__name__} of {full.n_layers})")
         n = full.length
         query_index = n - 1 - full.query_start
@@ -78,11 +79,12 @@ class RetrievalCache(KVCache):
         self.indices = []
         for layer in range(self.n_layers):
             q = full.queries[layer][:, :, query_index]
-            idx = self.select(full.k[layer, :, :, :n], q)
-            gather = idx[..., None].expand(-1, -1, -1, full.k.shape[-1])
+            keys, values = full.layer_kv(layer, n)
+            idx = self.select(keys, q)
+            gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
             m = idx.shape[-1]
-            self.k[layer, :, :, :m] = torch.gather(full.k[layer, :, :, :n], 2, gather)
-            self.v[layer, :, :, :m] = torch.gather(full.v[layer, :, :, :n], 2, gather)
+            self.k[layer, :, :, :m] = torch.gather(keys, 2, gather)
+            self.v[layer, :, :, :m] = torch.gather(values, 2, gather)
             self.indices.append(idx)
         self.base, self.built_at, self.length = m, n, n
 

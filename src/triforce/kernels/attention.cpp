@@ -131,14 +131,11 @@ inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
   return acc;
 }
 
-// One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as stored
-// (half-precision keys are widened as they are loaded: with a few rows that beat widening the block
-// into a scratch copy first); s: scratch [R, BS]. Writes o_b [R, D], m_b [R], l_b [R].
-template <int64_t D, typename KV>
-void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t T, int64_t j0, int64_t n,
-                int64_t S, bool causal, float* s, const char* next_k, const char* next_v, float* o_b, float* m_b,
-                float* l_b) {
-  constexpr int64_t BS = block_keys<D, KV>();
+// Scores of R rows q [R, D] (scaled) against n keys k [n, D] as stored (half-precision keys are widened
+// as they are loaded: with a few rows that beat widening the block into a scratch copy first), into s
+// [R, BS] (row stride BS).
+template <int64_t D, int64_t BS, typename KV>
+void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s) {
   constexpr int NC = D / W;
   const int64_t nw = n - n % W;
   for (int64_t r = 0; r < R; ++r) {
@@ -158,12 +155,12 @@ void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t T, 
       sr[j] = reduce_add(a);
     }
   }
-  if (causal && j0 + n > S - T) {
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t t = r % T;
-      for (int64_t j = std::max<int64_t>(0, S - T + t + 1 - j0); j < n; ++j) s[r * BS + j] = NEG_INF;
-    }
-  }
+}
+
+// Per row of s [R, BS] (n scores, masked ones -inf): its max m_b[r], its numerators exp(s - m) in place
+// and their sum l_b[r].
+template <int64_t BS>
+void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * BS;
     float m = NEG_INF;
@@ -171,6 +168,20 @@ void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t T, 
     m_b[r] = m;
     softmax_numerators(sr, n, m, l_b + r);
   }
+}
+
+// One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as stored;
+// s: scratch [R, BS] (BS: the row stride); mask(r, j) -> whether row r sees key j of the block (called
+// for every pair only where `masked`). Writes o_b [R, D], m_b [R], l_b [R].
+template <int64_t D, int64_t BS, typename KV, typename Mask>
+void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, bool masked, const Mask& mask, float* s,
+                const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b) {
+  scores_rows<D, BS>(q, k, R, n, s);
+  if (masked)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < n; ++j)
+        if (!mask(r, j)) s[r * BS + j] = NEG_INF;
+  rows_softmax<BS>(s, R, n, m_b, l_b);
   block_pv<D, BS>(s, 1, v, R, n, o_b, next_k, next_v);
 }
 
@@ -205,11 +216,11 @@ void scores_lanes(const float* qt, int64_t RP, const float* k, int64_t n, float*
 }
 
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
-// qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP].
-template <int64_t D, typename KV>
-void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64_t R, int64_t T, int64_t j0,
-                 int64_t n, int64_t S, bool causal, float* st, const char* next_k, const char* next_v, float* o_b,
-                 float* m_b, float* l_b) {
+// qt [D][RP] (RP = NV * W) instead of q, fp32 keys, and st scratch [BS][RP].
+template <int64_t D, typename KV, typename Mask>
+void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64_t R, int64_t n, bool masked,
+                 const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
+                 float* l_b) {
   const int64_t RP = NV * W;
   for (int64_t g0 = 0; g0 < NV;) {  // groups of up to NVG_MAX row vectors share each loaded key
     const int64_t left = NV - g0;
@@ -229,13 +240,10 @@ void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64
       g0 += 1;
     }
   }
-  if (causal && j0 + n > S - T) {
-    for (int64_t jj = std::max<int64_t>(0, S - T - j0); jj < n; ++jj) {
-      const int64_t u = j0 + jj - (S - T);  // the key is new token u: visible to rows of tokens >= u
+  if (masked)
+    for (int64_t jj = 0; jj < n; ++jj)
       for (int64_t r = 0; r < R; ++r)
-        if (r % T < u) st[jj * RP + r] = NEG_INF;
-    }
-  }
+        if (!mask(r, jj)) st[jj * RP + r] = NEG_INF;
   // block-local softmax numerators, W rows per vector (one vector at a time: its max and sum stay
   // in registers; with the vectors inner, indexed at run time, they went through memory: +15%)
   float mt[MAX_ROWS], lt[MAX_ROWS];
@@ -261,60 +269,14 @@ void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64
   block_pv<D, 1>(st, RP, v, R, n, o_b);
 }
 
-template <int64_t D, typename KV>
-torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                  double scale, bool lanes) {
-  constexpr int64_t BS = block_keys<D, KV>();
-  const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
-  const int64_t NV = (R + W - 1) / W, RP = NV * W;
-  // per-row path: q scaled [H, R, D]; lanes path: q scaled, transposed and zero-padded [H, D, RP]
-  // (one small copy here instead of PyTorch's mul / transpose / pad / contiguous, each a dispatch)
-  const auto qs = torch::empty({H * (lanes ? D * RP : R * D)}, q.options());
-  {
-    const auto qa = q.accessor<float, 3>();
-    float* dst = qs.data_ptr<float>();
-    const float sc = static_cast<float>(scale);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t r = 0; r < (lanes ? RP : R); ++r)
-        for (int64_t d = 0; d < D; ++d) {
-          const float x = r < R ? qa[h][r][d] * sc : 0.f;
-          if (lanes)
-            dst[(h * D + d) * RP + r] = x;
-          else
-            dst[(h * R + r) * D + d] = x;
-        }
-  }
-  const int64_t nb = (S + BS - 1) / BS;
-  // per-block partial results (not zero-filled: every block writes all of its rows)
-  const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
-  float* const o_part = parts.data_ptr<float>();
-  float* const m_part = o_part + H * nb * R * D;
-  float* const l_part = m_part + H * nb * R;
-  const float* qp = qs.data_ptr<float>();
-  const KV* kp = reinterpret_cast<const KV*>(k.data_ptr());
-  const KV* vp = reinterpret_cast<const KV*>(v.data_ptr());
-  const int64_t ks = k.stride(0), vs = v.stride(0);
-  at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> s(MAX_ROWS * BS);  // RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W
-    std::vector<float> kf(lanes && !std::is_same_v<KV, float> ? BS * D : 0);  // widened keys (lanes path)
-    for (int64_t w = b; w < e; ++w) {
-      const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
-      const KV* kh = kp + h * ks + j0 * D;
-      const KV* vh = vp + h * vs + j0 * D;
-      const bool last = blk + 1 == nb;
-      const char* next_k = last ? nullptr : reinterpret_cast<const char*>(kh + BS * D);
-      const char* next_v = last ? nullptr : reinterpret_cast<const char*>(vh + BS * D);
-      float* ob = o_part + w * R * D;
-      float* mb = m_part + w * R;
-      float* lb = l_part + w * R;
-      if (lanes)
-        block_lanes<D>(qp + h * D * RP, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, T, j0, n, S, causal, s.data(),
-                       next_k, next_v, ob, mb, lb);
-      else
-        block_rows<D>(qp + h * R * D, kh, vh, R, T, j0, n, S, causal, s.data(), next_k, next_v, ob, mb, lb);
-    }
-  });
-  auto out = torch::empty({H, R, D}, q.options());
+// The blocks' partial results -> out [H, R, D]: per row, the blocks' o_b merged by their log-sum-exp
+// (blocks with l_b = 0, every key masked for the row, are skipped). parts: o [H, nb, R, D], then m and l
+// [H, nb, R].
+template <int64_t D>
+torch::Tensor merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R, const torch::TensorOptions& opts) {
+  const float* m_part = o_part + H * nb * R * D;
+  const float* l_part = m_part + H * nb * R;
+  auto out = torch::empty({H, R, D}, opts);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, H * R, 8, [&](int64_t b, int64_t e) {
     for (int64_t hr = b; hr < e; ++hr) {
@@ -338,6 +300,70 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   return out;
 }
 
+// The queries for either path: per-row, q scaled [H, R, D]; lanes, q scaled, transposed and zero-padded
+// [H, D, RP] (RP = NV * W). One small copy here instead of PyTorch's mul / transpose / pad / contiguous,
+// each a dispatch.
+torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, int64_t RP) {
+  const int64_t H = q.size(0), R = q.size(1), D = q.size(2);
+  const auto qs = torch::empty({H * (lanes ? D * RP : R * D)}, q.options());
+  const auto qa = q.accessor<float, 3>();
+  float* dst = qs.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < (lanes ? RP : R); ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = r < R ? qa[h][r][d] * sc : 0.f;
+        if (lanes)
+          dst[(h * D + d) * RP + r] = x;
+        else
+          dst[(h * R + r) * D + d] = x;
+      }
+  return qs;
+}
+
+template <int64_t D, typename KV>
+torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
+                  double scale, bool lanes) {
+  constexpr int64_t BS = block_keys<D, KV>();
+  const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
+  const int64_t NV = (R + W - 1) / W, RP = NV * W;
+  const auto qs = scaled_queries(q, scale, lanes, RP);
+  const int64_t nb = (S + BS - 1) / BS;
+  // per-block partial results (not zero-filled: every block writes all of its rows)
+  const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
+  float* const o_part = parts.data_ptr<float>();
+  float* const m_part = o_part + H * nb * R * D;
+  float* const l_part = m_part + H * nb * R;
+  const float* qp = qs.data_ptr<float>();
+  const KV* kp = reinterpret_cast<const KV*>(k.data_ptr());
+  const KV* vp = reinterpret_cast<const KV*>(v.data_ptr());
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> s(MAX_ROWS * BS);  // RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W
+    std::vector<float> kf(lanes && !std::is_same_v<KV, float> ? BS * D : 0);  // widened keys (lanes path)
+    for (int64_t w = b; w < e; ++w) {
+      const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
+      const KV* kh = kp + h * ks + j0 * D;
+      const KV* vh = vp + h * vs + j0 * D;
+      const bool last = blk + 1 == nb;
+      const char* next_k = last ? nullptr : reinterpret_cast<const char*>(kh + BS * D);
+      const char* next_v = last ? nullptr : reinterpret_cast<const char*>(vh + BS * D);
+      float* ob = o_part + w * R * D;
+      float* mb = m_part + w * R;
+      float* lb = l_part + w * R;
+      // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u
+      const bool masked = causal && j0 + n > S - T;
+      const auto mask = [&](int64_t r, int64_t j) { return j0 + j - (S - T) <= r % T; };
+      if (lanes)
+        block_lanes<D>(qp + h * D * RP, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, n, masked, mask, s.data(),
+                       next_k, next_v, ob, mb, lb);
+      else
+        block_rows<D, BS>(qp + h * R * D, kh, vh, R, n, masked, mask, s.data(), next_k, next_v, ob, mb, lb);
+    }
+  });
+  return merge_blocks<D>(o_part, H, nb, R, q.options());
+}
+
 template <typename KV>
 torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
                      double scale, bool lanes) {
@@ -346,6 +372,126 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
     case 128: return run<128, KV>(q, k, v, T, causal, scale, lanes);
     default: return run<256, KV>(q, k, v, T, causal, scale, lanes);
   }
+}
+
+// ---- attention over the quantized KV cache (caches/quantized.py) ----
+// Work items of QB = 64 keys: a quantized group (its 8-bit or 4-bit codes dequantized into an fp32
+// scratch block in L1 as they are read: the planes are all that comes from memory) or 64 positions of the
+// full-precision buffer (blocks aligned to positions, as the groups are). Each row r reads the quantized
+// positions < lim[r] and the buffer positions its mask row (token r % T) marks; the per-row scores,
+// softmax and p v are those of decode_attention's two paths (per-row below LANES_MIN_ROWS rows, rows in
+// lanes from there on), so a row's result depends on its query, its visible keys and the path only (not on
+// where the buffer starts: masked keys add exact zeros).
+constexpr int64_t QB = 64;  // caches/quantized.py GROUP_K
+
+// Keys and values of one quantized group of n keys -> fp32 rows kf, vf [n, D]. Planes: rows of D / 2 bytes
+// (k_lo / v_lo null: the 4-bit reading, code = 16 * upper + 8); key scale / zero [D] of the group; value
+// scale / zero [n, D / 32] (per token and 32 channels).
+template <int64_t D>
+void dequantize_group(const uint8_t* k_hi, const uint8_t* k_lo, const c10::Half* ks, const c10::Half* kz,
+                      const uint8_t* v_hi, const uint8_t* v_lo, const c10::Half* vs, const c10::Half* vz, int64_t n,
+                      float* kf, float* vf) {
+  constexpr int NP = D / 32, PV = 32 / W;  // packing blocks per row, vectors per packing block
+  Vec ksv[D / W], kzv[D / W];
+  for (int c = 0; c < D / W; ++c) {
+    ksv[c] = load(ks + c * W);
+    kzv[c] = load(kz + c * W);
+  }
+  const Vec sixteen(16.f), eight(8.f);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int b = 0; b < NP; ++b) {
+      Vec hk[PV], hv[PV], lk[PV], lv[PV];
+      unpack32(k_hi + j * (D / 2) + b * 16, hk);
+      unpack32(v_hi + j * (D / 2) + b * 16, hv);
+      if (k_lo != nullptr) {
+        unpack32(k_lo + j * (D / 2) + b * 16, lk);
+        unpack32(v_lo + j * (D / 2) + b * 16, lv);
+      }
+      const Vec s(static_cast<float>(vs[j * NP + b])), z(static_cast<float>(vz[j * NP + b]));
+      for (int i = 0; i < PV; ++i) {
+        const int c = b * PV + i;
+        const Vec ck = fma(hk[i], sixteen, k_lo != nullptr ? lk[i] : eight);
+        const Vec cv = fma(hv[i], sixteen, k_lo != nullptr ? lv[i] : eight);
+        fma(ck, ksv[c], kzv[c]).store(kf + j * D + c * W);
+        fma(cv, s, z).store(vf + j * D + c * W);
+      }
+    }
+  }
+}
+
+template <int64_t D, typename KV>
+torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const torch::Tensor& k_lo,
+                        const torch::Tensor& k_scale, const torch::Tensor& k_zero, const torch::Tensor& v_hi,
+                        const torch::Tensor& v_lo, const torch::Tensor& v_scale, const torch::Tensor& v_zero,
+                        const torch::Tensor& lim, const torch::Tensor& fk, const torch::Tensor& fv,
+                        const torch::Tensor& fmask, int64_t T, double scale) {
+  const int64_t H = q.size(0), R = q.size(1), Sq = k_hi.size(1), F = fk.size(1);
+  const int64_t nq = Sq / QB, nf = (F + QB - 1) / QB, nb = nq + nf;
+  const bool lanes = R >= LANES_MIN_ROWS;
+  const int64_t NV = (R + W - 1) / W, RP = NV * W;
+  const auto qs = scaled_queries(q, scale, lanes, RP);
+  const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
+  float* const o_part = parts.data_ptr<float>();
+  float* const m_part = o_part + H * nb * R * D;
+  float* const l_part = m_part + H * nb * R;
+  const float* qp = qs.data_ptr<float>();
+  const int64_t* limp = lim.data_ptr<int64_t>();
+  const bool* maskp = fmask.data_ptr<bool>();
+  const bool eight_bit = k_lo.numel() > 0;
+  const auto* khp = k_hi.data_ptr<uint8_t>();
+  const auto* vhp = v_hi.data_ptr<uint8_t>();
+  const uint8_t* klp = eight_bit ? k_lo.data_ptr<uint8_t>() : nullptr;
+  const uint8_t* vlp = eight_bit ? v_lo.data_ptr<uint8_t>() : nullptr;
+  const auto* ksp = k_scale.data_ptr<c10::Half>();
+  const auto* kzp = k_zero.data_ptr<c10::Half>();
+  const auto* vsp = v_scale.data_ptr<c10::Half>();
+  const auto* vzp = v_zero.data_ptr<c10::Half>();
+  const KV* fkp = reinterpret_cast<const KV*>(fk.data_ptr());
+  const KV* fvp = reinterpret_cast<const KV*>(fv.data_ptr());
+  const int64_t plane_s = k_hi.stride(0), lo_s = eight_bit ? k_lo.stride(0) : 0, ks_s = k_scale.stride(0),
+                vs_s = v_scale.stride(0), fk_s = fk.stride(0), fv_s = fv.stride(0);
+  const int64_t vplane_s = v_hi.stride(0), vlo_s = eight_bit ? v_lo.stride(0) : 0;
+  at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> s(MAX_ROWS * QB), kf(QB * D), vf(QB * D);
+    for (int64_t w = b; w < e; ++w) {
+      const int64_t h = w / nb, blk = w % nb;
+      const float* qh = qp + h * (lanes ? D * RP : R * D);
+      float* ob = o_part + w * R * D;
+      float* mb = m_part + w * R;
+      float* lb = l_part + w * R;
+      if (blk < nq) {
+        const int64_t j0 = blk * QB;
+        bool any = false;
+        for (int64_t r = 0; r < R; ++r) any = any || limp[r] > j0;
+        if (!any) {  // no row reads this group from the planes
+          for (int64_t r = 0; r < R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
+          continue;
+        }
+        dequantize_group<D>(khp + h * plane_s + j0 * (D / 2), eight_bit ? klp + h * lo_s + j0 * (D / 2) : nullptr,
+                            ksp + h * ks_s + blk * D, kzp + h * ks_s + blk * D, vhp + h * vplane_s + j0 * (D / 2),
+                            eight_bit ? vlp + h * vlo_s + j0 * (D / 2) : nullptr, vsp + h * vs_s + j0 * (D / 32),
+                            vzp + h * vs_s + j0 * (D / 32), QB, kf.data(), vf.data());
+        bool masked = false;
+        for (int64_t r = 0; r < R; ++r) masked = masked || limp[r] < j0 + QB;
+        const auto mask = [&](int64_t r, int64_t j) { return j0 + j < limp[r]; };
+        if (lanes)
+          block_lanes<D>(qh, NV, kf.data(), vf.data(), R, QB, masked, mask, s.data(), nullptr, nullptr, ob, mb, lb);
+        else
+          block_rows<D, QB>(qh, kf.data(), vf.data(), R, QB, masked, mask, s.data(), nullptr, nullptr, ob, mb, lb);
+      } else {
+        const int64_t f0 = (blk - nq) * QB, n = std::min(QB, F - f0);
+        const KV* kh = fkp + h * fk_s + f0 * D;
+        const KV* vh = fvp + h * fv_s + f0 * D;
+        const auto mask = [&](int64_t r, int64_t j) { return maskp[(r % T) * F + f0 + j]; };
+        if (lanes)
+          block_lanes<D>(qh, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, n, true, mask, s.data(), nullptr, nullptr, ob,
+                         mb, lb);
+        else
+          block_rows<D, QB>(qh, kh, vh, R, n, true, mask, s.data(), nullptr, nullptr, ob, mb, lb);
+      }
+    }
+  });
+  return merge_blocks<D>(o_part, H, nb, R, q.options());
 }
 
 }  // namespace
@@ -373,6 +519,67 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, scale, lanes);
     case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, scale, lanes);
     default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
+  }
+}
+
+}  // namespace triforce
+
+namespace triforce {
+
+// Attention over a quantized KV cache (caches/quantized.py, QuantizedKV.attend): q [H, R, D] fp32; the planes
+// k_hi / v_hi [H, Sq, D / 2] uint8 of the first Sq positions (Sq a multiple of 64; k_lo / v_lo the same, or
+// empty tensors for the 4-bit reading), key scales / zeros [H, Sq / 64, D] and value scales / zeros
+// [H, Sq, D / 32] fp16; lim [R] int64: row r reads the quantized positions < lim[r]; the full-precision buffer
+// fk / fv [H, F, D] (fp32, bf16 or fp16) with fmask [T, F] bool (row r reads buffer key j iff fmask[r % T][j]);
+// rows of every tensor contiguous. -> [H, R, D] fp32. D 64, 128 or 256; R <= 64.
+torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k_hi, torch::Tensor k_lo, torch::Tensor k_scale,
+                              torch::Tensor k_zero, torch::Tensor v_hi, torch::Tensor v_lo, torch::Tensor v_scale,
+                              torch::Tensor v_zero, torch::Tensor lim, torch::Tensor fk, torch::Tensor fv,
+                              torch::Tensor fmask, int64_t T, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "quant_attention: q [H, R, D] fp32");
+  const int64_t H = q.size(0), R = q.size(1), D = q.size(2), Sq = k_hi.size(1), F = fk.size(1);
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "quant_attention: head dim 64, 128 or 256");
+  TORCH_CHECK(R <= MAX_ROWS && T >= 1 && R % T == 0, "quant_attention: at most 64 rows, a multiple of T");
+  TORCH_CHECK(Sq % QB == 0 && k_hi.size(0) == H && k_hi.size(2) == D / 2 && k_hi.stride(1) == D / 2 &&
+                  v_hi.sizes() == k_hi.sizes() && v_hi.stride(1) == D / 2 && k_hi.scalar_type() == torch::kUInt8 &&
+                  v_hi.scalar_type() == torch::kUInt8,
+              "quant_attention: planes [H, Sq, D / 2] uint8 with contiguous rows, Sq a multiple of 64");
+  const bool eight = k_lo.numel() > 0;
+  TORCH_CHECK(eight == (v_lo.numel() > 0), "quant_attention: both lower planes or neither");
+  TORCH_CHECK(!eight || (k_lo.sizes() == k_hi.sizes() && v_lo.sizes() == k_hi.sizes() && k_lo.stride(1) == D / 2 &&
+                         v_lo.stride(1) == D / 2 && k_lo.scalar_type() == torch::kUInt8 &&
+                         v_lo.scalar_type() == torch::kUInt8),
+              "quant_attention: lower planes shaped as the upper ones");
+  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && k_zero.scalar_type() == torch::kHalf &&
+                  v_scale.scalar_type() == torch::kHalf && v_zero.scalar_type() == torch::kHalf &&
+                  k_scale.size(0) == H && k_scale.size(1) == Sq / QB && k_scale.size(2) == D && k_scale.stride(2) == 1 &&
+                  k_scale.stride(1) == D && k_zero.strides() == k_scale.strides() && k_zero.sizes() == k_scale.sizes() &&
+                  v_scale.size(0) == H && v_scale.size(1) == Sq && v_scale.size(2) == D / 32 &&
+                  v_scale.stride(1) == D / 32 && v_scale.stride(2) == 1 && v_zero.strides() == v_scale.strides() &&
+                  v_zero.sizes() == v_scale.sizes(),
+              "quant_attention: fp16 scales / zeros, keys [H, Sq / 64, D], values [H, Sq, D / 32], contiguous rows");
+  TORCH_CHECK(lim.scalar_type() == torch::kLong && lim.numel() == R && lim.is_contiguous(),
+              "quant_attention: lim [R] int64");
+  TORCH_CHECK(fk.dim() == 3 && fk.size(0) == H && fk.size(2) == D && fk.stride(2) == 1 && fk.stride(1) == D &&
+                  fv.sizes() == fk.sizes() && fv.stride(2) == 1 && fv.stride(1) == D &&
+                  fv.scalar_type() == fk.scalar_type(),
+              "quant_attention: buffer fk / fv [H, F, D] of one dtype with contiguous rows");
+  TORCH_CHECK(fmask.scalar_type() == torch::kBool && fmask.dim() == 2 && fmask.size(0) == T && fmask.size(1) == F &&
+                  fmask.is_contiguous(),
+              "quant_attention: fmask [T, F] bool, contiguous");
+  auto run = [&](auto kv_tag) {
+    using KV = decltype(kv_tag);
+    switch (D) {
+      case 64: return run_quant<64, KV>(q, k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, lim, fk, fv, fmask, T, scale);
+      case 128: return run_quant<128, KV>(q, k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, lim, fk, fv, fmask, T, scale);
+      default: return run_quant<256, KV>(q, k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, lim, fk, fv, fmask, T, scale);
+    }
+  };
+  switch (fk.scalar_type()) {
+    case torch::kFloat: return run(float{});
+    case torch::kBFloat16: return run(c10::BFloat16{});
+    case torch::kHalf: return run(c10::Half{});
+    default: TORCH_CHECK(false, "quant_attention: the buffer must be fp32, bf16 or fp16");
   }
 }
 

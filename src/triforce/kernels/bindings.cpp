@@ -10,6 +10,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal over the last T keys if asked",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("T"), py::arg("causal"), py::arg("scale"),
         py::arg("path") = 0);
+  m.def("quant_attention", &triforce::quant_attention,
+        "softmax(q k^T * scale) v for q [H, R, D] fp32 over a quantized KV cache: planes k_hi/k_lo/v_hi/v_lo "
+        "[H, Sq, D/2] uint8 (lower planes empty: 4-bit reading), fp16 scales/zeros (keys [H, Sq/64, D], values "
+        "[H, Sq, D/32]), lim [R] (quantized positions row r reads), buffer fk/fv [H, F, D] with fmask [T, F]",
+        py::arg("q"), py::arg("k_hi"), py::arg("k_lo"), py::arg("k_scale"), py::arg("k_zero"), py::arg("v_hi"),
+        py::arg("v_lo"), py::arg("v_scale"), py::arg("v_zero"), py::arg("lim"), py::arg("fk"), py::arg("fv"),
+        py::arg("fmask"), py::arg("T"), py::arg("scale"));
   m.def("rms_norm", &triforce::rms_norm, "x [..., C] -> x / sqrt(mean(x^2) + eps) * weight");
   m.def("rope_split", &triforce::rope_split,
         "qkv [B, T, (Hq + 2 Hkv) D], cos/sin [T, D] -> q [B, Hq, T, D], k [B, Hkv, T, D] (both rotated), v [B, Hkv, T, D]");

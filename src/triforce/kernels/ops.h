@@ -11,6 +11,13 @@ namespace triforce {
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path);
 
+// attention.cpp: the same over a quantized KV cache's planes (8-bit or their 4-bit reading) and its
+// full-precision buffer (caches/quantized.py; see there).
+torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k_hi, torch::Tensor k_lo, torch::Tensor k_scale,
+                              torch::Tensor k_zero, torch::Tensor v_hi, torch::Tensor v_lo, torch::Tensor v_scale,
+                              torch::Tensor v_zero, torch::Tensor lim, torch::Tensor fk, torch::Tensor fv,
+                              torch::Tensor fmask, int64_t T, double scale);
+
 // layer_ops.cpp: the small per-layer operations of a decoder layer, fused.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,

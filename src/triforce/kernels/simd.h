@@ -118,6 +118,25 @@ inline void store(const Vec& v, float* p, int64_t count) {
     v.store(p, count);
 }
 
+// 32 4-bit codes packed in 16 bytes (byte i: code i in the low nibble, code i + 16 in the high one; the planes
+// of caches/quantized.py) -> 32 / W vectors of the codes as fp32, in order (AVX-512: 2 widenings of 16 bytes
+// into lanes; AVX2: 4 of 8).
+inline void unpack32(const uint8_t* p, Vec* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+#else
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i m = _mm256_set1_epi32(15);
+  out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, m));
+  out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, m));
+  out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+#endif
+}
+
 inline void prefetch_l2(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 }  // namespace triforce

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import memory
-from ..caches.base import kv_dtype as kv_torch_dtype
 from ..config import KV_DTYPES, WEIGHTS, ModelConfig, kv_dtype_name
 from ..errors import TriforceError
 
@@ -39,7 +38,7 @@ class Inventory:
                    for name, (_, values, nbytes) in self.formats.items())
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
-        return memory.kv_bytes(self.config, 1, kv_torch_dtype(kv_dtype).itemsize)
+        return memory.kv_bytes(self.config, 1, memory.kv_value_bytes(kv_dtype))
 
 
 def inventory(path: str | os.PathLike | None, rope_theta: float | None = None,
@@ -105,7 +104,8 @@ def report(inv: Inventory, weights: str, kv_dtype: str | None, context: int | No
     lines.append("held in memory, by --weights: " + ", ".join(
         f"{w} {memory.gib(inv.weight_bytes(w))}" for w in WEIGHTS))
     lines.append("KV cache per 1K tokens, by --kv-dtype: " + ", ".join(
-        f"{d} {memory.gib(1024 * inv.kv_bytes_per_token(d))}" for d in KV_DTYPES))
+        f"{d} {memory.gib(1024 * inv.kv_bytes_per_token(d))}" for d in KV_DTYPES)
+        + f" (a kv4 level's own 4-bit cache over a float target: {memory.gib(1024 * inv.kv_bytes_per_token('int4'))})")
     wb, kb = inv.weight_bytes(weights), context * inv.kv_bytes_per_token(kv_dtype)
     total = wb + kb
     avail = memory.available_bytes()

@@ -92,6 +92,9 @@ def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
 
     from ..loading import load_model
 
+    if args.kv_dtype == "int8":  # its prefix cache stores and restores float K/V blocks
+        raise TriforceError("triforce serve does not support --kv-dtype int8 yet (its prefix cache holds float K/V "
+                            "blocks): use fp32, bf16 or fp16, or triforce generate / bench with int8")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
     try:  # before the model loads: a busy port is said in a second, not after a minute

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import DEFAULT_DRAFT_KV_DTYPE, kv_dtype_name
+from ..config import DEFAULT_DRAFT_KV_DTYPE, FLOAT_KV_DTYPES, kv_dtype_name
 from ..errors import TriforceError
 
 
@@ -29,7 +29,8 @@ class SpecConfig:
     ngram: int = 3  # longest n-gram matched by the n-gram drafter
     prefill_chunk: int = 512
     draft_weights: str = "bf16"  # weights of the target when it drafts (retrieval / streaming levels): bf16 or fp32
-    # KV cache dtype of the drafting levels (retrieval, streaming, a small draft model): fp32, bf16 or fp16.
+    # KV cache dtype of the drafting levels (retrieval, streaming, a small draft model; a kv4 level's
+    # full-precision buffer): fp32, bf16 or fp16.
     # The target's own cache (full level, ar) has the model's kv_dtype (--kv-dtype).
     draft_kv_dtype: str = DEFAULT_DRAFT_KV_DTYPE
 
@@ -43,7 +44,7 @@ class SpecConfig:
             raise TriforceError(f"unknown drafter {self.draft!r}: use ngram, streaming, or a draft model")
         if self.draft_weights not in ("bf16", "fp32"):
             raise TriforceError(f"--draft-weights must be bf16 or fp32, got {self.draft_weights!r}")
-        kv_dtype_name(self.draft_kv_dtype, "--draft-kv-dtype")
+        kv_dtype_name(self.draft_kv_dtype, "--draft-kv-dtype", FLOAT_KV_DTYPES)
 
     @property
     def streaming_budget(self) -> int:

@@ -68,8 +68,9 @@ class Decoder:
             full_cache = prefilled.cache
             if full_cache.capacity < capacity:
                 raise ValueError(f"the prefilled prompt's cache holds {full_cache.capacity} tokens, {capacity} needed")
-        elif any(KINDS[lvl.kind].needs_queries() for lvl in self.stack.levels):
-            full_cache = model.new_cache(capacity, record_queries=True)
+        else:  # made here, before the levels: a kv4 level reads an int8 target's planes
+            full_cache = model.new_cache(capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
+                                                                        for lvl in self.stack.levels))
         ctx = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache)
 
         # level names in the stats: the kind, or kind:budget where the stack names a budget

@@ -16,6 +16,7 @@ import torch
 from ..errors import TriforceError
 from ..caches import KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
 from ..caches.base import kv_dtype
+from ..caches.quantized import QuantizedCache
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
@@ -159,6 +160,28 @@ class Retrieval(Kind):
         return True
 
 
+class KV4(Kind):
+    """QuantSpec's draft: the target (draft weights) reading its KV cache at 4 bits, the upper planes of the
+    hierarchical INT8 layout (caches/quantized.py), with the newest tokens in full precision
+    (config.draft_kv_dtype for its buffer). Over an int8 target: the target's own planes, shared (no second
+    cache). Over a float target: a cache of its own holding the upper plane only, started as the quantization
+    of the target's prompt cache (no prefill of its own). Either way the level's buffer is kept in step by
+    feeding the level's tokens, as any level's cache is."""
+
+    name = "kv4"
+
+    def state(self, ctx, spec, name):
+        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
+        shared = ctx.full_cache if isinstance(ctx.full_cache, QuantizedCache) else None
+        cache = drafting_cache(m, cfg, lambda n_layers, **kw: QuantizedCache(
+            n_layers, capacity=ctx.capacity, bits=4, max_rollback=ctx.max_rollback, shared=shared, **kw))
+        return ModelState(name, m, cache, ctx.params)
+
+    def prefill(self, state, head, full, config):
+        state.cache.build(full.cache)
+        state.fed, state.stable = list(full.fed), len(full.fed)
+
+
 def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
     """A drafting level's cache (config.draft_kv_dtype): make(n_layers, n_kv_heads=, head_dim=, dtype=,
     device=) over every layer, or, for a model with sliding-window layers (Gemma 3), over its global
@@ -180,4 +203,4 @@ def rebuild(state: ModelState, full: ModelState) -> None:
     state.stable = len(full.fed)
 
 
-KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval())}
+KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), KV4())}

@@ -7,8 +7,9 @@
 - `ngram` is prompt lookup: it can only draft, so it is the bottom level, if present.
 - `streaming[:BUDGET]` (the target with a StreamingLLM cache of BUDGET = sink + window tokens),
   `retrieval[:BUDGET]` (the target with a retrieval cache keeping BUDGET tokens per layer and KV
-  head) and `draft` (a small model sharing the tokenizer, `--draft PATH`, full cache) draft at the
-  bottom, or verify the level below and draft for the one above.
+  head), `kv4` (the target reading its KV cache at 4 bits, QuantSpec's draft: caches/quantized.py) and
+  `draft` (a small model sharing the tokenizer, `--draft PATH`, full cache) draft at the bottom, or verify
+  the level below and draft for the one above.
 - gammas[i] is how many tokens level i drafts per verification by level i + 1; one value serves
   every boundary.
 - `tree` (`--tree W0,W1,...`): the bottom level, a model, drafts a token tree for the level above
@@ -24,13 +25,14 @@ from dataclasses import dataclass, replace
 
 from ..errors import TriforceError
 
-KINDS = ("ngram", "streaming", "retrieval", "draft", "full")
+KINDS = ("ngram", "streaming", "retrieval", "kv4", "draft", "full")
 DRAFT_ONLY = ("ngram",)  # kinds that cannot verify (no model)
 BUDGETED = ("streaming", "retrieval")
 MIN_LEVELS, MAX_LEVELS = 1, 5
 GRAMMAR = ("valid stacks: KIND[:BUDGET],...,full, bottom to top, 1 to 5 levels; kinds ngram (bottom only), "
-           "streaming[:BUDGET], retrieval[:BUDGET], draft (needs --draft PATH), and full (last, exactly once); "
-           "--gammas N or one value per boundary; e.g. --levels ngram,retrieval:4096,full --gammas 3,4")
+           "streaming[:BUDGET], retrieval[:BUDGET], kv4, draft (needs --draft PATH), and full (last, exactly once); "
+           "--gammas N or one value per boundary; e.g. --levels ngram,retrieval:4096,full --gammas 3,4 or "
+           "--levels ngram,kv4,full")
 
 # A round feeds a cache at most gamma_top tokens past the committed sequence, plus the token fed
 # with the first draft and the bonus token: every cache keeps this much room beyond its content.
@@ -187,7 +189,7 @@ class StackSpec:
         return replace(self, levels=levels, gammas=gammas, tree=self.tree if index else ())
 
 
-METHODS = ("ar", "triforce", "retrieval", "streaming", "ngram", "draft", "sequoia")
+METHODS = ("ar", "triforce", "retrieval", "streaming", "ngram", "draft", "quantspec", "sequoia")
 # sequoia's tree (widths per depth): 10 nodes, depth 3; not yet chosen by `triforce tune` (docs/trees.md)
 SEQUOIA_TREE = (2, 2, 1)
 
@@ -203,6 +205,7 @@ def method_stack(method: str, gamma: int = 4, gamma_draft: int = 3, bottom: str 
         "streaming": ("streaming,full", (gamma,)),
         "draft": ("draft,full", (gamma,)),
         "retrieval": (f"{r},full", (gamma,)),
+        "quantspec": ("kv4,full", (gamma,)),
         "triforce": (f"{bottom},{r},full", (gamma_draft, gamma)),
         "sequoia": ("streaming,full", (gamma,)),
     }
@@ -220,4 +223,5 @@ METHOD_DOC = {
     "retrieval": "retrieval,full: the target with a retrieval cache (TriForce without hierarchy)",
     "triforce": "DRAFTER,retrieval,full: TriForce (DRAFTER from --draft: ngram, streaming or a model)",
     "sequoia": "streaming,full --tree 2,2,1: token trees drafted by the target with a StreamingLLM cache",
+    "quantspec": "kv4,full: QuantSpec, the target reading its KV cache at 4 bits (docs/quantized_kv.md)",
 }

@@ -128,7 +128,7 @@ class PrefilledPrompt:
         self.cache = model.new_cache(capacity, record_queries=True)
         prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress)
         self.queries = [q[:, :, -1:].clone() if q is not None else None for q in self.cache.queries]
-        self.point = self.cache.checkpoint()  # a sliding-window ring is saved: generations overwrite it
+        self.point = self.cache.checkpoint()  # a sliding-window ring, an int8 cache's buffer: saved
 
     def restore(self, prompt: list[int]):
         """The full cache holding exactly this prompt's head; ValueError for another prompt."""

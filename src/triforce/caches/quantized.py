@@ -1,0 +1,408 @@
+"""A quantized KV cache (KIVI grouping, QuantSpec's hierarchical INT8 planes, full-precision recent tokens).
+
+Codes. Keys are quantized per channel over groups of GROUP_K = 64 consecutive tokens (one scale and
+zero point per group and channel: keys have outlier channels); values per token over groups of
+GROUP_V = 32 channels. A value x becomes the 8-bit code c = clamp(round((x - zero) / scale), 0, 255) with
+scale = (max - min) / 255 and zero = min of its group (both stored in fp16; the codes are computed from the
+stored fp16 numbers), so x ~ c * scale + zero within scale / 2. The code is stored as two 4-bit planes,
+upper = c >> 4 and lower = c & 15 (each packed two codes per byte: `pack`): the
+8-bit reading is (16 * upper + lower) * scale + zero, the 4-bit reading (QuantSpec's draft) uses the upper
+plane alone, (16 * upper + 8) * scale + zero (within 8.5 * scale). `bits=4` stores only the upper plane.
+
+Which tokens are read quantized. A query at position p reads the keys and values of positions
+< fp_from(p) = 64 * max(0, p // 64 - 1) from the planes and positions fp_from(p) .. p in full precision:
+the newest group being filled and the one before stay in a full-precision buffer (the double buffer).
+The rule depends on positions only, so a forward's result does not depend on how many tokens are fed at
+once, nor on rollbacks: a cache built token by token, in chunks or with rejected drafts holds the same
+codes. A group is quantized when the first query that reads it quantized is fed (64 tokens after its
+end), so with rollbacks shorter than a group no rejected token is ever quantized; a longer rollback
+forgets the groups it reaches (O(1)) and they are quantized again from the buffer when next needed.
+
+Storage per layer: the planes [B, Hkv, capacity, D / 2] (uint8), key scales and zeros [B, Hkv, groups, D],
+value scales and zeros [B, Hkv, capacity, D / 32] (fp16; a head dim below 32: one group per head), and a full-precision buffer [B, Hkv, slots, D]
+holding positions fb .. length - 1 (fb a multiple of 64; `dtype`: fp32, bf16 or fp16), whose old groups are
+dropped when it fills (after quantizing them): it holds the newest 128 + max_rollback tokens plus one
+forward's. Rollback within max_rollback is O(1): an integer and a group count. Attention (`QuantizedKV`)
+reads the planes tile by tile, dequantizing TILE tokens at a time (never the whole cache), or in the compiled
+kernel (kernels/attention.cpp) in registers.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TriforceError
+from .base import KVCache, TokenBlock, check_capacity, kv_buffer
+
+GROUP_K = 64  # tokens per key group (per-channel scales)
+GROUP_V = 32  # channels per value group (per-token scales)
+TILE = 1024  # tokens dequantized at a time by the PyTorch attention (a multiple of GROUP_K)
+KERNEL_MAX_ROWS, KERNEL_HEAD_DIMS = 64, (64, 128, 256)  # what kernels.quant_attention takes (rows: g * T)
+PACK = 32  # channels per packing block of a plane (see pack)
+LEVELS = 255  # 8-bit codes 0..255
+
+
+def fp_from(position: int) -> int:
+    """The first position a query at `position` reads in full precision (earlier ones: from the planes)."""
+    return GROUP_K * max(0, position // GROUP_K - 1)
+
+
+def fp_from_tensor(positions: torch.Tensor) -> torch.Tensor:
+    return ((positions // GROUP_K - 1).clamp(min=0) * GROUP_K).long()
+
+
+def _pack_block(d: int) -> int:
+    return min(PACK, d)
+
+
+def pack(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit codes [..., D] (uint8) -> (upper, lower) planes [..., D / 2] uint8, two 4-bit codes per byte: in
+    every block of PACK = 32 channels (D below 32: one block), byte i holds channel i in its low nibble and
+    channel i + 16 in its high one (the kernels widen 16 bytes into two vectors of 16 codes)."""
+    *lead, D = codes.shape
+    P = _pack_block(D)
+    c = codes.reshape(*lead, D // P, P)
+    hi, lo = c >> 4, c & 15
+    h = P // 2
+    return ((hi[..., :h] | (hi[..., h:] << 4)).reshape(*lead, D // 2),
+            (lo[..., :h] | (lo[..., h:] << 4)).reshape(*lead, D // 2))
+
+
+def unpack(plane: torch.Tensor) -> torch.Tensor:
+    """A plane [..., D / 2] -> its 4-bit codes [..., D] (uint8)."""
+    *lead, half = plane.shape
+    h = _pack_block(2 * half) // 2
+    p = plane.reshape(*lead, half // h, h)
+    return torch.cat((p & 15, p >> 4), dim=-1).reshape(*lead, 2 * half)
+
+
+def codes_of(hi: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
+    """fp32 codes on the 8-bit scale: 16 * upper + lower, or 16 * upper + 8 from the upper plane alone."""
+    c = unpack(hi).float() * 16
+    return c + (unpack(lo).float() if lo is not None else 8.0)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., N] (any float) grouped over its last dim -> (codes [..., N] uint8, scale [...], zero [...] fp16):
+    zero = min, scale = (max - min) / 255, both rounded to fp16 first; codes from the fp16 numbers."""
+    x = x.float()
+    lo, hi = x.amin(-1), x.amax(-1)
+    scale, zero = ((hi - lo) / LEVELS).half(), lo.half()
+    s = scale.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((x - zero.float()[..., None]) / s[..., None]).clamp_(0, LEVELS).to(torch.uint8)
+    return codes, scale, zero
+
+
+class QuantizedCache(KVCache):
+    """Keys and values of every position, quantized as the module docstring says. `bits` 8 (both planes:
+    the target's cache, --kv-dtype int8) or 4 (the upper plane only: a kv4 level's own cache over a target
+    with a float cache). `dtype`: the full-precision buffer's. `max_rollback`: the furthest rollback below
+    `length` the cache must allow (the buffer keeps what such a rollback needs). With `record_queries=True`
+    the last forward's post-RoPE queries are kept per layer, as FullCache keeps them (retrieval builds).
+
+    `shared`: an int8 QuantizedCache (the target's) whose upper planes, scales and zeros this cache reads instead
+    of planes of its own (a kv4 level over an int8 target: no second copy of the cache). It then never
+    quantizes: a query at p reads positions < min(fp_from(p), what `shared` has quantized) from the shared
+    planes and the rest from its own buffer, which keeps every position `shared` has not quantized yet (the
+    draft's boundary depends on the target's progress; exactness does not, the target verifies)."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, bits: int = 8,
+                 max_rollback: int = 256, batch: int = 1, dtype: torch.dtype = torch.float16,
+                 device: torch.device | str = "cpu", record_queries: bool = False,
+                 shared: QuantizedCache | None = None):
+        if shared is not None:
+            if shared.shared is not None or shared.k_lo is None or (n_layers, n_kv_heads, head_dim, batch) != (
+                    shared.n_layers, shared.n_kv_heads, shared.head_dim, shared.batch):
+                raise TriforceError("a cache can only share the planes of an int8 QuantizedCache of its own shape")
+            bits, capacity = 4, shared.capacity
+        if bits not in (4, 8):
+            raise TriforceError(f"a quantized KV cache has 4 or 8 bits, got {bits}")
+        self.group_v = min(GROUP_V, head_dim)  # a head dim below GROUP_V (tiny test models): one group per head
+        if head_dim % self.group_v or head_dim % 2:
+            raise TriforceError(f"a quantized KV cache needs a head dim that is a multiple of {GROUP_V} (or an even "
+                                f"divisor of it), got {head_dim}")
+        self.n_layers, self.capacity, self.bits, self.max_rollback = n_layers, capacity, bits, max_rollback
+        self.n_kv_heads, self.head_dim, self.batch, self.dtype = n_kv_heads, head_dim, batch, dtype
+        self.shared = shared
+        groups = -(-capacity // GROUP_K)
+        tokens = groups * GROUP_K
+        plane = (n_layers, batch, n_kv_heads, tokens, head_dim // 2)
+        vs = (n_layers, batch, n_kv_heads, tokens, head_dim // self.group_v)
+        if shared is not None:  # the same tensors: written by the target's forwards only
+            self.k_hi, self.v_hi, self.k_lo, self.v_lo = shared.k_hi, shared.v_hi, None, None
+            self.k_scale, self.k_zero, self.v_scale, self.v_zero = (shared.k_scale, shared.k_zero, shared.v_scale,
+                                                                    shared.v_zero)
+        else:
+            self.k_hi, self.v_hi = kv_buffer(plane, torch.uint8, device), kv_buffer(plane, torch.uint8, device)
+            self.k_lo = kv_buffer(plane, torch.uint8, device) if bits == 8 else None
+            self.v_lo = kv_buffer(plane, torch.uint8, device) if bits == 8 else None
+            self.k_scale = kv_buffer((n_layers, batch, n_kv_heads, groups, head_dim), torch.float16, device)
+            self.k_zero = kv_buffer((n_layers, batch, n_kv_heads, groups, head_dim), torch.float16, device)
+            self.v_scale, self.v_zero = kv_buffer(vs, torch.float16, device), kv_buffer(vs, torch.float16, device)
+        self.length = 0
+        self.nq = 0  # quantized groups: positions [0, nq * GROUP_K) are in the planes
+        self.fb = 0  # the buffer holds positions fb .. length - 1 (fb a multiple of GROUP_K)
+        self.fk = self.fv = None
+        self._grow(2 * GROUP_K + max_rollback + GROUP_K)
+        self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
+        self.query_start = 0
+        self._n_new = 0
+        self._nq_target = 0
+        self._qb: torch.Tensor | None = None  # per new token: fp_from(its position)
+        self._fp_mask: torch.Tensor | None = None  # [T, length + T - fb]: buffer keys each new token reads
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_hi.device
+
+    # --- the full-precision buffer ---------------------------------------------------------------------
+
+    def _grow(self, slots: int) -> None:
+        """A buffer of `slots` positions holding the current ones. Made as normal tensors even inside a forward
+        (inference mode): rollback, keep and restore update them in place outside one."""
+        shape = (self.n_layers, self.batch, self.n_kv_heads, slots, self.head_dim)
+        with torch.inference_mode(False):
+            fk, fv = kv_buffer(shape, self.dtype, self.device), kv_buffer(shape, self.dtype, self.device)
+        if self.fk is not None:
+            n = self.length - self.fb
+            fk[:, :, :, :n], fv[:, :, :, :n] = self.fk[:, :, :, :n], self.fv[:, :, :, :n]
+        self.fk, self.fv = fk, fv
+
+    def _advance(self, fb: int) -> None:
+        """Drop buffer positions below `fb` (a multiple of GROUP_K), quantizing them first if needed (sharing
+        planes: only positions the shared cache has quantized)."""
+        if self.shared is not None:
+            fb = min(fb, self.shared.nq * GROUP_K)
+        if fb <= self.fb:
+            return
+        self._quantize(range(self.n_layers), fb // GROUP_K)
+        self.nq = max(self.nq, fb // GROUP_K)
+        n, d = self.length - fb, fb - self.fb
+        self.fk[:, :, :, :n] = self.fk[:, :, :, d:d + n].clone()
+        self.fv[:, :, :, :n] = self.fv[:, :, :, d:d + n].clone()
+        self.fb = fb
+
+    def _quantize(self, layers, upto: int) -> None:
+        """Quantize groups nq .. upto - 1 of `layers` from the buffer (their positions must be in it)."""
+        g0 = self.nq
+        if upto <= g0 or self.shared is not None:
+            return
+        assert g0 * GROUP_K >= self.fb, (g0, self.fb)
+        a, b = g0 * GROUP_K, upto * GROUP_K
+        for layer in layers:
+            self.store(layer, a, self.fk[layer, :, :, a - self.fb:b - self.fb], self.fv[layer, :, :, a - self.fb:b - self.fb])
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize whole groups of keys and values k, v [B, Hkv, n, D] (n a multiple of GROUP_K) of positions
+        start .. start + n - 1 (start a multiple of GROUP_K) into the planes of `layer`."""
+        B, H, n, D = k.shape
+        g0, ng = start // GROUP_K, n // GROUP_K
+        codes, scale, zero = quantize(k.reshape(B, H, ng, GROUP_K, D).transpose(-1, -2))  # per group and channel
+        kc = codes.transpose(-1, -2).reshape(B, H, n, D)
+        self.k_scale[layer, :, :, g0:g0 + ng], self.k_zero[layer, :, :, g0:g0 + ng] = scale, zero
+        vc, vs, vz = quantize(v.reshape(B, H, n, D // self.group_v, self.group_v))  # per token and group of channels
+        self.v_scale[layer, :, :, start:start + n], self.v_zero[layer, :, :, start:start + n] = vs, vz
+        for codes, hi, lo in ((kc, self.k_hi, self.k_lo), (vc.reshape(B, H, n, D), self.v_hi, self.v_lo)):
+            upper, lower = pack(codes)
+            hi[layer, :, :, start:start + n] = upper
+            if lo is not None:
+                lo[layer, :, :, start:start + n] = lower
+
+    # --- the KVCache contract ---------------------------------------------------------------------------
+
+    def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
+        check_capacity(self.length + n_new, self.capacity, "the KV cache")
+        L, dev = self.length, self.device
+        if L + n_new - self.fb > self.fk.shape[3]:
+            self._advance(max(self.fb, fp_from(max(0, L - self.max_rollback))))
+            if L + n_new - self.fb > self.fk.shape[3]:
+                self._grow(L + n_new - self.fb + GROUP_K)
+        offsets = torch.arange(n_new, device=dev) if block is None else block.offsets
+        positions = L + offsets
+        last = L + n_new - 1 if block is None else L + int(offsets.max())
+        self._nq_target = max(self.nq, fp_from(last) // GROUP_K)
+        if block is not None:  # groups quantized now must be chain tokens (slot = position): trees shallower than a group
+            k = self._nq_target * GROUP_K - L
+            if k > 0 and not torch.equal(offsets[:k].cpu(), torch.arange(k)):
+                raise TriforceError(f"a draft tree reaches {GROUP_K} tokens past a quantization group: "
+                                    f"use trees shallower than {GROUP_K}")
+        qb = fp_from_tensor(positions)
+        if self.shared is not None:  # the shared planes as far as the target has quantized, then the buffer
+            avail = self.shared.nq * GROUP_K
+            if avail < self.fb:
+                raise TriforceError(f"the int8 cache shared by a kv4 level was rolled back below position {self.fb}, "
+                                    f"which the level no longer holds: keep rollbacks within {GROUP_K} tokens")
+            qb = qb.clamp(max=avail)
+            self._nq_target = min(self._nq_target, self.shared.nq)
+        old = torch.arange(self.fb, L, device=dev)
+        key_pos = torch.cat([old, positions])
+        visible = key_pos[None, :] >= qb[:, None]
+        new = (torch.ones(n_new, n_new, dtype=torch.bool, device=dev).tril() if block is None else block.visible)
+        visible[:, L - self.fb:] &= new
+        self._qb, self._fp_mask, self._n_new = qb, visible, n_new
+        self.query_start = L
+
+    def update(self, layer, q, k, v):
+        """Store k, v [B, Hkv, T, D] in the buffer, quantize the groups this forward's queries read from the
+        planes; -> (QuantizedKV, None, None): model.attention hands the attention to it."""
+        a = self.length - self.fb
+        self.fk[layer, :, :, a:a + self._n_new] = k
+        self.fv[layer, :, :, a:a + self._n_new] = v
+        self._quantize((layer,), self._nq_target)
+        if self.queries is not None:
+            self.queries[layer] = q
+        return QuantizedKV(self, layer), None, None
+
+    def commit(self, n_new: int) -> None:
+        self.length += n_new
+        self.nq = self._nq_target
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        if length < self.length and fp_from(length) < self.fb:
+            raise ValueError(f"quantized KV cache cannot roll back {self.length - length} tokens "
+                             f"(max_rollback={self.max_rollback})")
+        self.nq = min(self.nq, length // GROUP_K)
+        self.length = length
+
+    def _slot(self, position: int) -> int:
+        raise AssertionError("unused: QuantizedCache.keep moves its buffer rows itself")
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        if rows == list(range(len(rows))):
+            return self.rollback(start + len(rows))
+        a = start - self.fb
+        idx = torch.tensor(rows, device=self.device)
+        self.fk[:, :, :, a:a + len(rows)] = self.fk[:, :, :, a + idx]
+        self.fv[:, :, :, a:a + len(rows)] = self.fv[:, :, :, a + idx]
+        if self.queries is not None and self.query_start == start:
+            self.queries = [q[:, :, idx] if q is not None else None for q in self.queries]
+        self.length = start + len(rows)
+
+    def build(self, full) -> None:
+        """Start over as the quantization of the first `full.length` tokens of `full` (a FullCache; its K/V
+        are cast when read): positions < fp_from(full.length) into the planes, TILE tokens at a time, the rest
+        into the buffer. A kv4 level starts from the target's prompt this way instead of a prefill of its own.
+        Sharing planes, `full` is the shared cache: its buffer is copied, its planes are already ours."""
+        n = full.length
+        if self.shared is not None:
+            assert full is self.shared
+            if n - full.fb > self.fk.shape[3]:
+                self._grow(n - full.fb + GROUP_K)
+            self.fk[:, :, :, :n - full.fb] = full.fk[:, :, :, :n - full.fb]
+            self.fv[:, :, :, :n - full.fb] = full.fv[:, :, :, :n - full.fb]
+            self.length, self.nq, self.fb = n, full.nq, full.fb
+            return
+        a = fp_from(n)
+        check_capacity(n, self.capacity, "the quantized KV cache")
+        self.length = self.nq = self.fb = 0
+        if n - a > self.fk.shape[3]:
+            self._grow(n - a + GROUP_K)
+        for layer in range(self.n_layers):
+            for t0 in range(0, a, TILE):
+                t1 = min(a, t0 + TILE)
+                self.store(layer, t0, full.k[layer, :, :, t0:t1], full.v[layer, :, :, t0:t1])
+        self.fk[:, :, :, :n - a] = full.k[:, :, :, a:n]
+        self.fv[:, :, :, :n - a] = full.v[:, :, :, a:n]
+        self.length, self.nq, self.fb = n, a // GROUP_K, a
+
+    def checkpoint(self) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+        """The cache as it is now, to come back to with restore after any number of tokens (a prompt
+        reused by several generations): the counters and a copy of the buffer (the planes of groups quantized
+        by then are never rewritten by later tokens)."""
+        n = self.length - self.fb
+        return self.length, self.nq, self.fb, self.fk[:, :, :, :n].clone(), self.fv[:, :, :, :n].clone()
+
+    def restore(self, mark) -> None:
+        length, nq, fb, fk, fv = mark
+        assert self.shared is None and self.nq >= nq, "a reset may not go where groups were forgotten"
+        n = fk.shape[3]
+        self.fk[:, :, :, :n], self.fv[:, :, :, :n] = fk, fv
+        self.length, self.nq, self.fb = length, nq, fb
+
+    # --- reading ----------------------------------------------------------------------------------------
+
+    def dequantized(self, layer: int, start: int, end: int, four_bit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, end - start, D] fp32 of quantized positions start .. end - 1 (multiples of
+        GROUP_K, end <= nq * GROUP_K) of `layer`: the 8-bit reading, or the upper planes' with four_bit."""
+        B, H, D = self.batch, self.n_kv_heads, self.head_dim
+        n, g0, g1 = end - start, start // GROUP_K, end // GROUP_K
+        lo_k = None if four_bit or self.k_lo is None else self.k_lo[layer, :, :, start:end]
+        lo_v = None if four_bit or self.v_lo is None else self.v_lo[layer, :, :, start:end]
+        kc = codes_of(self.k_hi[layer, :, :, start:end], lo_k).view(B, H, g1 - g0, GROUP_K, D)
+        k = kc * self.k_scale[layer, :, :, g0:g1, None].float() + self.k_zero[layer, :, :, g0:g1, None].float()
+        vc = codes_of(self.v_hi[layer, :, :, start:end], lo_v).view(B, H, n, D // self.group_v, self.group_v)
+        v = vc * self.v_scale[layer, :, :, start:end, :, None].float() + self.v_zero[layer, :, :, start:end, :, None].float()
+        return k.view(B, H, n, D), v.view(B, H, n, D)
+
+    def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0 .. n - 1 of `layer` [B, Hkv, n, D] fp32, as attention reads them from
+        position n (planes below fp_from(n), the buffer above): one layer at a time, for retrieval builds."""
+        q_end = min(fp_from(n), self.nq * GROUP_K)
+        assert q_end >= self.fb and n <= self.length
+        k, v = self.dequantized(layer, 0, q_end)
+        a, b = q_end - self.fb, n - self.fb
+        return (torch.cat([k, self.fk[layer, :, :, a:b].float()], dim=2),
+                torch.cat([v, self.fv[layer, :, :, a:b].float()], dim=2))
+
+    def nbytes(self) -> int:
+        """Bytes of this cache's own storage (planes, scales and zeros unless shared, the full-precision buffer)."""
+        ts = [self.fk, self.fv] + ([] if self.shared is not None else [
+            self.k_hi, self.v_hi, self.k_lo, self.v_lo, self.k_scale, self.k_zero, self.v_scale, self.v_zero])
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class QuantizedKV:
+    """What QuantizedCache.update gives attention for one layer's forward: the planes of `layer` and its
+    buffer. `attend` computes softmax(q k^T * scale) v with each new token reading positions < fp_from(its
+    position) from the planes and the buffer from there on (its own mask)."""
+
+    def __init__(self, cache: QuantizedCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def attend(self, q: torch.Tensor, scale: float, ops=None) -> torch.Tensor:
+        """q [B, Hq, T, D] -> [B, Hq, T, D] (q's dtype), fp32 arithmetic; `ops` the compiled kernels (their
+        quant_attention, kernels/attention.cpp: the planes dequantized a group at a time into L1, for up to
+        KERNEL_MAX_ROWS rows g * T: decode steps and verifications) or None (PyTorch, TILE tokens at a time)."""
+        c = self.cache
+        B, Hq, T, D = q.shape
+        H = c.n_kv_heads
+        g = Hq // H
+        R = g * T
+        qb = c._qb.repeat(g)  # rows are (group head, token): row r is token r % T
+        q_end = int(c._qb.max())  # planes: positions < q_end (some rows read fewer)
+        n_fp = c.length + T - c.fb
+        lo = c.k_lo is not None  # no lower planes: the 4-bit reading
+        if ops is not None and B == 1 and R <= KERNEL_MAX_ROWS and D in KERNEL_HEAD_DIMS \
+                and hasattr(ops, "quant_attention"):
+            L, none = self.layer, torch.empty(0, dtype=torch.uint8)
+            out = ops.quant_attention(q.reshape(H, R, D).float(), c.k_hi[L, 0, :, :q_end],
+                                      c.k_lo[L, 0, :, :q_end] if lo else none, c.k_scale[L, 0, :, :q_end // GROUP_K],
+                                      c.k_zero[L, 0, :, :q_end // GROUP_K], c.v_hi[L, 0, :, :q_end],
+                                      c.v_lo[L, 0, :, :q_end] if lo else none, c.v_scale[L, 0, :, :q_end],
+                                      c.v_zero[L, 0, :, :q_end], qb, c.fk[L, 0, :, :n_fp], c.fv[L, 0, :, :n_fp],
+                                      c._fp_mask, T, scale)
+            return out.to(q.dtype).view(B, Hq, T, D)
+        qf = q.reshape(B, H, R, D).float() * scale
+        m = torch.full((B, H, R), float("-inf"), device=q.device)
+        l = torch.zeros(B, H, R, device=q.device)
+        acc = torch.zeros(B, H, R, D, device=q.device)
+
+        def step(k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> None:
+            nonlocal m, l, acc
+            s = (qf @ k.transpose(-1, -2)).masked_fill_(~visible, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - base[..., None])
+            w = torch.exp(m - base)
+            l = l * w + p.sum(-1)
+            acc = acc * w[..., None] + p @ v
+            m = m_new
+
+        for t0 in range(0, q_end, TILE):
+            t1 = min(q_end, t0 + TILE)
+            k, v = c.dequantized(self.layer, t0, t1)
+            step(k, v, torch.arange(t0, t1, device=q.device)[None, :] < qb[:, None])
+        k, v = c.fk[self.layer, :, :, :n_fp].float(), c.fv[self.layer, :, :, :n_fp].float()
+        step(k, v, c._fp_mask.repeat(g, 1))
+        return (acc / l[..., None]).to(q.dtype).view(B, Hq, T, D)

@@ -1,0 +1,280 @@
+"""The quantized KV cache (caches/quantized.py): KIVI grouping, 8-bit codes as two 4-bit planes, a
+full-precision buffer for the newest tokens. Error bounds of both readings; the rule "a query at p reads
+positions < fp_from(p) from the planes" makes the stored codes and the attention independent of how the
+tokens were fed (one by one, in chunks, with rejected drafts rolled back, as trees); memory stays bounded."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from conftest import hf_tiny, ours_from_hf
+from triforce.caches.quantized import GROUP_K, TILE, QuantizedCache, codes_of, fp_from, pack, quantize, unpack
+from triforce.sampling import SamplingParams
+from triforce.speculation.state import ModelState, prefill
+from triforce.speculation.tree import DraftTree
+
+L, H, D = 2, 2, 64
+
+
+def _cache(capacity=2048, **kw) -> QuantizedCache:
+    return QuantizedCache(L, H, D, capacity, **{"max_rollback": 32, **kw})
+
+
+def _kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys with outlier channels (KIVI's reason for per-channel keys) and values, [L, 1, H, n, D]."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(L, 1, H, n, D, generator=g) * (1 + 9 * (torch.arange(D) % 13 == 0))
+    return k, torch.randn(L, 1, H, n, D, generator=g)
+
+
+def _feed(cache: QuantizedCache, k, v, start: int, end: int, block=None):
+    """One 'forward' of positions start..end-1 without a model: prepare, update every layer, commit."""
+    assert cache.length == start
+    cache.prepare(end - start, block)
+    for layer in range(L):
+        cache.update(layer, None, k[layer, :, :, start:end], v[layer, :, :, start:end])
+    cache.commit(end - start)
+
+
+def _stored(cache: QuantizedCache, g: int) -> dict[str, torch.Tensor]:
+    n = g * GROUP_K
+    out = {name: getattr(cache, name)[:, :, :, :n] for name in ("k_hi", "k_lo", "v_hi", "v_lo", "v_scale", "v_zero")}
+    out.update(k_scale=cache.k_scale[:, :, :, :g], k_zero=cache.k_zero[:, :, :, :g])
+    return out
+
+
+def test_pack_round_trip_and_error_bounds():
+    codes = torch.randint(0, 256, (5, 64), dtype=torch.uint8)
+    hi, lo = pack(codes)
+    assert hi.shape == (5, 32) and torch.equal(unpack(hi) * 16 + unpack(lo), codes)
+    assert torch.equal(codes_of(hi, lo), codes.float()) and torch.equal(codes_of(hi, None), (codes // 16 * 16 + 8).float())
+    x = torch.randn(200, 64) * torch.linspace(0.01, 30, 64) + torch.linspace(-50, 50, 64)  # wide ranges and offsets
+    c, scale, zero = quantize(x.T)  # groups over the 200 values of each channel
+    s, z = scale.float()[:, None], zero.float()[:, None]
+    tol = 1e-3 * x.abs().amax(0)[:, None]  # the fp16 rounding of zero and scale
+    eight = c.float() * s + z
+    hi, lo = pack(c.T.contiguous())
+    four = codes_of(hi, None).T * s + z
+    assert ((eight - x.T).abs() <= s / 2 + tol).all()
+    assert ((four - x.T).abs() <= 8.5 * s + tol).all()
+    assert (eight - x.T).abs().mean() < 0.3 * s.mean()  # uniform rounding error: mean scale / 4
+    const = quantize(torch.full((3, 64), 2.5))  # a constant group: scale 0, exact
+    assert torch.equal(const[1], torch.zeros(3, dtype=torch.float16)) and torch.equal(const[0], torch.zeros(3, 64, dtype=torch.uint8))
+
+
+def test_the_cache_reads_the_planes_within_the_bounds():
+    k, v = _kv(600)
+    cache = _cache()
+    _feed(cache, k, v, 0, 600)
+    n = cache.nq * GROUP_K
+    assert n == fp_from(599) == 512
+    for layer in range(L):
+        for four in (False, True):
+            kd, vd = cache.dequantized(layer, 0, n, four)
+            ks = cache.k_scale[layer].float().repeat_interleave(GROUP_K, dim=2)[:, :, :n]
+            vs = cache.v_scale[layer, :, :, :n].float().repeat_interleave(32, dim=-1)
+            f = 8.5 if four else 0.5
+            assert ((kd - k[layer, :, :, :n]).abs() <= f * ks + 1e-2).all()
+            assert ((vd - v[layer, :, :, :n]).abs() <= f * vs + 1e-2).all()
+        kb = cache.fk[layer, :, :, n - cache.fb:600 - cache.fb]  # the newest tokens: full precision (fp16)
+        torch.testing.assert_close(kb.float(), k[layer, :, :, n:600], atol=1e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_codes_do_not_depend_on_chunking_or_rollbacks(seed):
+    """One by one, in random chunks, and with rejected drafts (random K/V) rolled back: identical codes
+    and an identical buffer for the positions every cache still holds."""
+    rng = random.Random(seed)
+    n = 700
+    k, v = _kv(n, seed)
+    one = _cache()
+    for i in range(n):
+        _feed(one, k, v, i, i + 1)
+    chunks, drafts = _cache(), _cache()
+    i = 0
+    while i < n:
+        j = min(n, i + rng.randint(1, 150))
+        _feed(chunks, k, v, i, j)
+        i = j
+    i = 0
+    while i < n:
+        j = min(n, i + rng.randint(1, 20))
+        bad_k, bad_v = _kv(n + 40, seed + 100)
+        _feed(drafts, bad_k, bad_v, i, min(i + rng.randint(1, 30), n + 20))  # a draft of up to 30, rejected
+        drafts.rollback(i)
+        _feed(drafts, k, v, i, j)
+        i = j
+    ref = _stored(one, one.nq)
+    assert one.nq == fp_from(n - 1) // GROUP_K
+    for cache in (chunks, drafts):
+        # a draft past the end may have quantized one more group (of committed tokens only)
+        assert cache.length == n and one.nq <= cache.nq <= one.nq + 1
+        for name, t in _stored(cache, one.nq).items():
+            assert torch.equal(t, ref[name]), name
+        a = max(one.fb, cache.fb)
+        assert torch.equal(cache.fk[:, :, :, a - cache.fb:n - cache.fb], one.fk[:, :, :, a - one.fb:n - one.fb])
+
+
+def _attention_reference(cache: QuantizedCache, layer, q, k_fp, v_fp, positions, visible_new, scale):
+    """Brute force: each new token at position p reads keys j < fp_from(p) dequantized from the planes, the
+    others at full precision (k_fp / v_fp [B, H, S, D]: the buffer's rounding, slot = position), every old
+    key and the new ones `visible_new` says."""
+    B, Hq, T, _ = q.shape
+    g, S = Hq // H, k_fp.shape[2]
+    kd, vd = cache.dequantized(layer, 0, cache.nq * GROUP_K)
+    out = torch.empty(B, Hq, T, D)
+    for t in range(T):
+        qb = fp_from(int(positions[t]))
+        keys = torch.cat([kd[:, :, :qb], k_fp[:, :, qb:]], dim=2)
+        vals = torch.cat([vd[:, :, :qb], v_fp[:, :, qb:]], dim=2)
+        vis = torch.ones(S, dtype=torch.bool)
+        vis[S - T:] = visible_new[t]
+        for h in range(Hq):
+            s = torch.einsum("bd,bsd->bs", q[:, h, t], keys[:, h // g]) * scale
+            s[:, ~vis] = float("-inf")
+            out[:, h, t] = torch.einsum("bs,bsd->bd", torch.softmax(s, -1), vals[:, h // g])
+    return out
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_attention_equals_brute_force(tree):
+    from triforce.caches.base import TokenBlock
+
+    k, v = _kv(400, 3)
+    cache = _cache()
+    _feed(cache, k, v, 0, 380)
+    T = 12
+    positions = 380 + torch.arange(T)
+    visible = torch.ones(T, T, dtype=torch.bool).tril()
+    block = None
+    if tree:  # 3 chain tokens, then two branches of 4 and 5 nodes
+        offsets = torch.tensor([0, 1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 7])
+        visible = torch.zeros(T, T, dtype=torch.bool)
+        visible[:, :3] = torch.ones(T, 3, dtype=torch.bool).tril()
+        for a, b in ((3, 7), (7, 12)):
+            visible[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        positions = 380 + offsets
+        block = TokenBlock(offsets, visible)
+    q = torch.randn(1, 2 * H, T, D)
+    cache.prepare(T, block)
+    outs = []
+    for layer in range(L):
+        kv, _, _ = cache.update(layer, q, k[layer, :, :, 380:392], v[layer, :, :, 380:392])
+        outs.append(kv.attend(q, 0.125))
+    fb = cache.fb
+    k_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.fk[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]
+    v_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.fv[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]
+    cache.commit(T)
+    for layer in range(L):
+        ref = _attention_reference(cache, layer, q, k_fp[layer], v_fp[layer], positions, visible, 0.125)
+        torch.testing.assert_close(outs[layer], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_memory_is_bounded():
+    """No full-precision copy of the cache: the buffer stays at the newest groups plus a forward, attention
+    dequantizes at most TILE tokens at a time, and int8 / int4 take 55% / 30% of an fp16 cache's bytes (plus the buffer)."""
+    n = 3000
+    k, v = _kv(n, 1)
+    cache = _cache(capacity=4096)
+    seen = []
+    dequantized = cache.dequantized
+    cache.dequantized = lambda layer, a, b, four=False: seen.append(b - a) or dequantized(layer, a, b, four)
+    for i in range(0, n, 50):
+        _feed(cache, k, v, i, i + 50)
+        q = torch.randn(1, 2 * H, 1, D)
+        cache.prepare(1)
+        cache.update(0, q, k[0, :, :, i + 49:i + 50], v[0, :, :, i + 49:i + 50])[0].attend(q, 0.125)
+        cache.rollback(cache.length)  # the probe token is not committed
+    assert max(seen) <= TILE and sum(seen) >= n - 3 * GROUP_K
+    assert cache.fk.shape[3] <= 3 * GROUP_K + cache.max_rollback + 50
+    fp16 = 2 * L * H * 4096 * D * 2  # K and V of 4096 tokens in fp16
+    buffer = 2 * cache.fk.numel() * 2
+    assert cache.nbytes() - buffer < 0.55 * fp16  # 8-bit codes, plus scales and zeros: 1.09 bytes per value
+    four = _cache(capacity=4096, bits=4)
+    assert four.nbytes() - 2 * four.fk.numel() * 2 < 0.30 * fp16  # 4-bit codes: 0.59 bytes per value
+
+
+def test_rollback_limit():
+    """Rollback within max_rollback is O(1) (an integer and a group count); beyond what the buffer still
+    holds, a clear error."""
+    k, v = _kv(300)
+    cache = _cache()
+    for i in range(0, 300, 10):  # the buffer fills and drops its oldest groups
+        _feed(cache, k, v, i, i + 10)
+    assert cache.fb > 0
+    with pytest.raises(ValueError, match="max_rollback=32"):
+        cache.rollback(300 - 129)
+    cache.rollback(300 - 32)  # within max_rollback: O(1)
+    assert cache.length == 268 and cache.nq == fp_from(299) // GROUP_K
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ours_from_hf(hf_tiny("llama", seed=5, max_position_embeddings=1024))
+
+
+@torch.no_grad()
+def test_model_logits_do_not_depend_on_feeding(model):
+    c = model.cfg
+    ids = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(0))
+    whole = model(ids, QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 400))
+    cache = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 400)
+    parts = [model(ids[:, :70], cache), model(ids[:, 70:141], cache)]
+    for i in range(141, 300):
+        model(torch.randint(0, 96, (1, 5)), cache)  # a rejected draft
+        cache.rollback(i)
+        parts.append(model(ids[:, i:i + 1], cache))
+    torch.testing.assert_close(torch.cat(parts, 1), whole, atol=2e-5, rtol=1e-4)
+    full = model(ids, model.new_cache(400))
+    assert (whole - full).abs().max() < 0.1 * full.abs().max()  # close to fp32, not equal
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_forward_and_keep_equal_plain_decoding(model, seed):
+    """A draft tree scored in one forward equals decoding down each path; keep_path leaves the cache as
+    plain decoding of the accepted path would (the prompt crosses group boundaries)."""
+    from test_tree_forward import random_tree
+
+    params = SamplingParams(temperature=1.0)
+    rng = random.Random(seed)
+    c = model.cfg
+    prompt = [rng.randrange(96) for _ in range(185)]
+    ctx = prompt + [rng.randrange(96) for _ in range(rng.randint(1, 3))]
+    cache = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 512, max_rollback=48)
+    prefill(model, cache, torch.tensor([prompt]), 64)
+    state = ModelState("int8", model, cache, params)
+    state.fed, state.stable = list(prompt), len(prompt)
+    before = copy.deepcopy(state)
+    tree = random_tree(rng, max_depth=8, max_width=4)
+    rows = state.score(ctx, len(prompt), tree)
+    for slot in range(len(tree) + 1):
+        path = [tree.tokens[i] for i in tree.path_to(slot - 1)]
+        ref = copy.deepcopy(before).score(ctx + path, len(prompt), [])[-1]
+        torch.testing.assert_close(rows[slot], ref, atol=2e-5, rtol=1e-4)
+    leaves = [i for i in range(len(tree)) if not tree.children[i + 1]]
+    path = tree.path_to(rng.choice(leaves))[: rng.randint(0, 8)]
+    state.keep_path(path)
+    nxt = ctx + [tree.tokens[i] for i in path] + [rng.randrange(96)]
+    torch.testing.assert_close(state.score(nxt, len(prompt), [])[-1], copy.deepcopy(before).score(nxt, len(prompt), [])[-1],
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_a_prefilled_prompt_comes_back_after_generations(model):
+    """PrefilledPrompt over an int8 cache: the buffer grows inside a forward (inference mode) and later
+    generations drop its old groups; restore() still brings back the prompt exactly (and in place, outside
+    inference mode), so every run from it gives the same tokens as a run from scratch."""
+    from triforce.generate import generate
+    from triforce.speculation.config import SpecConfig
+    from triforce.speculation.state import PrefilledPrompt
+
+    m = copy.copy(model)
+    m.kv_dtype = "int8"
+    prompt = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    cfg = SpecConfig(gamma=3, budget=48, chunk_size=8, recent=8, rebuild_every=16, prefill_chunk=128)
+    pre = PrefilledPrompt(m, prompt, 300 + 200 + 8, chunk_size=128)
+    ref = generate(m, prompt, 150, method="ar", config=cfg).tokens
+    for method in ("ar", "quantspec", "ar"):
+        assert generate(m, prompt, 150, method=method, config=cfg, prefilled=pre).tokens == ref
