@@ -124,10 +124,13 @@ def long_prompt():
     return (base * 5)[:200]  # long enough that kv4 reads most of it from its 4-bit planes
 
 
-@pytest.mark.parametrize("levels,gammas,params", [("kv4,full", "3", PARAMS),
-                                                  ("ngram,kv4,full", "2,3",
-                                                   SamplingParams(temperature=0.8, top_k=5))])
+@pytest.mark.parametrize("levels,gammas,params", [("ngram,kv4,full", "2,3", SamplingParams(temperature=0.8, top_k=5))])
 def test_kv4_stacks_follow_target_distribution(models, long_prompt, levels, gammas, params):
+    """kv4 verifying the n-gram drafter and drafting for the full level (quantspec's kv4,full is the same
+    two levels' code), over a prompt it reads mostly from its 4-bit planes. (This check has less power here
+    than with the small draft model: kv4's drafts are so close to the target's distribution that the wrong
+    sampler below moves kv4,full's output little, p = 0.002 at 600 samples; the rule is the one
+    test_check_detects_a_wrong_sampler shows the check catches.)"""
     from triforce.caches.quantized import fp_from
     from triforce.speculation.stack import StackSpec
 
