@@ -121,10 +121,6 @@ class PrefilledPrompt:
     generation rolls the cache back to the prompt, so the prefill is paid once. Pass it to
     generate(..., prefilled=...). Keeps the last prompt token's queries for retrieval builds."""
 
-    # an int8 cache's mark (QuantizedCache.mark) that restore() resets to; None: restore rolls back
-    # (a class default: serving's CachedPrefill builds its cache without __init__)
-    mark = None
-
     def __init__(self, model: Transformer, prompt: list[int], capacity: int, chunk_size: int = 512,
                  progress: bool = False):
         self.model = model
