@@ -330,6 +330,8 @@ def test_deep_gammas_are_refused_on_a_sliding_window_model(tiny_gemma):
     from triforce.generate import generate
     from triforce.speculation.stack import StackSpec
 
+    with pytest.raises(TriforceError, match="draft trees"):
+        generate(tiny_gemma, ids_of(100)[0].tolist(), 8, method="sequoia", config=GEMMA_SPEC)
     with pytest.raises(TriforceError, match="use smaller gammas"):
         generate(tiny_gemma, ids_of(100)[0].tolist(), 8, stack=StackSpec.parse("ngram,retrieval,full", "8,12"),
                  config=GEMMA_SPEC)

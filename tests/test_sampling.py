@@ -61,3 +61,25 @@ def test_stops_at_eos_and_max_new_tokens(tiny_llama):
     first = free.index(eos)
     res = generate_ar(tiny_llama, [5, 6, 7], 20, SamplingParams(), eos_ids=(eos,))
     assert res.tokens == free[:first + 1] and res.finish_reason == "eos"
+
+
+def test_top_p_from_candidates_equals_the_full_sort():
+    """top-p decided on the top TOP_P_CANDIDATES tokens (when their mass reaches top_p) gives bit-identical
+    probabilities to sorting the whole row; rows whose mass is spread wider fall back to the full sort."""
+    import triforce.sampling as sampling_mod
+    from triforce.sampling import SamplingParams, probs_from_logits
+
+    def full_sort(logits, params):
+        probs = torch.softmax(logits.float() / params.temperature, -1)
+        sp, order = probs.sort(dim=-1, descending=True)
+        sp = sp.masked_fill((sp.cumsum(-1) - sp) >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sp)
+        return probs / probs.sum(-1, keepdim=True)
+
+    g = torch.Generator().manual_seed(0)
+    assert sampling_mod.TOP_P_CANDIDATES < 5000
+    for scale in (0.3, 3.0, 12.0):  # flat rows (full sort) to peaked ones (candidates)
+        x = torch.randn(3, 5000, generator=g) * scale
+        for p in (0.5, 0.9, 0.99):
+            params = SamplingParams(temperature=0.7, top_p=p)
+            assert torch.equal(probs_from_logits(x, params), full_sort(x, params))

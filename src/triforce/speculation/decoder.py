@@ -55,6 +55,9 @@ class Decoder:
         self.rebuilds = 0
         self.rebuild_seconds = 0.0
         self.stack = self._useful(stack, prompt_len)
+        if model.windows is not None and self.stack.tree:
+            raise TriforceError(f"draft trees (--tree, the sequoia method) are not supported yet for models with "
+                                f"sliding-window layers such as this {model.cfg.arch} model: use chain stacks")
         if model.windows is not None and max_rollback(self.stack) > DEFAULT_EXTRA:
             raise TriforceError(f"the stack {self.stack.levels_text} with --gammas {','.join(map(str, self.stack.gammas))} "
                                 f"may roll back {max_rollback(self.stack)} tokens, more than the sliding-window "
