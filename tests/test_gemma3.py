@@ -378,36 +378,19 @@ def test_real_gemma3_270m_every_stack_equals_ar(kind, n_prompt):
     path = os.environ.get("TRIFORCE_GEMMA3_GGUF")
     if not path or not Path(path).is_file():
         pytest.skip("set TRIFORCE_GEMMA3_GGUF to the Gemma 3 270M GGUF (docs/gemma3.md)")
-    from test_speculation_greedy import _code_tokens
+    from test_speculation_greedy import _code_tokens, assert_every_stack_equals_ar
 
     from triforce.corpus import demo_tokens
-    from triforce.generate import generate
     from triforce.loading import load_model
-    from triforce.speculation.decoder import full_capacity
-    from triforce.speculation.stack import StackSpec, method_stack
-    from triforce.speculation.state import PrefilledPrompt
 
     torch.set_num_threads(os.cpu_count() or 1)
     loaded = load_model(Path(path), progress=False)
     model = loaded.model
     prompt = (demo_tokens(loaded.tokenizer, n_prompt, offset_chars=100_000) if kind == "prose"
               else _code_tokens(loaded.tokenizer, n_prompt))
-    new = 32
-    cfg = SpecConfig(budget=512, recent=32, rebuild_every=16, window=128, sink=4)
-    user = [("streaming:256,full", "5"), ("ngram,retrieval:1024,full", "3,4"),
-            ("ngram,streaming,retrieval:512,retrieval:1024,full", "2,2,3,4")]
-    stacks = [method_stack(m, cfg.gamma, cfg.gamma_draft) for m in ("triforce", "retrieval", "streaming", "ngram")]
-    stacks += [StackSpec.parse(levels, gammas) for levels, gammas in user]
-    shared = PrefilledPrompt(model, prompt, max(full_capacity(n_prompt, new, s) for s in stacks))
-    ref = generate(model, prompt, new, method="ar", prefilled=shared).tokens
-    for method, drafter in [("triforce", "ngram"), ("triforce", "streaming"), ("retrieval", "ngram"),
-                            ("streaming", "ngram"), ("ngram", "ngram")]:
-        res = generate(model, prompt, new, method=method, config=SpecConfig(**{**cfg.__dict__, "draft": drafter}),
-                       prefilled=shared)
-        assert res.tokens == ref, (method, drafter)
-    for levels, gammas in user:
-        res = generate(model, prompt, new, stack=StackSpec.parse(levels, gammas), config=cfg, prefilled=shared)
-        assert res.tokens == ref, levels
+    assert_every_stack_equals_ar(model, prompt, 32, ("triforce", "retrieval", "streaming", "ngram"), [
+        ("streaming:256,full", "5"), ("ngram,retrieval:1024,full", "3,4"),
+        ("ngram,streaming,retrieval:512,retrieval:1024,full", "2,2,3,4")])
 
 
 def test_gemma3_chat_template_fallback():

@@ -204,29 +204,35 @@ def test_greedy_equals_ar_on_embedded_model(smollm, all_threads, n_prompt, offse
     """Real text at 2K-6K tokens with the embedded SmolLM2, prose (Shakespeare) and code (Python):
     every method and the user stacks below = ar."""
     from triforce.corpus import demo_tokens
-    from triforce.speculation.decoder import full_capacity
-    from triforce.speculation.stack import method_stack
-    from triforce.speculation.state import PrefilledPrompt
 
     model = smollm.model
     if offset == "code":
         prompt = _code_tokens(smollm.tokenizer, n_prompt)
     else:
         prompt = demo_tokens(smollm.tokenizer, n_prompt, offset_chars=offset)
-    new = 24
-    # a budget well below the prompt, so the retrieval level really drops most of the context
+    assert_every_stack_equals_ar(model, prompt, 24, ("triforce", "retrieval", "streaming", "ngram", "sequoia"),
+                                 USER_STACKS_EMBEDDED)
+
+
+def assert_every_stack_equals_ar(model, prompt: list[int], new: int, methods, user_stacks) -> None:
+    """ar's `new` greedy tokens from every named method (triforce also with a streaming bottom drafter) and
+    every user stack (levels, gammas), one prefill shared; a retrieval budget well below the prompt, so the
+    retrieval level really drops most of the context."""
+    from triforce.speculation.decoder import full_capacity
+    from triforce.speculation.stack import method_stack
+    from triforce.speculation.state import PrefilledPrompt
+
     cfg = SpecConfig(budget=512, recent=32, rebuild_every=16, window=128, sink=4)
-    stacks = [method_stack(m, cfg.gamma, cfg.gamma_draft) for m in ("ar", "triforce", "retrieval", "streaming", "ngram",
-                                                                    "sequoia")]
-    stacks += [StackSpec.parse(levels, gammas) for levels, gammas in USER_STACKS_EMBEDDED]
-    shared = PrefilledPrompt(model, prompt, max(full_capacity(n_prompt, new, s) for s in stacks))
+    runs = [(m, "ngram") for m in methods] + [("triforce", "streaming")] * ("triforce" in methods)
+    stacks = [method_stack(m, cfg.gamma, cfg.gamma_draft) for m, _ in runs]
+    stacks += [StackSpec.parse(levels, gammas) for levels, gammas in user_stacks]
+    shared = PrefilledPrompt(model, prompt, max(full_capacity(len(prompt), new, s) for s in stacks))
     ref = generate(model, prompt, new, method="ar", prefilled=shared).tokens
-    for method, drafter in [("triforce", "ngram"), ("triforce", "streaming"), ("retrieval", "ngram"),
-                            ("streaming", "ngram"), ("ngram", "ngram"), ("sequoia", "ngram")]:
+    for method, drafter in runs:
         res = generate(model, prompt, new, method=method, config=SpecConfig(**{**cfg.__dict__, "draft": drafter}),
                        prefilled=shared)
         assert res.tokens == ref, (method, drafter)
-    for levels, gammas in USER_STACKS_EMBEDDED:
+    for levels, gammas in user_stacks:
         res = generate(model, prompt, new, stack=StackSpec.parse(levels, gammas), config=cfg, prefilled=shared)
         assert res.tokens == ref, levels
 
