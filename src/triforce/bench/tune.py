@@ -66,22 +66,19 @@ def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tok
     int8 target's own upper planes, or a 4-bit cache built from the float one) and the full level's per-token
     acceptance of its drafts from a quantspec run at gamma max_gamma; the predicted ms/token of quantspec for
     every gamma, best first."""
-    from ..caches import QuantizedCache
-    from ..caches.base import kv_dtype
     from ..generate import generate
-    from ..speculation.kinds import drafting_model
+    from ..speculation.kinds import KINDS, BuildContext
+    from ..speculation.stack import LevelSpec
     from .decode_step import time_forwards
     from .methods import sampling_params
 
     full = shared.restore(prompt)
-    c = model.cfg
-    cache = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, full.capacity, bits=4, max_rollback=64,
-                           dtype=kv_dtype(config.draft_kv_dtype), device=model.device,
-                           shared=full if isinstance(full, QuantizedCache) else None)
+    ctx = BuildContext(model, sampling_params(temperature), config, full.capacity, 64, full_cache=full)
+    state = KINDS["kv4"].state(ctx, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
     with torch.inference_mode():
-        cache.build(full)
-    step = time_forwards(drafting_model(model, config), cache, cache.length, 1, repeats) * 1e3
-    del cache
+        state.cache.build(full)
+    step = time_forwards(state.model, state.cache, state.cache.length, 1, repeats) * 1e3
+    del state
     res = generate(model, prompt, tokens, sampling_params(temperature), method="quantspec",
                    config=replace(config, gamma=max_gamma), prefilled=shared, seed=seed)
     top = next(x for x in res.stats["levels"] if x.get("level") == "full")
@@ -177,7 +174,10 @@ def main(args, config) -> int:
                         weights=args.weights,
                         progress=not args.quiet, kv_dtype=getattr(args, "kv_dtype", None))
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    if args.context_length + args.tokens + 80 > loaded.config.max_context:
+    # room past the prompt: a tree round's lookahead (_main_trees' capacity), or the largest gamma's
+    room = (TREE_ROOM + max(args.tokens, 64) if args.trees
+            else args.tokens + max(args.max_gamma, args.max_gamma_draft) + 8)
+    if args.context_length + room > loaded.config.max_context:
         raise TriforceError(f"--context-length {args.context_length} plus {args.tokens} tokens exceeds the model's "
                             f"context of {loaded.config.max_context}: lower --context-length or raise --max-context")
     if args.trees:
@@ -186,9 +186,6 @@ def main(args, config) -> int:
     if not budgets:
         raise TriforceError(f"every budget in --budgets {args.budgets} is as large as --context-length "
                             f"{args.context_length}: the retrieval cache must be smaller than the context")
-    if args.context_length + args.tokens + max(args.max_gamma, args.max_gamma_draft) + 8 > loaded.config.max_context:
-        raise TriforceError(f"--context-length {args.context_length} plus {args.tokens} tokens exceeds the model's "
-                            f"context of {loaded.config.max_context}: lower --context-length or raise --max-context")
     out = tune(loaded, args.context_length, budgets, args.max_gamma, args.max_gamma_draft, config, args.tokens,
                progress=not args.quiet, log=log, temperature=args.temperature, seed=args.seed,
                kv4=getattr(args, "kv4", False))
@@ -231,7 +228,7 @@ def _main_trees(args, config, loaded, log) -> int:
 
     prompt = demo_tokens(loaded.tokenizer, args.context_length)
     t = time.perf_counter()
-    shared = PrefilledPrompt(loaded.model, prompt, args.context_length + max(args.tokens, 64) + 80,
+    shared = PrefilledPrompt(loaded.model, prompt, args.context_length + max(args.tokens, 64) + TREE_ROOM,
                              config.prefill_chunk, not args.quiet)
     log(f"prefill of {args.context_length} tokens: {time.perf_counter() - t:.1f} s")
     out = tune_trees(loaded, shared, prompt, config, args.tokens, args.temperature, args.seed,
@@ -261,6 +258,7 @@ def _main_trees(args, config, loaded, log) -> int:
 # --- Sequoia trees: `triforce tune --trees` ------------------------------------------------------------
 
 PROBE_TREE = (4, 2, 2, 1)  # wide at the root, where most ranks are tried: 4 + 8 + 16 + 16 = 44 nodes
+TREE_ROOM = 80  # cache room past the generated tokens for a tree round (the probe's 44 nodes and slack)
 
 
 def tree_value(parents, acceptance) -> float:
@@ -306,6 +304,8 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     each feeding the tree so far, + the verification of all nodes) / expected tokens per round. Also the
     expected tokens of Sequoia's optimal tree (tree.best_tree) of as many nodes, for reference."""
     from ..generate import generate
+    from ..speculation.decoder import max_rollback
+    from ..speculation.kinds import KINDS, BuildContext
     from ..speculation.stack import StackSpec
     from ..speculation.tree import best_tree
     from .decode_step import time_forwards
@@ -323,9 +323,6 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     length = shared.restore(prompt).length
     sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_nodes + 3)) | {max_nodes + 2})
     cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3 for k in sizes}
-    from ..speculation.kinds import KINDS, BuildContext
-    from ..speculation.decoder import max_rollback
-
     ctx = BuildContext(model, sampling_params(temperature), config, length + 256, max_rollback(probe))
     state = KINDS["streaming"].state(ctx, probe.levels[0], "streaming")
     KINDS["streaming"].prefill(state, prompt[:-1], None, config)

@@ -117,10 +117,11 @@ def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool) -> No
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from .gguf_file import check_gguf_tokenizer, read_gguf
+    from .gguf_file import read_gguf
 
     t0 = time.perf_counter()
-    hf, sd = read_gguf(gguf_path, progress=progress and weights, keep_quantized=not weights)
+    hf, sd = read_gguf(gguf_path, progress=progress and weights, keep_quantized=not weights,
+                       check_tokenizer=True)
     if weights:
         try:
             save_file(sd, str(folder / "model.safetensors"))
@@ -130,7 +131,6 @@ def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool) -> No
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from e
     del sd
-    check_gguf_tokenizer(gguf_path)
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps(hf, indent=2))

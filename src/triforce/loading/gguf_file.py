@@ -134,24 +134,6 @@ def check_gguf_architecture(path: Path) -> str:
     return arch
 
 
-def check_gguf_tokenizer(path: Path) -> None:
-    """Refuse a file whose tokenizer transformers would rebuild wrongly: it picks its GGUF tokenizer
-    converter by architecture, and for gemma3 always builds Gemma's SentencePiece tokenizer
-    (tokenizer.ggml.model "llama"), whatever the file holds (a BPE "gpt2" one is then silently
-    mis-tokenized). Reads the header only."""
-    import gguf
-
-    arch = gguf_architecture(path)
-    if arch != "gemma3":
-        return
-    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.model")
-    kind = None if field is None else field.contents()
-    if kind not in (None, "llama"):
-        raise TriforceError(f"{path} is a gemma3 model with a {kind!r} tokenizer (tokenizer.ggml.model): "
-                            f"transformers reads only Gemma's own SentencePiece tokenizer ('llama') correctly "
-                            f"for this architecture, so its text would be tokenized wrongly")
-
-
 class _Metadata:
     """The key-value pairs of a GGUF file, read by name; remembers which were read, so that
     `unread` can name the ones this module does not understand."""
@@ -259,14 +241,19 @@ def _gemma3_config(meta: _Metadata, rp: dict, n_layers: int, hidden: int, n_head
     }
 
 
-def read_gguf(path: Path, progress: bool = True,
-              keep_quantized: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
+def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
+              check_tokenizer: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
     """-> (HF config dict, HF-named state dict). The config round-trips through JSON.
 
     The state dict holds fp32 tensors, or with `keep_quantized` the 2-D weights (projections,
     embedding, LM head) as QuantTensor: the file's own bytes, memory-mapped (a copy only where rows
     are reordered: Llama's Q and K), so resident memory is the file's tensor bytes; reading is then
-    about the time gguf's reader takes to parse the header (seconds for a large vocabulary)."""
+    about the time gguf's reader takes to parse the header (seconds for a large vocabulary).
+
+    `check_tokenizer` (before the tokenizer is rebuilt from the file): refuse a gemma3 file whose tokenizer
+    transformers would rebuild wrongly. It picks its GGUF tokenizer converter by architecture and for gemma3
+    always builds Gemma's SentencePiece tokenizer (tokenizer.ggml.model "llama"), whatever the file holds (a
+    BPE "gpt2" one is then silently mis-tokenized)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -277,6 +264,10 @@ def read_gguf(path: Path, progress: bool = True,
         raise TriforceError(f"cannot read GGUF file {path}: {e}") from e
     model_type, hf_class = _GGUF_ARCHS[arch]
     meta = _Metadata(reader, arch, path)
+    if check_tokenizer and arch == "gemma3" and (kind := meta.get("tokenizer.ggml.model")) not in (None, "llama"):
+        raise TriforceError(f"{path} is a gemma3 model with a {kind!r} tokenizer (tokenizer.ggml.model): "
+                            f"transformers reads only Gemma's own SentencePiece tokenizer ('llama') correctly "
+                            f"for this architecture, so its text would be tokenized wrongly")
     tensors = {t.name: t for t in reader.tensors}
     n_layers = int(meta.get("block_count"))
     qkv_bias = SUPPORTED_ARCHITECTURES[model_type].qkv_bias or "blk.0.attn_q.bias" in tensors
