@@ -122,18 +122,6 @@ def test_tree_rule_is_exact_and_the_check_has_power(seed):
     assert _pvalue(bad_first, models.p_root) < 1e-6
 
 
-def _tree_value(parents, reach) -> float:
-    """Expected accepted tokens of a tree under a positional acceptance model (reach[r]: P(the child of
-    rank r is tried and accepted))."""
-    rank, value, kids = [], [], {}
-    for node, p in enumerate(parents):
-        r = kids.get(p, 0)
-        kids[p] = r + 1
-        rank.append(r)
-        value.append((value[p] if p >= 0 else 1.0) * (reach[r] if r < len(reach) else 0.0))
-    return sum(value)
-
-
 def _all_trees(n: int, max_depth: int):
     """Every ordered tree of n nodes (parents before children) up to isomorphism of construction order."""
     def grow(parents, depths):
@@ -151,18 +139,15 @@ def _all_trees(n: int, max_depth: int):
 @pytest.mark.parametrize("n,depth", [(4, 2), (5, 3), (6, 6)])
 def test_best_tree_is_optimal(acceptance, n, depth):
     """Sequoia's tree (best-first) has the largest expected accepted tokens of all trees of n nodes and
-    depth <= d (brute force), and is a valid draft tree shape."""
-    from triforce.speculation.tree import best_tree
+    depth <= d (brute force; tree_value is checked against simulated rounds in test_tune), and is a valid
+    draft tree shape."""
+    from triforce.speculation.tree import best_tree, tree_value
 
-    reach, rejected = [], 1.0
-    for a in acceptance:
-        reach.append(rejected * a)
-        rejected *= 1 - a
     best = best_tree(acceptance, n, depth)
     DraftTree(tuple(range(len(best))), best)  # parents before children
     assert len(best) == n
-    brute = max(_tree_value(t, reach) for t in _all_trees(n, depth))
-    assert _tree_value(best, reach) == pytest.approx(brute, rel=1e-12)
+    brute = max(tree_value(t, acceptance) for t in _all_trees(n, depth))
+    assert tree_value(best, acceptance) == pytest.approx(brute, rel=1e-12)
 
 
 def test_fixed_tree_shapes():

@@ -43,8 +43,7 @@ def test_tree_value_matches_simulated_rounds():
     probability a[r] given the earlier ones rejected; the walk goes on from an accepted child."""
     import random
 
-    from triforce.bench.tune import tree_value
-    from triforce.speculation.tree import DraftTree, fixed_tree
+    from triforce.speculation.tree import DraftTree, fixed_tree, tree_value
 
     a = [0.6, 0.4, 0.3]
     parents = fixed_tree((3, 2, 1))

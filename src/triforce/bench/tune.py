@@ -261,22 +261,6 @@ PROBE_TREE = (4, 2, 2, 1)  # wide at the root, where most ranks are tried: 4 + 8
 TREE_ROOM = 80  # cache room past the generated tokens for a tree round (the probe's 44 nodes and slack)
 
 
-def tree_value(parents, acceptance) -> float:
-    """Expected tokens of a round drafting this tree (1 + the expected accepted nodes) under the positional
-    acceptance model: a child of rank r is tried and accepted with prod(1 - a[s], s < r) * a[r]."""
-    reach, rejected = [], 1.0
-    for a in acceptance:
-        reach.append(rejected * a)
-        rejected *= 1.0 - a
-    kids: dict[int, int] = {}
-    value: list[float] = []
-    for p in parents:
-        r = kids.get(p, 0)
-        kids[p] = r + 1
-        value.append((value[p] if p >= 0 else 1.0) * (reach[r] if r < len(reach) else 0.0))
-    return 1.0 + sum(value)
-
-
 def width_trees(max_nodes: int, max_depth: int, max_width: int = 4):
     """Every widths-per-depth tree (`--tree W0,W1,...`, widths not increasing with depth) of at most
     max_nodes nodes and max_depth depths."""
@@ -307,7 +291,7 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     from ..speculation.decoder import max_rollback
     from ..speculation.kinds import KINDS, BuildContext
     from ..speculation.stack import StackSpec
-    from ..speculation.tree import best_tree
+    from ..speculation.tree import best_tree, tree_value
     from .decode_step import time_forwards
     from .methods import sampling_params
 

@@ -86,6 +86,30 @@ def fixed_tree(widths) -> tuple[int, ...]:
     return tuple(parents)
 
 
+def rank_reach(acceptance) -> list[float]:
+    """reach[r]: the probability that the child of rank r is tried and accepted, prod(1 - a[s], s < r) * a[r],
+    for a positional acceptance vector (acceptance[r]: P(rank r accepted | the ones before it rejected))."""
+    reach, rejected = [], 1.0
+    for a in acceptance:
+        reach.append(rejected * a)
+        rejected *= 1.0 - a
+    return reach
+
+
+def tree_value(parents, acceptance) -> float:
+    """Expected tokens of a round drafting this tree (1 + the expected accepted nodes) under the positional
+    acceptance model: a node's chance of being reached and accepted is the product of rank_reach along its
+    path (a rank past the vector: 0)."""
+    reach = rank_reach(acceptance)
+    kids: dict[int, int] = {}
+    value: list[float] = []
+    for p in parents:
+        r = kids.get(p, 0)
+        kids[p] = r + 1
+        value.append((value[p] if p >= 0 else 1.0) * (reach[r] if r < len(reach) else 0.0))
+    return 1.0 + sum(value)
+
+
 def best_tree(acceptance, n_nodes: int, max_depth: int) -> tuple[int, ...]:
     """Sequoia's tree for a positional acceptance vector: acceptance[r] is the probability that the
     (r + 1)-th child tried at a slot is accepted given the ones before it were rejected. A node's chance
@@ -96,11 +120,7 @@ def best_tree(acceptance, n_nodes: int, max_depth: int) -> tuple[int, ...]:
     under this model). -> parents in the order added (a parent before its children, siblings in rank order)."""
     import heapq
 
-    reach = []  # reach[r]: P(child r is tried and accepted)
-    rejected = 1.0
-    for a in acceptance:
-        reach.append(rejected * a)
-        rejected *= 1.0 - a
+    reach = rank_reach(acceptance)
     parents: list[int] = []
     # candidates: (-value, tie-break, parent node, rank, depth)
     heap = [(-reach[0], 0, -1, 0, 0)] if reach and n_nodes > 0 and max_depth > 0 else []
