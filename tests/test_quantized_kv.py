@@ -141,12 +141,23 @@ def _attention_reference(cache: QuantizedCache, layer, q, k_fp, v_fp, positions,
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_attention_equals_brute_force(tree):
+    _check_attention(tree, T=12)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("T,tree", [(1, False), (3, False), (5, False), (12, True)])
+def test_kernel_equals_brute_force(kern, T, tree, bits):
+    """The compiled quant_attention (each instruction set this CPU runs): decode steps (2 rows), 6 and 10 rows
+    (one and two register tiles of scores), a 24-row tree block, the 8-bit and the 4-bit reading."""
+    _check_attention(tree, T, ops=kern, bits=bits)
+
+
+def _check_attention(tree: bool, T: int, ops=None, bits: int = 8):
     from triforce.caches.base import TokenBlock
 
     k, v = _kv(400, 3)
-    cache = _cache()
+    cache = _cache(bits=bits)
     _feed(cache, k, v, 0, 380)
-    T = 12
     positions = 380 + torch.arange(T)
     visible = torch.ones(T, T, dtype=torch.bool).tril()
     block = None
@@ -162,8 +173,8 @@ def test_attention_equals_brute_force(tree):
     cache.prepare(T, block)
     outs = []
     for layer in range(L):
-        kv, _, _ = cache.update(layer, q, k[layer, :, :, 380:392], v[layer, :, :, 380:392])
-        outs.append(kv.attend(q, 0.125))
+        kv, _, _ = cache.update(layer, q, k[layer, :, :, 380:380 + T], v[layer, :, :, 380:380 + T])
+        outs.append(kv.attend(q, 0.125, ops))
     fb = cache.fb
     k_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.fk[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]
     v_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.fv[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]

@@ -5,7 +5,9 @@ zero point per group and channel: keys have outlier channels); values per token 
 GROUP_V = 32 channels. A value x becomes the 8-bit code c = clamp(round((x - zero) / scale), 0, 255) with
 scale = (max - min) / 255 and zero = min of its group (both stored in fp16; the codes are computed from the
 stored fp16 numbers), so x ~ c * scale + zero within scale / 2. The code is stored as two 4-bit planes,
-upper = c >> 4 and lower = c & 15 (each packed two codes per byte: `pack`): the
+upper = c >> 4 and lower = c & 15 (each packed two codes per byte: `pack`; value planes row by row, one
+token's channels after another; key planes channel by channel within each group, one channel's 64 tokens
+after another, the layout the kernel's scores read: 16 keys per vector, no horizontal sums): the
 8-bit reading is (16 * upper + lower) * scale + zero, the 4-bit reading (QuantSpec's draft) uses the upper
 plane alone, (16 * upper + 8) * scale + zero (within 8.5 * scale). `bits=4` stores only the upper plane.
 
@@ -18,7 +20,8 @@ codes. A group is quantized when the first query that reads it quantized is fed 
 end), so with rollbacks shorter than a group no rejected token is ever quantized; a longer rollback
 forgets the groups it reaches (O(1)) and they are quantized again from the buffer when next needed.
 
-Storage per layer: the planes [B, Hkv, capacity, D / 2] (uint8), key scales and zeros [B, Hkv, groups, D],
+Storage per layer: the planes [B, Hkv, capacity, D / 2] (uint8; a key group's 64 rows hold its [D, 32]
+channel-major bytes), key scales and zeros [B, Hkv, groups, D],
 value scales and zeros [B, Hkv, capacity, D / 32] (fp16; a head dim below 32: one group per head), and a full-precision buffer [B, Hkv, slots, D]
 holding positions fb .. length - 1 (fb a multiple of 64; `dtype`: fp32, bf16 or fp16), whose old groups are
 dropped when it fills (after quantizing them): it holds the newest 128 + max_rollback tokens plus one
@@ -198,15 +201,15 @@ class QuantizedCache(KVCache):
         B, H, n, D = k.shape
         g0, ng = start // GROUP_K, n // GROUP_K
         codes, scale, zero = quantize(k.reshape(B, H, ng, GROUP_K, D).transpose(-1, -2))  # per group and channel
-        kc = codes.transpose(-1, -2).reshape(B, H, n, D)
         self.k_scale[layer, :, :, g0:g0 + ng], self.k_zero[layer, :, :, g0:g0 + ng] = scale, zero
         vc, vs, vz = quantize(v.reshape(B, H, n, D // self.group_v, self.group_v))  # per token and group of channels
         self.v_scale[layer, :, :, start:start + n], self.v_zero[layer, :, :, start:start + n] = vs, vz
-        for codes, hi, lo in ((kc, self.k_hi, self.k_lo), (vc.reshape(B, H, n, D), self.v_hi, self.v_lo)):
+        # keys: [B, H, ng, D, 64] codes, channel-major per group, packed along the tokens
+        for codes, hi, lo in ((codes, self.k_hi, self.k_lo), (vc, self.v_hi, self.v_lo)):
             upper, lower = pack(codes)
-            hi[layer, :, :, start:start + n] = upper
+            hi[layer, :, :, start:start + n] = upper.reshape(B, H, n, D // 2)
             if lo is not None:
-                lo[layer, :, :, start:start + n] = lower
+                lo[layer, :, :, start:start + n] = lower.reshape(B, H, n, D // 2)
 
     # --- the KVCache contract ---------------------------------------------------------------------------
 
@@ -329,11 +332,15 @@ class QuantizedCache(KVCache):
         n, g0, g1 = end - start, start // GROUP_K, end // GROUP_K
         lo_k = None if four_bit or self.k_lo is None else self.k_lo[layer, :, :, start:end]
         lo_v = None if four_bit or self.v_lo is None else self.v_lo[layer, :, :, start:end]
-        kc = codes_of(self.k_hi[layer, :, :, start:end], lo_k).view(B, H, g1 - g0, GROUP_K, D)
-        k = kc * self.k_scale[layer, :, :, g0:g1, None].float() + self.k_zero[layer, :, :, g0:g1, None].float()
+        def key_groups(plane):  # [B, H, n, D / 2] -> the groups' channel-major bytes [B, H, groups, D, 32]
+            return None if plane is None else plane.reshape(B, H, g1 - g0, D, GROUP_K // 2)
+
+        kc = codes_of(key_groups(self.k_hi[layer, :, :, start:end]), key_groups(lo_k))  # [B, H, groups, D, 64]
+        k = (kc * self.k_scale[layer, :, :, g0:g1, :, None].float()
+             + self.k_zero[layer, :, :, g0:g1, :, None].float()).transpose(-1, -2)
         vc = codes_of(self.v_hi[layer, :, :, start:end], lo_v).view(B, H, n, D // self.group_v, self.group_v)
         v = vc * self.v_scale[layer, :, :, start:end, :, None].float() + self.v_zero[layer, :, :, start:end, :, None].float()
-        return k.view(B, H, n, D), v.view(B, H, n, D)
+        return k.reshape(B, H, n, D), v.view(B, H, n, D)
 
     def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0 .. n - 1 of `layer` [B, Hkv, n, D] fp32, as attention reads them from

@@ -163,8 +163,11 @@ template <int64_t BS>
 void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * BS;
-    float m = NEG_INF;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
+    Vec mv(NEG_INF);
+    int64_t j = 0;
+    for (; j + W <= n; j += W) mv = vmax(mv, Vec::loadu(sr + j));
+    float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return vmax(a, b); }, mv);
+    for (; j < n; ++j) m = std::max(m, sr[j]);
     m_b[r] = m;
     softmax_numerators(sr, n, m, l_b + r);
   }
@@ -375,47 +378,110 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
 }
 
 // ---- attention over the quantized KV cache (caches/quantized.py) ----
-// Work items of QB = 64 keys: a quantized group (its 8-bit or 4-bit codes dequantized into an fp32
-// scratch block in L1 as they are read: the planes are all that comes from memory) or 64 positions of the
-// full-precision buffer (blocks aligned to positions, as the groups are). Each row r reads the quantized
-// positions < lim[r] and the buffer positions its mask row (token r % T) marks; the per-row scores,
-// softmax and p v are those of decode_attention's two paths (per-row below LANES_MIN_ROWS rows, rows in
-// lanes from there on), so a row's result depends on its query, its visible keys and the path only (not on
-// where the buffer starts: masked keys add exact zeros).
+// Work items of QB = 64 keys: a quantized group or 64 positions of the full-precision buffer (blocks aligned
+// to positions, as the groups are). A quantized group's codes are widened once into L1 scratch blocks (the
+// planes are all that comes from memory): the keys' codes channel-major, unscaled (their per-channel scale
+// and zero are folded into the queries: q . k = (q * scale) . code + q . zero), the values dequantized row
+// by row. Scores then take 16 (AVX2: 8) keys per vector, a query element broadcast per channel: no
+// horizontal sums, each loaded code vector serving a tile of up to 6 rows. Softmax and p v are the per-row
+// path's (any number of rows; the buffer blocks too), so a row's result depends on its query and its
+// visible keys only (not on where the buffer starts, nor on how many rows there are: masked keys add exact
+// zeros).
 constexpr int64_t QB = 64;  // caches/quantized.py GROUP_K
+constexpr int SCORE_ROWS = 6;  // rows per register tile of group_scores
 
-// Keys and values of one quantized group of n keys -> fp32 rows kf, vf [n, D]. Planes: rows of D / 2 bytes
-// (k_lo / v_lo null: the 4-bit reading, code = 16 * upper + 8); key scale / zero [D] of the group; value
-// scale / zero [n, D / 32] (per token and 32 channels).
+// One quantized group of QB keys, widened into L1 scratch blocks: kct [D, QB] the keys' 8-bit codes as fp32,
+// channel-major (the key planes hold each group's bytes channel by channel: channel d's 64 tokens in two
+// 16-byte packing blocks at d * 32), vf [QB, D] the dequantized values (scale and zero per token and 32
+// channels; value planes row by row). k_lo / v_lo null: the 4-bit reading, code = 16 * upper + 8. Value
+// scale / zero [QB, D / 32]. In both layouts packing block p of the group's plane bytes holds outputs
+// 32 p .. 32 p + 31. The two nibble planes are joined into byte codes with a few byte operations per 32
+// codes before any widening (simd.h codes32): one widening and one conversion per value (values: and one fma).
 template <int64_t D>
-void dequantize_group(const uint8_t* k_hi, const uint8_t* k_lo, const c10::Half* ks, const c10::Half* kz,
-                      const uint8_t* v_hi, const uint8_t* v_lo, const c10::Half* vs, const c10::Half* vz, int64_t n,
-                      float* kf, float* vf) {
-  constexpr int NP = D / 32, PV = 32 / W;  // packing blocks per row, vectors per packing block
-  Vec ksv[D / W], kzv[D / W];
-  for (int c = 0; c < D / W; ++c) {
-    ksv[c] = load(ks + c * W);
-    kzv[c] = load(kz + c * W);
+void widen_group(const uint8_t* k_hi, const uint8_t* k_lo, const uint8_t* v_hi, const uint8_t* v_lo,
+                 const c10::Half* vs, const c10::Half* vz, float* kct, float* vf) {
+  constexpr int64_t GB = QB * D / 2, NPB = GB / 16;  // bytes of a group in one plane; its packing blocks
+  constexpr int PV = 16 / W > 0 ? 16 / W : 1;        // vectors per 16 codes
+  Vec w[2 * PV];
+  __m128i ca, cb;
+  for (int64_t p = 0; p < NPB; ++p) {
+    codes32(k_hi + p * 16, k_lo != nullptr ? k_lo + p * 16 : nullptr, ca, cb);
+    widen16(ca, w);
+    widen16(cb, w + PV);
+    for (int i = 0; i < 2 * PV; ++i) w[i].store(kct + p * 32 + i * W);
   }
-  const Vec sixteen(16.f), eight(8.f);
-  for (int64_t j = 0; j < n; ++j) {
-    for (int b = 0; b < NP; ++b) {
-      Vec hk[PV], hv[PV], lk[PV], lv[PV];
-      unpack32(k_hi + j * (D / 2) + b * 16, hk);
-      unpack32(v_hi + j * (D / 2) + b * 16, hv);
-      if (k_lo != nullptr) {
-        unpack32(k_lo + j * (D / 2) + b * 16, lk);
-        unpack32(v_lo + j * (D / 2) + b * 16, lv);
-      }
-      const Vec s(static_cast<float>(vs[j * NP + b])), z(static_cast<float>(vz[j * NP + b]));
-      for (int i = 0; i < PV; ++i) {
-        const int c = b * PV + i;
-        const Vec ck = fma(hk[i], sixteen, k_lo != nullptr ? lk[i] : eight);
-        const Vec cv = fma(hv[i], sixteen, k_lo != nullptr ? lv[i] : eight);
-        fma(ck, ksv[c], kzv[c]).store(kf + j * D + c * W);
-        fma(cv, s, z).store(vf + j * D + c * W);
+  // the value scales and zeros as fp32 first, W at a time (a scalar fp16 conversion per packing block was a
+  // dependency chain in front of its fmas)
+  float vsf[NPB], vzf[NPB];
+  for (int64_t i = 0; i < NPB; i += W) {
+    load(vs + i).store(vsf + i);
+    load(vz + i).store(vzf + i);
+  }
+  for (int64_t p = 0; p < NPB; ++p) {
+    codes32(v_hi + p * 16, v_lo != nullptr ? v_lo + p * 16 : nullptr, ca, cb);
+    widen16(ca, w);
+    widen16(cb, w + PV);
+    const Vec sc(vsf[p]), z(vzf[p]);
+    for (int i = 0; i < 2 * PV; ++i) fma(w[i], sc, z).store(vf + p * 32 + i * W);
+  }
+}
+
+// The queries q [R, D] (scaled) with a group's key scales folded in: qg [R, D] = q * scale, bias[r] = q[r] . zero.
+template <int64_t D>
+void fold_key_scales(const float* q, int64_t R, const c10::Half* ks, const c10::Half* kz, float* qg, float* bias) {
+  Vec sc[D / W], z[D / W];
+  for (int c = 0; c < D / W; ++c) {
+    sc[c] = load(ks + c * W);
+    z[c] = load(kz + c * W);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    Vec acc(0.f);
+    for (int c = 0; c < D / W; ++c) {
+      const Vec x = Vec::loadu(q + r * D + c * W);
+      (x * sc[c]).store(qg + r * D + c * W);
+      acc = fma(x, z[c], acc);
+    }
+    bias[r] = reduce_add(acc);
+  }
+}
+
+// s[r * QB + j] = qg[r] . code[j] + bias[r] for RT rows and the QB keys of kct [D, QB]: KV vectors of keys
+// per pass (all QB with AVX-512), RT x KV accumulators, one code vector load serving RT fmas.
+template <int64_t D, int RT>
+void group_scores_tile(const float* qg, const float* bias, const float* kct, float* s) {
+  constexpr int NK = QB / W;  // key vectors in a group
+  constexpr int KV0 = (REGS - 2) / (RT + 1);
+  constexpr int KV = KV0 >= NK ? NK : KV0 >= 4 ? 4 : KV0 >= 2 ? 2 : 1;
+  for (int k0 = 0; k0 < NK; k0 += KV) {
+    Vec acc[RT][KV];
+    for (int r = 0; r < RT; ++r)
+      for (int k = 0; k < KV; ++k) acc[r][k] = Vec(bias[r]);
+    for (int64_t d = 0; d < D; ++d) {
+      Vec c[KV];
+      for (int k = 0; k < KV; ++k) c[k] = Vec::loadu(kct + d * QB + (k0 + k) * W);
+      for (int r = 0; r < RT; ++r) {
+        const Vec qv(qg[r * D + d]);
+        for (int k = 0; k < KV; ++k) acc[r][k] = fma(qv, c[k], acc[r][k]);
       }
     }
+    for (int r = 0; r < RT; ++r)
+      for (int k = 0; k < KV; ++k) acc[r][k].store(s + r * QB + (k0 + k) * W);
+  }
+}
+
+template <int64_t D>
+void group_scores(const float* qg, const float* bias, const float* kct, int64_t R, float* s) {
+  int64_t r = 0;
+  for (; r + SCORE_ROWS <= R; r += SCORE_ROWS)
+    group_scores_tile<D, SCORE_ROWS>(qg + r * D, bias + r, kct, s + r * QB);
+  const float* qr = qg + r * D;
+  switch (R - r) {
+    case 1: group_scores_tile<D, 1>(qr, bias + r, kct, s + r * QB); break;
+    case 2: group_scores_tile<D, 2>(qr, bias + r, kct, s + r * QB); break;
+    case 3: group_scores_tile<D, 3>(qr, bias + r, kct, s + r * QB); break;
+    case 4: group_scores_tile<D, 4>(qr, bias + r, kct, s + r * QB); break;
+    case 5: group_scores_tile<D, 5>(qr, bias + r, kct, s + r * QB); break;
+    default: break;
   }
 }
 
@@ -427,9 +493,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
                         const torch::Tensor& fmask, int64_t T, double scale) {
   const int64_t H = q.size(0), R = q.size(1), Sq = k_hi.size(1), F = fk.size(1);
   const int64_t nq = Sq / QB, nf = (F + QB - 1) / QB, nb = nq + nf;
-  const bool lanes = R >= LANES_MIN_ROWS;
-  const int64_t NV = (R + W - 1) / W, RP = NV * W;
-  const auto qs = scaled_queries(q, scale, lanes, RP);
+  const auto qs = scaled_queries(q, scale, false, R);
   const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
   float* const o_part = parts.data_ptr<float>();
   float* const m_part = o_part + H * nb * R * D;
@@ -452,42 +516,40 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
                 vs_s = v_scale.stride(0), fk_s = fk.stride(0), fv_s = fv.stride(0);
   const int64_t vplane_s = v_hi.stride(0), vlo_s = eight_bit ? v_lo.stride(0) : 0;
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> s(MAX_ROWS * QB), kf(QB * D), vf(QB * D);
+    std::vector<float> s(MAX_ROWS * QB), kf(QB * D), vf(QB * D), qg(MAX_ROWS * D), bias(MAX_ROWS);
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb;
-      const float* qh = qp + h * (lanes ? D * RP : R * D);
+      const float* qh = qp + h * R * D;
       float* ob = o_part + w * R * D;
       float* mb = m_part + w * R;
       float* lb = l_part + w * R;
       if (blk < nq) {
         const int64_t j0 = blk * QB;
-        bool any = false;
-        for (int64_t r = 0; r < R; ++r) any = any || limp[r] > j0;
+        bool any = false, masked = false;
+        for (int64_t r = 0; r < R; ++r) {
+          any = any || limp[r] > j0;
+          masked = masked || limp[r] < j0 + QB;
+        }
         if (!any) {  // no row reads this group from the planes
           for (int64_t r = 0; r < R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
           continue;
         }
-        dequantize_group<D>(khp + h * plane_s + j0 * (D / 2), eight_bit ? klp + h * lo_s + j0 * (D / 2) : nullptr,
-                            ksp + h * ks_s + blk * D, kzp + h * ks_s + blk * D, vhp + h * vplane_s + j0 * (D / 2),
-                            eight_bit ? vlp + h * vlo_s + j0 * (D / 2) : nullptr, vsp + h * vs_s + j0 * (D / 32),
-                            vzp + h * vs_s + j0 * (D / 32), QB, kf.data(), vf.data());
-        bool masked = false;
-        for (int64_t r = 0; r < R; ++r) masked = masked || limp[r] < j0 + QB;
-        const auto mask = [&](int64_t r, int64_t j) { return j0 + j < limp[r]; };
-        if (lanes)
-          block_lanes<D>(qh, NV, kf.data(), vf.data(), R, QB, masked, mask, s.data(), nullptr, nullptr, ob, mb, lb);
-        else
-          block_rows<D, QB>(qh, kf.data(), vf.data(), R, QB, masked, mask, s.data(), nullptr, nullptr, ob, mb, lb);
+        widen_group<D>(khp + h * plane_s + j0 * (D / 2), eight_bit ? klp + h * lo_s + j0 * (D / 2) : nullptr,
+                       vhp + h * vplane_s + j0 * (D / 2), eight_bit ? vlp + h * vlo_s + j0 * (D / 2) : nullptr,
+                       vsp + h * vs_s + j0 * (D / 32), vzp + h * vs_s + j0 * (D / 32), kf.data(), vf.data());
+        fold_key_scales<D>(qh, R, ksp + h * ks_s + blk * D, kzp + h * ks_s + blk * D, qg.data(), bias.data());
+        group_scores<D>(qg.data(), bias.data(), kf.data(), R, s.data());
+        if (masked)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t j = std::max<int64_t>(0, limp[r] - j0); j < QB; ++j) s[r * QB + j] = NEG_INF;
+        rows_softmax<QB>(s.data(), R, QB, mb, lb);
+        block_pv<D, QB>(s.data(), 1, vf.data(), R, QB, ob);
       } else {
         const int64_t f0 = (blk - nq) * QB, n = std::min(QB, F - f0);
         const KV* kh = fkp + h * fk_s + f0 * D;
         const KV* vh = fvp + h * fv_s + f0 * D;
         const auto mask = [&](int64_t r, int64_t j) { return maskp[(r % T) * F + f0 + j]; };
-        if (lanes)
-          block_lanes<D>(qh, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, n, true, mask, s.data(), nullptr, nullptr, ob,
-                         mb, lb);
-        else
-          block_rows<D, QB>(qh, kh, vh, R, n, true, mask, s.data(), nullptr, nullptr, ob, mb, lb);
+        block_rows<D, QB>(qh, kh, vh, R, n, true, mask, s.data(), nullptr, nullptr, ob, mb, lb);
       }
     }
   });
@@ -527,7 +589,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 namespace triforce {
 
 // Attention over a quantized KV cache (caches/quantized.py, QuantizedKV.attend): q [H, R, D] fp32; the planes
-// k_hi / v_hi [H, Sq, D / 2] uint8 of the first Sq positions (Sq a multiple of 64; k_lo / v_lo the same, or
+// k_hi / v_hi [H, Sq, D / 2] uint8 of the first Sq positions (a key group's 64 rows: its [D, 32] channel-major bytes) (Sq a multiple of 64; k_lo / v_lo the same, or
 // empty tensors for the 4-bit reading), key scales / zeros [H, Sq / 64, D] and value scales / zeros
 // [H, Sq, D / 32] fp16; lim [R] int64: row r reads the quantized positions < lim[r]; the full-precision buffer
 // fk / fv [H, F, D] (fp32, bf16 or fp16) with fmask [T, F] bool (row r reads buffer key j iff fmask[r % T][j]);
