@@ -84,28 +84,64 @@ inline void prefetch_rows(const char* k, const char* v, int64_t j, int64_t count
 // RS is a compile-time constant: runtime strides in the inner loop cost 10-20%). With next_k /
 // next_v, prefetches the next block's rows during the first pass (the per-row path: a decode step is
 // memory-bound and its p v loop is the longest; this reached 91% of the bandwidth at 32K).
+// One tile of NR rows (a compile-time count, so the accumulators can live in registers) and DCP vectors of the
+// value rows from vector c0 on; PF: prefetch the next block's rows, one per key.
+template <int64_t D, int64_t RS, int NR, int DCP, bool PF, typename KV>
+inline void pv_tile(const float* p, int64_t js, const KV* v, int64_t n, int c0, float* o, const char* next_k,
+                    const char* next_v) {
+  Vec acc[NR][DCP];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < DCP; ++c) acc[r][c] = Vec(0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    if constexpr (PF) prefetch_rows<KV, D>(next_k, next_v, j, 1);
+    const KV* vj = v + j * D + c0 * W;
+    Vec vv[DCP];
+    for (int c = 0; c < DCP; ++c) vv[c] = load(vj + c * W);
+    const float* pj = p + j * js;
+    for (int r = 0; r < NR; ++r) {
+      const Vec pr(pj[r * RS]);
+      for (int c = 0; c < DCP; ++c) acc[r][c] = fma(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < DCP; ++c) acc[r][c].store(o + r * D + (c0 + c) * W);
+}
+
+template <int64_t D, int64_t RS, int NR, typename KV>
+inline void pv_rows(const float* p, int64_t js, const KV* v, int64_t n, float* o, const char* next_k,
+                    const char* next_v) {
+  constexpr int NC = D / W;
+  constexpr int DCP = NC < DC ? NC : DC;
+  // (the prefetching loop is a separate instance: with its inner loop in the tile GCC kept the accumulators
+  // on the stack, a load and a store around every fma)
+  for (int c0 = 0; c0 < NC; c0 += DCP)
+    if (c0 == 0 && next_k != nullptr)
+      pv_tile<D, RS, NR, DCP, true>(p, js, v, n, c0, o, next_k, next_v);
+    else
+      pv_tile<D, RS, NR, DCP, false>(p, js, v, n, c0, o, nullptr, nullptr);
+}
+
+// o_b [R, D] = p v for one block of n keys (v: the block's first value row), with p(r, j) =
+// p[r * RS + j * js] (the per-row path keeps scores by row, RS = BS; the lanes path by key, RS = 1;
+// RS is a compile-time constant: runtime strides in the inner loop cost 10-20%). With next_k /
+// next_v, prefetches the next block's rows during the first pass (the per-row path: a decode step is
+// memory-bound and its p v loop is the longest; this reached 91% of the bandwidth at 32K).
 template <int64_t D, int64_t RS, typename KV>
 void block_pv(const float* p, int64_t js, const KV* v, int64_t R, int64_t n, float* o_b,
               const char* next_k = nullptr, const char* next_v = nullptr) {
-  constexpr int NC = D / W;
-  constexpr int DCP = NC < DC ? NC : DC;
   for (int64_t r0 = 0; r0 < R; r0 += TILE) {
-    const int64_t nr = std::min<int64_t>(TILE, R - r0);
-    for (int c0 = 0; c0 < NC; c0 += DCP) {
-      Vec acc[TILE][DCP];
-      for (int64_t j = 0; j < n; ++j) {
-        if (r0 == 0 && c0 == 0) prefetch_rows<KV, D>(next_k, next_v, j, 1);
-        const KV* vj = v + j * D + c0 * W;
-        Vec vv[DCP];
-        for (int c = 0; c < DCP; ++c) vv[c] = load(vj + c * W);
-        const float* pj = p + r0 * RS + j * js;
-        for (int64_t r = 0; r < nr; ++r) {
-          const Vec pr(pj[r * RS]);
-          for (int c = 0; c < DCP; ++c) acc[r][c] = fma(pr, vv[c], acc[r][c]);
-        }
-      }
-      for (int64_t r = 0; r < nr; ++r)
-        for (int c = 0; c < DCP; ++c) acc[r][c].store(o_b + (r0 + r) * D + (c0 + c) * W);
+    const float* pr = p + r0 * RS;
+    float* o = o_b + r0 * D;
+    const char* nk = r0 == 0 ? next_k : nullptr;
+    const char* nv = r0 == 0 ? next_v : nullptr;
+    static_assert(TILE == 6, "block_pv dispatches tiles of 1 to 6 rows");
+    switch (std::min<int64_t>(TILE, R - r0)) {
+      case 1: pv_rows<D, RS, 1>(pr, js, v, n, o, nk, nv); break;
+      case 2: pv_rows<D, RS, 2>(pr, js, v, n, o, nk, nv); break;
+      case 3: pv_rows<D, RS, 3>(pr, js, v, n, o, nk, nv); break;
+      case 4: pv_rows<D, RS, 4>(pr, js, v, n, o, nk, nv); break;
+      case 5: pv_rows<D, RS, 5>(pr, js, v, n, o, nk, nv); break;
+      default: pv_rows<D, RS, 6>(pr, js, v, n, o, nk, nv); break;
     }
   }
 }
@@ -399,12 +435,27 @@ constexpr int SCORE_ROWS = 6;  // rows per register tile of group_scores
 // codes before any widening (simd.h codes32): one widening and one conversion per value (values: and one fma).
 template <int64_t D>
 void widen_group(const uint8_t* k_hi, const uint8_t* k_lo, const uint8_t* v_hi, const uint8_t* v_lo,
-                 const c10::Half* vs, const c10::Half* vz, float* kct, float* vf) {
+                 const c10::Half* vs, const c10::Half* vz, float* kct, float* vf, bool prefetch) {
   constexpr int64_t GB = QB * D / 2, NPB = GB / 16;  // bytes of a group in one plane; its packing blocks
   constexpr int PV = 16 / W > 0 ? 16 / W : 1;        // vectors per 16 codes
   Vec w[2 * PV];
   __m128i ca, cb;
   for (int64_t p = 0; p < NPB; ++p) {
+    if (prefetch && p % 4 == 0) {  // the next group's planes (GB bytes on) and value scales, a line per plane
+      // per 4 packing blocks: the hardware prefetchers, following four planes and four scale streams per head,
+      // left the loads waiting on memory (1.14 ms per layer at 32K where the data sat in L3 took 0.8)
+      const int64_t at = GB + p * 16;
+      prefetch_l2(k_hi + at);
+      prefetch_l2(v_hi + at);
+      if (k_lo != nullptr) {
+        prefetch_l2(k_lo + at);
+        prefetch_l2(v_lo + at);
+      }
+      if (p * 16 < NPB * 2) {
+        prefetch_l2(reinterpret_cast<const char*>(vs + NPB) + p * 16);
+        prefetch_l2(reinterpret_cast<const char*>(vz + NPB) + p * 16);
+      }
+    }
     codes32(k_hi + p * 16, k_lo != nullptr ? k_lo + p * 16 : nullptr, ca, cb);
     widen16(ca, w);
     widen16(cb, w + PV);
@@ -536,7 +587,8 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
         }
         widen_group<D>(khp + h * plane_s + j0 * (D / 2), eight_bit ? klp + h * lo_s + j0 * (D / 2) : nullptr,
                        vhp + h * vplane_s + j0 * (D / 2), eight_bit ? vlp + h * vlo_s + j0 * (D / 2) : nullptr,
-                       vsp + h * vs_s + j0 * (D / 32), vzp + h * vs_s + j0 * (D / 32), kf.data(), vf.data());
+                       vsp + h * vs_s + j0 * (D / 32), vzp + h * vs_s + j0 * (D / 32), kf.data(), vf.data(),
+                       blk + 1 < nq);
         fold_key_scales<D>(qh, R, ksp + h * ks_s + blk * D, kzp + h * ks_s + blk * D, qg.data(), bias.data());
         group_scores<D>(qg.data(), bias.data(), kf.data(), R, s.data());
         if (masked)
