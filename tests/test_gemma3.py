@@ -288,7 +288,8 @@ GEMMA_SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=4, recent=
                         ngram=3, prefill_chunk=64)
 GEMMA_STACKS = [("ngram,retrieval,full", "3,4"), ("streaming,retrieval,full", "2,4"), ("retrieval,full", "4"),
                 ("streaming:12,full", "3"), ("ngram,streaming:24,retrieval:40,retrieval:96,full", "2,2,3,4"),
-                ("ngram,full", "5"), ("kv4,full", "4"), ("ngram,kv4,retrieval:40,full", "2,3,4")]
+                ("ngram,full", "5"), ("kv4,full", "4"), ("ngram,kv4,retrieval:40,full", "2,3,4"),
+                ("ngram,h2o:40,full", "2,4")]
 
 
 @pytest.mark.parametrize("levels,gammas", GEMMA_STACKS)

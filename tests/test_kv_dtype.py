@@ -185,7 +185,7 @@ def test_retrieval_selection_with_half_keys():
     for dt in (torch.float16, torch.bfloat16):
         half = keys.to(dt)
         cache = RetrievalCache(2, 2, 64, budget=256, chunk_size=8, recent=32, dtype=dt)
-        assert torch.equal(cache.select(half, query), cache.select(half.float(), query))
+        assert torch.equal(cache.select(half, query[:, :, None]), cache.select(half.float(), query[:, :, None]))
 
 
 @pytest.mark.parametrize("half_kv", [False, True])

@@ -105,7 +105,8 @@ def test_sampled_tokens_follow_target_distribution(models, prompt, exact, method
 # user-composed stacks, sampled with top-k and top-p (the target's distribution is then the truncated one)
 USER_STACKS = [("ngram,streaming:8,retrieval:12,full", "2,2,3", SamplingParams(temperature=0.8, top_k=5)),
                ("draft,retrieval:12,full", "2,3", SamplingParams(temperature=1.0, top_p=0.8)),
-               ("streaming:8,full", "3", SamplingParams(temperature=0.7, top_k=6, top_p=0.9))]
+               ("streaming:8,full", "3", SamplingParams(temperature=0.7, top_k=6, top_p=0.9)),
+               ("ngram,h2o:12,full", "2,3", SamplingParams(temperature=0.8, top_k=5))]
 
 
 @pytest.mark.parametrize("levels,gammas,params", USER_STACKS)

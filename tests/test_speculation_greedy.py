@@ -103,6 +103,8 @@ USER_STACKS = [
     ("ngram,kv4,full", "3"),  # QuantSpec's draft: the target reading its cache at 4 bits
     ("ngram,kv4,retrieval:40,full", "2,3,4"),
     ("kv4,streaming:24,full", "2,3"),
+    ("ngram,h2o:40,full", "2,4"),  # H2O: heavy hitters of the last queries + the recent window
+    ("streaming:24,h2o:40,retrieval:96,full", "2,2,3"),
 ]
 
 
@@ -239,7 +241,8 @@ def assert_every_stack_equals_ar(model, prompt: list[int], new: int, methods, us
 
 # Sequoia trees drafted by the bottom model level (widths per depth), under the full level or a middle one
 TREE_STACKS = [("streaming:24,full", "3", "3,2,1"), ("retrieval:40,full", "4", "2,2,2"), ("draft,full", "4", "4,1,1,1"),
-               ("streaming:24,retrieval:40,full", "3,4", "2,1,1"), ("draft,retrieval:96,full", "2,3", "1,1,1,1")]
+               ("streaming:24,retrieval:40,full", "3,4", "2,1,1"), ("draft,retrieval:96,full", "2,3", "1,1,1,1"),
+               ("h2o:40,full", "3", "2,2,1")]
 
 
 @pytest.mark.parametrize("levels,gammas,tree", TREE_STACKS)

@@ -63,14 +63,14 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "cache), or PATH of a small model sharing the target's tokenizer; also the model of a "
                         "'draft' level")
     g.add_argument("--budget", type=_positive_int, default=d.budget, metavar="N",
-                   help=f"retrieval cache budget in tokens per layer and KV head, for a retrieval level without "
-                        f":BUDGET (default {d.budget})")
+                   help=f"retrieval (and H2O) cache budget in tokens per layer and KV head, for a retrieval or h2o level "
+                        f"without :BUDGET (default {d.budget})")
     g.add_argument("--chunk-size", type=_positive_int, default=d.chunk_size, metavar="N",
                    help=f"retrieval chunk size (default {d.chunk_size})")
     g.add_argument("--recent", type=int, default=d.recent, metavar="N",
-                   help=f"newest tokens the retrieval cache always keeps (default {d.recent})")
+                   help=f"newest tokens the retrieval and H2O caches always keep (default {d.recent})")
     g.add_argument("--rebuild-every", type=_positive_int, default=d.rebuild_every, metavar="N",
-                   help=f"rebuild the retrieval cache after N new tokens (default {d.rebuild_every})")
+                   help=f"rebuild the retrieval and H2O caches after N new tokens (default {d.rebuild_every})")
     g.add_argument("--draft-weights", choices=("bf16", "fp32"), default=d.draft_weights,
                    help="weights of the target when it drafts (retrieval and streaming levels): bf16 (default; "
                         "half the bytes per forward, needs the CPU kernels, else fp32) or fp32. The output "
@@ -92,14 +92,15 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="your own stack, bottom to top, instead of --method, e.g. ngram,streaming,retrieval:1024,full. "
                         "Kinds: ngram (bottom only), streaming[:BUDGET] (the target with a StreamingLLM cache of "
                         "BUDGET = sink + window tokens), retrieval[:BUDGET] (the target with a retrieval cache of "
-                        "BUDGET tokens), draft (a small model, --draft PATH), full (the target with its full cache: "
+                        "BUDGET tokens), h2o[:BUDGET] (the target with an H2O cache: the positions its last queries attended to most, "
+                        "plus the recent ones), kv4 (the target reading its cache at 4 bits), draft (a small model, --draft PATH), full (the target with its full cache: "
                         "last, exactly once). Any valid stack gives the target's exact output.")
     g.add_argument("--gammas", metavar="N[,N...]",
                    help="tokens each level drafts for the one above: one value for every boundary, or one per "
                         "boundary, bottom first (default: --gamma everywhere for --levels; --gamma-draft,--gamma "
                         "for triforce)")
     g.add_argument("--tree", metavar="W[,W...]",
-                   help="Sequoia: the bottom level (a model: streaming, retrieval or draft) drafts a token tree "
+                   help="Sequoia: the bottom level (a model: streaming, retrieval, h2o or draft) drafts a token tree "
                         "for the level above instead of a chain: W children of the context's last token, then W "
                         "children of each node per further depth (sampled without replacement; greedy: the "
                         "top W); e.g. --levels streaming,full --tree 3,2,1 (at most 64 nodes)")

@@ -5,6 +5,7 @@
     python -m triforce.bench.decode_step --draft-ab      # fp32 vs bf16 draft weights, retrieval level
     python -m triforce.bench.decode_step --kv-dtype int8 # the quantized cache, and a kv4 draft step over it
     python -m triforce.bench.decode_step --kv-ab         # fp16 vs int8 cache and kv4 draft, alternating
+    python -m triforce.bench.decode_step --quant-attention  # the int8 cache's attention kernel alone
 
 Decode time does not depend on the cache's contents, so both engines get a KV cache of N tokens
 filled with random values instead of a multi-minute prefill: the work per step is exactly that of
@@ -159,6 +160,49 @@ def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5, kv_dtype: torch.dt
     return statistics.median(times)
 
 
+def quant_attention_alone(model, contexts: list[int], bandwidth: float, layers: int = 40, rounds: int = 4) -> None:
+    """The compiled quant_attention alone, the model's KV heads and head dim, over `layers` layers' worth of
+    random planes in turn (more than an L3 cache holds: the planes come from memory, as in a step), for a
+    decode step (g rows) and a 5-token verification (5 g rows), 8-bit and 4-bit readings: ms per layer and the
+    bandwidth reached (fastest of `rounds` passes)."""
+    from ..caches.quantized import GROUP_K
+
+    ops = model.backend.ops
+    if ops is None or not hasattr(ops, "quant_attention"):
+        print("quant_attention: no compiled kernels on this machine")
+        return
+    c = model.cfg
+    H, D, g = c.n_kv_heads, c.head_dim, c.n_heads // c.n_kv_heads
+    print("| context | rows | reading | ms per layer | GB/s | bytes per layer |")
+    print("|---|---|---|---|---|---|")
+    for S in contexts:
+        S = S // GROUP_K * GROUP_K
+
+        def planes():
+            return torch.randint(0, 256, (H, S, D // 2), dtype=torch.uint8)
+
+        data = [(planes(), planes(), (torch.rand(H, S // GROUP_K, D) * 0.05).half(), torch.randn(H, S // GROUP_K, D).half(),
+                 planes(), planes(), (torch.rand(H, S, D // 32) * 0.05).half(), torch.randn(H, S, D // 32).half())
+                for _ in range(layers)]
+        fk, fv, none = torch.randn(H, 100, D).half(), torch.randn(H, 100, D).half(), torch.empty(0, dtype=torch.uint8)
+        for T in (1, 5):
+            q, lim = torch.randn(H, g * T, D), torch.full((g * T,), S, dtype=torch.long)
+            fmask = torch.ones(T, 100, dtype=torch.bool)
+            for bits in (8, 4):
+                best = float("inf")
+                for _ in range(rounds):
+                    t = time.perf_counter()
+                    for k_hi, k_lo, ks, kz, v_hi, v_lo, vs, vz in data:
+                        lo = (k_lo, v_lo) if bits == 8 else (none, none)
+                        ops.quant_attention(q, k_hi, lo[0], ks, kz, v_hi, lo[1], vs, vz, lim, fk, fv, fmask, T,
+                                            D ** -0.5)
+                    best = min(best, (time.perf_counter() - t) / layers)
+                nbytes = H * S * D * bits // 4 + H * (S // GROUP_K) * D * 4 + H * S * (D // 32) * 4
+                print(f"| {S} | {g * T} | int{bits} | {best * 1e3:.3f} | {nbytes / best / 1e9:.1f} "
+                      f"({nbytes / best / bandwidth:.0%} of {bandwidth / 1e9:.0f}) | {nbytes / 1e6:.1f} MB |", flush=True)
+        del data
+
+
 def kernel_ab(model, contexts: list[int], bandwidth: float, steps: int) -> None:
     """The compiled CPU kernels against PyTorch's operations, alternating in one process: attention
     alone (decode_attention vs PyTorch's flash kernel), and whole steps (all kernels vs none)."""
@@ -255,6 +299,9 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-ab", action="store_true",
                     help="instead: decode steps and verifications over an fp16 vs an int8 cache, and a kv4 draft step "
                          "over the int8 cache, alternating in one process")
+    ap.add_argument("--quant-attention", action="store_true",
+                    help="instead: the compiled attention over the int8 cache's planes alone (8-bit and 4-bit "
+                         "readings, decode and 5-token verification rows), 40 layers' worth of planes in turn")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
     ap.add_argument("--budget", type=int, default=1024, help="retrieval budget for --draft-ab (default 1024)")
     ap.add_argument("--verify-tokens", type=int, default=5,
@@ -301,6 +348,9 @@ def main(argv=None) -> None:
             return
         if args.kv_ab:
             kv_ab(model, [int(x) for x in args.contexts.split(",")], args.steps)
+            return
+        if args.quant_attention:
+            quant_attention_alone(model, [int(x) for x in args.contexts.split(",")], bw)
             return
         if args.draft_ab:
             draft_weights_ab(model, [int(x) for x in args.contexts.split(",")], args.budget, args.steps)

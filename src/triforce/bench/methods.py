@@ -37,14 +37,14 @@ def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: st
     from .hardware import floor_seconds
 
     spec = LevelSpec.parse(level)
-    if not bandwidth or spec.kind not in ("full", "retrieval", "streaming", "kv4"):
+    if not bandwidth or spec.kind not in ("full", "retrieval", "h2o", "streaming", "kv4"):
         return None
     kv = kv_value_bytes(config.draft_kv_dtype)
     if spec.kind == "full":
         m, n, kv = model, n_ctx, kv_value_bytes(model.kv_dtype)
     elif spec.kind == "kv4":  # the upper planes (the 4-bit codes' bytes and the groups' scales)
         m, n, kv = drafting_model(model, config), n_ctx, kv_value_bytes("int4")
-    elif spec.kind == "retrieval":
+    elif spec.kind in ("retrieval", "h2o"):
         m, n = drafting_model(model, config), min(n_ctx, (spec.budget or config.budget) + config.recent)
     else:
         m, n = drafting_model(model, config), min(n_ctx, spec.budget or config.streaming_budget)

@@ -1,11 +1,12 @@
 """KV caches behind one interface: full, sliding-window (Gemma 3: a ring for the sliding-window layers, any
-of the others for the global layers), StreamingLLM (sink + window), TriForce retrieval, and quantized (int8 /
+of the others for the global layers), StreamingLLM (sink + window), TriForce retrieval, H2O (heavy hitters), and quantized (int8 /
 the 4-bit planes of kv4)."""
 from .base import KVCache
 from .full import FullCache
+from .h2o import H2OCache
 from .quantized import QuantizedCache
 from .retrieval import RetrievalCache
 from .sliding import SlidingWindowCache
 from .streaming import StreamingCache
 
-__all__ = ["KVCache", "FullCache", "QuantizedCache", "RetrievalCache", "SlidingWindowCache", "StreamingCache"]
+__all__ = ["KVCache", "FullCache", "H2OCache", "QuantizedCache", "RetrievalCache", "SlidingWindowCache", "StreamingCache"]

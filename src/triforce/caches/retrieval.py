@@ -42,8 +42,10 @@ class RetrievalCache(KVCache):
         self._mask: torch.Tensor | str | None = None
         self._n_new = 0
 
-    def select(self, keys: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """keys [B, Hkv, N, D], query [B, Hq, D] -> kept positions [B, Hkv, M] (ascending)."""
+    def select(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """keys [B, Hkv, N, D], queries [B, Hq, Tq, D] (the recorded queries of positions N - Tq .. N - 1; the
+        last one is used) -> kept positions [B, Hkv, M] (ascending)."""
+        query = queries[:, :, -1]
         B, Hkv, N, D = keys.shape
         c = self.chunk_size
         if N <= self.budget:
@@ -66,7 +68,8 @@ class RetrievalCache(KVCache):
         """(Re)build from the first `full.length` tokens of `full` (a FullCache with as many layers, or an
         int8 QuantizedCache read one dequantized layer at a time: `layer_kv` gives both; for a model with
         sliding-window layers, SlidingWindowCache.build calls this on the global layers), scoring chunks with
-        the query of its last token (position full.length - 1), which its last forward must have recorded
+        the query of its last token (position full.length - 1; `select` gets the queries its last forward
+        recorded, up to that token), which its last forward must have recorded
         (`record_queries=True`; rolling `full` back after that forward is fine)."""
         if not hasattr(full, "layer_kv") or full.n_layers != self.n_layers:
             raise ValueError(f"a retrieval cache of {self.n_layers} layers is built from a full cache of as many "
@@ -78,7 +81,7 @@ class RetrievalCache(KVCache):
                              "record_queries=True and build right after a forward that fed that token")
         self.indices = []
         for layer in range(self.n_layers):
-            q = full.queries[layer][:, :, query_index]
+            q = full.queries[layer][:, :, :query_index + 1]
             keys, values = full.layer_kv(layer, n)
             idx = self.select(keys, q)
             gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])

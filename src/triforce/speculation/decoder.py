@@ -20,7 +20,7 @@ from .config import SpecConfig
 from .drafters import ModelDrafter
 from .kinds import KINDS, BuildContext, rebuild
 from .level import Level
-from .stack import ROLLBACK_SLACK, StackSpec
+from .stack import REBUILT, ROLLBACK_SLACK, StackSpec
 from .state import ModelState, PrefilledPrompt
 from .tree import fixed_tree
 
@@ -48,7 +48,8 @@ class Decoder:
                  draft_model: Transformer | None = None, prefilled: PrefilledPrompt | None = None):
         config.validate()
         stack.check()
-        stack.check_budgets(model.cfg.max_context, {"retrieval": config.budget, "streaming": config.streaming_budget},
+        stack.check_budgets(model.cfg.max_context, {"retrieval": config.budget, "h2o": config.budget,
+                                                     "streaming": config.streaming_budget},
                             config.sink + MIN_STREAMING_WINDOW)
         self.model, self.params, self.config, self.generator = model, params, config, generator
         self.notes: list[str] = []
@@ -89,14 +90,14 @@ class Decoder:
         self.top = proposer
 
     def _useful(self, stack: StackSpec, prompt_len: int) -> StackSpec:
-        """Drop retrieval levels whose budget holds the whole prompt: they would equal the full
+        """Drop retrieval and H2O levels whose budget holds the whole prompt: they would equal the full
         model at a retrieval level's overhead (noted in the stats)."""
         i = 0
         while i < len(stack.levels) - 1:
             lvl = stack.levels[i]
             budget = lvl.budget or self.config.budget
-            if lvl.kind == "retrieval" and prompt_len <= budget + self.config.chunk_size:
-                self.notes.append(f"prompt ({prompt_len} tokens) fits in the retrieval budget ({budget}): "
+            if lvl.kind in REBUILT and prompt_len <= budget + self.config.chunk_size:
+                self.notes.append(f"prompt ({prompt_len} tokens) fits in the {lvl.kind} budget ({budget}): "
                                   f"the {lvl} level would equal the full model, so it is skipped")
                 stack = stack.without(i)
             else:
@@ -117,17 +118,17 @@ class Decoder:
                 continue
             t = time.perf_counter()
             KINDS[lvl.kind].prefill(state, head, self.full, self.config)
-            if lvl.kind == "retrieval":
+            if lvl.kind in REBUILT:
                 self.rebuilds += 1
                 self.rebuild_seconds += time.perf_counter() - t
 
     def after_commit(self, seq: list[int], committed: int) -> None:
-        """Rebuild policy of the retrieval caches, run between rounds: after `rebuild_every` new
+        """Rebuild policy of the retrieval and H2O caches, run between rounds: after `rebuild_every` new
         tokens, when a cache runs out of room, or when the top level's acceptance falls below
         `rebuild_below`."""
         synced = False
         for lvl, state in zip(self.stack.levels, self.states):
-            if lvl.kind != "retrieval":
+            if lvl.kind not in REBUILT:
                 continue
             cache = state.cache
             since = committed - cache.built_at
@@ -152,7 +153,7 @@ class Decoder:
             node = getattr(node, "drafter", None)
         out = {"stack": self.stack.levels_text, "gammas": list(self.stack.gammas), "levels": levels,
                "config": asdict(self.config)}
-        if any(lvl.kind == "retrieval" for lvl in self.stack.levels):
+        if any(lvl.kind in REBUILT for lvl in self.stack.levels):
             out["retrieval_rebuilds"] = self.rebuilds
             out["retrieval_rebuild_seconds"] = round(self.rebuild_seconds, 4)
         if self.notes:

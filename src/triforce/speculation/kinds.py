@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TriforceError
-from ..caches import KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
+from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
 from ..caches.base import kv_dtype
 from ..caches.quantized import QuantizedCache
 from ..model import Transformer
@@ -160,6 +160,21 @@ class Retrieval(Kind):
         return True
 
 
+class H2O(Retrieval):
+    """The target (draft weights) with an H2O cache (caches/h2o.py: per layer and KV head the positions the
+    last recorded queries attended to most, plus the recent window), built and rebuilt as a retrieval cache."""
+
+    name = "h2o"
+
+    def state(self, ctx, spec, name):
+        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
+        max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
+        cache = drafting_cache(m, cfg, lambda n_layers, **kw: H2OCache(
+            n_layers, budget=spec.budget or cfg.budget, recent=cfg.recent, scale=m.cfg.attention_scale,
+            max_new=max_new, **kw))
+        return ModelState(name, m, cache, ctx.params)
+
+
 class KV4(Kind):
     """QuantSpec's draft: the target (draft weights) reading its KV cache at 4 bits, the upper planes of the
     hierarchical INT8 layout (caches/quantized.py), with the newest tokens in full precision
@@ -197,10 +212,10 @@ def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
 
 
 def rebuild(state: ModelState, full: ModelState) -> None:
-    """(Re)build a retrieval level's cache from the full level's cache and its recorded queries."""
+    """(Re)build a retrieval or H2O level's cache from the full level's cache and its recorded queries."""
     state.cache.build(full.cache)
     state.fed = list(full.fed)
     state.stable = len(full.fed)
 
 
-KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), KV4())}
+KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), H2O(), KV4())}

@@ -25,12 +25,13 @@ from dataclasses import dataclass, replace
 
 from ..errors import TriforceError
 
-KINDS = ("ngram", "streaming", "retrieval", "kv4", "draft", "full")
+KINDS = ("ngram", "streaming", "retrieval", "h2o", "kv4", "draft", "full")
 DRAFT_ONLY = ("ngram",)  # kinds that cannot verify (no model)
-BUDGETED = ("streaming", "retrieval")
+BUDGETED = ("streaming", "retrieval", "h2o")
+REBUILT = ("retrieval", "h2o")  # built from the full cache, rebuilt by the decoder's policy
 MIN_LEVELS, MAX_LEVELS = 1, 5
 GRAMMAR = ("valid stacks: KIND[:BUDGET],...,full, bottom to top, 1 to 5 levels; kinds ngram (bottom only), "
-           "streaming[:BUDGET], retrieval[:BUDGET], kv4, draft (needs --draft PATH), and full (last, exactly once); "
+           "streaming[:BUDGET], retrieval[:BUDGET], h2o[:BUDGET], kv4, draft (needs --draft PATH), and full (last, exactly once); "
            "--gammas N or one value per boundary; e.g. --levels ngram,retrieval:4096,full --gammas 3,4 or "
            "--levels ngram,kv4,full")
 
@@ -46,7 +47,7 @@ MAX_TREE_NODES = 64  # a tree round feeds this many tokens at most (a verificati
 @dataclass(frozen=True)
 class LevelSpec:
     kind: str
-    budget: int | None = None  # tokens kept (streaming: sink + window; retrieval: per layer and KV head)
+    budget: int | None = None  # tokens kept (streaming: sink + window; retrieval, h2o: per layer and KV head)
 
     def __str__(self) -> str:
         return self.kind if self.budget is None else f"{self.kind}:{self.budget}"
@@ -151,7 +152,7 @@ class StackSpec:
                 raise TriforceError(f"--tree widths must be >= 1, got {','.join(map(str, self.tree))}")
             if len(kinds) < 2 or kinds[0] in DRAFT_ONLY:
                 raise TriforceError(f"--tree needs a model at the bottom of the stack to draft the tree (streaming, "
-                                    f"retrieval or draft), not {self.levels_text}; e.g. --levels streaming,full --tree 3,2")
+                                    f"retrieval, h2o or draft), not {self.levels_text}; e.g. --levels streaming,full --tree 3,2")
             if self.tree_nodes > MAX_TREE_NODES:
                 raise TriforceError(f"--tree {','.join(map(str, self.tree))} has {self.tree_nodes} nodes: at most "
                                     f"{MAX_TREE_NODES} (every node is a row of the verification)")
@@ -164,7 +165,7 @@ class StackSpec:
                 continue
             budget = lvl.budget or default_budgets[lvl.kind]
             what = (f"the budget of {lvl}" if lvl.budget else
-                    f"the {lvl.kind} level's budget (--budget {budget})" if lvl.kind == "retrieval" else
+                    f"the {lvl.kind} level's budget (--budget {budget})" if lvl.kind in REBUILT else
                     f"the {lvl.kind} level's budget (--sink + --window = {budget})")
             if budget > max_context:
                 raise TriforceError(f"{what} is larger than the model's context of {max_context} tokens: lower it "
