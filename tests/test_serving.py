@@ -354,7 +354,9 @@ def test_queue_full_429_cancel_and_timeout(tiny, slow_rounds):
         engine.s.request_timeout = 0.2  # a request past --request-timeout: 504 (non-streamed), an error event (streamed)
         r = httpx.post(url + "/v1/completions", json={"prompt": DOC, "max_tokens": 300, "temperature": 0})
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
-        with httpx.stream("POST", url + "/v1/completions", json={"prompt": DOC, "max_tokens": 300, "stream": True}) as s:
+        # greedy, as the request above (sampled, the tiny model could end on EOS inside the 0.2 s: seen once)
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"prompt": DOC, "max_tokens": 300, "temperature": 0, "stream": True}) as s:
             lines = [line for line in s.iter_lines() if line]
         assert '"code": "timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
 
