@@ -369,7 +369,7 @@ class QuantizedKV:
 
     def attend(self, q: torch.Tensor, scale: float, ops=None) -> torch.Tensor:
         """q [B, Hq, T, D] -> [B, Hq, T, D] (q's dtype), fp32 arithmetic; `ops` the compiled kernels (their
-        quant_attention, kernels/attention.cpp: the planes dequantized a group at a time into L1, for up to
+        quant_attention, kernels/attention.cpp: the planes widened a group at a time into L1, for up to
         KERNEL_MAX_ROWS rows g * T: decode steps and verifications) or None (PyTorch, TILE tokens at a time)."""
         c = self.cache
         B, Hq, T, D = q.shape

@@ -79,11 +79,6 @@ inline void prefetch_rows(const char* k, const char* v, int64_t j, int64_t count
   }
 }
 
-// o_b [R, D] = p v for one block of n keys (v: the block's first value row), with p(r, j) =
-// p[r * RS + j * js] (the per-row path keeps scores by row, RS = BS; the lanes path by key, RS = 1;
-// RS is a compile-time constant: runtime strides in the inner loop cost 10-20%). With next_k /
-// next_v, prefetches the next block's rows during the first pass (the per-row path: a decode step is
-// memory-bound and its p v loop is the longest; this reached 91% of the bandwidth at 32K).
 // One tile of NR rows (a compile-time count, so the accumulators can live in registers) and DCP vectors of the
 // value rows from vector c0 on; PF: prefetch the next block's rows, one per key.
 template <int64_t D, int64_t RS, int NR, int DCP, bool PF, typename KV>
@@ -432,14 +427,12 @@ constexpr int SCORE_ROWS = 6;  // rows per register tile of group_scores
 // channels; value planes row by row). k_lo / v_lo null: the 4-bit reading, code = 16 * upper + 8. Value
 // scale / zero [QB, D / 32]. In both layouts packing block p of the group's plane bytes holds outputs
 // 32 p .. 32 p + 31. The two nibble planes are joined into byte codes with a few byte operations per 32
-// codes before any widening (simd.h codes32): one widening and one conversion per value (values: and one fma).
+// codes before any widening (simd.h widen32): one widening and one conversion per value (values: and one fma).
 template <int64_t D>
 void widen_group(const uint8_t* k_hi, const uint8_t* k_lo, const uint8_t* v_hi, const uint8_t* v_lo,
                  const c10::Half* vs, const c10::Half* vz, float* kct, float* vf, bool prefetch) {
   constexpr int64_t GB = QB * D / 2, NPB = GB / 16;  // bytes of a group in one plane; its packing blocks
-  constexpr int PV = 16 / W > 0 ? 16 / W : 1;        // vectors per 16 codes
-  Vec w[2 * PV];
-  __m128i ca, cb;
+  Vec w[32 / W];
   for (int64_t p = 0; p < NPB; ++p) {
     if (prefetch && p % 4 == 0) {  // the next group's planes (GB bytes on) and value scales, a line per plane
       // per 4 packing blocks: the hardware prefetchers, following four planes and four scale streams per head,
@@ -456,10 +449,8 @@ void widen_group(const uint8_t* k_hi, const uint8_t* k_lo, const uint8_t* v_hi, 
         prefetch_l2(reinterpret_cast<const char*>(vz + NPB) + p * 16);
       }
     }
-    codes32(k_hi + p * 16, k_lo != nullptr ? k_lo + p * 16 : nullptr, ca, cb);
-    widen16(ca, w);
-    widen16(cb, w + PV);
-    for (int i = 0; i < 2 * PV; ++i) w[i].store(kct + p * 32 + i * W);
+    widen32(k_hi + p * 16, k_lo != nullptr ? k_lo + p * 16 : nullptr, w);
+    for (int i = 0; i < 32 / W; ++i) w[i].store(kct + p * 32 + i * W);
   }
   // the value scales and zeros as fp32 first, W at a time (a scalar fp16 conversion per packing block was a
   // dependency chain in front of its fmas)
@@ -469,11 +460,9 @@ void widen_group(const uint8_t* k_hi, const uint8_t* k_lo, const uint8_t* v_hi, 
     load(vz + i).store(vzf + i);
   }
   for (int64_t p = 0; p < NPB; ++p) {
-    codes32(v_hi + p * 16, v_lo != nullptr ? v_lo + p * 16 : nullptr, ca, cb);
-    widen16(ca, w);
-    widen16(cb, w + PV);
+    widen32(v_hi + p * 16, v_lo != nullptr ? v_lo + p * 16 : nullptr, w);
     const Vec sc(vsf[p]), z(vzf[p]);
-    for (int i = 0; i < 2 * PV; ++i) fma(w[i], sc, z).store(vf + p * 32 + i * W);
+    for (int i = 0; i < 32 / W; ++i) fma(w[i], sc, z).store(vf + p * 32 + i * W);
   }
 }
 
@@ -641,8 +630,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 namespace triforce {
 
 // Attention over a quantized KV cache (caches/quantized.py, QuantizedKV.attend): q [H, R, D] fp32; the planes
-// k_hi / v_hi [H, Sq, D / 2] uint8 of the first Sq positions (a key group's 64 rows: its [D, 32] channel-major bytes) (Sq a multiple of 64; k_lo / v_lo the same, or
-// empty tensors for the 4-bit reading), key scales / zeros [H, Sq / 64, D] and value scales / zeros
+// k_hi / v_hi [H, Sq, D / 2] uint8 of the first Sq positions (Sq a multiple of 64; a key group's 64 rows hold
+// its [D, 32] channel-major bytes; k_lo / v_lo the same, or empty tensors for the 4-bit reading), key scales / zeros [H, Sq / 64, D] and value scales / zeros
 // [H, Sq, D / 32] fp16; lim [R] int64: row r reads the quantized positions < lim[r]; the full-precision buffer
 // fk / fv [H, F, D] (fp32, bf16 or fp16) with fmask [T, F] bool (row r reads buffer key j iff fmask[r % T][j]);
 // rows of every tensor contiguous. -> [H, R, D] fp32. D 64, 128 or 256; R <= 64.

@@ -149,6 +149,14 @@ inline void widen16(__m128i c, Vec* out) {
 #endif
 }
 
+// One packing block's 32 codes (codes32's planes) -> 32 / W vectors of them as fp32, in order.
+inline void widen32(const uint8_t* hi, const uint8_t* lo, Vec* out) {
+  __m128i a, b;
+  codes32(hi, lo, a, b);
+  widen16(a, out);
+  widen16(b, out + 16 / W);
+}
+
 inline void prefetch_l2(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 }  // namespace triforce

@@ -148,10 +148,14 @@ class Retrieval(Kind):
     def state(self, ctx, spec, name):
         cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
         max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
-        cache = drafting_cache(m, cfg, lambda n_layers, **kw: RetrievalCache(
-            n_layers, budget=spec.budget or cfg.budget, chunk_size=cfg.chunk_size, recent=cfg.recent,
-            max_new=max_new, **kw))
+        cache = drafting_cache(m, cfg, lambda n_layers, **kw: self.new_cache(
+            n_layers, budget=spec.budget or cfg.budget, recent=cfg.recent, max_new=max_new, model=m, config=cfg,
+            **kw))
         return ModelState(name, m, cache, ctx.params)
+
+    def new_cache(self, n_layers, *, model, config, **kw) -> RetrievalCache:
+        """The level's cache over n_layers layers (budget, recent, max_new and the drafting_cache arguments)."""
+        return RetrievalCache(n_layers, chunk_size=config.chunk_size, **kw)
 
     def prefill(self, state, head, full, config):
         rebuild(state, full)
@@ -166,13 +170,8 @@ class H2O(Retrieval):
 
     name = "h2o"
 
-    def state(self, ctx, spec, name):
-        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
-        max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
-        cache = drafting_cache(m, cfg, lambda n_layers, **kw: H2OCache(
-            n_layers, budget=spec.budget or cfg.budget, recent=cfg.recent, scale=m.cfg.attention_scale,
-            max_new=max_new, **kw))
-        return ModelState(name, m, cache, ctx.params)
+    def new_cache(self, n_layers, *, model, config, **kw) -> H2OCache:
+        return H2OCache(n_layers, scale=model.cfg.attention_scale, **kw)
 
 
 class KV4(Kind):
