@@ -25,7 +25,7 @@ from triforce.generate import generate, generate_ar
 from triforce.loading import build_model, load_model
 from triforce.loading.gguf_file import read_gguf
 from triforce.model import QuantLinear
-from triforce.quantized import FORMATS, QuantTensor, dequantize, random_blocks
+from triforce.quantized import FORMATS, QuantTensor, dequantize, pack_rows, random_blocks, unpack_rows
 from triforce.speculation.config import SpecConfig
 
 QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F16, Q.BF16)  # gguf.quants.quantize makes these
@@ -71,20 +71,75 @@ def test_kernel_equals_gguf_dequantize_and_matmul(kern, qtype):
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, rows
 
 
+PACKED = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # the formats the integer kernel reads (quant_packed.cpp)
+# its error bound, per output: x is taken to 16 bits of each 32-element block's largest |x|
+PACKED_TOL = 2e-4
+
+
+def packed_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """max |y - x w^T| / (|x| |w|^T): the error relative to the size of each sum's terms."""
+    exact = x.double() @ w.double().T
+    return ((y.double() - exact).abs() / (x.abs().double() @ w.abs().double().T)).max().item()
+
+
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda q: q.name)
+def test_packed_rows_are_the_files_bytes(qtype):
+    w = blocks(qtype, 37, 256)  # not a multiple of 16 rows: the last group is padded
+    packed = pack_rows(w)
+    assert packed.shape == (3, 16 * w.raw.shape[1])
+    assert torch.equal(unpack_rows(packed, w.qtype, w.shape).raw, w.raw)
+    assert torch.equal(unpack_rows(packed, w.qtype, w.shape, 5, 35).raw, w.raw[5:35])
+    assert torch.equal(torch.sort(packed[:2].flatten()).values, torch.sort(w.raw[:32].flatten()).values)
+
+
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda q: q.name)
+def test_packed_kernel_equals_dequantized_matmul(kern, qtype):
+    """linear_packed is x @ dequantized^T within PACKED_TOL, for 1-16 rows of x (each row bit for bit
+    what it gives alone: a verification row equals a decode step's), parts of two formats concatenated,
+    an all-zero block of x. The bound has power: 8-bit activations alone (llama.cpp's) exceed it."""
+    k = 512
+    w, other = blocks(qtype, 37, k), blocks(Q.Q8_0 if qtype != Q.Q8_0 else Q.Q4_1, 21, k, seed=1)
+    full = torch.cat([reference(w), reference(other)])
+    parts = [pack_rows(w), pack_rows(other)]
+    for rows in (1, 2, 3, 5, 8, 9, 13, 16):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        x[0, 32:64] = 0
+        y = kern.linear_packed(x, parts, [w.qtype, other.qtype], [37, 21])
+        assert y.shape == (rows, 58)
+        assert packed_error(y, x, full) < PACKED_TOL, rows
+        alone = torch.cat([kern.linear_packed(x[i:i + 1], parts, [w.qtype, other.qtype], [37, 21]) for i in range(rows)])
+        assert torch.equal(y, alone), rows
+    blocked = x.view(rows, -1, 32)
+    amax = blocked.abs().amax(-1, keepdim=True) / 127
+    x8 = (torch.round(blocked / amax.clamp_min(1e-30)) * amax).view(rows, k)
+    assert packed_error(x8 @ full.T, x, full) > PACKED_TOL
+
+
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "pytorch"])
 @pytest.mark.parametrize("rows", [1, 7, 40])
-def test_quant_linear_equals_dequantized_linear(use_kernels, rows):
-    """QuantLinear on the kernel (<= 16 rows), on dequantized panels (prefill; no kernels): x W^T + b
-    with W the dequantized values. The panels are a few rows at a time: set small here to span several."""
-    parts = [blocks(Q.Q4_K, 40, 256), blocks(Q.Q8_0, 24, 256, seed=3)]
+@pytest.mark.parametrize("formats", ["blocks", "packed"])
+def test_quant_linear_equals_dequantized_linear(use_kernels, rows, formats):
+    """QuantLinear on a kernel (<= 16 rows: the block kernel, or the integer kernel for packed Q4_1 +
+    Q8_0), on dequantized panels (prefill; no kernels, also from packed bytes): x W^T + b with W the
+    dequantized values. The panels are a few rows at a time: set small here to span several."""
+    first = Q.Q4_K if formats == "blocks" else Q.Q4_1
+    parts = [blocks(first, 40, 256), blocks(Q.Q8_0, 24, 256, seed=3)]
     bias = torch.randn(64)
     lin = QuantLinear(parts, bias)
     lin.PANEL_BYTES = 16 * 4 * 256  # 16-row panels
-    want = F.linear(x := torch.randn(2, rows, 256), torch.cat([reference(p) for p in parts]), bias)
+    weight = torch.cat([reference(p) for p in parts])
+    want = F.linear(x := torch.randn(2, rows, 256), weight, bias)
     with kernels.override(kernels.cpu() if use_kernels else None):
         lin.backend = kernels.Backend.for_model(torch.device("cpu"), torch.float32)
+        lin.pack()
+        assert lin.packed == (formats == "packed" and use_kernels and kernels.cpu() is not None)
         got = lin(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if lin.packed and rows <= 16:
+        assert packed_error((got - bias).view(-1, 64), x.view(-1, 256), weight) < PACKED_TOL
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert lin.nbytes == sum(p.raw.numel() for p in parts)
+    assert all(torch.equal(a.raw, b.raw) for a, b in zip(lin.parts, parts))
 
 
 def q4_k_m(name: str, w: np.ndarray):

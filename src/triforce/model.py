@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .errors import TriforceError
 from .caches.base import KVCache, TokenBlock, causal_mask, kv_dtype
 from .caches.quantized import QuantizedKV
-from .quantized import BF16, QuantTensor, dequantize
+from .quantized import BF16, FORMATS, QuantTensor, dequantize, pack_rows, packable, release, unpack_rows
 from .rope import Rotary, apply_rotary
 
 
@@ -79,9 +79,12 @@ class Linear(nn.Linear):
 class QuantLinear(nn.Module):
     """A linear layer whose weight stays in GGML block formats (quantized.py): `parts`, [N_i, K] each
     in its own type (a fused projection may mix them: Q4_K_M files keep some V in Q6_K), outputs
-    concatenated. Up to PANEL_MAX_ROWS rows of fp32 x go through the compiled kernel, which reads the
-    blocks as stored; longer inputs (prefill), or no kernels, dequantize a few thousand rows at a time
-    (about 8 MB of fp32) and use F.linear: never a whole fp32 matrix."""
+    concatenated. Up to PANEL_MAX_ROWS rows of fp32 x go through a compiled kernel: once `pack()`ed on
+    a CPU with the kernels, Q4_0 / Q4_1 / Q8_0 weights are held interleaved 16 rows at a time (the same
+    bytes) for the integer kernel (kernels/quant_packed.cpp: x taken to 16 bits per 32-element block),
+    other formats as stored for the block kernel (kernels/quant_linear.cpp: fp32 arithmetic). Longer
+    inputs (prefill), or no kernels, dequantize a few thousand rows at a time (about 8 MB of fp32) and
+    use F.linear: never a whole fp32 matrix. Either way a row's result does not depend on the other rows."""
 
     backend: kernels.Backend = kernels.TORCH  # the model's, set by Transformer.select_backend
     PANEL_BYTES = 8 << 20
@@ -91,34 +94,60 @@ class QuantLinear(nn.Module):
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
         self.types = [p.qtype for p in parts]
+        self.rows = [p.shape[0] for p in parts]
         self.n_parts = len(parts)
+        self.packed = False  # raw{i}: pack_rows bytes instead of the file's
+        self.mapped = [p.mapped for p in parts]
         for i, p in enumerate(parts):
             self.register_buffer(f"raw{i}", p.raw, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kernel_ready = all(p.kernel_ready() for p in parts)  # types and shapes: fixed
 
+    def pack(self) -> None:
+        """Interleave the weight for the integer kernel where it applies (every part Q4_0 / Q4_1 / Q8_0,
+        kernels that have it). The file's pages read here are given back (quantized.release)."""
+        ops = self.backend.ops
+        if self.packed or ops is None or not hasattr(ops, "linear_packed") or self.in_features % 32 \
+                or not all(packable(p) for p in self.parts):
+            return
+        for i, p in enumerate(self.parts):
+            setattr(self, f"raw{i}", pack_rows(p))
+            release(QuantTensor(p.raw, p.qtype, p.shape, self.mapped[i]))
+        self.packed = True
+
+    def part_rows(self, i: int, start: int = 0, stop: int | None = None) -> QuantTensor:
+        """Rows [start, stop) of part i in the file's layout (a view, or a copy from the packed bytes)."""
+        raw, shape = getattr(self, f"raw{i}"), (self.rows[i], self.in_features)
+        if self.packed:
+            return unpack_rows(raw, self.types[i], shape, start, stop)
+        return QuantTensor(raw, self.types[i], shape).rows(slice(start, stop))
+
     @property
     def parts(self) -> list[QuantTensor]:
-        raws = [getattr(self, f"raw{i}") for i in range(self.n_parts)]
-        return [QuantTensor(r, t, (r.shape[0], self.in_features)) for r, t in zip(raws, self.types)]
+        """The weight in the file's layout (a copy where packed)."""
+        return [self.part_rows(i) for i in range(self.n_parts)]
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        return sum(n * FORMATS[t][2] * (self.in_features // FORMATS[t][1]) for n, t in zip(self.rows, self.types))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         ops = self.backend.ops
+        raws = [getattr(self, f"raw{i}") for i in range(self.n_parts)]
         if ops is not None and rows <= PANEL_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready:
-            y = ops.linear_quant(x, [getattr(self, f"raw{i}") for i in range(self.n_parts)], self.types)
+            if self.packed:
+                y = ops.linear_packed(x, raws, self.types, self.rows)
+            else:
+                y = ops.linear_quant(x, raws, self.types)
         else:
             y = x.new_empty(*x.shape[:-1], self.out_features)
-            col, step = 0, max(16, self.PANEL_BYTES // (4 * self.in_features))
-            for p in self.parts:
-                for r in range(0, p.shape[0], step):
-                    w = dequantize(p.rows(slice(r, r + step)), ops).to(x.dtype)
+            col, step = 0, max(16, self.PANEL_BYTES // (4 * self.in_features) // 16 * 16)
+            for i, n in enumerate(self.rows):
+                for r in range(0, n, step):
+                    w = dequantize(self.part_rows(i, r, r + step), ops).to(x.dtype)
                     y[..., col + r:col + r + w.shape[0]] = F.linear(x, w)
-                col += p.shape[0]
+                col += n
         return y if self.bias is None else y + self.bias
 
 
@@ -390,7 +419,7 @@ class Transformer(nn.Module):
     def pack_weights(self) -> None:
         """Pre-pack the linear layers' weights for decode and verification forwards on CPU (see Linear)."""
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, (Linear, QuantLinear)):
                 m.pack()
 
     def with_draft_weights(self) -> Transformer:

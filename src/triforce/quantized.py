@@ -46,6 +46,7 @@ class QuantTensor:
     raw: torch.Tensor
     qtype: int
     shape: tuple[int, int]
+    mapped: bool = False  # raw is a view of a read-only file mapping (release may drop its pages)
 
     @classmethod
     def from_numpy(cls, data: np.ndarray, qtype: int, k: int) -> QuantTensor:
@@ -53,12 +54,16 @@ class QuantTensor:
         [N, K] float16 / bfloat-as-uint16 for F16 / BF16), possibly a read-only memory map: no copy is made."""
         raw = np.ascontiguousarray(data).view(np.uint8)
         raw = raw.reshape(raw.shape[0] if raw.ndim > 1 else 1, -1)
+        base = raw
+        while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
+            base = base.base
+        mapped = isinstance(base, np.memmap) and base.mode == "r"
         import warnings
 
         with warnings.catch_warnings():  # a read-only map: we never write to it
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(raw)
-        return cls(t, int(qtype), (t.shape[0], k))
+        return cls(t, int(qtype), (t.shape[0], k), mapped)
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +77,69 @@ class QuantTensor:
     def kernel_ready(self) -> bool:
         """Whether the compiled kernels compute with this tensor as it is."""
         return self.qtype in FORMATS and (FORMATS[self.qtype][1] > 1 or self.shape[1] % KERNEL_GROUP == 0)
+
+
+# Formats the integer kernel (kernels/quant_packed.cpp) reads repacked 16 rows at a time: type ->
+# scale bytes per row and block (d; Q4_1: d, m) at the head of its `block_bytes`; the rest are code bytes.
+PACKED_HEAD = {2: 2, 3: 4, 8: 2}
+PACK_ROWS = 16
+
+
+def packable(t: QuantTensor) -> bool:
+    return t.qtype in PACKED_HEAD
+
+
+def release(t: QuantTensor) -> None:
+    """Give back the resident pages of a file-mapped tensor once it has been copied (pack_rows): the
+    mapping stays valid (a later read pages the file in again), the process's RSS no longer counts them.
+    No-op for tensors in ordinary memory."""
+    if not t.mapped or t.raw.numel() == 0:
+        return
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = -(-t.raw.data_ptr() // page) * page
+    stop = (t.raw.data_ptr() + t.raw.numel()) // page * page
+    if stop > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), mmap.MADV_DONTNEED)
+
+
+def pack_rows(t: QuantTensor) -> torch.Tensor:
+    """`t`'s bytes interleaved for kernels/quant_packed.cpp: [ceil(N / 16), 16 row_bytes] uint8 (rows
+    padded with zero bytes to a multiple of 16). Group g, block b: the 16 rows' scale fields (each field
+    of all rows together), then each 4-byte word of the code bytes for all 16 rows. The same bytes as
+    the file's (a permutation plus padding): no value changes."""
+    n, k = t.shape
+    _, qk, size = FORMATS[t.qtype]
+    head, nb = PACKED_HEAD[t.qtype], k // qk
+    raw = t.raw.numpy()
+    groups = -(-n // PACK_ROWS)
+    if groups * PACK_ROWS != n:
+        raw = np.concatenate([raw, np.zeros((groups * PACK_ROWS - n, raw.shape[1]), np.uint8)])
+    blocks = raw.reshape(groups, PACK_ROWS, nb, size)
+    fields = blocks[..., :head].reshape(groups, PACK_ROWS, nb, head // 2, 2).transpose(0, 2, 3, 1, 4)
+    words = blocks[..., head:].reshape(groups, PACK_ROWS, nb, (size - head) // 4, 4).transpose(0, 2, 3, 1, 4)
+    out = np.concatenate([fields.reshape(groups, nb, -1), words.reshape(groups, nb, -1)], axis=2)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(groups, nb * PACK_ROWS * size))
+
+
+def unpack_rows(packed: torch.Tensor, qtype: int, shape: tuple[int, int], start: int = 0,
+                stop: int | None = None) -> QuantTensor:
+    """Rows [start, stop) of a pack_rows tensor of `shape` [N, K], as the file's bytes (a copy)."""
+    n, k = shape
+    stop = n if stop is None else min(stop, n)
+    _, qk, size = FORMATS[qtype]
+    head, nb = PACKED_HEAD[qtype], k // qk
+    g0, g1 = start // PACK_ROWS, -(-stop // PACK_ROWS)
+    blocks = packed[g0:g1].numpy().reshape(g1 - g0, nb, PACK_ROWS * size)
+    fields = blocks[..., :PACK_ROWS * head].reshape(g1 - g0, nb, head // 2, PACK_ROWS, 2).transpose(0, 3, 1, 2, 4)
+    words = blocks[..., PACK_ROWS * head:].reshape(g1 - g0, nb, -1, PACK_ROWS, 4).transpose(0, 3, 1, 2, 4)
+    raw = np.concatenate([fields.reshape(g1 - g0, PACK_ROWS, nb, head), words.reshape(g1 - g0, PACK_ROWS, nb, -1)],
+                         axis=3).reshape((g1 - g0) * PACK_ROWS, nb * size)
+    lo = start - g0 * PACK_ROWS
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw[lo:lo + stop - start])), qtype, (stop - start, k))
 
 
 def dequantize(t: QuantTensor, ops=None) -> torch.Tensor:

@@ -32,8 +32,8 @@ def measure_fma_peak(n: int = 1536, repeats: int = 5) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights read by one decode step (tied embeddings counted once, as the LM head;
-    the embedding lookup itself reads one row). Linear layers holding bf16 panels (a draft-weights
+    """Bytes of weights read by one decode step (the embedding table only as the LM head's weights:
+    the lookup itself reads one row). Linear layers holding bf16 panels (a draft-weights
     copy, model.with_draft_weights) are counted at the panels' size, weights kept in GGML blocks
     (QuantLinear) at their stored bytes: that is what they read."""
     from ..model import Linear, QuantEmbedding
@@ -42,8 +42,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
                if isinstance(m, Linear) and m.panels is not None and m.panels.dtype != m.weight.dtype}
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # QuantLinear's blocks are buffers
     total = sum(read_as.get(i, t.numel() * t.element_size()) for i, t in tensors.items())
-    if not model.cfg.tie_word_embeddings:
-        table = model.embed.raw if isinstance(model.embed, QuantEmbedding) else model.embed.weight
+    table = model.embed.raw if isinstance(model.embed, QuantEmbedding) else model.embed.weight
+    head = {id(t) for t in [*model.lm_head.parameters(), *model.lm_head.buffers()]}
+    if id(table) not in head:  # (a tied head packed for the kernels holds its own copy: quantized.pack_rows)
         total -= table.numel() * table.element_size()
     return total
 

@@ -21,7 +21,7 @@ import torch
 from ..errors import TriforceError
 
 _HERE = Path(__file__).parent
-_SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "quant_linear.cpp", "bindings.cpp")
+_SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "quant_linear.cpp", "quant_packed.cpp", "bindings.cpp")
 _HEADERS = ("ops.h", "simd.h")
 ISAS = ("avx512", "avx2")  # best first
 # what each variant needs from the CPU (/proc/cpuinfo names) and how it is compiled: -march=x86-64-v3
@@ -32,6 +32,8 @@ _NEEDS = {"avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2"),
 _CFLAGS = {"avx2": ["-march=x86-64-v3", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
            "avx512": ["-march=x86-64-v4", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]}
 _COMMON_CFLAGS = ["-O3", "-mtune=native", "-fopenmp"]
+# used where the CPU has them, else emulated (quant_packed.cpp): VNNI's 4-byte dot product, vpdpbusd
+_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
 _state: dict[str, object] = {}
 
 
@@ -90,6 +92,11 @@ def chosen_isa(flags: frozenset[str] | None = None) -> str | None:
     return want
 
 
+def _optional_cflags(isa: str) -> list[str]:
+    flags = cpu_flags()
+    return [flag for need, flag in _OPTIONAL.get(isa, ()) if need in flags]
+
+
 def variant(isa: str):
     """The compiled module for `isa` (built on first use), or None if it cannot be built here. The
     caller must know that the CPU runs `isa` (runnable_isas)."""
@@ -100,7 +107,7 @@ def variant(isa: str):
 
     try:
         module = build_and_load(f"triforce_cpu_{isa}", [_HERE / s for s in _SOURCES], [_HERE / h for h in _HEADERS],
-                                cflags=_COMMON_CFLAGS + _CFLAGS[isa], ldflags=["-fopenmp"])
+                                cflags=_COMMON_CFLAGS + _CFLAGS[isa] + _optional_cflags(isa), ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - a failed build or wait means: use PyTorch's kernels
         print(f"triforce: CPU kernels ({isa}) unavailable ({type(e).__name__}: {str(e)[:300]}); using PyTorch",
               file=sys.stderr)

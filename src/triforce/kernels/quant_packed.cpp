@@ -1,0 +1,288 @@
+// y = x W^T for W in Q4_0, Q4_1 or Q8_0 repacked 16 rows at a time (quantized.py pack_rows: the same
+// bytes, interleaved), with integer dot products: llama.cpp's approach, made accurate to 16 bits of x.
+//
+// Why: the block kernel (quant_linear.cpp) turns every weight into an fp32 lane before its fma; at one
+// row of x that is ~12 vector operations per 32 weights and the decode step was compute-bound at 2.5-3.6x
+// its memory floor. Here 4-bit or 8-bit codes go into vpdpbusd (AVX-512 VNNI: 64 multiply-adds per
+// instruction; AVX2: vpmaddubsw + vpmaddwd) without widening, and the 16 rows of a group sit in the 16
+// lanes, so each block's scales are one vector and no horizontal sums are needed.
+//
+// Packed layout of a group of 16 weight rows, for each 32-weight block b in order (P = 16 rows):
+//   Q4_0: d[P] fp16 | codes           Q4_1: d[P] fp16 | m[P] fp16 | codes       Q8_0: d[P] fp16 | codes
+// codes: for each 4-byte word j of the block's stored code bytes, the word of rows 0..15 (64 bytes):
+// a lane holds 4 bytes of one row. Q4: byte i has code i in its low nibble and code i + 16 in its high
+// one, so word j's low nibbles are codes 4j..4j+3 and its high nibbles codes 16+4j..16+4j+3.
+//
+// x: each row's 32-element block is taken as dx / 256 * X with X = 256 xq + xr (xq, xr int8:
+// xq = round(x / dx), dx = max|x| / 127, xr the rounded remainder in 1/256ths), so |x - dx X / 256| <= dx / 512:
+// 16 bits relative to the block's largest |x| (int8 activations alone, as llama.cpp, keep 8). Per block
+// and lane the integer sum sum_i q_i X_i is exact in int32 (|X| <= 32640, |q| <= 255, 32 terms); the
+// block's scale and (Q4_1) min term are applied in fp32, blocks in order. Every output row is computed
+// the same way whatever the number of x rows or threads: a verification forward's row equals a decode
+// step's bit for bit.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace triforce {
+namespace {
+
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+
+constexpr int P = 16;  // rows per packed group
+
+// One quantized x row, per 32-element block b: the int8 planes xq / xr (32 each), dx / 256, the integer
+// sum of X and the fp32 sum of x.
+struct QX {
+  int8_t* q;
+  int8_t* r;
+  float* scale;  // dx / 256
+  int32_t* isum;  // sum X
+  float* fsum;    // sum x
+};
+
+void quantize_row(const float* x, int64_t K, const QX& o) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.f, s = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      amax = std::max(amax, std::fabs(xb[i]));
+      s += xb[i];
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t isum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const float v = xb[i] * inv;
+      const float q = std::nearbyint(v);
+      const float r = std::min(127.f, std::max(-127.f, std::nearbyint((v - q) * 256.f)));
+      o.q[32 * b + i] = static_cast<int8_t>(q);
+      o.r[32 * b + i] = static_cast<int8_t>(r);
+      isum += 256 * static_cast<int32_t>(q) + static_cast<int32_t>(r);
+    }
+    o.scale[b] = amax / 127.f / 256.f;
+    o.isum[b] = isum;
+    o.fsum[b] = s;
+  }
+}
+
+// Integer lanes (W int32) and the dot products of 4 bytes per lane.
+#if defined(CPU_CAPABILITY_AVX512)
+using IV = __m512i;
+ALWAYS_INLINE IV izero() { return _mm512_setzero_si512(); }
+ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+ALWAYS_INLINE IV bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+ALWAYS_INLINE IV low_nibbles(IV v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+ALWAYS_INLINE IV high_nibbles(IV v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm512_add_epi32(_mm512_slli_epi32(a, 8), b); }
+ALWAYS_INLINE IV isub(IV a, IV b) { return _mm512_sub_epi32(a, b); }
+ALWAYS_INLINE IV iset(int v) { return _mm512_set1_epi32(v); }
+ALWAYS_INLINE Vec tof(IV a) { return _mm512_cvtepi32_ps(a); }
+ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
+// acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
+ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+// Q8_0's signed codes: vpdpbusd takes unsigned bytes, so q + 128 (xor of the sign bit) and 128 sum X off after
+constexpr bool Q8_OFFSET = true;
+ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) { return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(q, _mm512_set1_epi8(-128)), s); }
+#else
+ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+constexpr bool Q8_OFFSET = false;
+ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {  // |q| times x with q's sign: pairs within 2 * 128 * 127
+  const __mmask64 neg = _mm512_movepi8_mask(q);
+  s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(q), s), _mm512_set1_epi16(1)));
+}
+#endif
+#else
+using IV = __m256i;
+ALWAYS_INLINE IV izero() { return _mm256_setzero_si256(); }
+ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+ALWAYS_INLINE IV bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+ALWAYS_INLINE IV low_nibbles(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+ALWAYS_INLINE IV high_nibbles(IV v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+// vpmaddubsw saturates pairs at 16 bits: 2 * 15 * 127 for 4-bit codes is far below
+ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm256_add_epi32(_mm256_slli_epi32(a, 8), b); }
+ALWAYS_INLINE IV isub(IV a, IV b) { return _mm256_sub_epi32(a, b); }
+ALWAYS_INLINE IV iset(int v) { return _mm256_set1_epi32(v); }
+ALWAYS_INLINE Vec tof(IV a) { return _mm256_cvtepi32_ps(a); }
+ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// Q8_0: |q| times x with q's sign (vpsignb), pairs within 2 * 127 * 127: no saturation, no offset
+constexpr bool Q8_OFFSET = false;
+ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(s, q)),
+                                                 _mm256_set1_epi16(1)));
+}
+#endif
+
+// The formats: bytes per row and block (BYTES), scale bytes per row (HEAD: d, and Q4_1's m), code words
+// per row (WORDS), and the code offset taken off through sum X (Q4_0: 8).
+template <int HEAD_, int WORDS_, bool FOUR_, int OFFSET_, bool MIN_>
+struct Fmt {
+  static constexpr int HEAD = HEAD_, WORDS = WORDS_, OFFSET = OFFSET_;
+  static constexpr bool FOUR = FOUR_, MIN = MIN_;
+  static constexpr int BYTES = HEAD + 4 * WORDS;  // per row and block, as in the file
+};
+using PQ4_0 = Fmt<2, 4, true, 8, false>;
+using PQ4_1 = Fmt<4, 4, true, 0, true>;
+using PQ8_0 = Fmt<2, 8, false, 0, false>;
+
+constexpr int TBMAX = W == 16 ? 6 : 2;  // (the switch in `groups` has a case for each count)  // x rows per pass: 3 accumulators each (+ codes, scales) in the registers
+constexpr int PF_BLOCKS = 6;  // prefetch distance in blocks (the hardware prefetcher alone leaves bandwidth unused)
+
+// The W lanes [lane0, lane0 + W) of one group (`g`: its packed bytes, nb blocks) against TB rows of x.
+template <class F, int TB>
+ALWAYS_INLINE void group_tile(const uint8_t* g, int64_t nb, int lane0, const QX* x, float* const* y) {
+  constexpr int GB = P * F::BYTES;  // a block of the group
+  Vec acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = Vec(0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = g + b * GB;
+    for (int l = 0; l < GB; l += 64) prefetch_l2(blk + PF_BLOCKS * GB + l);
+    const uint8_t* codes = blk + P * F::HEAD + 4 * lane0;
+    IV hi[TB], lo[TB];  // sum q xq and sum q xr of the block, per lane
+    for (int t = 0; t < TB; ++t) hi[t] = lo[t] = izero();
+    for (int j = 0; j < F::WORDS; ++j) {
+      const IV v = iload(codes + 4 * P * j);
+      if constexpr (F::FOUR) {
+        const IV a = low_nibbles(v), c = high_nibbles(v);
+        for (int t = 0; t < TB; ++t) {
+          const int8_t* xq = x[t].q + 32 * b + 4 * j;
+          const int8_t* xr = x[t].r + 32 * b + 4 * j;
+          hi[t] = dot_us(hi[t], a, bcast4(xq));
+          hi[t] = dot_us(hi[t], c, bcast4(xq + 16));
+          lo[t] = dot_us(lo[t], a, bcast4(xr));
+          lo[t] = dot_us(lo[t], c, bcast4(xr + 16));
+        }
+      } else {
+        for (int t = 0; t < TB; ++t) {
+          hi[t] = q8_dot(hi[t], v, bcast4(x[t].q + 32 * b + 4 * j));
+          lo[t] = q8_dot(lo[t], v, bcast4(x[t].r + 32 * b + 4 * j));
+        }
+      }
+    }
+    const Vec d = half16(blk + 2 * lane0);
+    for (int t = 0; t < TB; ++t) {
+      IV s = shl8_add(hi[t], lo[t]);  // sum q X, exact
+      if constexpr (F::OFFSET != 0) s = isub(s, iset(F::OFFSET * x[t].isum[b]));
+      if constexpr (!F::FOUR && Q8_OFFSET) s = isub(s, iset(128 * x[t].isum[b]));
+      acc[t] = fma(tof(s), d * Vec(x[t].scale[b]), acc[t]);
+      if constexpr (F::MIN) acc[t] = fma(half16(blk + 2 * P + 2 * lane0), Vec(x[t].fsum[b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) acc[t].store(y[t] + lane0);
+}
+
+// Groups [g0, g1) of one packed part (N rows; outputs at y[t] + 16 g) against all M x rows.
+template <class F>
+void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, const QX* x, int64_t M, float* y,
+            int64_t ldy) {
+  const int64_t gbytes = nb * P * F::BYTES;
+  float tmp[TBMAX][P];
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = w + g * gbytes;
+    const int64_t valid = std::min<int64_t>(P, N - g * P);
+    for (int64_t m0 = 0; m0 < M; m0 += TBMAX) {
+      const int tb = static_cast<int>(std::min<int64_t>(TBMAX, M - m0));
+      float* out[TBMAX];
+      for (int t = 0; t < tb; ++t) out[t] = valid == P ? y + (m0 + t) * ldy + g * P : tmp[t];
+      for (int lane0 = 0; lane0 < P; lane0 += W) {
+        switch (tb) {
+          case 1: group_tile<F, 1>(gp, nb, lane0, x + m0, out); break;
+          case 2: group_tile<F, 2>(gp, nb, lane0, x + m0, out); break;
+#if defined(CPU_CAPABILITY_AVX512)
+          case 3: group_tile<F, 3>(gp, nb, lane0, x + m0, out); break;
+          case 4: group_tile<F, 4>(gp, nb, lane0, x + m0, out); break;
+          case 5: group_tile<F, 5>(gp, nb, lane0, x + m0, out); break;
+          case 6: group_tile<F, 6>(gp, nb, lane0, x + m0, out); break;
+#endif
+          default: TORCH_CHECK(false, "linear_packed: tile of ", tb, " rows");
+        }
+      }
+      if (valid < P)
+        for (int t = 0; t < tb; ++t) std::memcpy(y + (m0 + t) * ldy + g * P, tmp[t], valid * sizeof(float));
+    }
+  }
+}
+
+enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
+
+template <class Fn>
+void with_packed(int64_t type, Fn&& fn) {
+  switch (type) {
+    case T_Q4_0: fn(PQ4_0{}); break;
+    case T_Q4_1: fn(PQ4_1{}); break;
+    case T_Q8_0: fn(PQ8_0{}); break;
+    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q8_0 are)");
+  }
+}
+
+}  // namespace
+
+torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
+                            std::vector<int64_t> rows) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "linear_packed: x must be fp32");
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size() && parts.size() == rows.size(),
+              "linear_packed: one type and row count per part");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % 32 == 0, "linear_packed: K must be a multiple of 32");
+  const int64_t nb = K / 32;
+  std::vector<int64_t> first(parts.size() + 1, 0), gfirst(parts.size() + 1, 0);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& p = parts[i];
+    with_packed(types[i], [&](auto f) {
+      using F = decltype(f);
+      TORCH_CHECK(p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.dim() == 2 &&
+                      p.size(0) == (rows[i] + P - 1) / P && p.size(1) == nb * P * F::BYTES,
+                  "linear_packed: part ", i, " is not ", rows[i], " packed rows of ", K, " weights");
+    });
+    first[i + 1] = first[i] + rows[i];
+    gfirst[i + 1] = gfirst[i] + parts[i].size(0);
+  }
+  x = x.contiguous();
+  const int64_t M = x.numel() / K, N = first.back();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  // the x rows, quantized once (each row on its own: a row's result does not depend on the others)
+  auto planes = torch::empty({M, 2 * K}, torch::kInt8);
+  auto fl = torch::empty({M, 2 * nb}, torch::kFloat);
+  auto is = torch::empty({M, nb}, torch::kInt32);
+  std::vector<QX> qx(M);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    qx[m] = {planes.data_ptr<int8_t>() + m * 2 * K, planes.data_ptr<int8_t>() + m * 2 * K + K,
+             fl.data_ptr<float>() + m * 2 * nb, is.data_ptr<int32_t>() + m * nb, fl.data_ptr<float>() + m * 2 * nb + nb};
+    quantize_row(xp + m * K, K, qx[m]);
+  }
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, gfirst.back(), 1, [&](int64_t b, int64_t e) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t lo = std::max(b, gfirst[i]), hi = std::min(e, gfirst[i + 1]);
+      if (lo >= hi) continue;
+      with_packed(types[i], [&](auto f) {
+        groups<decltype(f)>(parts[i].data_ptr<uint8_t>(), nb, rows[i], lo - gfirst[i], hi - gfirst[i], qx.data(), M,
+                            yp + first[i], N);
+      });
+    }
+  });
+  return y;
+}
+
+}  // namespace triforce
