@@ -3,8 +3,10 @@
 A GGUF weight of shape [N, K] is N rows of K / QK blocks, each block QK weights in `block_bytes` bytes
 (Q4_K: 256 weights in 144 bytes). We keep exactly those bytes, as a uint8 tensor [N, row_bytes]
 (a view of the memory-mapped file where possible), and compute with them: kernels/quant_linear.cpp
-dequantizes blocks in registers; without the kernels, `dequantize` below turns a few rows at a time
-into fp32 with gguf's own reader code (never a whole matrix at once, see model.QuantLinear).
+dequantizes blocks in registers; Q4_0 / Q4_1 / Q8_0 are held interleaved 16 rows at a time instead
+(`pack_rows`: the same bytes) for kernels/quant_packed.cpp's integer dot products, which take x to 16
+bits per 32-element block; without the kernels, `dequantize` below turns a few rows at a time into
+fp32 with gguf's own reader code (never a whole matrix at once, see model.QuantLinear).
 
 The values are gguf.quants.dequantize's (bit for bit for Q4_0, Q5_0, Q8_0, Q6_K, F16, BF16 in the
 kernel; within one rounding for the formats with a min): a model computed from these bytes is the

@@ -89,12 +89,18 @@ ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu
 #if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
 // acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
 ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) { return dot_us(dot_us(acc, u, s), u2, s2); }
 // Q8_0's signed codes: vpdpbusd takes unsigned bytes, so q + 128 (xor of the sign bit) and 128 sum X off after
 constexpr bool Q8_OFFSET = true;
 ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) { return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(q, _mm512_set1_epi8(-128)), s); }
 #else
 ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+// two 4-bit-code products summed in 16 bits first (each pair within 2 * 15 * 127)
+ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {
+  const IV p = _mm512_add_epi16(_mm512_maddubs_epi16(u, s), _mm512_maddubs_epi16(u2, s2));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
 }
 constexpr bool Q8_OFFSET = false;
 ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {  // |q| times x with q's sign: pairs within 2 * 128 * 127
@@ -114,9 +120,10 @@ ALWAYS_INLINE IV bcast4(const int8_t* p) {
 }
 ALWAYS_INLINE IV low_nibbles(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 ALWAYS_INLINE IV high_nibbles(IV v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-// vpmaddubsw saturates pairs at 16 bits: 2 * 15 * 127 for 4-bit codes is far below
-ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+// vpmaddubsw saturates pairs at 16 bits: 4-bit codes keep 2 products of pairs within 4 * 15 * 127
+ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {  // (the two products summed in 16 bits first)
+  const IV p = _mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(u2, s2));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm256_add_epi32(_mm256_slli_epi32(a, 8), b); }
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm256_sub_epi32(a, b); }
@@ -143,7 +150,8 @@ using PQ4_0 = Fmt<2, 4, true, 8, false>;
 using PQ4_1 = Fmt<4, 4, true, 0, true>;
 using PQ8_0 = Fmt<2, 8, false, 0, false>;
 
-constexpr int TBMAX = W == 16 ? 6 : 2;  // (the switch in `groups` has a case for each count)  // x rows per pass: 3 accumulators each (+ codes, scales) in the registers
+// x rows per pass: 3 accumulators each (+ codes, scales) within the registers; `groups` has a case for each count
+constexpr int TBMAX = W == 16 ? 6 : 3;
 constexpr int PF_BLOCKS = 6;  // prefetch distance in blocks (the hardware prefetcher alone leaves bandwidth unused)
 
 // The W lanes [lane0, lane0 + W) of one group (`g`: its packed bytes, nb blocks) against TB rows of x.
@@ -165,10 +173,8 @@ ALWAYS_INLINE void group_tile(const uint8_t* g, int64_t nb, int lane0, const QX*
         for (int t = 0; t < TB; ++t) {
           const int8_t* xq = x[t].q + 32 * b + 4 * j;
           const int8_t* xr = x[t].r + 32 * b + 4 * j;
-          hi[t] = dot_us(hi[t], a, bcast4(xq));
-          hi[t] = dot_us(hi[t], c, bcast4(xq + 16));
-          lo[t] = dot_us(lo[t], a, bcast4(xr));
-          lo[t] = dot_us(lo[t], c, bcast4(xr + 16));
+          hi[t] = dot_us2(hi[t], a, bcast4(xq), c, bcast4(xq + 16));
+          lo[t] = dot_us2(lo[t], a, bcast4(xr), c, bcast4(xr + 16));
         }
       } else {
         for (int t = 0; t < TB; ++t) {
@@ -206,8 +212,8 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
         switch (tb) {
           case 1: group_tile<F, 1>(gp, nb, lane0, x + m0, out); break;
           case 2: group_tile<F, 2>(gp, nb, lane0, x + m0, out); break;
-#if defined(CPU_CAPABILITY_AVX512)
           case 3: group_tile<F, 3>(gp, nb, lane0, x + m0, out); break;
+#if defined(CPU_CAPABILITY_AVX512)
           case 4: group_tile<F, 4>(gp, nb, lane0, x + m0, out); break;
           case 5: group_tile<F, 5>(gp, nb, lane0, x + m0, out); break;
           case 6: group_tile<F, 6>(gp, nb, lane0, x + m0, out); break;
