@@ -96,7 +96,7 @@ class QuantLinear(nn.Module):
         self.types = [p.qtype for p in parts]
         self.rows = [p.shape[0] for p in parts]
         self.n_parts = len(parts)
-        self.packed = False  # raw{i}: pack_rows bytes instead of the file's
+        self.packed = [False] * len(parts)  # per part: raw{i} holds pack_rows bytes instead of the file's
         self.mapped = [p.mapped for p in parts]
         for i, p in enumerate(parts):
             self.register_buffer(f"raw{i}", p.raw, persistent=False)
@@ -104,21 +104,22 @@ class QuantLinear(nn.Module):
         self.kernel_ready = all(p.kernel_ready() for p in parts)  # types and shapes: fixed
 
     def pack(self) -> None:
-        """Interleave the weight for the integer kernel where it applies (every part Q4_0 / Q4_1 / Q8_0,
-        kernels that have it). The file's pages read here are given back (quantized.release)."""
+        """Interleave the parts the integer kernel reads (Q4_0 / Q4_1 / Q8_0 / Q4_K) where the kernels have
+        it; the others stay as stored (Q4_K_M files mix Q6_K into some projections). The file's pages
+        read here are given back (quantized.release)."""
         ops = self.backend.ops
-        if self.packed or ops is None or not hasattr(ops, "linear_packed") or self.in_features % 32 \
-                or not all(packable(p) for p in self.parts):
+        if any(self.packed) or ops is None or not hasattr(ops, "linear_packed") or self.in_features % 32:
             return
         for i, p in enumerate(self.parts):
-            setattr(self, f"raw{i}", pack_rows(p))
-            release(QuantTensor(p.raw, p.qtype, p.shape, self.mapped[i]))
-        self.packed = True
+            if packable(p):
+                setattr(self, f"raw{i}", pack_rows(p))
+                release(QuantTensor(p.raw, p.qtype, p.shape, self.mapped[i]))
+                self.packed[i] = True
 
     def part_rows(self, i: int, start: int = 0, stop: int | None = None) -> QuantTensor:
         """Rows [start, stop) of part i in the file's layout (a view, or a copy from the packed bytes)."""
         raw, shape = getattr(self, f"raw{i}"), (self.rows[i], self.in_features)
-        if self.packed:
+        if self.packed[i]:
             return unpack_rows(raw, self.types[i], shape, start, stop)
         return QuantTensor(raw, self.types[i], shape).rows(slice(start, stop))
 
@@ -136,10 +137,13 @@ class QuantLinear(nn.Module):
         ops = self.backend.ops
         raws = [getattr(self, f"raw{i}") for i in range(self.n_parts)]
         if ops is not None and rows <= PANEL_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready:
-            if self.packed:
+            if all(self.packed):
                 y = ops.linear_packed(x, raws, self.types, self.rows)
-            else:
+            elif not any(self.packed):
                 y = ops.linear_quant(x, raws, self.types)
+            else:  # a mix: each part by its kernel, outputs in order
+                y = torch.cat([ops.linear_packed(x, [r], [t], [n]) if packed else ops.linear_quant(x, [r], [t])
+                               for r, t, n, packed in zip(raws, self.types, self.rows, self.packed)], dim=-1)
         else:
             y = x.new_empty(*x.shape[:-1], self.out_features)
             col, step = 0, max(16, self.PANEL_BYTES // (4 * self.in_features) // 16 * 16)

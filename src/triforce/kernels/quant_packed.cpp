@@ -82,6 +82,11 @@ ALWAYS_INLINE IV bcast4(const int8_t* p) {
 ALWAYS_INLINE IV low_nibbles(IV v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 ALWAYS_INLINE IV high_nibbles(IV v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm512_add_epi32(_mm512_slli_epi32(a, 8), b); }
+ALWAYS_INLINE IV bits(IV a, int shift, int mask) {  // (a >> shift) & mask per lane
+  return _mm512_and_si512(_mm512_srl_epi32(a, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
+}
+ALWAYS_INLINE IV ior(IV a, IV b) { return _mm512_or_si512(a, b); }
+ALWAYS_INLINE IV sll4(IV a) { return _mm512_slli_epi32(a, 4); }
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm512_sub_epi32(a, b); }
 ALWAYS_INLINE IV iset(int v) { return _mm512_set1_epi32(v); }
 ALWAYS_INLINE Vec tof(IV a) { return _mm512_cvtepi32_ps(a); }
@@ -121,11 +126,19 @@ ALWAYS_INLINE IV bcast4(const int8_t* p) {
 ALWAYS_INLINE IV low_nibbles(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 ALWAYS_INLINE IV high_nibbles(IV v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 // vpmaddubsw saturates pairs at 16 bits: 4-bit codes keep 2 products of pairs within 4 * 15 * 127
+ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
 ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {  // (the two products summed in 16 bits first)
   const IV p = _mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(u2, s2));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm256_add_epi32(_mm256_slli_epi32(a, 8), b); }
+ALWAYS_INLINE IV bits(IV a, int shift, int mask) {  // (a >> shift) & mask per lane
+  return _mm256_and_si256(_mm256_srl_epi32(a, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
+}
+ALWAYS_INLINE IV ior(IV a, IV b) { return _mm256_or_si256(a, b); }
+ALWAYS_INLINE IV sll4(IV a) { return _mm256_slli_epi32(a, 4); }
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm256_sub_epi32(a, b); }
 ALWAYS_INLINE IV iset(int v) { return _mm256_set1_epi32(v); }
 ALWAYS_INLINE Vec tof(IV a) { return _mm256_cvtepi32_ps(a); }
@@ -142,16 +155,26 @@ ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {
 // per row (WORDS), and the code offset taken off through sum X (Q4_0: 8).
 template <int HEAD_, int WORDS_, bool FOUR_, int OFFSET_, bool MIN_>
 struct Fmt {
-  static constexpr int HEAD = HEAD_, WORDS = WORDS_, OFFSET = OFFSET_;
-  static constexpr bool FOUR = FOUR_, MIN = MIN_;
+  static constexpr int HEAD = HEAD_, WORDS = WORDS_, OFFSET = OFFSET_, QK = 32;
+  static constexpr bool FOUR = FOUR_, MIN = MIN_, K = false;
   static constexpr int BYTES = HEAD + 4 * WORDS;  // per row and block, as in the file
 };
 using PQ4_0 = Fmt<2, 4, true, 8, false>;
 using PQ4_1 = Fmt<4, 4, true, 0, true>;
 using PQ8_0 = Fmt<2, 8, false, 0, false>;
+// Q4_K: 256-weight blocks of d, dmin (fp16), 12 bytes of 6-bit sub-block scales and mins (3 words), 128 bytes
+// of codes (32 words); packed: d[P] | dmin[P] | 3 scale words of the P rows | 32 code words of the P rows.
+// Sub-block s (32 weights): the low nibbles of code words 8 (s / 2) .. + 7 for even s, the high ones for odd
+// s; w = d sc_s q - dmin m_s.
+struct PQ4_K {
+  static constexpr int QK = 256, BYTES = 144;
+  static constexpr bool K = true;
+};
 
-// x rows per pass: 3 accumulators each (+ codes, scales) within the registers; `groups` has a case for each count
+// x rows per pass: 3 accumulators each (+ codes, scales) within the registers; `groups` has a case for each
+// count (Q4_K: 5 accumulators each)
 constexpr int TBMAX = W == 16 ? 6 : 3;
+constexpr int TBMAX_K = W == 16 ? 4 : 2;
 constexpr int PF_BLOCKS = 6;  // prefetch distance in blocks (the hardware prefetcher alone leaves bandwidth unused)
 
 // The W lanes [lane0, lane0 + W) of one group (`g`: its packed bytes, nb blocks) against TB rows of x.
@@ -195,28 +218,95 @@ ALWAYS_INLINE void group_tile(const uint8_t* g, int64_t nb, int lane0, const QX*
   for (int t = 0; t < TB; ++t) acc[t].store(y[t] + lane0);
 }
 
+// sc_s and m_s of Q4_K's sub-block s, per lane, from the rows' 3 scale words (ggml's get_scale_min_k4)
+ALWAYS_INLINE void k_scale_min(const IV* w, int s, IV& sc, IV& m) {
+  if (s < 4) {
+    sc = bits(w[0], 8 * s, 63);
+    m = bits(w[1], 8 * s, 63);
+  } else {
+    const int k = 8 * (s - 4);
+    sc = ior(bits(w[2], k, 15), sll4(bits(w[0], k + 6, 3)));
+    m = ior(bits(w[2], k + 4, 15), sll4(bits(w[1], k + 6, 3)));
+  }
+}
+
+// group_tile for Q4_K: sub-blocks in pairs (2i from the low nibbles of 8 code words, 2i + 1 from the high ones),
+// each with its own integer sums and scale.
+template <int TB>
+ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const QX* x, float* const* y) {
+  constexpr int GB = P * PQ4_K::BYTES;
+  Vec acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = Vec(0.f);
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const uint8_t* blk = g + sb * GB;
+    for (int l = 0; l < GB; l += 64) prefetch_l2(blk + 2 * GB + l);
+    const Vec d = half16(blk + 2 * lane0), dmin = half16(blk + 2 * P + 2 * lane0);
+    IV words[3];
+    for (int j = 0; j < 3; ++j) words[j] = iload(blk + 4 * P + 4 * P * j + 4 * lane0);
+    const uint8_t* codes = blk + 16 * P + 4 * lane0;
+    for (int i = 0; i < 4; ++i) {
+      IV ha[TB], la[TB], hb[TB], lb[TB];  // sums q xq, q xr of sub-blocks 2i (a) and 2i + 1 (b)
+      for (int t = 0; t < TB; ++t) ha[t] = la[t] = hb[t] = lb[t] = izero();
+      const int64_t xa = 32 * (8 * sb + 2 * i);
+      for (int j = 0; j < 8; ++j) {
+        const IV v = iload(codes + 4 * P * (8 * i + j));
+        const IV a = low_nibbles(v), c = high_nibbles(v);
+        for (int t = 0; t < TB; ++t) {
+          ha[t] = dot_us(ha[t], a, bcast4(x[t].q + xa + 4 * j));
+          la[t] = dot_us(la[t], a, bcast4(x[t].r + xa + 4 * j));
+          hb[t] = dot_us(hb[t], c, bcast4(x[t].q + xa + 32 + 4 * j));
+          lb[t] = dot_us(lb[t], c, bcast4(x[t].r + xa + 32 + 4 * j));
+        }
+      }
+      IV sc, m;
+      k_scale_min(words, 2 * i, sc, m);
+      const Vec da = d * tof(sc), ma = dmin * tof(m);
+      k_scale_min(words, 2 * i + 1, sc, m);
+      const Vec db = d * tof(sc), mb = dmin * tof(m);
+      const int64_t ba = 8 * sb + 2 * i;  // x block of sub-block 2i
+      for (int t = 0; t < TB; ++t) {
+        acc[t] = fma(tof(shl8_add(ha[t], la[t])), da * Vec(x[t].scale[ba]), acc[t]);
+        acc[t] = fma(ma, Vec(-x[t].fsum[ba]), acc[t]);
+        acc[t] = fma(tof(shl8_add(hb[t], lb[t])), db * Vec(x[t].scale[ba + 1]), acc[t]);
+        acc[t] = fma(mb, Vec(-x[t].fsum[ba + 1]), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t) acc[t].store(y[t] + lane0);
+}
+
+template <class F, int TB>
+ALWAYS_INLINE void tile(const uint8_t* g, int64_t nb, int lane0, const QX* x, float* const* y) {
+  if constexpr (F::K) {
+    if constexpr (TB <= TBMAX_K) group_tile_k<TB>(g, nb, lane0, x, y);
+  } else {
+    group_tile<F, TB>(g, nb, lane0, x, y);
+  }
+}
+
 // Groups [g0, g1) of one packed part (N rows; outputs at y[t] + 16 g) against all M x rows.
 template <class F>
 void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, const QX* x, int64_t M, float* y,
             int64_t ldy) {
   const int64_t gbytes = nb * P * F::BYTES;
+  constexpr int64_t most = F::K ? TBMAX_K : TBMAX;
   float tmp[TBMAX][P];
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = w + g * gbytes;
     const int64_t valid = std::min<int64_t>(P, N - g * P);
-    for (int64_t m0 = 0; m0 < M; m0 += TBMAX) {
-      const int tb = static_cast<int>(std::min<int64_t>(TBMAX, M - m0));
+    for (int64_t m0 = 0; m0 < M; m0 += most) {
+      const int tb = static_cast<int>(std::min<int64_t>(most, M - m0));
       float* out[TBMAX];
       for (int t = 0; t < tb; ++t) out[t] = valid == P ? y + (m0 + t) * ldy + g * P : tmp[t];
       for (int lane0 = 0; lane0 < P; lane0 += W) {
         switch (tb) {
-          case 1: group_tile<F, 1>(gp, nb, lane0, x + m0, out); break;
-          case 2: group_tile<F, 2>(gp, nb, lane0, x + m0, out); break;
-          case 3: group_tile<F, 3>(gp, nb, lane0, x + m0, out); break;
+          case 1: tile<F, 1>(gp, nb, lane0, x + m0, out); break;
+          case 2: tile<F, 2>(gp, nb, lane0, x + m0, out); break;
+          case 3: tile<F, 3>(gp, nb, lane0, x + m0, out); break;
 #if defined(CPU_CAPABILITY_AVX512)
-          case 4: group_tile<F, 4>(gp, nb, lane0, x + m0, out); break;
-          case 5: group_tile<F, 5>(gp, nb, lane0, x + m0, out); break;
-          case 6: group_tile<F, 6>(gp, nb, lane0, x + m0, out); break;
+          case 4: tile<F, 4>(gp, nb, lane0, x + m0, out); break;
+          case 5: tile<F, 5>(gp, nb, lane0, x + m0, out); break;
+          case 6: tile<F, 6>(gp, nb, lane0, x + m0, out); break;
 #endif
           default: TORCH_CHECK(false, "linear_packed: tile of ", tb, " rows");
         }
@@ -227,7 +317,7 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
   }
 }
 
-enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
+enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12 };
 
 template <class Fn>
 void with_packed(int64_t type, Fn&& fn) {
@@ -235,7 +325,8 @@ void with_packed(int64_t type, Fn&& fn) {
     case T_Q4_0: fn(PQ4_0{}); break;
     case T_Q4_1: fn(PQ4_1{}); break;
     case T_Q8_0: fn(PQ8_0{}); break;
-    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q8_0 are)");
+    case T_Q4_K: fn(PQ4_K{}); break;
+    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q8_0, Q4_K are)");
   }
 }
 
@@ -255,7 +346,7 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
     with_packed(types[i], [&](auto f) {
       using F = decltype(f);
       TORCH_CHECK(p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.dim() == 2 &&
-                      p.size(0) == (rows[i] + P - 1) / P && p.size(1) == nb * P * F::BYTES,
+                      K % F::QK == 0 && p.size(0) == (rows[i] + P - 1) / P && p.size(1) == K / F::QK * P * F::BYTES,
                   "linear_packed: part ", i, " is not ", rows[i], " packed rows of ", K, " weights");
     });
     first[i + 1] = first[i] + rows[i];
@@ -283,7 +374,8 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
       const int64_t lo = std::max(b, gfirst[i]), hi = std::min(e, gfirst[i + 1]);
       if (lo >= hi) continue;
       with_packed(types[i], [&](auto f) {
-        groups<decltype(f)>(parts[i].data_ptr<uint8_t>(), nb, rows[i], lo - gfirst[i], hi - gfirst[i], qx.data(), M,
+        using F = decltype(f);
+        groups<F>(parts[i].data_ptr<uint8_t>(), K / F::QK, rows[i], lo - gfirst[i], hi - gfirst[i], qx.data(), M,
                             yp + first[i], N);
       });
     }
