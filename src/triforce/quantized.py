@@ -3,7 +3,7 @@
 A GGUF weight of shape [N, K] is N rows of K / QK blocks, each block QK weights in `block_bytes` bytes
 (Q4_K: 256 weights in 144 bytes). We keep exactly those bytes, as a uint8 tensor [N, row_bytes]
 (a view of the memory-mapped file where possible), and compute with them: kernels/quant_linear.cpp
-dequantizes blocks in registers; Q4_0 / Q4_1 / Q8_0 / Q4_K are held interleaved 16 rows at a time instead
+dequantizes blocks in registers; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K are held interleaved 16 rows at a time instead
 (`pack_rows`: the same bytes) for kernels/quant_packed.cpp's integer dot products, which take x to 16
 bits per 32-element block; without the kernels, `dequantize` below turns a few rows at a time into
 fp32 with gguf's own reader code (never a whole matrix at once, see model.QuantLinear).
@@ -81,14 +81,15 @@ class QuantTensor:
         return self.qtype in FORMATS and (FORMATS[self.qtype][1] > 1 or self.shape[1] % KERNEL_GROUP == 0)
 
 
-# Formats the integer kernel (kernels/quant_packed.cpp) reads repacked 16 rows at a time: type ->
-# scale bytes per row and block (d; Q4_1: d, m) at the head of its `block_bytes`; the rest are code bytes.
-PACKED_HEAD = {2: 2, 3: 4, 8: 2, 12: 4}  # Q4_0, Q4_1, Q8_0, Q4_K (d, dmin; its 12 scale bytes are words)
+# Formats the integer kernel (kernels/quant_packed.cpp) reads repacked 16 rows at a time: type -> the
+# fp16 fields of a block (d; Q4_1: d, m; Q4_K: d, dmin) as (bytes at its start, bytes at its end: Q6_K
+# keeps d last); the rest (codes, K-quant sub-block scales) is taken as 4-byte words.
+PACKED_FIELDS = {2: (2, 0), 3: (4, 0), 8: (2, 0), 12: (4, 0), 14: (0, 2)}  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 PACK_ROWS = 16
 
 
 def packable(t: QuantTensor) -> bool:
-    return t.qtype in PACKED_HEAD
+    return t.qtype in PACKED_FIELDS
 
 
 def release(t: QuantTensor) -> None:
@@ -111,18 +112,19 @@ def release(t: QuantTensor) -> None:
 def pack_rows(t: QuantTensor) -> torch.Tensor:
     """`t`'s bytes interleaved for kernels/quant_packed.cpp: [ceil(N / 16), 16 row_bytes] uint8 (rows
     padded with zero bytes to a multiple of 16). Group g, block b: the 16 rows' scale fields (each field
-    of all rows together), then each 4-byte word of the code bytes for all 16 rows. The same bytes as
+    of all rows together; PACKED_FIELDS), then each 4-byte word of the other bytes for all 16 rows. The same bytes as
     the file's (a permutation plus padding): no value changes."""
     n, k = t.shape
     _, qk, size = FORMATS[t.qtype]
-    head, nb = PACKED_HEAD[t.qtype], k // qk
+    (head, tail), nb = PACKED_FIELDS[t.qtype], k // qk
     raw = t.raw.numpy()
     groups = -(-n // PACK_ROWS)
     if groups * PACK_ROWS != n:
         raw = np.concatenate([raw, np.zeros((groups * PACK_ROWS - n, raw.shape[1]), np.uint8)])
     blocks = raw.reshape(groups, PACK_ROWS, nb, size)
-    fields = blocks[..., :head].reshape(groups, PACK_ROWS, nb, head // 2, 2).transpose(0, 2, 3, 1, 4)
-    words = blocks[..., head:].reshape(groups, PACK_ROWS, nb, (size - head) // 4, 4).transpose(0, 2, 3, 1, 4)
+    fields = np.concatenate([blocks[..., :head], blocks[..., size - tail:]], axis=3)
+    fields = fields.reshape(groups, PACK_ROWS, nb, (head + tail) // 2, 2).transpose(0, 2, 3, 1, 4)
+    words = blocks[..., head:size - tail].reshape(groups, PACK_ROWS, nb, -1, 4).transpose(0, 2, 3, 1, 4)
     out = np.concatenate([fields.reshape(groups, nb, -1), words.reshape(groups, nb, -1)], axis=2)
     return torch.from_numpy(np.ascontiguousarray(out).reshape(groups, nb * PACK_ROWS * size))
 
@@ -133,13 +135,15 @@ def unpack_rows(packed: torch.Tensor, qtype: int, shape: tuple[int, int], start:
     n, k = shape
     stop = n if stop is None else min(stop, n)
     _, qk, size = FORMATS[qtype]
-    head, nb = PACKED_HEAD[qtype], k // qk
+    (head, tail), nb = PACKED_FIELDS[qtype], k // qk
     g0, g1 = start // PACK_ROWS, -(-stop // PACK_ROWS)
-    blocks = packed[g0:g1].numpy().reshape(g1 - g0, nb, PACK_ROWS * size)
-    fields = blocks[..., :PACK_ROWS * head].reshape(g1 - g0, nb, head // 2, PACK_ROWS, 2).transpose(0, 3, 1, 2, 4)
-    words = blocks[..., PACK_ROWS * head:].reshape(g1 - g0, nb, -1, PACK_ROWS, 4).transpose(0, 3, 1, 2, 4)
-    raw = np.concatenate([fields.reshape(g1 - g0, PACK_ROWS, nb, head), words.reshape(g1 - g0, PACK_ROWS, nb, -1)],
-                         axis=3).reshape((g1 - g0) * PACK_ROWS, nb * size)
+    n_groups, f = g1 - g0, head + tail
+    blocks = packed[g0:g1].numpy().reshape(n_groups, nb, PACK_ROWS * size)
+    fields = blocks[..., :PACK_ROWS * f].reshape(n_groups, nb, f // 2, PACK_ROWS, 2).transpose(0, 3, 1, 2, 4)
+    fields = fields.reshape(n_groups, PACK_ROWS, nb, f)
+    words = blocks[..., PACK_ROWS * f:].reshape(n_groups, nb, -1, PACK_ROWS, 4).transpose(0, 3, 1, 2, 4)
+    raw = np.concatenate([fields[..., :head], words.reshape(n_groups, PACK_ROWS, nb, -1), fields[..., head:]],
+                         axis=3).reshape(n_groups * PACK_ROWS, nb * size)
     lo = start - g0 * PACK_ROWS
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw[lo:lo + stop - start])), qtype, (stop - start, k))
 

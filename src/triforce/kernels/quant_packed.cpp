@@ -1,4 +1,4 @@
-// y = x W^T for W in Q4_0, Q4_1 or Q8_0 repacked 16 rows at a time (quantized.py pack_rows: the same
+// y = x W^T for W in Q4_0, Q4_1, Q8_0, Q4_K or Q6_K repacked 16 rows at a time (quantized.py pack_rows: the same
 // bytes, interleaved), with integer dot products: llama.cpp's approach, made accurate to 16 bits of x.
 //
 // Why: the block kernel (quant_linear.cpp) turns every weight into an fp32 lane before its fma; at one
@@ -43,6 +43,7 @@ struct QX {
   float* scale;  // dx / 256
   int32_t* isum;  // sum X
   float* fsum;    // sum x
+  int32_t* isum16;  // sum X of each 16-element half (Q6_K's scale groups)
 };
 
 void quantize_row(const float* x, int64_t K, const QX& o) {
@@ -54,7 +55,7 @@ void quantize_row(const float* x, int64_t K, const QX& o) {
       s += xb[i];
     }
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t isum = 0;
+    int32_t isum = 0, half = 0;
     for (int i = 0; i < 32; ++i) {
       const float v = xb[i] * inv;
       const float q = std::nearbyint(v);
@@ -62,7 +63,10 @@ void quantize_row(const float* x, int64_t K, const QX& o) {
       o.q[32 * b + i] = static_cast<int8_t>(q);
       o.r[32 * b + i] = static_cast<int8_t>(r);
       isum += 256 * static_cast<int32_t>(q) + static_cast<int32_t>(r);
+      if (i == 15) half = isum;
     }
+    o.isum16[2 * b] = half;
+    o.isum16[2 * b + 1] = isum - half;
     o.scale[b] = amax / 127.f / 256.f;
     o.isum[b] = isum;
     o.fsum[b] = s;
@@ -87,6 +91,12 @@ ALWAYS_INLINE IV bits(IV a, int shift, int mask) {  // (a >> shift) & mask per l
 }
 ALWAYS_INLINE IV ior(IV a, IV b) { return _mm512_or_si512(a, b); }
 ALWAYS_INLINE IV sll4(IV a) { return _mm512_slli_epi32(a, 4); }
+ALWAYS_INLINE IV bytes_and(IV a, int c) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(c))); }
+ALWAYS_INLINE IV srl16(IV a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(n)); }
+ALWAYS_INLINE IV sll16_4(IV a) { return _mm512_slli_epi16(a, 4); }
+ALWAYS_INLINE IV signed_byte(IV a, int k) {  // byte k of each lane, sign-extended
+  return _mm512_sra_epi32(_mm512_sll_epi32(a, _mm_cvtsi32_si128(24 - 8 * k)), _mm_cvtsi32_si128(24));
+}
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm512_sub_epi32(a, b); }
 ALWAYS_INLINE IV iset(int v) { return _mm512_set1_epi32(v); }
 ALWAYS_INLINE Vec tof(IV a) { return _mm512_cvtepi32_ps(a); }
@@ -139,6 +149,12 @@ ALWAYS_INLINE IV bits(IV a, int shift, int mask) {  // (a >> shift) & mask per l
 }
 ALWAYS_INLINE IV ior(IV a, IV b) { return _mm256_or_si256(a, b); }
 ALWAYS_INLINE IV sll4(IV a) { return _mm256_slli_epi32(a, 4); }
+ALWAYS_INLINE IV bytes_and(IV a, int c) { return _mm256_and_si256(a, _mm256_set1_epi8(static_cast<char>(c))); }
+ALWAYS_INLINE IV srl16(IV a, int n) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(n)); }
+ALWAYS_INLINE IV sll16_4(IV a) { return _mm256_slli_epi16(a, 4); }
+ALWAYS_INLINE IV signed_byte(IV a, int k) {  // byte k of each lane, sign-extended
+  return _mm256_sra_epi32(_mm256_sll_epi32(a, _mm_cvtsi32_si128(24 - 8 * k)), _mm_cvtsi32_si128(24));
+}
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm256_sub_epi32(a, b); }
 ALWAYS_INLINE IV iset(int v) { return _mm256_set1_epi32(v); }
 ALWAYS_INLINE Vec tof(IV a) { return _mm256_cvtepi32_ps(a); }
@@ -155,7 +171,7 @@ ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {
 // per row (WORDS), and the code offset taken off through sum X (Q4_0: 8).
 template <int HEAD_, int WORDS_, bool FOUR_, int OFFSET_, bool MIN_>
 struct Fmt {
-  static constexpr int HEAD = HEAD_, WORDS = WORDS_, OFFSET = OFFSET_, QK = 32;
+  static constexpr int HEAD = HEAD_, WORDS = WORDS_, OFFSET = OFFSET_, QK = 32, KIND = 0;
   static constexpr bool FOUR = FOUR_, MIN = MIN_, K = false;
   static constexpr int BYTES = HEAD + 4 * WORDS;  // per row and block, as in the file
 };
@@ -167,7 +183,16 @@ using PQ8_0 = Fmt<2, 8, false, 0, false>;
 // Sub-block s (32 weights): the low nibbles of code words 8 (s / 2) .. + 7 for even s, the high ones for odd
 // s; w = d sc_s q - dmin m_s.
 struct PQ4_K {
-  static constexpr int QK = 256, BYTES = 144;
+  static constexpr int QK = 256, BYTES = 144, KIND = 1;
+  static constexpr bool K = true;
+};
+// Q6_K: 256-weight blocks of ql (128 bytes: low 4 bits), qh (64: high 2 bits), 16 int8 scales, d (fp16, last);
+// packed: d[P] | 52 words of the P rows (ql 0-31, qh 32-47, scales 48-51). Sub-block 4 n + i of a block
+// (ggml's dequantize_row_q6_K: half n, quarter i), word j (its weights 4j .. 4j + 3): low 4 bits from ql word
+// 16 n + 8 (i & 1) + j (its high nibbles for i >= 2), bits 4-5 from qh word 32 + 8 n + j >> 2 i; q - 32, times
+// d * the scale of its 16 weights (scale 8 n + 2 i, + 1 for words 4-7).
+struct PQ6_K {
+  static constexpr int QK = 256, BYTES = 210, KIND = 2;
   static constexpr bool K = true;
 };
 
@@ -275,9 +300,58 @@ ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const Q
   for (int t = 0; t < TB; ++t) acc[t].store(y[t] + lane0);
 }
 
+// group_tile for Q6_K: per sub-block, its two 16-weight scale groups with their own integer sums.
+template <int TB>
+ALWAYS_INLINE void group_tile_q6k(const uint8_t* g, int64_t nb, int lane0, const QX* x, float* const* y) {
+  constexpr int GB = P * PQ6_K::BYTES;
+  Vec acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = Vec(0.f);
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const uint8_t* blk = g + sb * GB;
+    for (int l = 0; l < GB; l += 64) prefetch_l2(blk + 2 * GB + l);
+    const Vec d = half16(blk + 2 * lane0);
+    const uint8_t* words = blk + 2 * P + 4 * lane0;  // word k of the lane's row: words + 4 P k
+    for (int n = 0; n < 2; ++n)
+      for (int i = 0; i < 4; ++i) {
+        IV h0[TB], l0[TB], h1[TB], l1[TB];  // sums q xq, q xr of weights 0-15 and 16-31
+        for (int t = 0; t < TB; ++t) h0[t] = l0[t] = h1[t] = l1[t] = izero();
+        const int64_t b = 8 * sb + 4 * n + i;  // x block
+        for (int j = 0; j < 8; ++j) {
+          IV ql = iload(words + 4 * P * (16 * n + 8 * (i & 1) + j));
+          ql = bytes_and(i >= 2 ? srl16(ql, 4) : ql, 15);
+          const IV qh = sll16_4(bytes_and(srl16(iload(words + 4 * P * (32 + 8 * n + j)), 2 * i), 3));
+          const IV c = ior(ql, qh);
+          for (int t = 0; t < TB; ++t) {
+            const IV xq = bcast4(x[t].q + 32 * b + 4 * j), xr = bcast4(x[t].r + 32 * b + 4 * j);
+            if (j < 4) {
+              h0[t] = dot_us(h0[t], c, xq);
+              l0[t] = dot_us(l0[t], c, xr);
+            } else {
+              h1[t] = dot_us(h1[t], c, xq);
+              l1[t] = dot_us(l1[t], c, xr);
+            }
+          }
+        }
+        const int sg = 8 * n + 2 * i;  // scale of weights 0-15 (sg + 1: 16-31), in scale word sg / 4
+        const IV sw = iload(words + 4 * P * (48 + sg / 4));
+        const Vec d0 = d * tof(signed_byte(sw, sg % 4)), d1 = d * tof(signed_byte(sw, sg % 4 + 1));
+        for (int t = 0; t < TB; ++t) {
+          const IV s0 = isub(shl8_add(h0[t], l0[t]), iset(32 * x[t].isum16[2 * b]));
+          const IV s1 = isub(shl8_add(h1[t], l1[t]), iset(32 * x[t].isum16[2 * b + 1]));
+          const Vec sx(x[t].scale[b]);
+          acc[t] = fma(tof(s0), d0 * sx, acc[t]);
+          acc[t] = fma(tof(s1), d1 * sx, acc[t]);
+        }
+      }
+  }
+  for (int t = 0; t < TB; ++t) acc[t].store(y[t] + lane0);
+}
+
 template <class F, int TB>
 ALWAYS_INLINE void tile(const uint8_t* g, int64_t nb, int lane0, const QX* x, float* const* y) {
-  if constexpr (F::K) {
+  if constexpr (F::KIND == 2) {
+    if constexpr (TB <= TBMAX_K) group_tile_q6k<TB>(g, nb, lane0, x, y);
+  } else if constexpr (F::KIND == 1) {
     if constexpr (TB <= TBMAX_K) group_tile_k<TB>(g, nb, lane0, x, y);
   } else {
     group_tile<F, TB>(g, nb, lane0, x, y);
@@ -317,7 +391,7 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
   }
 }
 
-enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12 };
+enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
 template <class Fn>
 void with_packed(int64_t type, Fn&& fn) {
@@ -326,7 +400,8 @@ void with_packed(int64_t type, Fn&& fn) {
     case T_Q4_1: fn(PQ4_1{}); break;
     case T_Q8_0: fn(PQ8_0{}); break;
     case T_Q4_K: fn(PQ4_K{}); break;
-    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q8_0, Q4_K are)");
+    case T_Q6_K: fn(PQ6_K{}); break;
+    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K are)");
   }
 }
 
@@ -360,12 +435,13 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
   // the x rows, quantized once (each row on its own: a row's result does not depend on the others)
   auto planes = torch::empty({M, 2 * K}, torch::kInt8);
   auto fl = torch::empty({M, 2 * nb}, torch::kFloat);
-  auto is = torch::empty({M, nb}, torch::kInt32);
+  auto is = torch::empty({M, 3 * nb}, torch::kInt32);
   std::vector<QX> qx(M);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     qx[m] = {planes.data_ptr<int8_t>() + m * 2 * K, planes.data_ptr<int8_t>() + m * 2 * K + K,
-             fl.data_ptr<float>() + m * 2 * nb, is.data_ptr<int32_t>() + m * nb, fl.data_ptr<float>() + m * 2 * nb + nb};
+             fl.data_ptr<float>() + m * 2 * nb, is.data_ptr<int32_t>() + m * 3 * nb, fl.data_ptr<float>() + m * 2 * nb + nb,
+             is.data_ptr<int32_t>() + m * 3 * nb + nb};
     quantize_row(xp + m * K, K, qx[m]);
   }
   float* yp = y.data_ptr<float>();
