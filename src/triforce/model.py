@@ -98,8 +98,9 @@ class QuantLinear(nn.Module):
         self.n_parts = len(parts)
         self.packed = [False] * len(parts)  # per part: raw{i} holds pack_rows bytes instead of the file's
         self.mapped = [p.mapped for p in parts]
-        for i, p in enumerate(parts):
-            self.register_buffer(f"raw{i}", p.raw, persistent=False)
+        self._names = tuple(f"raw{i}" for i in range(len(parts)))
+        for name, p in zip(self._names, parts):
+            self.register_buffer(name, p.raw, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kernel_ready = all(p.kernel_ready() for p in parts)  # types and shapes: fixed
 
@@ -135,7 +136,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         ops = self.backend.ops
-        raws = [getattr(self, f"raw{i}") for i in range(self.n_parts)]
+        raws = [self._buffers[name] for name in self._names]  # (Module.__getattr__ costs more: 121 calls a step)
         if ops is not None and rows <= PANEL_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready:
             if all(self.packed):
                 y = ops.linear_packed(x, raws, self.types, self.rows)

@@ -6,6 +6,7 @@
     python -m triforce.bench.decode_step --kv-dtype int8 # the quantized cache, and a kv4 draft step over it
     python -m triforce.bench.decode_step --kv-ab         # fp16 vs int8 cache and kv4 draft, alternating
     python -m triforce.bench.decode_step --quant-attention  # the int8 cache's attention kernel alone
+    python -m triforce.bench.decode_step --linear-formats   # each weight format's linear kernels, from DRAM
 
 Decode time does not depend on the cache's contents, so both engines get a KV cache of N tokens
 filled with random values instead of a multi-minute prefill: the work per step is exactly that of
@@ -160,6 +161,37 @@ def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5, kv_dtype: torch.dt
     return statistics.median(times)
 
 
+def linear_formats(kern, bandwidth: float, rounds: int = 4, n: int = 4096, k: int = 8192, count: int = 6) -> None:
+    """Each weight format through the block kernel (linear_quant, fp32 arithmetic) and, where it applies, the
+    integer kernel (linear_packed, 16 rows interleaved): `count` random n x k matrices in turn (more bytes
+    than any cache holds, so read from DRAM), 1 and 5 rows of x, best of `rounds`."""
+    import numpy as np
+
+    from ..quantized import FORMATS, pack_rows, packable, random_blocks
+
+    rng = np.random.default_rng(0)
+    print(f"| format | kernel | rows of x | ms per {n} x {k} | G weights/s | GB/s (of {bandwidth / 1e9:.0f}) |")
+    print("|---|---|---|---|---|---|")
+    for qtype, (name, _, _) in FORMATS.items():
+        mats = [random_blocks(qtype, n, k, rng) for _ in range(count)]
+        packed = [pack_rows(m) for m in mats] if packable(mats[0]) else None
+        for rows in (1, 5):
+            x = torch.randn(rows, k)
+            runs = [("block", lambda m, i: kern.linear_quant(x, [m.raw], [qtype]))]
+            if packed is not None:
+                runs.append(("integer", lambda m, i: kern.linear_packed(x, [packed[i]], [qtype], [n])))
+            for label, fn in runs:
+                best = float("inf")
+                for _ in range(rounds):
+                    t = time.perf_counter()
+                    for i, m in enumerate(mats):
+                        fn(m, i)
+                    best = min(best, (time.perf_counter() - t) / count)
+                nbytes = mats[0].nbytes
+                print(f"| {name} | {label} | {rows} | {best * 1e3:.2f} | {n * k / best / 1e9:.1f} | "
+                      f"{nbytes / best / 1e9:.1f} ({nbytes / best / bandwidth:.0%}) |", flush=True)
+
+
 def quant_attention_alone(model, contexts: list[int], bandwidth: float, layers: int = 40, rounds: int = 4) -> None:
     """The compiled quant_attention alone, the model's KV heads and head dim, over `layers` layers' worth of
     random planes in turn (more than an L3 cache holds: the planes come from memory, as in a step), for a
@@ -302,6 +334,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quant-attention", action="store_true",
                     help="instead: the compiled attention over the int8 cache's planes alone (8-bit and 4-bit "
                          "readings, decode and 5-token verification rows), 40 layers' worth of planes in turn")
+    ap.add_argument("--linear-formats", action="store_true",
+                    help="instead: every weight format through the block kernel and the integer kernel (Q4_0, Q4_1, "
+                         "Q8_0, Q4_K, Q6_K), 1 and 5 rows of x, from DRAM")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
     ap.add_argument("--budget", type=int, default=1024, help="retrieval budget for --draft-ab (default 1024)")
     ap.add_argument("--verify-tokens", type=int, default=5,
@@ -351,6 +386,11 @@ def main(argv=None) -> None:
             return
         if args.quant_attention:
             quant_attention_alone(model, [int(x) for x in args.contexts.split(",")], bw)
+            return
+        if args.linear_formats:
+            if kern is None:
+                ap.error("--linear-formats times the compiled kernels, and they are off here (TRIFORCE_ISA)")
+            linear_formats(kern, bw)
             return
         if args.draft_ab:
             draft_weights_ab(model, [int(x) for x in args.contexts.split(",")], args.budget, args.steps)
