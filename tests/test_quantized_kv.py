@@ -229,16 +229,27 @@ def model():
 
 @torch.no_grad()
 def test_model_logits_do_not_depend_on_feeding(model):
+    """Rejected drafts rolled back leave no trace (bit for bit: the same tokens fed the same way without
+    them), and chunking does not change the quantization (against one 300-token forward: close, not
+    bit-equal, since a many-row forward multiplies in another order and a key 1 ulp off can round to the
+    neighbouring code: seen on an AMD Zen 5, 3.4e-4)."""
     c = model.cfg
     ids = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(0))
     whole = model(ids, QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 400))
-    cache = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 400)
-    parts = [model(ids[:, :70], cache), model(ids[:, 70:141], cache)]
-    for i in range(141, 300):
-        model(torch.randint(0, 96, (1, 5)), cache)  # a rejected draft
-        cache.rollback(i)
-        parts.append(model(ids[:, i:i + 1], cache))
-    torch.testing.assert_close(torch.cat(parts, 1), whole, atol=2e-5, rtol=1e-4)
+
+    def fed(drafts: bool) -> torch.Tensor:
+        cache = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 400)
+        parts = [model(ids[:, :70], cache), model(ids[:, 70:141], cache)]
+        for i in range(141, 300):
+            if drafts:
+                model(torch.randint(0, 96, (1, 5)), cache)  # a rejected draft
+                cache.rollback(i)
+            parts.append(model(ids[:, i:i + 1], cache))
+        return torch.cat(parts, 1)
+
+    with_drafts = fed(True)
+    assert torch.equal(with_drafts, fed(False))
+    torch.testing.assert_close(with_drafts, whole, atol=2e-3, rtol=1e-3)
     full = model(ids, model.new_cache(400))
     assert (whole - full).abs().max() < 0.1 * full.abs().max()  # close to fp32, not equal
 
