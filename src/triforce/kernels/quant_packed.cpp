@@ -104,6 +104,9 @@ ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu
 #if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
 // acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
 ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+// 4-bit codes: the same into a block accumulator that nibble_sum turns into int32 lanes (here it already is)
+ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+ALWAYS_INLINE IV nibble_sum(IV acc) { return acc; }
 ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) { return dot_us(dot_us(acc, u, s), u2, s2); }
 // Q8_0's signed codes: vpdpbusd takes unsigned bytes, so q + 128 (xor of the sign bit) and 128 sum X off after
 constexpr bool Q8_OFFSET = true;
@@ -112,7 +115,11 @@ ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) { return _mm512_dpbusd_epi32(acc, _m
 ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 }
-// two 4-bit-code products summed in 16 bits first (each pair within 2 * 15 * 127)
+// 4-bit codes (Q4_K): pairs of products (each within 2 * 15 * 127) summed in 16 bits over up to 8 words
+// (within 30480), widened to int32 lanes once per block by nibble_sum
+ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
+ALWAYS_INLINE IV nibble_sum(IV acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+// two 4-bit-code products summed in 16 bits, then widened (measured faster than dot_nibbles for Q4_0 / Q4_1)
 ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {
   const IV p = _mm512_add_epi16(_mm512_maddubs_epi16(u, s), _mm512_maddubs_epi16(u2, s2));
   return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
@@ -135,11 +142,17 @@ ALWAYS_INLINE IV bcast4(const int8_t* p) {
 }
 ALWAYS_INLINE IV low_nibbles(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 ALWAYS_INLINE IV high_nibbles(IV v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-// vpmaddubsw saturates pairs at 16 bits: 4-bit codes keep 2 products of pairs within 4 * 15 * 127
+// vpmaddubsw saturates pairs at 16 bits: 6-bit codes (Q6_K) keep a pair within 2 * 63 * 127
 ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
-ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {  // (the two products summed in 16 bits first)
+// 4-bit codes (Q4_K): pairs of products (each within 2 * 15 * 127) summed in 16 bits over up to 8 words
+// (within 30480), widened to int32 lanes once per block by nibble_sum
+ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+ALWAYS_INLINE IV nibble_sum(IV acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+// two 4-bit-code products summed in 16 bits, then widened: Q4_0 / Q4_1 with 5 rows of x 1.73 -> 1.41 ms per
+// 4096 x 8192 against dot_nibbles (which is faster for Q4_K: 3.32 -> 2.91)
+ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {
   const IV p = _mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(u2, s2));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
@@ -277,10 +290,10 @@ ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const Q
         const IV v = iload(codes + 4 * P * (8 * i + j));
         const IV a = low_nibbles(v), c = high_nibbles(v);
         for (int t = 0; t < TB; ++t) {
-          ha[t] = dot_us(ha[t], a, bcast4(x[t].q + xa + 4 * j));
-          la[t] = dot_us(la[t], a, bcast4(x[t].r + xa + 4 * j));
-          hb[t] = dot_us(hb[t], c, bcast4(x[t].q + xa + 32 + 4 * j));
-          lb[t] = dot_us(lb[t], c, bcast4(x[t].r + xa + 32 + 4 * j));
+          ha[t] = dot_nibbles(ha[t], a, bcast4(x[t].q + xa + 4 * j));  // (8 words: 8 pairs per 16-bit lane)
+          la[t] = dot_nibbles(la[t], a, bcast4(x[t].r + xa + 4 * j));
+          hb[t] = dot_nibbles(hb[t], c, bcast4(x[t].q + xa + 32 + 4 * j));
+          lb[t] = dot_nibbles(lb[t], c, bcast4(x[t].r + xa + 32 + 4 * j));
         }
       }
       IV sc, m;
@@ -290,9 +303,9 @@ ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const Q
       const Vec db = d * tof(sc), mb = dmin * tof(m);
       const int64_t ba = 8 * sb + 2 * i;  // x block of sub-block 2i
       for (int t = 0; t < TB; ++t) {
-        acc[t] = fma(tof(shl8_add(ha[t], la[t])), da * Vec(x[t].scale[ba]), acc[t]);
+        acc[t] = fma(tof(shl8_add(nibble_sum(ha[t]), nibble_sum(la[t]))), da * Vec(x[t].scale[ba]), acc[t]);
         acc[t] = fma(ma, Vec(-x[t].fsum[ba]), acc[t]);
-        acc[t] = fma(tof(shl8_add(hb[t], lb[t])), db * Vec(x[t].scale[ba + 1]), acc[t]);
+        acc[t] = fma(tof(shl8_add(nibble_sum(hb[t]), nibble_sum(lb[t]))), db * Vec(x[t].scale[ba + 1]), acc[t]);
         acc[t] = fma(mb, Vec(-x[t].fsum[ba + 1]), acc[t]);
       }
     }
