@@ -119,7 +119,7 @@ ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
 // (within 30480), widened to int32 lanes once per block by nibble_sum
 ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
 ALWAYS_INLINE IV nibble_sum(IV acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
-// two 4-bit-code products summed in 16 bits, then widened (measured faster than dot_nibbles for Q4_0 / Q4_1)
+// two 4-bit-code products summed in 16 bits, then widened (as on AVX2, where it measured faster for Q4_0 / Q4_1)
 ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {
   const IV p = _mm512_add_epi16(_mm512_maddubs_epi16(u, s), _mm512_maddubs_epi16(u2, s2));
   return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
