@@ -241,6 +241,34 @@ def _gemma3_config(meta: _Metadata, rp: dict, n_layers: int, hidden: int, n_head
     }
 
 
+class _PlainMaps:
+    """numpy, as gguf's reader module sees it inside open_reader: `memmap` gives a plain ndarray view of the
+    map (its base, which keeps the map alive and is what quantized.QuantTensor looks for)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(*args, **kwargs):
+        return np.memmap(*args, **kwargs).view(np.ndarray)
+
+
+def open_reader(path: Path):
+    """gguf.GGUFReader over a plain ndarray view of the file's memory map: the same fields and tensors,
+    parsed 2-2.5x faster (np.memmap's subclass hooks run on each of the reader's ~1M slices: 1.6 s of the
+    embedded file's 98K vocabulary strings, measured; 0.6 s this way). Should gguf stop reading
+    `np.memmap` through its module's `np`, this is the plain reader again."""
+    import gguf
+    import gguf.gguf_reader as module
+
+    saved = module.np
+    module.np = _PlainMaps()
+    try:
+        return gguf.GGUFReader(str(path))
+    finally:
+        module.np = saved
+
+
 def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
               check_tokenizer: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
     """-> (HF config dict, HF-named state dict). The config round-trips through JSON.
@@ -259,7 +287,7 @@ def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
 
     arch = check_gguf_architecture(path)
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = open_reader(path)
     except Exception as e:
         raise TriforceError(f"cannot read GGUF file {path}: {e}") from e
     model_type, hf_class = _GGUF_ARCHS[arch]
