@@ -269,7 +269,8 @@ def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> Non
 
     draft = draft_weights_model(model)
     if draft is model:
-        print("the bf16 draft weights need the compiled CPU kernels, which are not available here")
+        print("no bf16 draft copy for this model: its weights are kept quantized (fewer bytes than bf16 already; "
+              "--weights fp32 has one), or the compiled CPU kernels are not available here")
         return
     c = model.cfg
     print("| context | budget | k | fp32 weights ms | bf16 draft weights ms | ratio |")
