@@ -3,7 +3,7 @@
 A GGUF weight of shape [N, K] is N rows of K / QK blocks, each block QK weights in `block_bytes` bytes
 (Q4_K: 256 weights in 144 bytes). We keep exactly those bytes, as a uint8 tensor [N, row_bytes]
 (a view of the memory-mapped file where possible), and compute with them: kernels/quant_linear.cpp
-dequantizes blocks in registers; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K are held interleaved 16 rows at a time instead
+dequantizes blocks in registers; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K are held interleaved 16 rows at a time instead
 (`pack_rows`: the same bytes) for kernels/quant_packed.cpp's integer dot products, which take x to 16
 bits per 32-element block; without the kernels, `dequantize` below turns a few rows at a time into
 fp32 with gguf's own reader code (never a whole matrix at once, see model.QuantLinear).
@@ -84,7 +84,7 @@ class QuantTensor:
 # Formats the integer kernel (kernels/quant_packed.cpp) reads repacked 16 rows at a time: type -> the
 # fp16 fields of a block (d; Q4_1: d, m; Q4_K: d, dmin) as (bytes at its start, bytes at its end: Q6_K
 # keeps d last); the rest (codes, K-quant sub-block scales) is taken as 4-byte words.
-PACKED_FIELDS = {2: (2, 0), 3: (4, 0), 8: (2, 0), 12: (4, 0), 14: (0, 2)}  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+PACKED_FIELDS = {2: (2, 0), 3: (4, 0), 8: (2, 0), 12: (4, 0), 13: (4, 0), 14: (0, 2)}  # Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K
 PACK_ROWS = 16
 
 

@@ -337,7 +337,7 @@ def main(argv=None) -> None:
                          "readings, decode and 5-token verification rows), 40 layers' worth of planes in turn")
     ap.add_argument("--linear-formats", action="store_true",
                     help="instead: every weight format through the block kernel and the integer kernel (Q4_0, Q4_1, "
-                         "Q8_0, Q4_K, Q6_K), 1 and 5 rows of x, from DRAM")
+                         "Q8_0, Q4_K, Q5_K, Q6_K), 1 and 5 rows of x, from DRAM")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
     ap.add_argument("--budget", type=int, default=1024, help="retrieval budget for --draft-ab (default 1024)")
     ap.add_argument("--verify-tokens", type=int, default=5,

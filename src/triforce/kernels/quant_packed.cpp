@@ -1,4 +1,4 @@
-// y = x W^T for W in Q4_0, Q4_1, Q8_0, Q4_K or Q6_K repacked 16 rows at a time (quantized.py pack_rows: the same
+// y = x W^T for W in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K repacked 16 rows at a time (quantized.py pack_rows: the same
 // bytes, interleaved), with integer dot products: llama.cpp's approach, made accurate to 16 bits of x.
 //
 // Why: the block kernel (quant_linear.cpp) turns every weight into an fp32 lane before its fma; at one
@@ -197,7 +197,13 @@ using PQ8_0 = Fmt<2, 8, false, 0, false>;
 // s; w = d sc_s q - dmin m_s.
 struct PQ4_K {
   static constexpr int QK = 256, BYTES = 144, KIND = 1;
-  static constexpr bool K = true;
+  static constexpr bool K = true, HIGH = false;
+};
+// Q5_K: Q4_K with 32 bytes qh (8 words) between the scales and the codes: bit s of qh byte l is bit 4 of
+// weight l of sub-block s.
+struct PQ5_K {
+  static constexpr int QK = 256, BYTES = 176, KIND = 1;
+  static constexpr bool K = true, HIGH = true;
 };
 // Q6_K: 256-weight blocks of ql (128 bytes: low 4 bits), qh (64: high 2 bits), 16 int8 scales, d (fp16, last);
 // packed: d[P] | 52 words of the P rows (ql 0-31, qh 32-47, scales 48-51). Sub-block 4 n + i of a block
@@ -268,11 +274,24 @@ ALWAYS_INLINE void k_scale_min(const IV* w, int s, IV& sc, IV& m) {
   }
 }
 
-// group_tile for Q4_K: sub-blocks in pairs (2i from the low nibbles of 8 code words, 2i + 1 from the high ones),
-// each with its own integer sums and scale.
-template <int TB>
+// The block sums of group_tile_k: 4-bit codes (Q4_K) through dot_nibbles; 5-bit ones (Q5_K: pairs up to
+// 2 * 31 * 127, too large to sum 8 of in 16 bits) through dot_us.
+template <bool HIGH>
+ALWAYS_INLINE IV k_dot(IV acc, IV u, IV s) {
+  if constexpr (HIGH) return dot_us(acc, u, s);
+  else return dot_nibbles(acc, u, s);
+}
+template <bool HIGH>
+ALWAYS_INLINE IV k_sum(IV acc) {
+  if constexpr (HIGH) return acc;
+  else return nibble_sum(acc);
+}
+
+// group_tile for Q4_K / Q5_K: sub-blocks in pairs (2i from the low nibbles of 8 code words, 2i + 1 from the
+// high ones; Q5_K: bits 2i and 2i + 1 of the 8 qh words as bit 4), each with its own integer sums and scale.
+template <class F, int TB>
 ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const QX* x, float* const* y) {
-  constexpr int GB = P * PQ4_K::BYTES;
+  constexpr int GB = P * F::BYTES;
   Vec acc[TB];
   for (int t = 0; t < TB; ++t) acc[t] = Vec(0.f);
   for (int64_t sb = 0; sb < nb; ++sb) {
@@ -281,19 +300,25 @@ ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const Q
     const Vec d = half16(blk + 2 * lane0), dmin = half16(blk + 2 * P + 2 * lane0);
     IV words[3];
     for (int j = 0; j < 3; ++j) words[j] = iload(blk + 4 * P + 4 * P * j + 4 * lane0);
-    const uint8_t* codes = blk + 16 * P + 4 * lane0;
+    const uint8_t* qh = blk + 16 * P + 4 * lane0;  // (Q5_K)
+    const uint8_t* codes = blk + (F::HIGH ? 48 : 16) * P + 4 * lane0;
     for (int i = 0; i < 4; ++i) {
       IV ha[TB], la[TB], hb[TB], lb[TB];  // sums q xq, q xr of sub-blocks 2i (a) and 2i + 1 (b)
       for (int t = 0; t < TB; ++t) ha[t] = la[t] = hb[t] = lb[t] = izero();
       const int64_t xa = 32 * (8 * sb + 2 * i);
       for (int j = 0; j < 8; ++j) {
         const IV v = iload(codes + 4 * P * (8 * i + j));
-        const IV a = low_nibbles(v), c = high_nibbles(v);
+        IV a = low_nibbles(v), c = high_nibbles(v);
+        if constexpr (F::HIGH) {
+          const IV h = iload(qh + 4 * P * j);
+          a = ior(a, sll16_4(bytes_and(srl16(h, 2 * i), 1)));
+          c = ior(c, sll16_4(bytes_and(srl16(h, 2 * i + 1), 1)));
+        }
         for (int t = 0; t < TB; ++t) {
-          ha[t] = dot_nibbles(ha[t], a, bcast4(x[t].q + xa + 4 * j));  // (8 words: 8 pairs per 16-bit lane)
-          la[t] = dot_nibbles(la[t], a, bcast4(x[t].r + xa + 4 * j));
-          hb[t] = dot_nibbles(hb[t], c, bcast4(x[t].q + xa + 32 + 4 * j));
-          lb[t] = dot_nibbles(lb[t], c, bcast4(x[t].r + xa + 32 + 4 * j));
+          ha[t] = k_dot<F::HIGH>(ha[t], a, bcast4(x[t].q + xa + 4 * j));  // (Q4_K, 8 words: 8 pairs per 16-bit lane)
+          la[t] = k_dot<F::HIGH>(la[t], a, bcast4(x[t].r + xa + 4 * j));
+          hb[t] = k_dot<F::HIGH>(hb[t], c, bcast4(x[t].q + xa + 32 + 4 * j));
+          lb[t] = k_dot<F::HIGH>(lb[t], c, bcast4(x[t].r + xa + 32 + 4 * j));
         }
       }
       IV sc, m;
@@ -303,9 +328,9 @@ ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const Q
       const Vec db = d * tof(sc), mb = dmin * tof(m);
       const int64_t ba = 8 * sb + 2 * i;  // x block of sub-block 2i
       for (int t = 0; t < TB; ++t) {
-        acc[t] = fma(tof(shl8_add(nibble_sum(ha[t]), nibble_sum(la[t]))), da * Vec(x[t].scale[ba]), acc[t]);
+        acc[t] = fma(tof(shl8_add(k_sum<F::HIGH>(ha[t]), k_sum<F::HIGH>(la[t]))), da * Vec(x[t].scale[ba]), acc[t]);
         acc[t] = fma(ma, Vec(-x[t].fsum[ba]), acc[t]);
-        acc[t] = fma(tof(shl8_add(nibble_sum(hb[t]), nibble_sum(lb[t]))), db * Vec(x[t].scale[ba + 1]), acc[t]);
+        acc[t] = fma(tof(shl8_add(k_sum<F::HIGH>(hb[t]), k_sum<F::HIGH>(lb[t]))), db * Vec(x[t].scale[ba + 1]), acc[t]);
         acc[t] = fma(mb, Vec(-x[t].fsum[ba + 1]), acc[t]);
       }
     }
@@ -365,7 +390,7 @@ ALWAYS_INLINE void tile(const uint8_t* g, int64_t nb, int lane0, const QX* x, fl
   if constexpr (F::KIND == 2) {
     if constexpr (TB <= TBMAX_K) group_tile_q6k<TB>(g, nb, lane0, x, y);
   } else if constexpr (F::KIND == 1) {
-    if constexpr (TB <= TBMAX_K) group_tile_k<TB>(g, nb, lane0, x, y);
+    if constexpr (TB <= TBMAX_K) group_tile_k<F, TB>(g, nb, lane0, x, y);
   } else {
     group_tile<F, TB>(g, nb, lane0, x, y);
   }
@@ -404,7 +429,7 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
   }
 }
 
-enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
 template <class Fn>
 void with_packed(int64_t type, Fn&& fn) {
@@ -413,8 +438,9 @@ void with_packed(int64_t type, Fn&& fn) {
     case T_Q4_1: fn(PQ4_1{}); break;
     case T_Q8_0: fn(PQ8_0{}); break;
     case T_Q4_K: fn(PQ4_K{}); break;
+    case T_Q5_K: fn(PQ5_K{}); break;
     case T_Q6_K: fn(PQ6_K{}); break;
-    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K are)");
+    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K are)");
   }
 }
 
