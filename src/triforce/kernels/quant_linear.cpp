@@ -26,39 +26,24 @@
 namespace triforce {
 namespace {
 
-// The formats' prepare / sub are always inlined into the tile loop: GCC left Q4_1's sub a call in the
-// AVX2 build (weights through memory, 1.5x slower with 5 rows of x).
-#define ALWAYS_INLINE __attribute__((always_inline)) inline
+// The formats' prepare / sub are always inlined into the tile loop (simd.h's ALWAYS_INLINE): GCC left Q4_1's
+// sub a call in the AVX2 build (weights through memory, 1.5x slower with 5 rows of x).
 
 constexpr int NV = 32 / W;  // vectors per 32-weight sub-block: 4 (AVX2) or 2 (AVX-512)
 
-// Integer lanes of one vector (W int32), and the few operations the formats need.
+// Integer lanes of one vector (simd.h's IV), and the further operations the formats need.
 #if defined(CPU_CAPABILITY_AVX512)
-using IV = __m512i;
 inline IV widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline IV widen_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline IV iset(int v) { return _mm512_set1_epi32(v); }
-inline IV iand(IV a, IV b) { return _mm512_and_si512(a, b); }
-inline IV ior(IV a, IV b) { return _mm512_or_si512(a, b); }
-inline IV srl(IV a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 inline IV srlv(IV a, IV n) { return _mm512_srlv_epi32(a, n); }
-inline IV sll4(IV a) { return _mm512_slli_epi32(a, 4); }
 inline IV lanes() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-inline Vec tof(IV a) { return _mm512_cvtepi32_ps(a); }
 inline Vec iota() { return _mm512_cvtepi32_ps(lanes()); }  // 0, 1, ..., 15
 inline Vec lookup(IV idx, const Vec& table) { return _mm512_permutexvar_ps(idx, table); }  // table[idx & 15]
 #else
-using IV = __m256i;
 inline IV widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline IV widen_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline IV iset(int v) { return _mm256_set1_epi32(v); }
-inline IV iand(IV a, IV b) { return _mm256_and_si256(a, b); }
-inline IV ior(IV a, IV b) { return _mm256_or_si256(a, b); }
-inline IV srl(IV a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 inline IV srlv(IV a, IV n) { return _mm256_srlv_epi32(a, n); }
-inline IV sll4(IV a) { return _mm256_slli_epi32(a, 4); }
 inline IV lanes() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
-inline Vec tof(IV a) { return _mm256_cvtepi32_ps(a); }
 inline Vec iota() { return _mm256_cvtepi32_ps(lanes()); }  // (the 16-entry lookups are AVX-512 only)
 inline Vec lookup(IV, const Vec& table) { return table; }
 #endif

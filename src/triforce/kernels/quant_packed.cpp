@@ -24,14 +24,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "ops.h"
 #include "simd.h"
 
 namespace triforce {
 namespace {
-
-#define ALWAYS_INLINE __attribute__((always_inline)) inline
 
 constexpr int P = 16;  // rows per packed group
 
@@ -73,9 +72,8 @@ void quantize_row(const float* x, int64_t K, const QX& o) {
   }
 }
 
-// Integer lanes (W int32) and the dot products of 4 bytes per lane.
+// More operations on integer lanes (simd.h's IV), and the dot products of 4 bytes per lane.
 #if defined(CPU_CAPABILITY_AVX512)
-using IV = __m512i;
 ALWAYS_INLINE IV izero() { return _mm512_setzero_si512(); }
 ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
 ALWAYS_INLINE IV bcast4(const int8_t* p) {
@@ -86,11 +84,6 @@ ALWAYS_INLINE IV bcast4(const int8_t* p) {
 ALWAYS_INLINE IV low_nibbles(IV v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 ALWAYS_INLINE IV high_nibbles(IV v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm512_add_epi32(_mm512_slli_epi32(a, 8), b); }
-ALWAYS_INLINE IV bits(IV a, int shift, int mask) {  // (a >> shift) & mask per lane
-  return _mm512_and_si512(_mm512_srl_epi32(a, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
-}
-ALWAYS_INLINE IV ior(IV a, IV b) { return _mm512_or_si512(a, b); }
-ALWAYS_INLINE IV sll4(IV a) { return _mm512_slli_epi32(a, 4); }
 ALWAYS_INLINE IV bytes_and(IV a, int c) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(c))); }
 ALWAYS_INLINE IV srl16(IV a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(n)); }
 ALWAYS_INLINE IV sll16_4(IV a) { return _mm512_slli_epi16(a, 4); }
@@ -98,8 +91,6 @@ ALWAYS_INLINE IV signed_byte(IV a, int k) {  // byte k of each lane, sign-extend
   return _mm512_sra_epi32(_mm512_sll_epi32(a, _mm_cvtsi32_si128(24 - 8 * k)), _mm_cvtsi32_si128(24));
 }
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm512_sub_epi32(a, b); }
-ALWAYS_INLINE IV iset(int v) { return _mm512_set1_epi32(v); }
-ALWAYS_INLINE Vec tof(IV a) { return _mm512_cvtepi32_ps(a); }
 ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
 // acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
@@ -132,7 +123,6 @@ ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {  // |q| times x with q's sign: pai
 }
 #endif
 #else
-using IV = __m256i;
 ALWAYS_INLINE IV izero() { return _mm256_setzero_si256(); }
 ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 ALWAYS_INLINE IV bcast4(const int8_t* p) {
@@ -157,11 +147,6 @@ ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm256_add_epi32(_mm256_slli_epi32(a, 8), b); }
-ALWAYS_INLINE IV bits(IV a, int shift, int mask) {  // (a >> shift) & mask per lane
-  return _mm256_and_si256(_mm256_srl_epi32(a, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
-}
-ALWAYS_INLINE IV ior(IV a, IV b) { return _mm256_or_si256(a, b); }
-ALWAYS_INLINE IV sll4(IV a) { return _mm256_slli_epi32(a, 4); }
 ALWAYS_INLINE IV bytes_and(IV a, int c) { return _mm256_and_si256(a, _mm256_set1_epi8(static_cast<char>(c))); }
 ALWAYS_INLINE IV srl16(IV a, int n) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(n)); }
 ALWAYS_INLINE IV sll16_4(IV a) { return _mm256_slli_epi16(a, 4); }
@@ -169,8 +154,6 @@ ALWAYS_INLINE IV signed_byte(IV a, int k) {  // byte k of each lane, sign-extend
   return _mm256_sra_epi32(_mm256_sll_epi32(a, _mm_cvtsi32_si128(24 - 8 * k)), _mm_cvtsi32_si128(24));
 }
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm256_sub_epi32(a, b); }
-ALWAYS_INLINE IV iset(int v) { return _mm256_set1_epi32(v); }
-ALWAYS_INLINE Vec tof(IV a) { return _mm256_cvtepi32_ps(a); }
 ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 // Q8_0: |q| times x with q's sign (vpsignb), pairs within 2 * 127 * 127: no saturation, no offset
 constexpr bool Q8_OFFSET = false;
@@ -179,6 +162,8 @@ ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {
                                                  _mm256_set1_epi16(1)));
 }
 #endif
+
+ALWAYS_INLINE IV bits(IV a, int shift, int mask) { return iand(srl(a, shift), iset(mask)); }  // (a >> shift) & mask
 
 // The formats: bytes per row and block (BYTES), scale bytes per row (HEAD: d, and Q4_1's m), code words
 // per row (WORDS), and the code offset taken off through sum X (Q4_0: 8).
@@ -472,15 +457,15 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
   // the x rows, quantized once (each row on its own: a row's result does not depend on the others)
-  auto planes = torch::empty({M, 2 * K}, torch::kInt8);
-  auto fl = torch::empty({M, 2 * nb}, torch::kFloat);
-  auto is = torch::empty({M, 3 * nb}, torch::kInt32);
+  // (plain vectors, not tensors: this runs 121 times a decode step)
+  std::vector<int8_t> planes(M * 2 * K);
+  std::vector<float> fl(M * 2 * nb);
+  std::vector<int32_t> is(M * 3 * nb);
   std::vector<QX> qx(M);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    qx[m] = {planes.data_ptr<int8_t>() + m * 2 * K, planes.data_ptr<int8_t>() + m * 2 * K + K,
-             fl.data_ptr<float>() + m * 2 * nb, is.data_ptr<int32_t>() + m * 3 * nb, fl.data_ptr<float>() + m * 2 * nb + nb,
-             is.data_ptr<int32_t>() + m * 3 * nb + nb};
+    qx[m] = {planes.data() + m * 2 * K, planes.data() + m * 2 * K + K, fl.data() + m * 2 * nb,
+             is.data() + m * 3 * nb, fl.data() + m * 2 * nb + nb, is.data() + m * 3 * nb + nb};
     quantize_row(xp + m * K, K, qx[m]);
   }
   float* yp = y.data_ptr<float>();

@@ -47,6 +47,29 @@ inline Vec load(const c10::Half* p) {
 
 inline Vec fma(const Vec& a, const Vec& b, const Vec& c) { return at::vec::fmadd(a, b, c); }
 
+// (the quantized-weight kernels keep their per-format decoders inlined into their tile loops: GCC otherwise
+// left some as calls, with the accumulators through memory)
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+
+// W int32 lanes, raw, and the few operations both quantized-weight kernels take from them.
+#if defined(CPU_CAPABILITY_AVX512)
+using IV = __m512i;
+ALWAYS_INLINE IV iset(int v) { return _mm512_set1_epi32(v); }
+ALWAYS_INLINE IV iand(IV a, IV b) { return _mm512_and_si512(a, b); }
+ALWAYS_INLINE IV ior(IV a, IV b) { return _mm512_or_si512(a, b); }
+ALWAYS_INLINE IV srl(IV a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+ALWAYS_INLINE IV sll4(IV a) { return _mm512_slli_epi32(a, 4); }
+ALWAYS_INLINE Vec tof(IV a) { return _mm512_cvtepi32_ps(a); }
+#else
+using IV = __m256i;
+ALWAYS_INLINE IV iset(int v) { return _mm256_set1_epi32(v); }
+ALWAYS_INLINE IV iand(IV a, IV b) { return _mm256_and_si256(a, b); }
+ALWAYS_INLINE IV ior(IV a, IV b) { return _mm256_or_si256(a, b); }
+ALWAYS_INLINE IV srl(IV a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+ALWAYS_INLINE IV sll4(IV a) { return _mm256_slli_epi32(a, 4); }
+ALWAYS_INLINE Vec tof(IV a) { return _mm256_cvtepi32_ps(a); }
+#endif
+
 // max without NaN propagation (at::vec::maximum adds a NaN check per call; scores are never NaN)
 inline Vec vmax(const Vec& a, const Vec& b) {
 #if defined(CPU_CAPABILITY_AVX512)
