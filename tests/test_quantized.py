@@ -307,6 +307,24 @@ def test_embedded_model_native_equals_fp32_weights(tmp_path, all_threads):
     assert weight_bytes(native.model) < weight_bytes(fp32.model) / 5
 
 
+@pytest.mark.skipif(not embedded_available(), reason="embedded model not installed")
+@torch.no_grad()
+def test_gguf_on_a_gpu_is_held_in_the_model_dtype(monkeypatch):
+    """On a GPU (loading.holds_quantized False: simulated here on the CPU) a GGUF's blocks are dequantized
+    at load to --dtype, as a Hugging Face directory's weights are: plain Linear layers, the same weights."""
+    import triforce.loading as loading
+
+    native = load_model(progress=False).model
+    monkeypatch.setattr(loading, "holds_quantized", lambda device: False)
+    plain = load_model(progress=False, weights="native").model
+    assert native.quantized and not plain.quantized
+    assert not any(isinstance(m, QuantLinear) for m in plain.modules())
+    w = plain.layers[0].wqkv.weight
+    q = native.layers[0].wqkv
+    ref = torch.cat([dequantize(q.part_rows(i, 0, n)) for i, n in enumerate(q.rows)])
+    assert torch.equal(w, ref)
+
+
 def test_info_on_a_hugging_face_directory(tmp_path, capsys):
     hf_dir, _ = saved(tmp_path, "llama")
     assert cli_main(["info", "--model", str(hf_dir), "--context-length", "100"]) == 0

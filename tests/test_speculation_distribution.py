@@ -46,7 +46,8 @@ def prompt():
 def exact_marginals(model, prompt, params, positions=POSITIONS) -> list[torch.Tensor]:
     """Marginal distribution of each of the first `positions` generated tokens."""
     def next_probs(ctx):
-        return probs_from_logits(model(torch.tensor([ctx]), model.new_cache(len(ctx)))[0, -1], params)
+        return probs_from_logits(model(torch.tensor([ctx], device=model.device), model.new_cache(len(ctx)))[0, -1],
+                                 params)
 
     marginals = [torch.zeros(V, dtype=torch.float64) for _ in range(positions)]
     for depth in range(positions):
@@ -55,7 +56,7 @@ def exact_marginals(model, prompt, params, positions=POSITIONS) -> list[torch.Te
             for i in range(depth):  # probability of the prefix
                 weight *= float(next_probs(prompt + list(prefix[:i]))[prefix[i]])
             if weight > 0:
-                marginals[depth] += weight * next_probs(prompt + list(prefix)).double()
+                marginals[depth] += weight * next_probs(prompt + list(prefix)).double().cpu()
     return marginals
 
 
@@ -146,7 +147,7 @@ def wrong_accept(draft, q, p, generator):
     """The research code's middle-level bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     j = 0
     for i, x in enumerate(draft):
-        if float(torch.rand(1, generator=generator)) * float(q[i, x]) < float(p[i, x]):
+        if float(torch.rand(1, generator=generator, device=generator.device)) * float(q[i, x]) < float(p[i, x]):
             j = i + 1
         else:
             break

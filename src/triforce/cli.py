@@ -33,8 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the embedded SmolLM2-135M-Instruct, RoPE base 4e5, 32K context)")
     g.add_argument("--rope-theta", type=float, metavar="BASE", help="override the RoPE base (e.g. 4e5)")
     g.add_argument("--max-context", type=_positive_int, metavar="N", help="override the maximum context in tokens")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="weights and activations dtype (default float32: faster than bf16 on CPUs without AMX)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights and activations dtype (default float32 on CPU: faster than bf16 on CPUs without "
+                        "AMX; bfloat16 on CUDA)")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help=f"the target's KV cache dtype (its stored keys and values only; ar and every stack use "
                         f"it, so the output stays exact for it): default {DEFAULT_KV_DTYPE} with float32 weights "
@@ -42,6 +43,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"0.55x fp16's bytes, read at 4 bits by kv4 levels (docs/quantized_kv.md)")
     g.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     g.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
+    g.add_argument("--offload-kv", action="store_true",
+                   help="CUDA: keep the target's full KV cache in pinned host memory, streamed over PCIe for each "
+                        "verification; drafting caches stay on the GPU (docs/gpu.md)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="CUDA: run every forward eagerly instead of replaying CUDA graphs of the decode-sized ones "
+                        "(slower; for debugging)")
     g.add_argument("--threads", type=_positive_int, metavar="N",
                    help="CPU threads (default: PyTorch's, one per core; peers in `bench` use as many). Use fewer "
                         "when other work shares the cores: a parallel step waits for its slowest thread, so a "
@@ -75,9 +82,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="weights of the target when it drafts (retrieval and streaming levels): bf16 (default; "
                         "half the bytes per forward, needs the CPU kernels, else fp32) or fp32. The output "
                         "is exact either way: the full level verifies with the fp32 weights")
-    g.add_argument("--draft-kv-dtype", choices=FLOAT_KV_DTYPES, default=d.draft_kv_dtype,
+    g.add_argument("--draft-kv-dtype", choices=FLOAT_KV_DTYPES, default=None,
                    help=f"KV cache dtype of the drafting levels (retrieval, streaming, a draft model; default "
-                        f"{d.draft_kv_dtype}). The output is exact either way")
+                        f"{d.draft_kv_dtype} on CPU, the weights' dtype on CUDA). The output is exact either way")
     g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
     g.add_argument("--window", type=_positive_int, default=d.window, metavar="N",
                    help=f"StreamingLLM recent window, for a streaming level without :BUDGET (default {d.window})")
@@ -108,6 +115,14 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="print the stack that --method or --levels/--gammas expand to, and exit")
 
 
+def _default_draft_kv(args) -> str:
+    """CPU: the measured default (config.DEFAULT_DRAFT_KV_DTYPE); CUDA: the weights' dtype (the GPU
+    attention kernel reads K/V in the activations' dtype: another would be converted every forward)."""
+    if not str(getattr(args, "device", "cpu")).startswith("cuda"):
+        return SpecConfig.draft_kv_dtype
+    return {"float32": "fp32", "float16": "fp16"}.get(getattr(args, "dtype", None) or "bfloat16", "bf16")
+
+
 def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
     """-> (config, path of a draft model or None)."""
     draft, path = args.draft, None
@@ -116,7 +131,7 @@ def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
     cfg = SpecConfig(gamma=args.gamma, gamma_draft=args.gamma_draft, draft=draft, budget=args.budget,
                      chunk_size=args.chunk_size, recent=args.recent, rebuild_every=args.rebuild_every,
                      sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk,
-                     draft_weights=args.draft_weights, draft_kv_dtype=args.draft_kv_dtype)
+                     draft_weights=args.draft_weights, draft_kv_dtype=args.draft_kv_dtype or _default_draft_kv(args))
     cfg.validate()
     return cfg, path
 
@@ -331,21 +346,18 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
     if args.print_stack:
         print(stack)
         return 0
-    import torch
-
     from .generate import check_request, generate_stream
-    from .loading import load_model
+    from .loading import configure_device, load_model, resolve_dtype
     from .sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
     progress = not args.quiet and not args.json
-    dtype = getattr(torch, args.dtype)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
+    dtype = resolve_dtype(args)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=not args.quiet,
                         weights=args.weights,
                         kv_dtype=args.kv_dtype)
+    configure_device(loaded.model, args)
     prompt = _read_prompt(args, loaded.tokenizer)
     check_request(len(prompt), args.max_new_tokens, loaded.config.max_context)
     from .memory import check_kv_fits

@@ -35,7 +35,9 @@ WEIGHTS = ("native", "bf16", "fp32")
 WEIGHTS_HELP = ("how the weights are held: native (default) keeps a GGUF file's quantized blocks as stored "
                 "(memory = the file's tensor bytes; kernels dequantize them in registers); bf16 holds every "
                 "projection in bf16 (2 bytes per weight); fp32 dequantizes the file once to a cached fp32 copy "
-                "(4 bytes). A Hugging Face directory's native weights are its fp32 ones. Activations are fp32 in all.")
+                "(4 bytes). A Hugging Face directory's native weights are its fp32 ones. Activations are fp32 in all. "
+                "On CUDA (--device cuda) native and bf16 hold the weights in --dtype instead: the quantized "
+                "kernels are the CPU's.")
 
 _KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 

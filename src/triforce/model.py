@@ -21,6 +21,7 @@ from . import kernels
 from .config import ModelConfig
 from .errors import TriforceError
 from .caches.base import KVCache, TokenBlock, causal_mask, kv_dtype
+from .caches.static import SlotMask, StaticView
 from .caches.quantized import QuantizedKV
 from .quantized import BF16, FORMATS, QuantTensor, dequantize, pack_rows, packable, release, unpack_rows
 from .rope import Rotary, apply_rotary
@@ -236,11 +237,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     """
     B, Hq, T, D = q.shape
     scale = D ** -0.5 if scale is None else scale
+    if isinstance(mask, SlotMask):  # a forward with fixed shapes (a CUDA graph)
+        return slot_attention(q, k, v, mask, scale)
     if isinstance(k, QuantizedKV):  # a quantized cache: its planes and buffer, read by its own attention
-        return k.attend(q, scale, ops)
+        return k.attend(q, scale, ops if q.device.type == "cpu" else None)
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D in KERNEL_HEAD_DIMS \
+    if B == 1 and g * T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D in KERNEL_HEAD_DIMS and q.device.type == "cpu" \
             and (mask is None or isinstance(mask, str)) and ops is not None \
             and (k.dtype == torch.float32 or getattr(ops, "HALF_KV", False)):
         out = ops.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, mask is not None and T > 1, scale)
@@ -255,7 +258,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     if mask is not None and g > 1:
         mask = mask.repeat(g, 1)  # rows are (group head, token)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.view(B, Hq, T, D)
+    return out.reshape(B, Hq, T, D)  # CUDA's memory-efficient kernel returns a transposed layout
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [N, R, D] @ k [N, S, D]^T -> fp32 [N, R, S], accumulated in fp32 whatever the inputs' dtype: on
+    CUDA straight to fp32 (bmm's out_dtype, no fp32 copy of K), elsewhere through an fp32 product."""
+    if q.dtype != torch.float32 and q.is_cuda:
+        try:
+            return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without bmm's out_dtype
+            pass
+    return torch.bmm(q.float(), k.transpose(1, 2).float())
+
+
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SlotMask, scale: float) -> torch.Tensor:
+    """Attention of a fixed-shape forward (a CUDA graph; caches/static.py): q [B, Hq, T, D]; k, v
+    [B, Hkv, C, D], a cache layer's whole capacity C in q's dtype -> [B, Hq, T, D]. Nothing depends on
+    how many slots are filled, so the same kernels replay at every length.
+
+    With the CUDA kernel (mask.last): split-KV decoding that reads the keys up to the last visible slot
+    only, each query row's arithmetic independent of the other rows (kernels/cuda_decode.py). Without:
+    two batched matrix products over every slot under mask.bias (scores and softmax in fp32), whose cost
+    is the capacity's."""
+    B, Hq, T, D = q.shape
+    Hkv, C = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    if mask.last is not None:
+        from .kernels import cuda_decode
+
+        out = cuda_decode.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], mask.last, scale,
+                                           mask.block_m, mask.split)
+        return out.view(B, Hq, T, D)
+    qg = (q * scale).reshape(B * Hkv, g * T, D)  # rows (head in group, token): K is never repeated
+    s = _scores(qg, k.reshape(B * Hkv, C, D)).view(B * Hkv, g, T, C) + mask.bias
+    p = torch.softmax(s, dim=-1).to(v.dtype).view(B * Hkv, g * T, C)
+    return torch.bmm(p, v.reshape(B * Hkv, C, D)).view(B, Hq, T, D)
 
 
 class Block(nn.Module):
@@ -327,6 +365,12 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     backend: kernels.Backend = kernels.TORCH  # chosen by select_backend (build_model, to())
+    # On CUDA: the CUDA graphs of its decode-sized forwards (graphs.py), made by select_backend; None
+    # elsewhere, or to run every forward eagerly (--no-cuda-graphs).
+    graphs = None
+    # Keep the target's full KV cache in pinned host memory, streamed to the GPU per layer (--offload-kv;
+    # caches/offload.py); drafting caches stay on the GPU.
+    offload_kv = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -374,8 +418,8 @@ class Transformer(nn.Module):
     def kv_dtype(self, value) -> None:
         self._kv_dtype = None if value is None else kv_dtype(value)
 
-    def to(self, *args, **kwargs):  # keep RoPE frequencies on the model's device, and its backend fitting
-        out = super().to(*args, **kwargs)
+    def _apply(self, fn, recurse=True):  # to(), cuda(), half(), ...: RoPE frequencies follow, the backend is re-chosen
+        out = super()._apply(fn, recurse)
         for rotary in (out.rotary, out.rotary_local):
             if rotary is not None:
                 rotary.inv_freq = rotary.inv_freq.to(out.device)
@@ -413,13 +457,40 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def forward_static(self, tokens: torch.Tensor, positions: torch.Tensor, view: StaticView) -> torch.Tensor:
+        """The forward with fixed shapes and no host synchronisation, for capture in a CUDA graph:
+        tokens [B, T] at RoPE positions [T] (device tensors), stored at `view`'s slots of its cache,
+        each token seeing the slots up to its own (view.prepare) -> fp32 logits [B, T, V]. The cache's
+        Python-side length is not touched (the caller commits). Not for dynamic RoPE (its frequencies
+        follow the length) or sliding-window models."""
+        view.prepare()
+        rope = self.rotary.cos_sin(positions, self.dtype)
+        x = self.embed(tokens)
+        if self.cfg.scale_embeddings:
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, *rope, view)
+        logits = self.lm_head(self.norm(x))
+        if (cap := self.cfg.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
     def select_backend(self) -> None:
         """Choose, once, the operations every layer runs (kernels.Backend) for this model's device and
         dtype; called when the model is built and when it moves."""
         backend = kernels.Backend.for_model(self.device, self.dtype)
+        self.graphs = None
+        if self.device.type == "cuda":
+            from .graphs import GraphedForwards
+
+            self.graphs = GraphedForwards(self)
         for m in self.modules():
-            if isinstance(m, (Linear, QuantLinear, QuantEmbedding, RMSNorm, Block)):
+            if isinstance(m, Linear) and self.device.type != "cpu":  # CPU-only copies of the weights: dropped
+                m.panels = m.packed = None
+            if isinstance(m, (RMSNorm, Block)):
                 m.backend = backend
+            elif isinstance(m, (Linear, QuantLinear, QuantEmbedding)):  # matrix kernels: the CPU's only
+                m.backend = backend if backend.enabled else kernels.TORCH
         self.backend = backend
 
     def pack_weights(self) -> None:
@@ -495,6 +566,17 @@ class Transformer(nn.Module):
             return QuantizedCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, bits=8,
                                   batch=batch, dtype=INT8_BUFFER_DTYPE, device=self.device,
                                   record_queries=record_queries)
+        if self.offload_kv:
+            from .caches.offload import OffloadedCache
+
+            if self.windows is not None or self.device.type != "cuda":
+                raise TriforceError("--offload-kv needs a CUDA device and a model without sliding-window layers")
+            return OffloadedCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context,
+                                  batch=batch, dtype=dtype, device=self.device, record_queries=record_queries)
+        if self.graphs is not None:  # room for the padding rows of a graph forward (graphs.py)
+            from .graphs import GRAPH_ROWS
+
+            capacity = (capacity or cfg.max_context) + GRAPH_ROWS
         kw = dict(batch=batch, dtype=dtype, device=self.device, record_queries=record_queries)
         if self.windows is not None:
             return SlidingWindowCache(self.windows, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)

@@ -444,7 +444,7 @@ def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: di
 def main(args, config, draft_path: str | None, stacks=()) -> int:
     """`triforce bench` (the CLI has parsed and checked the speculation options into config, and
     --stacks into StackSpecs)."""
-    from ..loading import load_model
+    from ..loading import configure_device, load_model, resolve_dtype
     from . import peers as peer_mod
     from .hardware import measure_bandwidth
 
@@ -455,11 +455,12 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     for f in args.prompt_file or ():
         if not Path(f).is_file():
             raise TriforceError(f"prompt file not found: {f}")
-    dtype = getattr(torch, args.dtype)
+    dtype = resolve_dtype(args)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=not args.quiet,
                         weights=args.weights,
                         kv_dtype=getattr(args, "kv_dtype", None))
+    configure_device(loaded.model, args)
     draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
                         weights=args.weights,
                              max_context=loaded.config.max_context, progress=False) if draft_path else None

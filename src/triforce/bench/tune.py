@@ -162,7 +162,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
 def main(args, config) -> int:
     """`triforce tune` (the CLI has parsed and checked the speculation options into config)."""
     from ..generate import generate
-    from ..loading import load_model
+    from ..loading import configure_device, load_model, resolve_dtype
     from .methods import sampling_params
 
     try:
@@ -170,9 +170,10 @@ def main(args, config) -> int:
     except ValueError:
         raise TriforceError(f"--budgets must be comma-separated integers, got {args.budgets!r}") from None
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context,
-                        dtype=getattr(torch, args.dtype), device=args.device, cache_dir=args.cache_dir,
+                        dtype=resolve_dtype(args), device=args.device, cache_dir=args.cache_dir,
                         weights=args.weights,
                         progress=not args.quiet, kv_dtype=getattr(args, "kv_dtype", None))
+    configure_device(loaded.model, args)
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     # room past the prompt: a tree round's lookahead (_main_trees' capacity), or the largest gamma's
     room = (TREE_ROOM + max(args.tokens, 64) if args.trees

@@ -69,6 +69,10 @@ class KVCache:
     # windows are not its config's layer_windows: any other cache would silently attend to keys the
     # model never sees.
     windows: tuple[int | None, ...] | None = None
+    # Whether new token i sees exactly the storage slots up to its own (`_slot` of its position) and its
+    # buffers are self.k / self.v on the model's device: then a fixed-shape forward (a CUDA graph,
+    # caches/static.py) may run through it.
+    SLOT_CAUSAL = False
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         raise NotImplementedError

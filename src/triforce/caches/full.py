@@ -14,6 +14,8 @@ class FullCache(KVCache):
     cache can be (re)built from them.
     """
 
+    SLOT_CAUSAL = True  # a fixed-shape forward may run through it (caches/static.py)
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
                  batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  record_queries: bool = False):

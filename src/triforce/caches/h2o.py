@@ -30,6 +30,8 @@ SCORE_BLOCK = 16  # queries scored at once (bounds the [Hq, block, N] attention 
 
 
 class H2OCache(RetrievalCache):
+    SLOT_CAUSAL = False  # its selection reads attention scores: eager
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, budget: int, recent: int = 64,
                  scale: float | None = None, **kw):
         if budget <= recent:

@@ -20,6 +20,8 @@ from .full import FullCache
 
 
 class RetrievalCache(KVCache):
+    SLOT_CAUSAL = True  # a fixed-shape forward may run through it (caches/static.py)
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, budget: int, chunk_size: int = 8,
                  recent: int = 64, max_new: int = 512, batch: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):

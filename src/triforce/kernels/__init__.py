@@ -130,19 +130,29 @@ def cpu():
 class Backend:
     """Which operations a model's layers run, chosen once when the model is built
     (Transformer.select_backend): the compiled CPU kernels for an fp32 model on the CPU where they
-    build, else PyTorch's. Every layer of the model holds the same Backend and reads `ops` (the
-    module, or None for PyTorch); `override` swaps what an enabled Backend returns (tests, A/B runs)."""
+    build; on CUDA with Triton, its fused layer operations (kernels/cuda_ops.py: rms_norm, rope_split,
+    silu_mul); else PyTorch's. Every layer of the model holds the same Backend and reads `ops` (the
+    module, or None for PyTorch); `enabled` says the CPU kernels are on; `override` swaps what an
+    enabled Backend returns (tests, A/B runs)."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, module=None):
         self.enabled = enabled
+        self._module = module
 
     @property
     def ops(self):
+        if self._module is not None:
+            return self._module
         return cpu() if self.enabled else None
 
     @classmethod
     def for_model(cls, device: torch.device | str, dtype: torch.dtype) -> Backend:
-        return cls(torch.device(device).type == "cpu" and dtype == torch.float32 and cpu() is not None)
+        device = torch.device(device)
+        if device.type == "cuda":
+            from . import cuda_ops
+
+            return cls(False, cuda_ops) if cuda_ops.available() else TORCH
+        return cls(device.type == "cpu" and dtype == torch.float32 and cpu() is not None)
 
 
 TORCH = Backend(False)  # PyTorch's operations only: layers not (yet) part of a built model

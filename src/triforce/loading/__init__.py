@@ -245,6 +245,38 @@ def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dty
     return model
 
 
+def holds_quantized(device) -> bool:
+    """Whether a GGUF file's quantized blocks stay quantized on `device`: on the CPU (its kernels read them);
+    on a GPU the weights are held in the model's dtype (--dtype; bf16 by default), as a Hugging Face
+    directory's are."""
+    return torch.device(device).type == "cpu"
+
+
+def dequantized_state_dict(sd: dict, dtype: torch.dtype) -> dict:
+    """`sd` with every QuantTensor dequantized to `dtype` (one tensor at a time in fp32)."""
+    from ..quantized import QuantTensor, dequantize
+
+    return {name: dequantize(t).to(dtype) if isinstance(t, QuantTensor) else t for name, t in sd.items()}
+
+
+def resolve_dtype(args) -> torch.dtype:
+    """The weights' dtype of parsed CLI options: --dtype, else float32 on CPU and bfloat16 on CUDA; a CUDA
+    device that is not there is refused here, before anything loads."""
+    cuda = str(args.device).startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
+    if getattr(args, "offload_kv", False) and not cuda:
+        raise TriforceError("--offload-kv streams the KV cache from host memory to a GPU: add --device cuda")
+    return getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+
+
+def configure_device(model: Transformer, args) -> None:
+    """Apply the CUDA options of parsed CLI options to a loaded target: --offload-kv, --no-cuda-graphs."""
+    model.offload_kv = bool(getattr(args, "offload_kv", False))
+    if not getattr(args, "cuda_graphs", True):
+        model.graphs = None
+
+
 def default_kv_dtype(dtype: torch.dtype) -> str:
     """The KV cache dtype of a model whose weights are `dtype` when none is asked for: config.DEFAULT_KV_DTYPE
     for fp32 weights (measured: docs/kv_dtype.md), else the weights' own."""
@@ -285,11 +317,13 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
         hf, sd = read_gguf(gguf_path, progress=False, keep_quantized=True)  # memory-mapped: nothing read yet
         memory.check_fits(memory.weight_bytes(sd, weights), f"the weights of {gguf_path.name} with --weights {weights}",
                           "use --weights native" if weights != "native" else "use a smaller or more quantized file")
-        if weights == "native":
-            _refuse_types_without_kernels(gguf_path, sd)
         cfg = ModelConfig.from_hf(hf)
         if weights == "fp32":
             sd = None  # read from the fp32 conversion below
+        elif not holds_quantized(device):
+            sd = dequantized_state_dict(sd, dtype)
+        elif weights == "native":
+            _refuse_types_without_kernels(gguf_path, sd)
     directory, source, embedded, gguf_path = resolve_model_dir(path, cache_dir, progress, weights=sd is None)
     from transformers import AutoTokenizer  # after the checks: an unsupported file is refused in about a second
 
@@ -301,7 +335,7 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
     cfg = cfg.with_overrides(rope_theta=rope_theta, max_context=max_context)
     model = build_model(cfg, sd, dtype=dtype, device=device, kv_dtype=kv_dtype)  # builds the CPU kernels (pack_weights)
     del sd
-    if weights == "bf16":
+    if weights == "bf16" and holds_quantized(device):
         model.weights_to_bf16()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))

@@ -90,11 +90,14 @@ def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
     import torch
     import uvicorn
 
-    from ..loading import load_model
+    from ..loading import configure_device, load_model, resolve_dtype
 
     if args.kv_dtype == "int8":  # its prefix cache stores and restores float K/V blocks
         raise TriforceError("triforce serve does not support --kv-dtype int8 yet (its prefix cache holds float K/V "
                             "blocks): use fp32, bf16 or fp16, or triforce generate / bench with int8")
+    if getattr(args, "offload_kv", False):
+        raise TriforceError("triforce serve does not support --offload-kv yet (its prefix cache copies K/V blocks "
+                            "on the GPU): use triforce generate or bench with --offload-kv")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
     try:  # before the model loads: a busy port is said in a second, not after a minute
@@ -104,10 +107,11 @@ def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
         raise TriforceError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}): pick another --port "
                             f"or --host") from None
     _configure_logging(args.log_level)
-    dtype = getattr(torch, args.dtype)
+    dtype = resolve_dtype(args)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=True, kv_dtype=args.kv_dtype,
                         weights=args.weights)
+    configure_device(loaded.model, args)
     draft_model = None
     if any(lvl.kind == "draft" for lvl in stack.levels):
         draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,

@@ -87,8 +87,12 @@ class ModelState:
             self._tree = (n, len(pending), tree)
         feed = pending + tokens
         t = time.perf_counter()
-        logits = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(tokens) + 1,
-                            block=block)[0]
+        graphs = self.model.graphs
+        if graphs is not None and graphs.usable(self.cache, block, len(feed)):
+            logits = graphs.forward(feed, self.cache, last=len(tokens) + 1)
+        else:
+            logits = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(tokens) + 1,
+                                block=block)[0]
         self.seconds += time.perf_counter() - t
         self.forwards += 1
         self.fed.extend(feed)
