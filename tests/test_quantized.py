@@ -332,3 +332,65 @@ def test_info_on_a_hugging_face_directory(tmp_path, capsys):
     assert "| F32 | 16 |" in out and "KiB" in out and "a 100-token context" in out
     assert cli_main(["info", "--model", str(tmp_path / "missing")]) == 2
     assert "model not found" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def long_q4_k_m_file(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("q4km-long")
+    hf_dir, _ = saved(tmp, "llama", **dict(K_SHAPE, max_position_embeddings=1400))
+    return convert(hf_dir, tmp / "q4_k_m.gguf", quantize=q4_k_m)
+
+
+class _CountingFused:
+    """A kernel module counting its decode_layer calls."""
+
+    def __init__(self, kern):
+        self.kern, self.fused = kern, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.kern, name)
+        if name != "decode_layer":
+            return fn
+
+        def counted(*a):
+            self.fused += 1
+            return fn(*a)
+        return counted
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@torch.no_grad()
+def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monkeypatch):
+    """kernels/decode_layer.cpp (one C++ call per layer) against Block.forward's Python path over the same
+    kernels: decode steps and a 5-token verification past 1024 cached keys (where the attention kernel
+    runs) through a full cache recording queries, then a retrieval cache built from it, with native
+    Q4_K_M weights (integer kernel) and fp32 ones (panels): the same logits and queries, bit for bit."""
+    from triforce.caches import RetrievalCache
+    from triforce.model import Block
+
+    if isa not in kernels.runnable_isas() or kernels.variant(isa) is None:
+        pytest.skip(f"no {isa} kernels here")
+    kern = kernels.variant(isa)
+    native, fp32 = models(long_q4_k_m_file)
+    ids = torch.randint(0, 96, (1, 1200), generator=torch.Generator().manual_seed(5))
+    python_path = Block._fused
+    for model in (native, fp32):
+        outs = {}
+        for fused in (True, False):
+            monkeypatch.setattr(Block, "_fused", python_path if fused else (lambda self, ops: None))
+            counting = _CountingFused(kern)
+            with kernels.override(counting):
+                cache = model.new_cache(1300, record_queries=True)
+                model(ids[:, :1100], cache)  # prefill chunk: the Python path either way
+                rows = [model(ids[:, i:i + 1], cache) for i in range(1100, 1104)]
+                rows.append(model(ids[:, 1104:1109], cache))
+                queries = cache.queries[1].clone()
+                c = model.cfg
+                retr = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=1040, chunk_size=8, recent=16,
+                                      max_new=64, dtype=torch.float16)
+                retr.build(cache)
+                rows += [model(ids[:, 1109:1110], retr), model(ids[:, 1110:1114], retr)]
+            outs[fused] = torch.cat(rows, 1), queries
+            assert (counting.fused > 0) == fused
+        assert torch.equal(outs[True][0], outs[False][0])
+        assert torch.equal(outs[True][1], outs[False][1])

@@ -296,6 +296,17 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Slot
     return torch.bmm(p, v.reshape(B * Hkv, C, D)).view(B, Hq, T, D)
 
 
+def _kernel_weights(lin) -> tuple[list, list, list] | None:
+    """A linear layer's weights as kernels/decode_layer.cpp takes them: the packed parts of a QuantLinear
+    whose parts are all packed (linear_packed), or a Linear's panels ({panels}, {-1}, {out_features});
+    None for anything else (those layers run the Python path)."""
+    if isinstance(lin, QuantLinear) and lin.kernel_ready and all(lin.packed):
+        return [lin._buffers[name] for name in lin._names], list(lin.types), list(lin.rows)
+    if isinstance(lin, Linear) and lin.panels is not None:
+        return [lin.panels], [-1], [lin.out_features]
+    return None
+
+
 class Block(nn.Module):
     backend: kernels.Backend = kernels.TORCH  # the model's, set by Transformer.select_backend
 
@@ -323,6 +334,17 @@ class Block(nn.Module):
         """x [B, T, hidden]; cos/sin [T, D] of this layer's RoPE -> [B, T, hidden]."""
         B, T, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if (ops := self.backend.ops) is not None and T <= PANEL_MAX_ROWS and B == 1 and cache.SLOT_CAUSAL \
+                and x.dtype == torch.float32 and (fused := self._fused(ops)) is not None:
+            slot = cache._slot(cache.length)
+            if slot + T >= KERNEL_MIN_KEYS and Hq // Hkv * T <= KERNEL_MAX_ROWS \
+                    and (cache._mask is None or isinstance(cache._mask, str)):
+                # the kernel path below in one C++ call (kernels/decode_layer.cpp): the same result, bit for bit
+                x, q = ops.decode_layer(x, *fused, cos, sin, Hq, Hkv, cache.k[self.index], cache.v[self.index], slot,
+                                        D ** -0.5 if self.scale is None else self.scale)
+                if getattr(cache, "queries", None) is not None:  # as FullCache.update records them
+                    cache.queries[self.index] = q
+                return x
         qkv = self.wqkv(self.attn_norm(x))
         if self.q_norm is not None:
             qkv = self.qk_norm(qkv)
@@ -342,6 +364,29 @@ class Block(nn.Module):
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
         return x + m
+
+    def _fused(self, ops):
+        """ops.decode_layer's arguments that do not change between forwards (norm weights and eps, each linear
+        as the kernels take it), or None where this layer has something the fused call does not do (QK-norm,
+        sandwich norms, GeGLU, a sliding window, a head dim without the attention kernel, a projection
+        without the panel or integer kernel, biases but the qkv one). Cached per (ops, modules): a draft
+        copy of the layer (Transformer.with_draft_weights) holds other modules."""
+        key = (id(ops), id(self.wqkv), id(self.wo), id(self.w_gate_up), id(self.w_down))
+        cached = self.__dict__.get("_fused_args")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        args = None
+        if (hasattr(ops, "decode_layer") and self.q_norm is None and self.post_attn_norm is None
+                and self.post_mlp_norm is None and self.activation == "silu" and not self.sliding
+                and self.head_dim in KERNEL_HEAD_DIMS
+                and all(m.bias is None for m in (self.wo, self.w_gate_up, self.w_down))):
+            specs = [_kernel_weights(m) for m in (self.wqkv, self.wo, self.w_gate_up, self.w_down)]
+            if all(spec is not None for spec in specs):
+                (qp, qt, qr), (op, ot, orow), (gp, gt, gr), (dp, dt, dr) = specs
+                args = (self.attn_norm.weight, self.mlp_norm.weight, self.attn_norm.eps, qp, qt, qr, self.wqkv.bias,
+                        op, ot, orow, gp, gt, gr, dp, dt, dr)
+        self.__dict__["_fused_args"] = (key, args)
+        return args
 
     def gated(self, gate_up: torch.Tensor, ops) -> torch.Tensor:
         """[..., 2F] (gate, up) -> act(gate) * up [..., F]: SwiGLU, or Gemma's GeGLU."""

@@ -35,6 +35,8 @@ class StaticView:
     graph must not keep a dead cache alive). With `record_queries` each layer's queries are copied to
     `queries[layer]` [B, Hq, T, D] (fixed buffers: what a retrieval build reads)."""
 
+    SLOT_CAUSAL = False  # (a view, not a cache: the CPU's fused decode layer never takes it)
+
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, n_heads: int, record_queries: bool):
         from ..kernels import cuda_decode
 

@@ -21,7 +21,8 @@ import torch
 from ..errors import TriforceError
 
 _HERE = Path(__file__).parent
-_SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "quant_linear.cpp", "quant_packed.cpp", "bindings.cpp")
+_SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "quant_linear.cpp", "quant_packed.cpp",
+            "decode_layer.cpp", "bindings.cpp")
 _HEADERS = ("ops.h", "simd.h")
 ISAS = ("avx512", "avx2")  # best first
 # what each variant needs from the CPU (/proc/cpuinfo names) and how it is compiled: -march=x86-64-v3

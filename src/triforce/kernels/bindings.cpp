@@ -32,4 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &triforce::dequantize_rows,
         "raw [N, row_bytes] uint8 of a GGML type -> its fp32 values [N, K]");
   m.def("silu_mul", &triforce::silu_mul, "[..., 2F] -> silu(first half) * second half [..., F]");
+  m.def("decode_layer", &triforce::decode_layer,
+        "one decoder layer of a T <= 16-token forward over a cache layer [1, Hkv, capacity, D] written at `slot` "
+        "(each linear: parts, GGML types, rows for linear_packed; or {panels}, {-1}, {out_features}) -> {x, q}");
 }

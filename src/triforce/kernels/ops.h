@@ -39,4 +39,16 @@ torch::Tensor dequantize_rows(torch::Tensor raw, int64_t type);
 torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                             std::vector<int64_t> rows);
 
+// decode_layer.cpp: one decoder layer of a decode-sized forward through the kernels above, in one call
+// (model.Block.forward's kernel path, bit for bit) -> {x after the layer, the layer's rotated q}.
+std::vector<torch::Tensor> decode_layer(
+    torch::Tensor x, torch::Tensor attn_norm, torch::Tensor mlp_norm, double eps,
+    std::vector<torch::Tensor> qkv_parts, std::vector<int64_t> qkv_types, std::vector<int64_t> qkv_rows,
+    c10::optional<torch::Tensor> qkv_bias,
+    std::vector<torch::Tensor> o_parts, std::vector<int64_t> o_types, std::vector<int64_t> o_rows,
+    std::vector<torch::Tensor> gu_parts, std::vector<int64_t> gu_types, std::vector<int64_t> gu_rows,
+    std::vector<torch::Tensor> d_parts, std::vector<int64_t> d_types, std::vector<int64_t> d_rows,
+    torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
+    torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, double scale);
+
 }  // namespace triforce
