@@ -139,15 +139,21 @@ def test_greedy_equals_ar_on_the_attention_kernel(kv):
 
 
 class _CountingKernel:
-    """The compiled module, counting decode_attention calls."""
+    """The compiled module, counting calls of its attention kernels (decode_layer runs decode_attention
+    inside: kernels/decode_layer.cpp)."""
 
     def __init__(self, kern):
         self.kern, self.attention = kern, 0
 
     def __getattr__(self, name):
-        if name in ("decode_attention", "quant_attention"):
+        fn = getattr(self.kern, name)
+        if name not in ("decode_attention", "quant_attention", "decode_layer"):
+            return fn
+
+        def counted(*a, **kw):
             self.attention += 1
-        return getattr(self.kern, name)
+            return fn(*a, **kw)
+        return counted
 
 
 def test_kv_dtype_changes_the_model_but_not_much():
