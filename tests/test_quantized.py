@@ -394,3 +394,23 @@ def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monk
             assert (counting.fused > 0) == fused
         assert torch.equal(outs[True][0], outs[False][0])
         assert torch.equal(outs[True][1], outs[False][1])
+
+
+def test_kv_on_a_gpu_is_checked_against_the_gpu_memory(monkeypatch):
+    """On CUDA the KV cache is checked against the GPU's free memory (simulated here), and a cache that
+    does not fit is refused naming --offload-kv; with --offload-kv it is checked against RAM instead."""
+    from types import SimpleNamespace
+
+    from triforce import memory
+
+    cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=96, num_hidden_layers=32, hidden_size=4096,
+                                   num_attention_heads=32, num_key_value_heads=8, intermediate_size=128))
+    model = SimpleNamespace(cfg=cfg, kv_dtype=torch.bfloat16, device=torch.device("cuda"), offload_kv=False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 80 << 30))
+    memory.check_kv_fits(model, 32768)  # 4 GiB of bf16 K/V in 8 GiB free
+    with pytest.raises(TriforceError, match="--offload-kv") as e:
+        memory.check_kv_fits(model, 131072)  # 16 GiB
+    assert "GPU memory" in str(e.value)
+    model.offload_kv = True
+    monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
+    memory.check_kv_fits(model, 131072)  # in RAM: fits

@@ -86,11 +86,22 @@ def kv_bytes(cfg, tokens: int, value_bytes: float) -> int:
 
 
 def check_kv_fits(model, tokens: int) -> None:
-    """Refuse a context of `tokens` tokens whose KV cache (the model's kv_dtype) will not fit."""
+    """Refuse a context of `tokens` tokens whose KV cache (the model's kv_dtype) will not fit: in the GPU's free
+    memory for a model on CUDA (unless its cache is offloaded to host memory: --offload-kv), else in RAM."""
     from .config import kv_dtype_name
 
     name = kv_dtype_name(model.kv_dtype)
-    check_fits(kv_bytes(model.cfg, tokens, kv_value_bytes(model.kv_dtype)), f"the KV cache of {tokens} tokens ({name})",
+    need = kv_bytes(model.cfg, tokens, kv_value_bytes(model.kv_dtype))
+    if model.device.type == "cuda" and not getattr(model, "offload_kv", False):
+        import torch
+
+        free = torch.cuda.mem_get_info(model.device)[0]
+        if need > free - HEADROOM:
+            raise TriforceError(f"the KV cache of {tokens} tokens ({name}) would take {gib(need)}, but only "
+                                f"{gib(free)} of GPU memory is free beside the weights: shorten the prompt or "
+                                f"--max-new-tokens, or keep the cache in host memory with --offload-kv")
+        return
+    check_fits(need, f"the KV cache of {tokens} tokens ({name})",
                "shorten the prompt or --max-new-tokens" + (", or use --kv-dtype fp16 (half the bytes)"
                                                            if name == "fp32" else
                                                            ", or use --kv-dtype int8 (0.55x fp16's bytes)"
