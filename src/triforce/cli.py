@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import storage
-from .config import DEFAULT_KV_DTYPE, FLOAT_KV_DTYPES, KV_DTYPES, WEIGHTS, WEIGHTS_HELP
+from .config import DEFAULT_KV_DTYPE, FLOAT_KV_DTYPES, KV_DTYPES, WEIGHTS, WEIGHTS_HELP, kv_dtype_name
 from .errors import TriforceError
 from .interrupts import EXIT_INTERRUPTED, prompt_interrupts
 from .speculation.config import SpecConfig
@@ -120,7 +120,7 @@ def _default_draft_kv(args) -> str:
     attention kernel reads K/V in the activations' dtype: another would be converted every forward)."""
     if not str(getattr(args, "device", "cpu")).startswith("cuda"):
         return SpecConfig.draft_kv_dtype
-    return {"float32": "fp32", "float16": "fp16"}.get(getattr(args, "dtype", None) or "bfloat16", "bf16")
+    return kv_dtype_name(getattr(args, "dtype", None) or "bfloat16")
 
 
 def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:

@@ -43,22 +43,22 @@ class _Graph:
         self.positions = self.inputs[1]
         self.view = StaticView(cache.k, cache.v, self.inputs[2], model.cfg.n_heads,
                                record_queries=getattr(cache, "queries", None) is not None)
-        self.model, self.pool = model, None
+        self.model = model
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def run(self, rows: list[list[int]], pool) -> torch.Tensor:
+    def run(self, rows: list[list[int]]) -> torch.Tensor:
         """rows: token ids, positions, slots (GRAPH_ROWS each) -> the graph's logits buffer [1, P, V]."""
         self.copied.synchronize()
         self.host.copy_(torch.tensor(rows, dtype=torch.long))
         self.inputs.copy_(self.host, non_blocking=True)
         self.copied.record()
         if self.graph is None:
-            self._capture(pool)
+            self._capture()
         self.graph.replay()
         return self.logits
 
-    def _capture(self, pool) -> None:
+    def _capture(self) -> None:
         # The warm-up and the capture both write this forward's K/V at its own slots (the replay writes
         # the same values again): nothing else in the cache is touched.
         side = torch.cuda.Stream()
@@ -66,8 +66,10 @@ class _Graph:
         with torch.cuda.stream(side):
             self.model.forward_static(self.tokens, self.positions, self.view)
         torch.cuda.current_stream().wait_stream(side)
+        # Its own private memory pool: a pool shared by graphs that die with their caches at different times
+        # failed PyTorch's allocator assertion on the next capture (seen with torch 2.11).
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph):
             self.logits = self.model.forward_static(self.tokens, self.positions, self.view)
         self.graph = graph
 
@@ -78,9 +80,6 @@ class GraphedForwards:
 
     def __init__(self, model):
         self.model = model
-        # One private memory pool per graph: a pool shared by graphs that die with their caches at different
-        # times fails PyTorch's allocator assertion on the next capture (seen with torch 2.11).
-        self.pool = None
         self._graphs: dict[int, _Graph] = {}
         self.replays = 0
 
@@ -101,7 +100,7 @@ class GraphedForwards:
             weakref.finalize(cache, self._graphs.pop, id(cache), None)
         first, slot = cache.length, cache._slot(cache.length)
         rows = [list(tokens) + [0] * (P - n), list(range(first, first + P)), list(range(slot, slot + P))]
-        logits = graph.run(rows, self.pool)[0, n - last:n].clone()
+        logits = graph.run(rows)[0, n - last:n].clone()
         self.replays += 1
         if graph.view.queries is not None:  # what a retrieval build reads (FullCache.update's record)
             cache.queries = [q[:, :, :n] for q in graph.view.queries]

@@ -489,14 +489,22 @@ class Transformer(nn.Module):
         positions = cache.length + (torch.arange(T, device=tokens.device) if block is None else block.offsets)
         rope = self.rotary.cos_sin(positions, self.dtype)
         rope_local = rope if self.rotary_local is None else self.rotary_local.cos_sin(positions, self.dtype)
-        x = self.embed(tokens)
-        if self.cfg.scale_embeddings:  # as transformers: sqrt(hidden) as an fp32 tensor, cast to the dtype
-            x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)
+        x = self._embed(tokens)
         for layer in self.layers:
             x = layer(x, *(rope_local if layer.sliding else rope), cache)
         cache.commit(T)
         if last is not None:
             x = x[:, -last:]
+        return self._logits(x)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.cfg.scale_embeddings:  # as transformers: sqrt(hidden) as an fp32 tensor, cast to the dtype
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm, the LM head and Gemma's softcap -> fp32 logits."""
         logits = self.lm_head(self.norm(x))
         if (cap := self.cfg.final_logit_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -510,15 +518,10 @@ class Transformer(nn.Module):
         follow the length) or sliding-window models."""
         view.prepare()
         rope = self.rotary.cos_sin(positions, self.dtype)
-        x = self.embed(tokens)
-        if self.cfg.scale_embeddings:
-            x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)
+        x = self._embed(tokens)
         for layer in self.layers:
             x = layer(x, *rope, view)
-        logits = self.lm_head(self.norm(x))
-        if (cap := self.cfg.final_logit_softcap) is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return self._logits(x)
 
     def select_backend(self) -> None:
         """Choose, once, the operations every layer runs (kernels.Backend) for this model's device and

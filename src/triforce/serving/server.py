@@ -87,7 +87,6 @@ def _configure_logging(level: str) -> None:
 def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
     """The `serve` command (arguments checked by the CLI)."""
     _require_extra()
-    import torch
     import uvicorn
 
     from ..loading import configure_device, load_model, resolve_dtype
@@ -98,8 +97,7 @@ def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
     if getattr(args, "offload_kv", False):
         raise TriforceError("triforce serve does not support --offload-kv yet (its prefix cache copies K/V blocks "
                             "on the GPU): use triforce generate or bench with --offload-kv")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise TriforceError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
+    dtype = resolve_dtype(args)  # a missing GPU is refused here, before the port and the model
     try:  # before the model loads: a busy port is said in a second, not after a minute
         with socket.create_server((args.host, args.port)):
             pass
@@ -107,7 +105,6 @@ def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
         raise TriforceError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}): pick another --port "
                             f"or --host") from None
     _configure_logging(args.log_level)
-    dtype = resolve_dtype(args)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,
                         device=args.device, cache_dir=args.cache_dir, progress=True, kv_dtype=args.kv_dtype,
                         weights=args.weights)
