@@ -139,7 +139,7 @@ def test_greedy_equals_ar_on_the_attention_kernel(kv):
 
 
 class _CountingKernel:
-    """The compiled module, counting calls of its attention kernels (decode_layer runs decode_attention
+    """The compiled module, counting calls of its attention kernels (decode_layers runs decode_attention
     inside: kernels/decode_layer.cpp)."""
 
     def __init__(self, kern):
@@ -147,7 +147,7 @@ class _CountingKernel:
 
     def __getattr__(self, name):
         fn = getattr(self.kern, name)
-        if name not in ("decode_attention", "quant_attention", "decode_layer"):
+        if name not in ("decode_attention", "quant_attention", "decode_layers"):
             return fn
 
         def counted(*a, **kw):

@@ -342,14 +342,14 @@ def long_q4_k_m_file(tmp_path_factory):
 
 
 class _CountingFused:
-    """A kernel module counting its decode_layer calls."""
+    """A kernel module counting its decode_layers calls."""
 
     def __init__(self, kern):
         self.kern, self.fused = kern, 0
 
     def __getattr__(self, name):
         fn = getattr(self.kern, name)
-        if name != "decode_layer":
+        if name != "decode_layers":
             return fn
 
         def counted(*a):
@@ -361,7 +361,7 @@ class _CountingFused:
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @torch.no_grad()
 def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monkeypatch):
-    """kernels/decode_layer.cpp (one C++ call per layer) against Block.forward's Python path over the same
+    """kernels/decode_layer.cpp (every layer in one C++ call) against Block.forward's Python path over the same
     kernels: decode steps and a 5-token verification past 1024 cached keys (where the attention kernel
     runs) through a full cache recording queries, then a retrieval cache built from it, with native
     Q4_K_M weights (integer kernel) and fp32 ones (panels): the same logits and queries, bit for bit."""

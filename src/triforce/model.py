@@ -334,17 +334,6 @@ class Block(nn.Module):
         """x [B, T, hidden]; cos/sin [T, D] of this layer's RoPE -> [B, T, hidden]."""
         B, T, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if (ops := self.backend.ops) is not None and T <= PANEL_MAX_ROWS and B == 1 and cache.SLOT_CAUSAL \
-                and x.dtype == torch.float32 and (fused := self._fused(ops)) is not None:
-            slot = cache._slot(cache.length)
-            if slot + T >= KERNEL_MIN_KEYS and Hq // Hkv * T <= KERNEL_MAX_ROWS \
-                    and (cache._mask is None or isinstance(cache._mask, str)):
-                # the kernel path below in one C++ call (kernels/decode_layer.cpp): the same result, bit for bit
-                x, q = ops.decode_layer(x, *fused, cos, sin, Hq, Hkv, cache.k[self.index], cache.v[self.index], slot,
-                                        D ** -0.5 if self.scale is None else self.scale)
-                if getattr(cache, "queries", None) is not None:  # as FullCache.update records them
-                    cache.queries[self.index] = q
-                return x
         qkv = self.wqkv(self.attn_norm(x))
         if self.q_norm is not None:
             qkv = self.qk_norm(qkv)
@@ -366,7 +355,7 @@ class Block(nn.Module):
         return x + m
 
     def _fused(self, ops):
-        """ops.decode_layer's arguments that do not change between forwards (norm weights and eps, each linear
+        """ops.LayerStack's arguments for this layer (Transformer._layer_stack) (norm weights and eps, each linear
         as the kernels take it), or None where this layer has something the fused call does not do (QK-norm,
         sandwich norms, GeGLU, a sliding window, a head dim without the attention kernel, a projection
         without the panel or integer kernel, biases but the qkv one). Cached per (ops, modules): a draft
@@ -376,7 +365,7 @@ class Block(nn.Module):
         if cached is not None and cached[0] == key:
             return cached[1]
         args = None
-        if (hasattr(ops, "decode_layer") and self.q_norm is None and self.post_attn_norm is None
+        if (hasattr(ops, "decode_layers") and self.q_norm is None and self.post_attn_norm is None
                 and self.post_mlp_norm is None and self.activation == "silu" and not self.sliding
                 and self.head_dim in KERNEL_HEAD_DIMS
                 and all(m.bias is None for m in (self.wo, self.w_gate_up, self.w_down))):
@@ -490,12 +479,53 @@ class Transformer(nn.Module):
         rope = self.rotary.cos_sin(positions, self.dtype)
         rope_local = rope if self.rotary_local is None else self.rotary_local.cos_sin(positions, self.dtype)
         x = self._embed(tokens)
-        for layer in self.layers:
-            x = layer(x, *(rope_local if layer.sliding else rope), cache)
+        if (fused := self._decode_layers(x, rope, cache)) is not None:
+            x = fused
+        else:
+            for layer in self.layers:
+                x = layer(x, *(rope_local if layer.sliding else rope), cache)
         cache.commit(T)
         if last is not None:
             x = x[:, -last:]
         return self._logits(x)
+
+    def _decode_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache
+                       ) -> torch.Tensor | None:
+        """Every layer in one C++ call (kernels/decode_layer.cpp: the kernel path of Block.forward, bit for bit)
+        for a decode-sized forward through a slot-causal cache on CPU, where each layer has the fused form
+        (Block._fused) and the attention kernel runs; None otherwise (the layers run one by one)."""
+        ops = self.backend.ops
+        B, T, _ = x.shape
+        if ops is None or T > PANEL_MAX_ROWS or B != 1 or not cache.SLOT_CAUSAL or x.dtype != torch.float32:
+            return None
+        slot = cache._slot(cache.length)
+        c = self.cfg
+        if slot + T < KERNEL_MIN_KEYS or c.n_heads // c.n_kv_heads * T > KERNEL_MAX_ROWS \
+                or not (cache._mask is None or isinstance(cache._mask, str)):
+            return None
+        stack = self._layer_stack(ops)
+        if stack is None:
+            return None
+        record = getattr(cache, "queries", None) is not None
+        out = ops.decode_layers(x, stack, *rope, c.n_heads, c.n_kv_heads, cache.k, cache.v, slot, record)
+        if record:  # as FullCache.update records them
+            cache.queries[:] = out[1:]
+        return out[0]
+
+    def _layer_stack(self, ops):
+        """ops.LayerStack of every layer's Block._fused arguments and attention scale, or None where a layer has
+        none. Built once per (ops, layers): a draft copy (with_draft_weights) has its own layers; select_backend
+        and pack_weights drop it."""
+        cached = self.__dict__.get("_stack")
+        if cached is not None and cached[0] is ops and cached[1] is self.layers:
+            return cached[2]
+        args = [block._fused(ops) for block in self.layers]
+        stack = None
+        if hasattr(ops, "LayerStack") and all(a is not None for a in args):
+            stack = ops.LayerStack([(*a, b.head_dim ** -0.5 if b.scale is None else b.scale)
+                                    for a, b in zip(args, self.layers)])
+        self.__dict__["_stack"] = (ops, self.layers, stack)
+        return stack
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -527,6 +557,7 @@ class Transformer(nn.Module):
         """Choose, once, the operations every layer runs (kernels.Backend) for this model's device and
         dtype; called when the model is built and when it moves."""
         backend = kernels.Backend.for_model(self.device, self.dtype)
+        self.__dict__.pop("_stack", None)
         self.graphs = None
         if self.device.type == "cuda":
             from .graphs import GraphedForwards
@@ -543,6 +574,9 @@ class Transformer(nn.Module):
 
     def pack_weights(self) -> None:
         """Pre-pack the linear layers' weights for decode and verification forwards on CPU (see Linear)."""
+        self.__dict__.pop("_stack", None)  # the fused layers' arguments name the packed weights
+        for block in self.layers:
+            block.__dict__.pop("_fused_args", None)
         for m in self.modules():
             if isinstance(m, (Linear, QuantLinear)):
                 m.pack()

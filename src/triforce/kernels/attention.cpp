@@ -162,16 +162,71 @@ inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
   return acc;
 }
 
+// Partial dot products of RG rows (q, row stride D) with KP keys from k (row stride D): acc[r][i] holds W lanes
+// whose sum is row r's score of key i. Each key vector is loaded (and widened) once for all RG rows.
+template <int64_t D, int RG, int KP, typename KV>
+inline void dot_parts(const float* q, const KV* k, Vec (&acc)[RG][KP]) {
+  for (int r = 0; r < RG; ++r)
+    for (int i = 0; i < KP; ++i) acc[r][i] = Vec(0.f);
+  for (int c = 0; c < D / W; ++c)
+    for (int i = 0; i < KP; ++i) {
+      const Vec kv = load(k + i * D + c * W);
+      for (int r = 0; r < RG; ++r) acc[r][i] = fma(Vec::loadu(q + r * D + c * W), kv, acc[r][i]);
+    }
+}
+
+// hsum_lanes over KP = W / 2 vectors of a and KP of b: lanes [0, KP) to a_out, [KP, W) to b_out.
+template <int KP>
+inline void hsum_halves(const Vec* a, const Vec* b, float* a_out, float* b_out) {
+  Vec t[W];
+  for (int i = 0; i < KP; ++i) {
+    t[i] = a[i];
+    t[KP + i] = b[i];
+  }
+  float sums[W];
+  hsum_lanes(t).store(sums);
+  std::copy(sums, sums + KP, a_out);
+  std::copy(sums + KP, sums + W, b_out);
+}
+
 // Scores of R rows q [R, D] (scaled) against n keys k [n, D] as stored (half-precision keys are widened
 // as they are loaded: with a few rows that beat widening the block into a scratch copy first), into s
-// [R, BS] (row stride BS).
+// [R, BS] (row stride BS). Rows go in groups of up to 3, W keys at a time in two halves of W / 2: a key
+// vector is widened once per group instead of once per row (widening is what bound this loop), and each
+// score is its W lanes reduced by hsum_lanes, whose tree is the same for every position: a score does not
+// depend on the group it was computed in.
 template <int64_t D, int64_t BS, typename KV>
 void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s) {
-  constexpr int NC = D / W;
+  constexpr int NC = D / W, KP = W / 2;
   const int64_t nw = n - n % W;
-  for (int64_t r = 0; r < R; ++r) {
-    const float* qr = q + r * D;
-    float* sr = s + r * BS;
+  int64_t r0 = 0;
+  for (; R - r0 >= 2; r0 += R - r0 == 2 || R - r0 == 4 ? 2 : 3) {
+    const float* qg = q + r0 * D;
+    float* s0 = s + r0 * BS;
+    float* s1 = s0 + BS;
+    if (R - r0 == 2 || R - r0 == 4) {
+      for (int64_t j = 0; j < nw; j += W) {
+        Vec lo[2][KP], hi[2][KP];
+        dot_parts<D, 2, KP>(qg, k + j * D, lo);
+        hsum_halves<KP>(lo[0], lo[1], s0 + j, s1 + j);
+        dot_parts<D, 2, KP>(qg, k + (j + KP) * D, hi);
+        hsum_halves<KP>(hi[0], hi[1], s0 + j + KP, s1 + j + KP);
+      }
+    } else {
+      float* s2 = s1 + BS;
+      for (int64_t j = 0; j < nw; j += W) {
+        Vec lo[3][KP], hi[3][KP];
+        dot_parts<D, 3, KP>(qg, k + j * D, lo);
+        hsum_halves<KP>(lo[0], lo[1], s0 + j, s1 + j);
+        dot_parts<D, 3, KP>(qg, k + (j + KP) * D, hi);
+        hsum_halves<KP>(hi[0], hi[1], s0 + j + KP, s1 + j + KP);
+        hsum_halves<KP>(lo[2], hi[2], s2 + j, s2 + j + KP);
+      }
+    }
+  }
+  for (; r0 < R; ++r0) {  // a last single row
+    const float* qr = q + r0 * D;
+    float* sr = s + r0 * BS;
     for (int64_t j = 0; j < nw; j += W) {  // W keys at a time, their W partial-sum vectors reduced together
       Vec t[W];
       for (int c = 0; c < NC; ++c) {
@@ -180,12 +235,14 @@ void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s) {
       }
       hsum_lanes(t).store(sr + j);
     }
+  }
+  for (int64_t r = 0; r < R; ++r)
     for (int64_t j = nw; j < n; ++j) {
+      const float* qr = q + r * D;
       Vec a(0.f);
       for (int c = 0; c < NC; ++c) a = fma(Vec::loadu(qr + c * W), load(k + j * D + c * W), a);
-      sr[j] = reduce_add(a);
+      s[r * BS + j] = reduce_add(a);
     }
-  }
 }
 
 // Per row of s [R, BS] (n scores, masked ones -inf): its max m_b[r], its numerators exp(s - m) in place

@@ -32,7 +32,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &triforce::dequantize_rows,
         "raw [N, row_bytes] uint8 of a GGML type -> its fp32 values [N, K]");
   m.def("silu_mul", &triforce::silu_mul, "[..., 2F] -> silu(first half) * second half [..., F]");
-  m.def("decode_layer", &triforce::decode_layer,
-        "one decoder layer of a T <= 16-token forward over a cache layer [1, Hkv, capacity, D] written at `slot` "
-        "(each linear: parts, GGML types, rows for linear_packed; or {panels}, {-1}, {out_features}) -> {x, q}");
+  // module_local: each ISA's module registers its own type (two variants may be loaded in one process)
+  py::class_<triforce::LayerStack>(m, "LayerStack", py::module_local(),
+                                   "every decoder layer's weights as decode_layers takes them, converted once")
+      .def(py::init([](const py::list& layers) {
+             // each: model.Block._fused's tuple (attn_norm, mlp_norm, eps, then per linear parts, types, rows,
+             // qkv's bias after its own) followed by the attention scale
+             triforce::LayerStack stack;
+             for (const auto& item : layers) {
+               const auto t = item.cast<py::tuple>();
+               TORCH_CHECK(t.size() == 17, "LayerStack: each layer is Block._fused's 16 values and a scale");
+               auto lin = [&](size_t i) {
+                 return triforce::LinearWeights{t[i].cast<std::vector<torch::Tensor>>(),
+                                                t[i + 1].cast<std::vector<int64_t>>(),
+                                                t[i + 2].cast<std::vector<int64_t>>()};
+               };
+               stack.layers.push_back({t[0].cast<torch::Tensor>(), t[1].cast<torch::Tensor>(), t[2].cast<double>(),
+                                       lin(3), t[6].cast<c10::optional<torch::Tensor>>(), lin(7), lin(10), lin(13),
+                                       t[16].cast<double>()});
+             }
+             return stack;
+           }),
+           py::arg("layers"));
+  m.def("decode_layers", &triforce::decode_layers,
+        "every decoder layer of a T <= 16-token forward in turn over the cache k/v [n_layers, 1, Hkv, capacity, D] "
+        "written at `slot` (model.Block.forward's kernel path) -> [x] + (each layer's rotated q if `queries`)",
+        py::arg("x"), py::arg("stack"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"), py::arg("n_kv_heads"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot"), py::arg("queries"));
 }

@@ -39,16 +39,32 @@ torch::Tensor dequantize_rows(torch::Tensor raw, int64_t type);
 torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                             std::vector<int64_t> rows);
 
-// decode_layer.cpp: one decoder layer of a decode-sized forward through the kernels above, in one call
-// (model.Block.forward's kernel path, bit for bit) -> {x after the layer, the layer's rotated q}.
-std::vector<torch::Tensor> decode_layer(
-    torch::Tensor x, torch::Tensor attn_norm, torch::Tensor mlp_norm, double eps,
-    std::vector<torch::Tensor> qkv_parts, std::vector<int64_t> qkv_types, std::vector<int64_t> qkv_rows,
-    c10::optional<torch::Tensor> qkv_bias,
-    std::vector<torch::Tensor> o_parts, std::vector<int64_t> o_types, std::vector<int64_t> o_rows,
-    std::vector<torch::Tensor> gu_parts, std::vector<int64_t> gu_types, std::vector<int64_t> gu_rows,
-    std::vector<torch::Tensor> d_parts, std::vector<int64_t> d_types, std::vector<int64_t> d_rows,
-    torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
-    torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, double scale);
+// decode_layer.cpp: a linear layer as the kernels take it: parts, GGML types and rows for linear_packed, or
+// {panels}, {-1}, {out_features} for linear_panels.
+struct LinearWeights {
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> types, rows;
+};
+
+// decode_layer.cpp: one decoder layer's weights and constants (model.Block._fused's, and its attention scale).
+struct LayerWeights {
+  torch::Tensor attn_norm, mlp_norm;
+  double eps;
+  LinearWeights qkv;
+  c10::optional<torch::Tensor> qkv_bias;
+  LinearWeights o, gate_up, down;
+  double scale;
+};
+
+// decode_layer.cpp: every layer of a model, converted from Python once.
+struct LayerStack {
+  std::vector<LayerWeights> layers;
+};
+
+// decode_layer.cpp: every layer of `stack` in turn over the whole cache k/v [n_layers, 1, Hkv, capacity, D]
+// -> {x after the last layer} and, if `queries`, each layer's rotated q after it.
+std::vector<torch::Tensor> decode_layers(torch::Tensor x, const LayerStack& stack, torch::Tensor cos, torch::Tensor sin,
+                                         int64_t n_heads, int64_t n_kv_heads, torch::Tensor k_cache,
+                                         torch::Tensor v_cache, int64_t slot, bool queries);
 
 }  // namespace triforce
