@@ -46,29 +46,40 @@ struct QX {
 };
 
 void quantize_row(const float* x, int64_t K, const QX& o) {
+  // vectorised: the scalar loop (its fp32 sum a chain of 32 dependent adds per block) ran serially before
+  // every linear's parallel region, 3 us a call, 0.4 ms of a 5.4 ms step of the embedded model
+  constexpr int NV = 32 / W;
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + 32 * b;
-    float amax = 0.f, s = 0.f;
-    for (int i = 0; i < 32; ++i) {
-      amax = std::max(amax, std::fabs(xb[i]));
-      s += xb[i];
+    Vec v[NV], amax_v(0.f), sum_v(0.f);
+    for (int i = 0; i < NV; ++i) {
+      v[i] = Vec::loadu(xb + i * W);
+      amax_v = vmax(amax_v, v[i].abs());
+      sum_v = sum_v + v[i];
     }
+    const float amax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return vmax(a, c); }, amax_v);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    float qf[32], rf[32];
+    for (int i = 0; i < NV; ++i) {
+      const Vec y = v[i] * Vec(inv);
+      const Vec q = y.round();  // to nearest even, as std::nearbyint
+      const Vec r = at::vec::clamp((y - q) * Vec(256.f), Vec(-127.f), Vec(127.f)).round();
+      q.store(qf + i * W);
+      r.store(rf + i * W);
+    }
     int32_t isum = 0, half = 0;
     for (int i = 0; i < 32; ++i) {
-      const float v = xb[i] * inv;
-      const float q = std::nearbyint(v);
-      const float r = std::min(127.f, std::max(-127.f, std::nearbyint((v - q) * 256.f)));
+      const auto q = static_cast<int32_t>(qf[i]), r = static_cast<int32_t>(rf[i]);
       o.q[32 * b + i] = static_cast<int8_t>(q);
       o.r[32 * b + i] = static_cast<int8_t>(r);
-      isum += 256 * static_cast<int32_t>(q) + static_cast<int32_t>(r);
+      isum += 256 * q + r;
       if (i == 15) half = isum;
     }
     o.isum16[2 * b] = half;
     o.isum16[2 * b + 1] = isum - half;
     o.scale[b] = amax / 127.f / 256.f;
     o.isum[b] = isum;
-    o.fsum[b] = s;
+    o.fsum[b] = reduce_add(sum_v);
   }
 }
 

@@ -1,0 +1,40 @@
+"""Median time of the decode attention kernel over 30 layers of random fp16 K/V (the embedded model's
+shapes: 3 KV heads, 3 query rows each, head dim 64), and the K/V read rate it implies.
+
+    python scripts/attention_time.py 8192          # 2 threads
+    python scripts/attention_time.py 8192 1        # 1 thread
+
+Each layer's K/V are distinct (as in a decode step), so above a few thousand tokens they come from DRAM.
+"""
+import sys
+import time
+
+import torch
+
+from triforce import kernels
+
+ops = kernels.cpu()
+if ops is None:
+    sys.exit("no compiled CPU kernels here (TRIFORCE_ISA=off, or no compiler)")
+torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+S, L, H, D, R = int(sys.argv[1]) if len(sys.argv) > 1 else 8192, 30, 3, 64, 3
+ks = [torch.randn(H, S, D).half() for _ in range(L)]
+vs = [torch.randn(H, S, D).half() for _ in range(L)]
+q = torch.randn(H, R, D)
+
+
+def step():
+    for layer in range(L):
+        ops.decode_attention(q, ks[layer], vs[layer], 1, False, D ** -0.5, 0)
+
+
+for _ in range(3):
+    step()
+times = []
+for _ in range(15):
+    t = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t)
+ms = sorted(times)[len(times) // 2] * 1e3
+gb = L * H * S * D * 2 * 2 / 1e9
+print(f"{S} tokens, {torch.get_num_threads()} threads, {ops.ISA}: {ms:.2f} ms for 30 layers, {gb / ms * 1e3:.1f} GB/s")
