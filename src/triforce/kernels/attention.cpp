@@ -195,33 +195,34 @@ inline void hsum_halves(const Vec* a, const Vec* b, float* a_out, float* b_out) 
 // vector is widened once per group instead of once per row (widening is what bound this loop), and each
 // score is its W lanes reduced by hsum_lanes, whose tree is the same for every position: a score does not
 // depend on the group it was computed in.
+// Scores of a group of RG = 2 or 3 rows: W keys at a time, in two halves of KP = W / 2 keys, each half's partial
+// sums of rows 0 and 1 reduced together; row 2's two halves (RG = 3) reduced together after them.
+template <int64_t D, int64_t BS, int RG, typename KV>
+inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0) {
+  constexpr int KP = W / 2;
+  float* s1 = s0 + BS;
+  for (int64_t j = 0; j < nw; j += W) {
+    Vec lo[RG][KP], hi[RG][KP];
+    dot_parts<D, RG, KP>(qg, k + j * D, lo);
+    hsum_halves<KP>(lo[0], lo[1], s0 + j, s1 + j);
+    dot_parts<D, RG, KP>(qg, k + (j + KP) * D, hi);
+    hsum_halves<KP>(hi[0], hi[1], s0 + j + KP, s1 + j + KP);
+    if constexpr (RG == 3) hsum_halves<KP>(lo[2], hi[2], s1 + BS + j, s1 + BS + j + KP);
+  }
+}
+
 template <int64_t D, int64_t BS, typename KV>
 void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s) {
-  constexpr int NC = D / W, KP = W / 2;
+  constexpr int NC = D / W;
   const int64_t nw = n - n % W;
   int64_t r0 = 0;
-  for (; R - r0 >= 2; r0 += R - r0 == 2 || R - r0 == 4 ? 2 : 3) {
-    const float* qg = q + r0 * D;
-    float* s0 = s + r0 * BS;
-    float* s1 = s0 + BS;
+  while (R - r0 >= 2) {  // groups of 3, or of 2 where 2 or 4 rows are left
     if (R - r0 == 2 || R - r0 == 4) {
-      for (int64_t j = 0; j < nw; j += W) {
-        Vec lo[2][KP], hi[2][KP];
-        dot_parts<D, 2, KP>(qg, k + j * D, lo);
-        hsum_halves<KP>(lo[0], lo[1], s0 + j, s1 + j);
-        dot_parts<D, 2, KP>(qg, k + (j + KP) * D, hi);
-        hsum_halves<KP>(hi[0], hi[1], s0 + j + KP, s1 + j + KP);
-      }
+      group_scores<D, BS, 2>(q + r0 * D, k, nw, s + r0 * BS);
+      r0 += 2;
     } else {
-      float* s2 = s1 + BS;
-      for (int64_t j = 0; j < nw; j += W) {
-        Vec lo[3][KP], hi[3][KP];
-        dot_parts<D, 3, KP>(qg, k + j * D, lo);
-        hsum_halves<KP>(lo[0], lo[1], s0 + j, s1 + j);
-        dot_parts<D, 3, KP>(qg, k + (j + KP) * D, hi);
-        hsum_halves<KP>(hi[0], hi[1], s0 + j + KP, s1 + j + KP);
-        hsum_halves<KP>(lo[2], hi[2], s2 + j, s2 + j + KP);
-      }
+      group_scores<D, BS, 3>(q + r0 * D, k, nw, s + r0 * BS);
+      r0 += 3;
     }
   }
   for (; r0 < R; ++r0) {  // a last single row
