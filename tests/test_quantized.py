@@ -363,8 +363,9 @@ class _CountingFused:
 def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monkeypatch):
     """kernels/decode_layer.cpp (every layer in one C++ call) against Block.forward's Python path over the same
     kernels: decode steps and a 5-token verification past 1024 cached keys (where the attention kernel
-    runs) through a full cache recording queries, then a retrieval cache built from it, with native
-    Q4_K_M weights (integer kernel) and fp32 ones (panels): the same logits and queries, bit for bit."""
+    runs) through a full cache recording queries (fp16 K/V with native weights, bf16 with fp32 ones: the
+    kernel rounds k and v into the cache itself), then a retrieval cache built from it, with native Q4_K_M
+    weights (integer kernel) and fp32 ones (panels): the same logits, queries and cache, bit for bit."""
     from triforce.caches import RetrievalCache
     from triforce.model import Block
 
@@ -374,13 +375,13 @@ def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monk
     native, fp32 = models(long_q4_k_m_file)
     ids = torch.randint(0, 96, (1, 1200), generator=torch.Generator().manual_seed(5))
     python_path = Block._fused
-    for model in (native, fp32):
+    for model, kv in ((native, torch.float16), (fp32, torch.bfloat16)):
         outs = {}
         for fused in (True, False):
             monkeypatch.setattr(Block, "_fused", python_path if fused else (lambda self, ops: None))
             counting = _CountingFused(kern)
             with kernels.override(counting):
-                cache = model.new_cache(1300, record_queries=True)
+                cache = model.new_cache(1300, record_queries=True, dtype=kv)
                 model(ids[:, :1100], cache)  # prefill chunk: the Python path either way
                 rows = [model(ids[:, i:i + 1], cache) for i in range(1100, 1104)]
                 rows.append(model(ids[:, 1104:1109], cache))
@@ -390,10 +391,10 @@ def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monk
                                       max_new=64, dtype=torch.float16)
                 retr.build(cache)
                 rows += [model(ids[:, 1109:1110], retr), model(ids[:, 1110:1114], retr)]
-            outs[fused] = torch.cat(rows, 1), queries
+            outs[fused] = torch.cat(rows, 1), queries, cache.k[:, :, :, :1109], cache.v[:, :, :, :1109]
             assert (counting.fused > 0) == fused
-        assert torch.equal(outs[True][0], outs[False][0])
-        assert torch.equal(outs[True][1], outs[False][1])
+        for got, want in zip(outs[True], outs[False]):
+            assert torch.equal(got, want)
 
 
 def test_kv_on_a_gpu_is_checked_against_the_gpu_memory(monkeypatch):

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "ops.h"
 #include "simd.h"
@@ -43,48 +44,98 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return y;
 }
 
-std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,
-                                      int64_t n_kv_heads) {
+namespace {
+
+// q, k rotated and v copied for tokens [b0, e0) of qkv [B, T, N] (N = (Hq + 2 Hkv) D): q into qp
+// [B, Hq, T, D] fp32; k and v as KV (fp32, or rounded to nearest-even into bf16 / fp16 as a tensor copy
+// rounds) into kp / vp, row (b, h, t) at (b * Hkv + h) * head_stride + t * D.
+template <typename KV>
+void rotate_tokens(const float* xp, const float* cp, const float* sp, int64_t T, int64_t D, int64_t n_heads,
+                   int64_t n_kv_heads, float* qp, KV* kp, KV* vp, int64_t head_stride, int64_t b0, int64_t e0) {
+  const int64_t half = D / 2, N = (n_heads + 2 * n_kv_heads) * D;
+  for (int64_t bt = b0; bt < e0; ++bt) {
+    const int64_t b = bt / T, t = bt % T;
+    const float* x = xp + bt * N;
+    const float* c = cp + t * D;
+    const float* s = sp + t * D;
+    // the half-split (NeoX / Hugging Face) rotation: out = x cos + (-x2, x1) sin
+    auto rotate = [&](const float* in, auto* out) {
+      using T_out = std::remove_pointer_t<decltype(out)>;
+      for (int64_t d = 0; d < half; ++d) out[d] = static_cast<T_out>(in[d] * c[d] - in[d + half] * s[d]);
+      for (int64_t d = half; d < D; ++d) out[d] = static_cast<T_out>(in[d] * c[d] + in[d - half] * s[d]);
+    };
+    for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * D, qp + ((b * n_heads + h) * T + t) * D);
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      const int64_t row = (b * n_kv_heads + h) * head_stride + t * D;
+      rotate(x + (n_heads + h) * D, kp + row);
+      const float* xv = x + (n_heads + n_kv_heads + h) * D;
+      for (int64_t d = 0; d < D; ++d) vp[row + d] = static_cast<KV>(xv[d]);
+    }
+  }
+}
+
+void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads,
+                     int64_t n_kv_heads) {
   TORCH_CHECK(qkv.dim() == 3 && cos.dim() == 2 && sin.sizes() == cos.sizes(), "rope_split: qkv [B, T, N], cos/sin [T, D]");
   TORCH_CHECK(qkv.scalar_type() == torch::kFloat && cos.scalar_type() == torch::kFloat &&
                   sin.scalar_type() == torch::kFloat, "rope_split: fp32 only");
+  const int64_t D = cos.size(1);
+  TORCH_CHECK(cos.size(0) == qkv.size(1) && D % 2 == 0 && qkv.size(2) == (n_heads + 2 * n_kv_heads) * D,
+              "rope_split: shapes");
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,
+                                      int64_t n_kv_heads) {
+  check_rope_args(qkv, cos, sin, n_heads, n_kv_heads);
   qkv = qkv.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  const int64_t B = qkv.size(0), T = qkv.size(1), D = cos.size(1), half = D / 2;
-  TORCH_CHECK(cos.size(0) == T && D % 2 == 0 && qkv.size(2) == (n_heads + 2 * n_kv_heads) * D, "rope_split: shapes");
+  const int64_t B = qkv.size(0), T = qkv.size(1), D = cos.size(1);
   const auto opts = qkv.options();
   auto q = torch::empty({B, n_heads, T, D}, opts);
   auto k = torch::empty({B, n_kv_heads, T, D}, opts);
   auto v = torch::empty({B, n_kv_heads, T, D}, opts);
+  at::parallel_for(0, B * T, 64, [&](int64_t b0, int64_t e0) {
+    rotate_tokens<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, D, n_heads,
+                         n_kv_heads, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), T * D, b0, e0);
+  });
+  return {q, k, v};
+}
+
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
+                         torch::Tensor k_dst, torch::Tensor v_dst) {
+  check_rope_args(qkv, cos, sin, n_heads, n_kv_heads);
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t T = qkv.size(1), D = cos.size(1);
+  TORCH_CHECK(qkv.size(0) == 1 && k_dst.dim() == 3 && k_dst.size(0) == n_kv_heads && k_dst.size(1) == T &&
+                  k_dst.size(2) == D && v_dst.sizes() == k_dst.sizes() && v_dst.strides() == k_dst.strides() &&
+                  k_dst.stride(2) == 1 && k_dst.stride(1) == D && k_dst.scalar_type() == v_dst.scalar_type(),
+              "rope_store: k/v destinations [Hkv, T, D] with contiguous token rows, one dtype");
+  auto q = torch::empty({1, n_heads, T, D}, qkv.options());
+  const int64_t hs = k_dst.stride(0);
   const float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  float* vp = v.data_ptr<float>();
-  const int64_t N = qkv.size(2);
-  at::parallel_for(0, B * T, 64, [&](int64_t b0, int64_t e0) {
-    for (int64_t bt = b0; bt < e0; ++bt) {
-      const int64_t b = bt / T, t = bt % T;
-      const float* x = xp + bt * N;
-      const float* c = cp + t * D;
-      const float* s = sp + t * D;
-      // the half-split (NeoX / Hugging Face) rotation: out = x cos + (-x2, x1) sin
-      auto rotate = [&](const float* in, float* out) {
-        for (int64_t d = 0; d < half; ++d) out[d] = in[d] * c[d] - in[d + half] * s[d];
-        for (int64_t d = half; d < D; ++d) out[d] = in[d] * c[d] + in[d - half] * s[d];
-      };
-      for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * D, qp + ((b * n_heads + h) * T + t) * D);
-      for (int64_t h = 0; h < n_kv_heads; ++h) {
-        rotate(x + (n_heads + h) * D, kp + ((b * n_kv_heads + h) * T + t) * D);
-        const float* xv = x + (n_heads + n_kv_heads + h) * D;
-        float* o = vp + ((b * n_kv_heads + h) * T + t) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = xv[d];
-      }
-    }
-  });
-  return {q, k, v};
+  switch (k_dst.scalar_type()) {  // a few KB: one thread
+    case torch::kFloat:
+      rotate_tokens(xp, cp, sp, T, D, n_heads, n_kv_heads, qp, k_dst.data_ptr<float>(), v_dst.data_ptr<float>(), hs, 0, T);
+      break;
+    case torch::kHalf:
+      rotate_tokens(xp, cp, sp, T, D, n_heads, n_kv_heads, qp, k_dst.data_ptr<c10::Half>(),
+                    v_dst.data_ptr<c10::Half>(), hs, 0, T);
+      break;
+    case torch::kBFloat16:
+      rotate_tokens(xp, cp, sp, T, D, n_heads, n_kv_heads, qp, k_dst.data_ptr<c10::BFloat16>(),
+                    v_dst.data_ptr<c10::BFloat16>(), hs, 0, T);
+      break;
+    default: TORCH_CHECK(false, "rope_store: k/v must be fp32, bf16 or fp16");
+  }
+  return q;
 }
 
 torch::Tensor silu_mul(torch::Tensor gate_up) {

@@ -23,6 +23,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,
                                       int64_t n_kv_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// layer_ops.cpp: rope_split for one sequence that stores k and v straight into a cache's slots k_dst / v_dst
+// [Hkv, T, D] (fp32, bf16 or fp16, rounded as a tensor copy rounds) -> q [1, Hq, T, D].
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
+                         torch::Tensor k_dst, torch::Tensor v_dst);
 
 // linear_panels.cpp: x [..., K] fp32 times weights (fp32 or bf16) held in 16-output panels [P, K, 16]
 // -> [..., N] fp32.
