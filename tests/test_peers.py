@@ -205,3 +205,78 @@ def test_bench_rows_for_llama_cpp(smollm_torch, tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| 128 | 0.0 | llama.cpp-fa |" in md and "prefill tokens/s" in md
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- triforce quantize (bench/quantize.py): real quantized files from llama.cpp's quantizer ----
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny llama GGUF with Q5_0 matrices (gguf.quants), F32 norms."""
+    import gguf
+
+    from test_gguf_loading import convert, saved
+
+    tmp = tmp_path_factory.mktemp("quantize")
+    hf_dir, _ = saved(tmp, "llama")
+    q5 = gguf.GGMLQuantizationType.Q5_0
+    return convert(hf_dir, tmp / "tiny.gguf",
+                   quantize=lambda name, w: (gguf.quants.quantize(w, q5), q5) if w.ndim == 2 else None)
+
+
+def test_f16_export_keeps_the_values_and_sets_the_profile(tiny_gguf, tmp_path):
+    """The F16 file handed to llama.cpp's quantizer: every tensor's dequantized values rounded to F16 (1-D
+    ones kept F32), every metadata field copied, RoPE base and context replaced when asked."""
+    import gguf
+    import numpy as np
+
+    from triforce.bench.quantize import export_f16
+
+    out = tmp_path / "f16.gguf"
+    export_f16(tiny_gguf, out, rope_theta=4.0e5, context=4096, log=lambda *a: None)
+    src, dst = gguf.GGUFReader(tiny_gguf), gguf.GGUFReader(out)
+    assert [t.name for t in dst.tensors] == [t.name for t in src.tensors]
+    assert any(t.tensor_type == gguf.GGMLQuantizationType.Q5_0 for t in src.tensors)
+    for a, b in zip(src.tensors, dst.tensors):
+        want = gguf.quants.dequantize(a.data, a.tensor_type)
+        kind = np.float32 if want.ndim == 1 else np.float16
+        assert b.tensor_type == (gguf.GGMLQuantizationType.F32 if want.ndim == 1 else gguf.GGMLQuantizationType.F16)
+        np.testing.assert_array_equal(gguf.quants.dequantize(b.data, b.tensor_type), want.astype(kind).astype(np.float32))
+    assert dst.fields["llama.rope.freq_base"].contents() == 4.0e5
+    assert dst.fields["llama.context_length"].contents() == 4096
+    assert src.fields["llama.context_length"].contents() != 4096
+    for name, field in src.fields.items():
+        if not name.startswith("GGUF.") and name not in ("llama.rope.freq_base", "llama.context_length"):
+            assert dst.fields[name].contents() == field.contents(), name
+
+
+def test_quantize_without_llama_cpp_is_one_line_and_writes_nothing(no_llama_cpp, tiny_gguf, tmp_path, capsys):
+    from triforce.cli import main
+
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", "--type", "q4_k_m", "--model", str(tiny_gguf), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "./install.sh llama" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["quantize", "--type", "Q4_K_M", "--model", str(tmp_path / "missing.gguf")]) == 2
+    assert "is not one" in capsys.readouterr().err
+
+
+def test_quantize_by_llama_cpp_gives_a_file_we_run(tiny_gguf, tmp_path, capsys):
+    """With llama-cpp-python (./install.sh llama): its quantizer's Q8_0 file loads, keeps llama.cpp's types,
+    and computes the source's model up to the requantization."""
+    pytest.importorskip("llama_cpp")
+    import gguf
+    import torch
+
+    from test_gguf_loading import from_gguf
+    from triforce.cli import main
+
+    out = tmp_path / "q8.gguf"
+    assert main(["quantize", "--type", "Q8_0", "--model", str(tiny_gguf), "--output", str(out), "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert {t.tensor_type for t in gguf.GGUFReader(out).tensors if len(t.shape) == 2} == {gguf.GGMLQuantizationType.Q8_0}
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = [(m := from_gguf(path))(ids, m.new_cache(40)) for path in (tiny_gguf, out)]
+    assert torch.corrcoef(torch.stack([want.flatten(), got.flatten()]))[0, 1] > 0.999
+    assert [p.name for p in tmp_path.iterdir()] == ["q8.gguf"]

@@ -71,7 +71,8 @@ def test_kernel_equals_gguf_dequantize_and_matmul(kern, qtype):
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, rows
 
 
-PACKED = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # the formats the integer kernel reads (quant_packed.cpp)
+# the formats the integer kernel reads (quant_packed.cpp)
+PACKED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # its error bound, per output: x is taken to 16 bits of each 32-element block's largest |x|
 PACKED_TOL = 5e-5
 # and a model's logits through it: max |logit - the fp32 model's| / std of the logits (measured: 1e-3 on the
@@ -122,10 +123,10 @@ def test_packed_kernel_equals_dequantized_matmul(kern, qtype):
 @pytest.mark.parametrize("rows", [1, 7, 40])
 @pytest.mark.parametrize("formats", ["blocks", "packed", "mixed"])
 def test_quant_linear_equals_dequantized_linear(use_kernels, rows, formats):
-    """QuantLinear on a kernel (<= 16 rows: the block kernel, the integer kernel for packed Q4_1 + Q8_0,
-    or both for Q4_K + Q5_0), on dequantized panels (prefill; no kernels, also from packed bytes):
+    """QuantLinear on a kernel (<= 16 rows: the block kernel for F16 + BF16, the integer kernel for packed
+    Q5_1 + Q8_0, or both for Q4_K + F16), on dequantized panels (prefill; no kernels, also from packed bytes):
     x W^T + b with W the dequantized values. The panels are a few rows at a time: set small here to span several."""
-    types = {"blocks": (Q.Q5_1, Q.Q5_0), "packed": (Q.Q4_1, Q.Q8_0), "mixed": (Q.Q4_K, Q.Q5_0)}[formats]
+    types = {"blocks": (Q.F16, Q.BF16), "packed": (Q.Q5_1, Q.Q8_0), "mixed": (Q.Q4_K, Q.F16)}[formats]
     parts = [blocks(types[0], 40, 256), blocks(types[1], 24, 256, seed=3)]
     bias = torch.randn(64)
     lin = QuantLinear(parts, bias)

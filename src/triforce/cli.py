@@ -263,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.perplexity import add_arguments as perplexity_arguments
 
     perplexity_arguments(pp)
+    qz = sub.add_parser("quantize", help="a real quantized GGUF (Q4_K_M, ...) of a model, by llama.cpp's quantizer",
+                        description="Export a GGUF model to F16 and quantize it with llama.cpp's own quantizer "
+                                    "(needs the llama.cpp peer: ./install.sh llama), for benchmarks on the formats "
+                                    "people download. The embedded model keeps its long-context profile (RoPE base "
+                                    "4e5, 32K context) in the new file. Prints the new file's path; by default it is "
+                                    "kept in the cache directory and reused.")
+    from .bench.quantize import add_arguments as quantize_arguments
+
+    quantize_arguments(qz)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                         description="Serve the model over HTTP with the OpenAI API (POST /v1/completions and "
                                     "/v1/chat/completions, streamed or not; GET /v1/models, /health and /metrics) "
@@ -456,6 +465,10 @@ def _run(args) -> int:
         from .bench.perplexity import run as perplexity_run
 
         return perplexity_run(args)
+    if args.command == "quantize":
+        from .bench.quantize import run as quantize_run
+
+        return quantize_run(args)
     config, draft_path = spec_config_from_args(args)
     if args.command == "bench":
         from .bench.methods import main as bench_main

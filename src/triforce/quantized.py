@@ -84,7 +84,8 @@ class QuantTensor:
 # Formats the integer kernel (kernels/quant_packed.cpp) reads repacked 16 rows at a time: type -> the
 # fp16 fields of a block (d; Q4_1: d, m; Q4_K: d, dmin) as (bytes at its start, bytes at its end: Q6_K
 # keeps d last); the rest (codes, K-quant sub-block scales) is taken as 4-byte words.
-PACKED_FIELDS = {2: (2, 0), 3: (4, 0), 8: (2, 0), 12: (4, 0), 13: (4, 0), 14: (0, 2)}  # Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K
+# Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+PACKED_FIELDS = {2: (2, 0), 3: (4, 0), 6: (2, 0), 7: (4, 0), 8: (2, 0), 12: (4, 0), 13: (4, 0), 14: (0, 2)}
 PACK_ROWS = 16
 
 

@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [..., K] fp32 @ W^T, W given as parts [N_i, row_bytes] uint8 in GGML types (F16, BF16, Q4_0, Q4_1, Q5_0, "
         "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) -> [..., sum N_i] fp32");
   m.def("linear_packed", &triforce::linear_packed,
-        "x [..., K] fp32 @ W^T, W given as parts in Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked 16 rows at a time "
+        "x [..., K] fp32 @ W^T, W given as parts in Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked 16 rows at a time "
         "[ceil(N_i / 16), 16 row_bytes] uint8 with N_i rows each -> [..., sum N_i] fp32 (x taken to 16 bits per block)",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("rows"));
   m.def("dequantize_rows", &triforce::dequantize_rows,

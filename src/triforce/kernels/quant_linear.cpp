@@ -10,7 +10,7 @@
 // thread, R rows at a time against TB rows of x, all TB x rows before the next weight row, so a
 // weight row is fetched from memory once however many x rows there are (re-dequantized from L1 for
 // each further group of TB x rows). R > 1 gives a single x row independent accumulation chains.
-// One source over simd.h's Vec for AVX2 and AVX-512. (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights that model.QuantLinear
+// One source over simd.h's Vec for AVX2 and AVX-512. (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights that model.QuantLinear
 // has repacked go through quant_packed.cpp's integer kernel instead: 2x faster at one row of x.)
 #include <ATen/Parallel.h>
 

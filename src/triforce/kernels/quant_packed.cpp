@@ -1,4 +1,4 @@
-// y = x W^T for W in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K repacked 16 rows at a time (quantized.py pack_rows: the same
+// y = x W^T for W in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K repacked 16 rows at a time (quantized.py pack_rows: the same
 // bytes, interleaved), with integer dot products: llama.cpp's approach, made accurate to 16 bits of x.
 //
 // Why: the block kernel (quant_linear.cpp) turns every weight into an fp32 lane before its fma; at one
@@ -9,6 +9,8 @@
 //
 // Packed layout of a group of 16 weight rows, for each 32-weight block b in order (P = 16 rows):
 //   Q4_0: d[P] fp16 | codes           Q4_1: d[P] fp16 | m[P] fp16 | codes       Q8_0: d[P] fp16 | codes
+//   Q5_0: d[P] fp16 | qh | codes      Q5_1: d[P] fp16 | m[P] fp16 | qh | codes
+// (qh: the word of the rows' 32 fifth bits, bit i of code i; the codes as Q4's)
 // codes: for each 4-byte word j of the block's stored code bytes, the word of rows 0..15 (64 bytes):
 // a lane holds 4 bytes of one row. Q4: byte i has code i in its low nibble and code i + 16 in its high
 // one, so word j's low nibbles are codes 4j..4j+3 and its high nibbles codes 16+4j..16+4j+3.
@@ -102,6 +104,7 @@ ALWAYS_INLINE IV signed_byte(IV a, int k) {  // byte k of each lane, sign-extend
   return _mm512_sra_epi32(_mm512_sll_epi32(a, _mm_cvtsi32_si128(24 - 8 * k)), _mm_cvtsi32_si128(24));
 }
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm512_sub_epi32(a, b); }
+ALWAYS_INLINE IV mul32(IV a, IV b) { return _mm512_mullo_epi32(a, b); }
 ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
 // acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
@@ -165,6 +168,7 @@ ALWAYS_INLINE IV signed_byte(IV a, int k) {  // byte k of each lane, sign-extend
   return _mm256_sra_epi32(_mm256_sll_epi32(a, _mm_cvtsi32_si128(24 - 8 * k)), _mm_cvtsi32_si128(24));
 }
 ALWAYS_INLINE IV isub(IV a, IV b) { return _mm256_sub_epi32(a, b); }
+ALWAYS_INLINE IV mul32(IV a, IV b) { return _mm256_mullo_epi32(a, b); }
 ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 // Q8_0: |q| times x with q's sign (vpsignb), pairs within 2 * 127 * 127: no saturation, no offset
 constexpr bool Q8_OFFSET = false;
@@ -175,17 +179,23 @@ ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {
 #endif
 
 ALWAYS_INLINE IV bits(IV a, int shift, int mask) { return iand(srl(a, shift), iset(mask)); }  // (a >> shift) & mask
+// Bits shift .. shift + 3 of each lane of qh as 0x10 in bytes 0 .. 3 (the fifth bit of 4 Q5 codes): the 4 bits
+// times 0x02040810 are 4 copies at bits 4, 11, 18, 25, which put bit k at bit 8 k + 4 and nothing else there.
+ALWAYS_INLINE IV fifth_bits(IV qh, int shift) { return iand(mul32(bits(qh, shift, 15), iset(0x02040810)), iset(0x10101010)); }
 
-// The formats: bytes per row and block (BYTES), scale bytes per row (HEAD: d, and Q4_1's m), code words
-// per row (WORDS), and the code offset taken off through sum X (Q4_0: 8).
-template <int HEAD_, int WORDS_, bool FOUR_, int OFFSET_, bool MIN_>
+// The formats: bytes per row and block (BYTES), scale bytes per row (HEAD: d, and Q4_1's / Q5_1's m), code
+// words per row (WORDS), a word of fifth bits before them (HIGH: Q5), and the code offset taken off through
+// sum X (Q4_0: 8, Q5_0: 16).
+template <int HEAD_, int WORDS_, bool FOUR_, int OFFSET_, bool MIN_, bool HIGH_ = false>
 struct Fmt {
   static constexpr int HEAD = HEAD_, WORDS = WORDS_, OFFSET = OFFSET_, QK = 32, KIND = 0;
-  static constexpr bool FOUR = FOUR_, MIN = MIN_, K = false;
-  static constexpr int BYTES = HEAD + 4 * WORDS;  // per row and block, as in the file
+  static constexpr bool FOUR = FOUR_, MIN = MIN_, HIGH = HIGH_, K = false;
+  static constexpr int BYTES = HEAD + 4 * (WORDS + HIGH);  // per row and block, as in the file
 };
 using PQ4_0 = Fmt<2, 4, true, 8, false>;
 using PQ4_1 = Fmt<4, 4, true, 0, true>;
+using PQ5_0 = Fmt<2, 4, true, 16, false, true>;
+using PQ5_1 = Fmt<4, 4, true, 0, true, true>;
 using PQ8_0 = Fmt<2, 8, false, 0, false>;
 // Q4_K: 256-weight blocks of d, dmin (fp16), 12 bytes of 6-bit sub-block scales and mins (3 words), 128 bytes
 // of codes (32 words); packed: d[P] | dmin[P] | 3 scale words of the P rows | 32 code words of the P rows.
@@ -235,12 +245,21 @@ ALWAYS_INLINE void group_tile(const uint8_t* g, int64_t nb, int lane0, const QX*
     const uint8_t* blk = g + b * GB;
     for (int l = 0; l < GB; l += 64) prefetch_l2(blk + pf_blocks<GB>() * GB + l);
     const uint8_t* codes = blk + P * F::HEAD + 4 * lane0;
+    IV qh = izero();  // (Q5: the fifth bits, then the codes)
+    if constexpr (F::HIGH) {
+      qh = iload(codes);
+      codes += 4 * P;
+    }
     IV hi[TB], lo[TB];  // sum q xq and sum q xr of the block, per lane
     for (int t = 0; t < TB; ++t) hi[t] = lo[t] = izero();
     for (int j = 0; j < F::WORDS; ++j) {
       const IV v = iload(codes + 4 * P * j);
       if constexpr (F::FOUR) {
-        const IV a = low_nibbles(v), c = high_nibbles(v);
+        IV a = low_nibbles(v), c = high_nibbles(v);
+        if constexpr (F::HIGH) {  // codes 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3 (5 bits: pairs within 2 * 31 * 128)
+          a = ior(a, fifth_bits(qh, 4 * j));
+          c = ior(c, fifth_bits(qh, 16 + 4 * j));
+        }
         for (int t = 0; t < TB; ++t) {
           const int8_t* xq = x[t].q + 32 * b + 4 * j;
           const int8_t* xr = x[t].r + 32 * b + 4 * j;
@@ -435,18 +454,20 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
   }
 }
 
-enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
 template <class Fn>
 void with_packed(int64_t type, Fn&& fn) {
   switch (type) {
     case T_Q4_0: fn(PQ4_0{}); break;
     case T_Q4_1: fn(PQ4_1{}); break;
+    case T_Q5_0: fn(PQ5_0{}); break;
+    case T_Q5_1: fn(PQ5_1{}); break;
     case T_Q8_0: fn(PQ8_0{}); break;
     case T_Q4_K: fn(PQ4_K{}); break;
     case T_Q5_K: fn(PQ5_K{}); break;
     case T_Q6_K: fn(PQ6_K{}); break;
-    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K are)");
+    default: TORCH_CHECK(false, "linear_packed: GGML type ", type, " is not packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K are)");
   }
 }
 
