@@ -222,8 +222,8 @@ class _LlamaCppRuns:
             theirs = self.peer.greedy_tokens(short, self.CHECK_NEW, flash)
             agree = _agreement(theirs, ours)
             self.check_notes[name] = (f"greedy check: {agree}/{self.CHECK_NEW} tokens equal to our ar after a "
-                                      f"{len(short)}-token prompt (its quantised weights vs our dequantised fp32 "
-                                      "ones: near ties can part)")
+                                      f"{len(short)}-token prompt (the same weights, other arithmetic: its "
+                                      "activations at 8 bits, ours at 16 or fp32; near ties can part)")
             self.log(f"  {name}: {self.check_notes[name]}")
         return self.check_notes[name]
 
