@@ -97,6 +97,15 @@ def test_packed_rows_are_the_files_bytes(qtype):
 
 
 @pytest.mark.parametrize("qtype", PACKED, ids=lambda q: q.name)
+def test_kernel_unpacks_the_files_bytes(kern, qtype):
+    """The compiled unpack_rows (prefill dequantizes packed weights through it) gives numpy's bytes."""
+    w = blocks(qtype, 37, 256)
+    packed = pack_rows(w)
+    for start, stop in ((0, 37), (5, 35), (16, 17), (36, 37), (3, 3)):
+        assert torch.equal(unpack_rows(packed, w.qtype, w.shape, start, stop, kern).raw, w.raw[start:stop])
+
+
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda q: q.name)
 def test_packed_kernel_equals_dequantized_matmul(kern, qtype):
     """linear_packed is x @ dequantized^T within PACKED_TOL, for 1-16 rows of x (each row bit for bit
     what it gives alone: a verification row equals a decode step's), parts of two formats concatenated,

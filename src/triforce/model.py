@@ -123,7 +123,7 @@ class QuantLinear(nn.Module):
         """Rows [start, stop) of part i in the file's layout (a view, or a copy from the packed bytes)."""
         raw, shape = getattr(self, f"raw{i}"), (self.rows[i], self.in_features)
         if self.packed[i]:
-            return unpack_rows(raw, self.types[i], shape, start, stop)
+            return unpack_rows(raw, self.types[i], shape, start, stop, self.backend.ops)
         return QuantTensor(raw, self.types[i], shape).rows(slice(start, stop))
 
     @property
@@ -147,6 +147,13 @@ class QuantLinear(nn.Module):
             else:  # a mix: each part by its kernel, outputs in order
                 y = torch.cat([ops.linear_packed(x, [r], [t], [n]) if packed else ops.linear_quant(x, [r], [t])
                                for r, t, n, packed in zip(raws, self.types, self.rows, self.packed)], dim=-1)
+        elif 4 * self.out_features * self.in_features <= self.PANEL_BYTES:  # one panel: one product, no column copies
+            parts = self.parts
+            if len(parts) > 1 and len(set(self.types)) == 1:  # one dequantization of the parts' bytes together
+                parts = [QuantTensor(torch.cat([p.raw for p in parts]), self.types[0],
+                                     (self.out_features, self.in_features))]
+            w = dequantize(parts[0], ops) if len(parts) == 1 else torch.cat([dequantize(p, ops) for p in parts])
+            y = F.linear(x, w.to(x.dtype))
         else:
             y = x.new_empty(*x.shape[:-1], self.out_features)
             col, step = 0, max(16, self.PANEL_BYTES // (4 * self.in_features) // 16 * 16)

@@ -29,6 +29,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [..., K] fp32 @ W^T, W given as parts in Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked 16 rows at a time "
         "[ceil(N_i / 16), 16 row_bytes] uint8 with N_i rows each -> [..., sum N_i] fp32 (x taken to 16 bits per block)",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("rows"));
+  m.def("unpack_rows", &triforce::unpack_rows,
+        "rows [start, stop) of a linear_packed part back in the file's layout [stop - start, row_bytes] uint8 "
+        "(head / tail: each block's scale bytes before / after its code words, size: its bytes)",
+        py::arg("packed"), py::arg("head"), py::arg("tail"), py::arg("size"), py::arg("start"), py::arg("stop"));
   m.def("dequantize_rows", &triforce::dequantize_rows,
         "raw [N, row_bytes] uint8 of a GGML type -> its fp32 values [N, K]");
   m.def("silu_mul", &triforce::silu_mul, "[..., 2F] -> silu(first half) * second half [..., F]");

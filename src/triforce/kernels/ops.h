@@ -43,6 +43,10 @@ torch::Tensor dequantize_rows(torch::Tensor raw, int64_t type);
 torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                             std::vector<int64_t> rows);
 
+// quant_packed.cpp: rows [start, stop) of such a packed part back in the file's layout [stop - start, blocks * size]
+// (quantized.pack_rows's inverse; head / tail: the block's scale bytes before and after its code words).
+torch::Tensor unpack_rows(torch::Tensor packed, int64_t head, int64_t tail, int64_t size, int64_t start, int64_t stop);
+
 // decode_layer.cpp: a linear layer as the kernels take it: parts, GGML types and rows for linear_packed, or
 // {panels}, {-1}, {out_features} for linear_panels.
 struct LinearWeights {

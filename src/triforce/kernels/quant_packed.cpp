@@ -525,4 +525,32 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
   return y;
 }
 
+torch::Tensor unpack_rows(torch::Tensor packed, int64_t head, int64_t tail, int64_t size, int64_t start, int64_t stop) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(1) % (P * size) == 0 && head % 2 == 0 && tail % 2 == 0 && (size - head - tail) % 4 == 0 &&
+                  0 <= start && start <= stop && stop <= packed.size(0) * P,
+              "unpack_rows: packed [groups, blocks * 16 * size] uint8 and rows within it");
+  const int64_t nb = packed.size(1) / (P * size), fields = (head + tail) / 2, words = (size - head - tail) / 4;
+  auto out = torch::empty({stop - start, nb * size}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(start, stop, 64, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t p = r % P;
+      const uint8_t* g = src + r / P * packed.size(1);
+      uint8_t* row = dst + (r - start) * nb * size;
+      for (int64_t blk = 0; blk < nb; ++blk, g += P * size, row += size) {
+        // a packed block: the 16 rows' 2-byte scale units (unit u of row p at 2 (16 u + p)), then their 4-byte
+        // code words (word w of row p at 2 * 16 * fields + 4 (16 w + p)); in the row: head, words, tail
+        for (int64_t u = 0; u < fields; ++u) {
+          const int64_t o = 2 * u < head ? 2 * u : size - tail + 2 * u - head;
+          std::memcpy(row + o, g + 2 * (P * u + p), 2);
+        }
+        for (int64_t w = 0; w < words; ++w) std::memcpy(row + head + 4 * w, g + 2 * P * fields + 4 * (P * w + p), 4);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace triforce
