@@ -7,8 +7,8 @@
 // about 7 GB/s at 32K. Here the keys are split into blocks of BS, every (KV head, block) is one work
 // item (flash-decoding): scores, a block-local softmax (max m_b, sum l_b) and the block's p v are
 // computed while the block sits in L1/L2, and the blocks are merged by their log-sum-exp at the end.
-// Half-precision values are widened as they are read; keys too on the per-row path, and once per
-// block into an fp32 scratch block (L1) on the rows-in-lanes path, whose broadcasts need fp32
+// Half-precision values are widened as they are read; keys too on the per-row path, and a tile of
+// keys at a time into a small fp32 scratch (L1) on the rows-in-lanes path, whose broadcasts need fp32
 // scalars. Both paths read every cache byte once from memory.
 //
 // Rows are (group head, token) pairs as in model.py: row r belongs to token r % T. Masks: none, or
@@ -40,11 +40,13 @@ namespace {
 constexpr int64_t MAX_ROWS = 64;
 constexpr int64_t LANES_MIN_ROWS = 8;  // from this many rows on, the rows-in-lanes path (measured: equal at 6)
 constexpr int64_t BLOCK_FLOATS = 16384;  // keys per work item x head dim: 64 KB of fp32 K (256 keys of 64)
-// Keys per work item: BLOCK_FLOATS / D for fp32 K/V; half that for bf16 / fp16, whose keys are widened
-// into an fp32 scratch block that should stay in L1 (32 KB) for the score loops that read it.
+// Keys per work item: BLOCK_FLOATS / D whatever the K/V dtype (bf16 / fp16 blocks had half as many keys
+// while the lanes path widened a whole block's keys into an L1 scratch; it widens a tile at a time now:
+// 256-key blocks took 5-token verification attention at 32K from 66.0 to 62.8 ms, decode steps unchanged;
+// 512 keys were slower at 8K: too few work items for the threads).
 template <int64_t D, typename KV>
 constexpr int64_t block_keys() {
-  return std::is_same_v<KV, float> ? BLOCK_FLOATS / D : BLOCK_FLOATS / D / 2;
+  return BLOCK_FLOATS / D;
 }
 constexpr int TILE = 6;                  // query rows per register tile in p v
 constexpr int DC = W == 16 ? 4 : 2;      // vectors of a value row per pass: TILE x DC + DC + 1 <= REGS
@@ -53,17 +55,6 @@ constexpr int NVG_MAX = W == 16 ? 4 : 2;
 template <int NVG>
 constexpr int keys_per_tile() {
   return W == 16 ? (NVG == 1 ? 16 : NVG == 2 ? 12 : NVG == 3 ? 8 : 6) : (NVG == 1 ? 12 : 5);
-}
-
-// A block of n keys as fp32 rows: the cache itself (fp32) or widened into `scratch`.
-template <int64_t D, typename KV>
-const float* keys_fp32(const KV* k, int64_t n, float* scratch) {
-  if constexpr (std::is_same_v<KV, float>) {
-    return k;
-  } else {
-    for (int64_t i = 0; i < n * D; i += W) load(k + i).store(scratch + i);
-    return scratch;
-  }
 }
 
 // Ask for rows [j, j + count) of the next block's K and V (null: none) while this block computes,
@@ -277,16 +268,25 @@ void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, 
   block_pv<D, BS>(s, 1, v, R, n, o_b, next_k, next_v);
 }
 
-// Rows-in-lanes scores of one block for NVG vectors of rows: st[j][row] for the n keys of k (fp32
-// rows), qt [D][RP] the scaled, transposed queries (zero in padded lanes), st of row stride RP.
+// Rows-in-lanes scores of one block for NVG vectors of rows: st[j][row] for the n keys of k (as stored),
+// qt [D][RP] the scaled, transposed queries (zero in padded lanes), st of row stride RP. Half-precision keys
+// are widened a tile at a time into a small scratch that stays in L1 (the broadcasts need fp32 scalars);
+// widening the whole block first into a 32 KB scratch left its loads waiting and the block out of L1.
 template <int64_t D, int NVG, typename KV>
-void scores_lanes(const float* qt, int64_t RP, const float* k, int64_t n, float* st, const char* next_k,
+void scores_lanes(const float* qt, int64_t RP, const KV* k, int64_t n, float* st, const char* next_k,
                   const char* next_v) {
   constexpr int JT = keys_per_tile<NVG>();
+  float kt[std::is_same_v<KV, float> ? 1 : JT * D];
   auto tile = [&](auto jt_const, int64_t j) {
     constexpr int JN = decltype(jt_const)::value;
     Vec acc[JN][NVG];
-    const float* kj = k + j * D;
+    const float* kj;
+    if constexpr (std::is_same_v<KV, float>) {
+      kj = k + j * D;
+    } else {
+      for (int64_t i = 0; i < JN * D; i += W) load(k + j * D + i).store(kt + i);
+      kj = kt;
+    }
     for (int64_t d = 0; d < D; ++d) {
       Vec qv[NVG];
       for (int g = 0; g < NVG; ++g) qv[g] = Vec::loadu(qt + d * RP + g * W);
@@ -308,9 +308,9 @@ void scores_lanes(const float* qt, int64_t RP, const float* k, int64_t n, float*
 }
 
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
-// qt [D][RP] (RP = NV * W) instead of q, fp32 keys, and st scratch [BS][RP].
+// qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP].
 template <int64_t D, typename KV, typename Mask>
-void block_lanes(const float* qt, int64_t NV, const float* k, const KV* v, int64_t R, int64_t n, bool masked,
+void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t R, int64_t n, bool masked,
                  const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
                  float* l_b) {
   const int64_t RP = NV * W;
@@ -435,7 +435,6 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> s(MAX_ROWS * BS);  // RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W
-    std::vector<float> kf(lanes && !std::is_same_v<KV, float> ? BS * D : 0);  // widened keys (lanes path)
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
       const KV* kh = kp + h * ks + j0 * D;
@@ -450,7 +449,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       const bool masked = causal && j0 + n > S - T;
       const auto mask = [&](int64_t r, int64_t j) { return j0 + j - (S - T) <= r % T; };
       if (lanes)
-        block_lanes<D>(qp + h * D * RP, NV, keys_fp32<D>(kh, n, kf.data()), vh, R, n, masked, mask, s.data(),
+        block_lanes<D>(qp + h * D * RP, NV, kh, vh, R, n, masked, mask, s.data(),
                        next_k, next_v, ob, mb, lb);
       else
         block_rows<D, BS>(qp + h * R * D, kh, vh, R, n, masked, mask, s.data(), next_k, next_v, ob, mb, lb);
