@@ -255,15 +255,14 @@ void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
 
 // One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as stored;
 // s: scratch [R, BS] (BS: the row stride); mask(r, j) -> whether row r sees key j of the block (called
-// for every pair only where `masked`). Writes o_b [R, D], m_b [R], l_b [R].
+// for the keys from mask_from on: the ones before it are seen by every row). Writes o_b [R, D], m_b [R], l_b [R].
 template <int64_t D, int64_t BS, typename KV, typename Mask>
-void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, bool masked, const Mask& mask, float* s,
-                const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b) {
+void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from, const Mask& mask,
+                float* s, const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b) {
   scores_rows<D, BS>(q, k, R, n, s);
-  if (masked)
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < n; ++j)
-        if (!mask(r, j)) s[r * BS + j] = NEG_INF;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = mask_from; j < n; ++j)
+      if (!mask(r, j)) s[r * BS + j] = NEG_INF;
   rows_softmax<BS>(s, R, n, m_b, l_b);
   block_pv<D, BS>(s, 1, v, R, n, o_b, next_k, next_v);
 }
@@ -310,7 +309,7 @@ void scores_lanes(const float* qt, int64_t RP, const KV* k, int64_t n, float* st
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
 // qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP].
 template <int64_t D, typename KV, typename Mask>
-void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t R, int64_t n, bool masked,
+void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from,
                  const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
                  float* l_b) {
   const int64_t RP = NV * W;
@@ -332,10 +331,9 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
       g0 += 1;
     }
   }
-  if (masked)
-    for (int64_t jj = 0; jj < n; ++jj)
-      for (int64_t r = 0; r < R; ++r)
-        if (!mask(r, jj)) st[jj * RP + r] = NEG_INF;
+  for (int64_t jj = mask_from; jj < n; ++jj)
+    for (int64_t r = 0; r < R; ++r)
+      if (!mask(r, jj)) st[jj * RP + r] = NEG_INF;
   // block-local softmax numerators, W rows per vector (one vector at a time: its max and sum stay
   // in registers; with the vectors inner, indexed at run time, they went through memory: +15%)
   float mt[MAX_ROWS], lt[MAX_ROWS];
@@ -445,14 +443,14 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       float* ob = o_part + w * R * D;
       float* mb = m_part + w * R;
       float* lb = l_part + w * R;
-      // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u
-      const bool masked = causal && j0 + n > S - T;
+      // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u (the keys before the
+      // new tokens are seen by every row: only the new ones are checked, a division each)
+      const int64_t mask_from = causal ? std::clamp<int64_t>(S - T - j0, 0, n) : n;
       const auto mask = [&](int64_t r, int64_t j) { return j0 + j - (S - T) <= r % T; };
       if (lanes)
-        block_lanes<D>(qp + h * D * RP, NV, kh, vh, R, n, masked, mask, s.data(),
-                       next_k, next_v, ob, mb, lb);
+        block_lanes<D>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
       else
-        block_rows<D, BS>(qp + h * R * D, kh, vh, R, n, masked, mask, s.data(), next_k, next_v, ob, mb, lb);
+        block_rows<D, BS>(qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
     }
   });
   return merge_blocks<D>(o_part, H, nb, R, q.options());
@@ -650,7 +648,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
         const KV* kh = fkp + h * fk_s + f0 * D;
         const KV* vh = fvp + h * fv_s + f0 * D;
         const auto mask = [&](int64_t r, int64_t j) { return maskp[(r % T) * F + f0 + j]; };
-        block_rows<D, QB>(qh, kh, vh, R, n, true, mask, s.data(), nullptr, nullptr, ob, mb, lb);
+        block_rows<D, QB>(qh, kh, vh, R, n, 0, mask, s.data(), nullptr, nullptr, ob, mb, lb);
       }
     }
   });
