@@ -81,10 +81,10 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight stays in GGML block formats (quantized.py): `parts`, [N_i, K] each
     in its own type (a fused projection may mix them: Q4_K_M files keep some V in Q6_K), outputs
     concatenated. Up to PANEL_MAX_ROWS rows of fp32 x go through a compiled kernel: once `pack()`ed on
-    a CPU with the kernels, Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights are held interleaved 16 rows
-    at a time (the same bytes) for the integer kernel (kernels/quant_packed.cpp: x taken to 16 bits per
-    32-element block), other formats as stored for the block kernel (kernels/quant_linear.cpp: fp32
-    arithmetic). Longer
+    a CPU with the kernels, Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights are held
+    interleaved 16 rows at a time (the same bytes) for the integer kernel (kernels/quant_packed.cpp: x
+    taken to 16 bits per 32-element block), other formats as stored for the block kernel
+    (kernels/quant_linear.cpp: fp32 arithmetic). Longer
     inputs (prefill), or no kernels, dequantize a few thousand rows at a time (about 8 MB of fp32) and
     use F.linear: never a whole fp32 matrix. Either way a row's result does not depend on the other rows."""
 
@@ -107,9 +107,9 @@ class QuantLinear(nn.Module):
         self.kernel_ready = all(p.kernel_ready() for p in parts)  # types and shapes: fixed
 
     def pack(self) -> None:
-        """Interleave the parts the integer kernel reads (quantized.PACKED_FIELDS: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
-        Q5_K / Q6_K) where the kernels have it; the others stay as stored for the block kernel (a fused
-        projection may mix both). The file's pages read here are given back (quantized.release)."""
+        """Interleave the parts the integer kernel reads (quantized.PACKED_FIELDS: Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+        Q8_0 / Q4_K / Q5_K / Q6_K) where the kernels have it; the others stay as stored for the block kernel
+        (a fused projection may mix both). The file's pages read here are given back (quantized.release)."""
         ops = self.backend.ops
         if any(self.packed) or ops is None or not hasattr(ops, "linear_packed") or self.in_features % 32:
             return

@@ -3,8 +3,8 @@
 A GGUF weight of shape [N, K] is N rows of K / QK blocks, each block QK weights in `block_bytes` bytes
 (Q4_K: 256 weights in 144 bytes). We keep exactly those bytes, as a uint8 tensor [N, row_bytes]
 (a view of the memory-mapped file where possible), and compute with them: kernels/quant_linear.cpp
-dequantizes blocks in registers; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K are held interleaved 16 rows at a time instead
-(`pack_rows`: the same bytes) for kernels/quant_packed.cpp's integer dot products, which take x to 16
+dequantizes blocks in registers; Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K are held
+interleaved 16 rows at a time instead (`pack_rows`: the same bytes) for kernels/quant_packed.cpp's integer dot products, which take x to 16
 bits per 32-element block; without the kernels, `dequantize` below turns a few rows at a time into
 fp32 with gguf's own reader code (never a whole matrix at once, see model.QuantLinear).
 
@@ -133,7 +133,7 @@ def pack_rows(t: QuantTensor) -> torch.Tensor:
 def unpack_rows(packed: torch.Tensor, qtype: int, shape: tuple[int, int], start: int = 0,
                 stop: int | None = None, ops=None) -> QuantTensor:
     """Rows [start, stop) of a pack_rows tensor of `shape` [N, K], as the file's bytes (a copy). `ops`: the
-    compiled kernels (their unpack_rows: the same bytes, 20x faster than numpy's transposes; prefill
+    compiled kernels (their unpack_rows: the same bytes, 13x faster than numpy's transposes; prefill
     dequantizes every weight through here once per chunk)."""
     n, k = shape
     stop = n if stop is None else min(stop, n)

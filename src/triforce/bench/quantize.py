@@ -74,7 +74,14 @@ def export_f16(src: Path, dst: Path, rope_theta: float | None, context: int | No
     import gguf
     import numpy as np
 
+    from ..memory import available_bytes
+
     reader = gguf.GGUFReader(src)
+    f16_bytes, avail = sum(2 * int(t.n_elements) for t in reader.tensors), available_bytes()
+    if avail is not None and f16_bytes > 0.8 * avail:  # gguf's writer holds every tensor until it writes the file
+        raise TriforceError(f"exporting {src.name} to F16 needs about {f16_bytes / 2**30:.1f} GiB of memory and "
+                            f"{avail / 2**30:.1f} GiB are available: quantize it with llama.cpp's own "
+                            "llama-quantize tool instead")
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch)
     overrides = {}
