@@ -280,3 +280,14 @@ def test_quantize_by_llama_cpp_gives_a_file_we_run(tiny_gguf, tmp_path, capsys):
         want, got = [(m := from_gguf(path))(ids, m.new_cache(40)) for path in (tiny_gguf, out)]
     assert torch.corrcoef(torch.stack([want.flatten(), got.flatten()]))[0, 1] > 0.999
     assert [p.name for p in tmp_path.iterdir()] == ["q8.gguf"]
+
+
+def test_an_f16_export_that_would_not_fit_is_refused(tiny_gguf, tmp_path, monkeypatch):
+    from triforce import memory
+    from triforce.bench.quantize import export_f16
+    from triforce.errors import TriforceError
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
+    with pytest.raises(TriforceError, match="llama-quantize"):
+        export_f16(tiny_gguf, tmp_path / "f16.gguf", None, None, log=lambda *a: None)
+    assert list(tmp_path.iterdir()) == []
