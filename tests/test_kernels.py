@@ -13,7 +13,9 @@ from triforce.caches.base import CAUSAL
 # (9+ rows) runs the rows-in-lanes path; T = 7 and 11 need two and three 16-row vectors.
 @pytest.mark.parametrize("T, mask_kind, S", [(1, None, 1500), (2, "causal", 1500), (4, "causal", 1500),
                                              (4, "causal", 1282), (7, "causal", 1282), (11, "causal", 1500),
-                                             (2, "bool", 1500), (1, "bool", 1500)])
+                                             (2, "bool", 1500), (1, "bool", 1500), (4, "tree", 1282),
+                                             (7, "tree", 1282), (11, "tree", 1500), (21, "tree", 1300),
+                                             (30, "causal", 1500), (30, "tree", 1300)])
 def test_kernel_matches_sdpa(kern, T, mask_kind, S):
     torch.manual_seed(0)
     Hq, Hkv, D, cap = 6, 2, 64, 1600
@@ -22,18 +24,38 @@ def test_kernel_matches_sdpa(kern, T, mask_kind, S):
     k, v = k_store[:, :, :S], v_store[:, :, :S]  # strided like a cache slice
     if mask_kind == "causal":
         mask = CAUSAL
+    elif mask_kind == "tree":  # a random draft tree: each token sees itself and its ancestors
+        mask = _random_tree_block(T)
     elif mask_kind == "bool":
         mask = torch.rand(T, S) < 0.7
         mask[:, 0] = True
     else:
         mask = None
-    assert Hq // Hkv * T <= model.KERNEL_MAX_ROWS and S >= model.KERNEL_MIN_KEYS
+    assert T <= model.KERNEL_MAX_ROWS and S >= model.KERNEL_MIN_KEYS
     counting = _Counting(kern)
     got = model.attention(q, k, v, mask, ops=counting)
-    # the kernel really ran (bool masks, from the StreamingLLM cache, stay on PyTorch's path)
-    assert counting.calls == (0 if mask_kind == "bool" else 1)
+    # the kernel really ran (bool masks, from the StreamingLLM cache, stay on PyTorch's path; a tree's
+    # token block takes the kernel's causal path with its own visibility)
+    # (more than KERNEL_MAX_ROWS rows per KV head, 3 * 30 here: two query heads of each group in one call, one in a second)
+    assert counting.calls == (0 if mask_kind == "bool" else 1 if Hq // Hkv * T <= model.KERNEL_MAX_ROWS else 2)
     want = model.attention(q, k, v, mask, ops=None)  # PyTorch's path
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _random_tree_block(T: int, seed: int = 0):
+    """A TokenBlock of T tokens in a random tree (token 0 the root, each later one a child of an
+    earlier one): visible[t][u] iff u is t or an ancestor of t."""
+    from triforce.caches.base import TokenBlock
+
+    gen = torch.Generator().manual_seed(seed + T)
+    parent = [-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, T)]
+    visible = torch.eye(T, dtype=torch.bool)
+    depth = [0] * T
+    for t in range(1, T):
+        visible[t] |= visible[parent[t]]
+        depth[t] = depth[parent[t]] + 1
+    assert not torch.equal(visible, torch.ones(T, T, dtype=torch.bool).tril())  # a tree, not a chain
+    return TokenBlock(torch.tensor(depth), visible)
 
 
 class _Counting:
@@ -45,9 +67,9 @@ class _Counting:
     def __getattr__(self, name):
         fn = getattr(self.kern, name)
 
-        def counted(*a):
+        def counted(*a, **kw):
             self.calls += 1
-            return fn(*a)
+            return fn(*a, **kw)
         return counted
 
 
@@ -172,12 +194,35 @@ def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [3, 9])
+def test_kernel_tree_block_both_paths(kern, kv_dtype, T):
+    """A draft tree's token block (its tokens the last T keys, straddling a 256-key block boundary) on
+    the per-row and the rows-in-lanes paths (forced) against SDPA with the block's dense [T, S] mask."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(5)
+    Hkv, g, D = 3, 3, 64
+    S = 512 + T // 2  # the new tokens cross the boundary at 512
+    block = _random_tree_block(T, seed=1)
+    q = torch.randn(Hkv, g * T, D)
+    k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
+    want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=block.mask(S - T).repeat(g, 1))
+    for path in (1, 2):
+        got = kern.decode_attention(q, k, v, T, True, D ** -0.5, path, visible=block.visible)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    causal = kern.decode_attention(q, k, v, T, True, D ** -0.5, 1)
+    assert not torch.allclose(causal, want, rtol=1e-3, atol=1e-3)  # the visibility was used
+
+
 def test_kernel_rejects_what_it_cannot_do(kern):
     q, k = torch.randn(2, 3, 64), torch.randn(2, 300, 64)
     with pytest.raises(RuntimeError, match="k and v of one dtype"):
         kern.decode_attention(q, k, k.half(), 1, False, 0.125, 0)
     with pytest.raises(RuntimeError, match="head dim"):
         kern.decode_attention(torch.randn(2, 3, 96), torch.randn(2, 300, 96), torch.randn(2, 300, 96), 1, False, 0.1, 0)
+    with pytest.raises(RuntimeError, match="visible must be"):
+        kern.decode_attention(torch.randn(2, 6, 64), k, k, 2, True, 0.1, 0, visible=torch.ones(3, 3, dtype=torch.bool))
 
 
 ZEN3 = frozenset("fpu sse2 avx avx2 fma f16c bmi1 bmi2 aes".split())  # AVX2 + FMA, no AVX-512

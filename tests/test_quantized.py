@@ -24,7 +24,7 @@ from triforce.errors import TriforceError
 from triforce.generate import generate, generate_ar
 from triforce.loading import build_model, load_model
 from triforce.loading.gguf_file import read_gguf
-from triforce.model import QuantLinear
+from triforce.model import KERNEL_CHUNKS_MAX_ROWS, QuantLinear
 from triforce.quantized import FORMATS, QuantTensor, dequantize, pack_rows, random_blocks, unpack_rows
 from triforce.speculation.config import SpecConfig
 
@@ -129,12 +129,13 @@ def test_packed_kernel_equals_dequantized_matmul(kern, qtype):
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "pytorch"])
-@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize("rows", [1, 7, 20, 40])
 @pytest.mark.parametrize("formats", ["blocks", "packed", "mixed"])
 def test_quant_linear_equals_dequantized_linear(use_kernels, rows, formats):
     """QuantLinear on a kernel (<= 16 rows: the block kernel for F16 + BF16, the integer kernel for packed
-    Q5_1 + Q8_0, or both for Q4_K + F16), on dequantized panels (prefill; no kernels, also from packed bytes):
-    x W^T + b with W the dequantized values. The panels are a few rows at a time: set small here to span several."""
+    Q5_1 + Q8_0, or both for Q4_K + F16; up to 64 rows, a verification's, 16 at a time), on dequantized panels
+    (prefill; no kernels, also from packed bytes): x W^T + b with W the dequantized values. The panels are a few
+    rows at a time: set small here to span several. On a kernel each row is computed as it would be alone."""
     types = {"blocks": (Q.F16, Q.BF16), "packed": (Q.Q5_1, Q.Q8_0), "mixed": (Q.Q4_K, Q.F16)}[formats]
     parts = [blocks(types[0], 40, 256), blocks(types[1], 24, 256, seed=3)]
     bias = torch.randn(64)
@@ -149,7 +150,10 @@ def test_quant_linear_equals_dequantized_linear(use_kernels, rows, formats):
         assert lin.packed == ([True, True] if formats == "packed" and on else [True, False] if formats == "mixed" and on
                               else [False, False])
         got = lin(x)
-    if any(lin.packed) and rows <= 16:
+        on_kernel = on and x.numel() // 256 <= KERNEL_CHUNKS_MAX_ROWS
+        if on_kernel:  # a decode step's row gives the same numbers: verification rows are the step's
+            assert torch.equal(lin(x[1:, rows - 1:]), got[1:, rows - 1:])
+    if any(lin.packed) and on_kernel:
         assert packed_error((got - bias).view(-1, 64), x.view(-1, 256), weight) < PACKED_TOL
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

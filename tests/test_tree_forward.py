@@ -15,6 +15,7 @@ from triforce.speculation.state import ModelState, prefill
 from triforce.speculation.tree import DraftTree
 
 PARAMS = SamplingParams(temperature=1.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,73 @@ def test_a_chain_is_a_prefix_rollback(model):
     assert torch.equal(rows, ref)
     state.keep_path([0, 1])  # a no-op for chains: the next forward rolls back lazily
     assert state.cache.length == len(prompt) + 5
+
+
+@pytest.fixture(scope="module")
+def long_model():
+    return ours_from_hf(hf_tiny("llama", seed=6, max_position_embeddings=2048, hidden_size=256))  # head dim 64
+
+
+@pytest.mark.parametrize("kind", ["full", "retrieval"])
+def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
+    """Past KERNEL_MIN_KEYS keys a tree's forward runs the compiled attention kernel with the token block's
+    visibility (not PyTorch's masked attention over a dense [T, S] mask), for each ISA variant: each
+    node's logits equal plain decoding down its path, and a kernel that ignored the visibility (each node
+    seeing its earlier siblings too, as the causal path would let it) is caught."""
+    from triforce import kernels, model as model_mod
+
+    rng = random.Random(11)
+    n_prompt = model_mod.KERNEL_MIN_KEYS + 40
+    prompt = [rng.randrange(96) for _ in range(n_prompt)]
+    pending = [rng.randrange(96) for _ in range(2)]
+    ctx = prompt + pending
+    tree = random_tree(rng, max_depth=5, max_width=3, max_nodes=18)
+    assert len(tree) >= 6 and not tree.is_chain
+    c = long_model.cfg
+
+    def state_for():
+        full = long_model.new_cache(n_prompt + 64, record_queries=True)
+        prefill(long_model, full, torch.tensor([prompt]), 512)
+        if kind == "full":
+            st = ModelState("full", long_model, full, GREEDY)
+        else:  # a budget past KERNEL_MIN_KEYS, so that the retrieval cache's forward takes the kernel too
+            cache = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=1040, chunk_size=8, recent=16,
+                                   max_new=64)
+            cache.build(full)
+            st = ModelState("retrieval", long_model, cache, GREEDY)
+        st.fed, st.stable = list(prompt), len(prompt)
+        return st
+
+    with torch.inference_mode(), kernels.override(kern):  # plain decoding on the kernels too: float order apart,
+        before = state_for()                                 # the same arithmetic
+        want = [copy.deepcopy(before).score(ctx + [tree.tokens[i] for i in tree.path_to(slot - 1)], len(prompt), [],
+                                            ranked=True)[-1] for slot in range(len(tree) + 1)]
+    calls = []
+
+    class Spy:  # the kernel module, recording whether each attention call carried a token block (or dropping it)
+        def __init__(self, drop: bool):
+            self.drop = drop
+
+        def __getattr__(self, name):
+            fn = getattr(kern, name)
+            if name != "decode_attention":
+                return fn
+
+            def spied(*a, **kw):
+                calls.append("visible" in kw)
+                if self.drop:
+                    kw.pop("visible", None)
+                return fn(*a, **kw)
+            return spied
+
+    with torch.inference_mode(), kernels.override(Spy(drop=False)):
+        rows = copy.deepcopy(before).score(ctx, len(prompt), tree, ranked=True)  # fp32 logits [T + 1, V]
+    assert calls.count(True) == c.n_layers  # every layer's attention: the kernel with the tree's visibility
+    with torch.inference_mode(), kernels.override(Spy(drop=True)):  # the wrong variant: nodes see earlier siblings
+        wrong = copy.deepcopy(before).score(ctx, len(prompt), tree, ranked=True)
+    want = torch.stack(want)
+    # Float order apart (a 17-token block takes the rows-in-lanes path, a 3-token chain the per-row one:
+    # about 3e-6 of the logits' scale), the tree's rows are plain decoding's; the wrong variant's are not.
+    tol = 4e-6 * float(want.abs().max())
+    assert float((rows - want).abs().max()) <= tol
+    assert float((wrong - want).abs().max()) > 2 * tol

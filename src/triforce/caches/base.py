@@ -79,11 +79,12 @@ class KVCache:
 
     def update(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | TokenBlock | str | None]:
         """Store k, v [B, Hkv, T, D] for `layer`; return (K, V [B, Hkv, S, D], mask).
 
-        mask: None (all keys visible), CAUSAL (see above), or [T, S] bool, True where new token i
-        may attend to key j.
+        mask: None (all keys visible), CAUSAL (see above), the TokenBlock itself (its tokens are the last
+        T keys, every older key visible to all: the attention kernel takes its [T, T] visibility), or
+        [T, S] bool, True where new token i may attend to key j.
         q [B, Hq, T, D] is passed for caches that select keys by query (it is not stored by default).
         """
         raise NotImplementedError

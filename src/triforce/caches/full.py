@@ -25,14 +25,14 @@ class FullCache(KVCache):
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
         self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
         self.query_start = 0
-        self._mask: torch.Tensor | str | None = None
+        self._mask: TokenBlock | str | None = None
         self._n_new = 0
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")
         self._n_new = n_new
         self.query_start = self.length
-        self._mask = None if n_new == 1 else CAUSAL if block is None else block.mask(self.length)
+        self._mask = None if n_new == 1 else CAUSAL if block is None else block
 
     def update(self, layer, q, k, v):
         start, end = self.length, self.length + self._n_new

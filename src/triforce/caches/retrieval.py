@@ -41,7 +41,7 @@ class RetrievalCache(KVCache):
         self.built_at = 0  # sequence length at the last build
         self.base = 0  # tokens selected at the last build
         self.indices: list[torch.Tensor] = []  # per layer [B, Hkv, base]: positions kept at the last build
-        self._mask: torch.Tensor | str | None = None
+        self._mask: TokenBlock | str | None = None
         self._n_new = 0
 
     def select(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ class RetrievalCache(KVCache):
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self._slot(self.length) + n_new, self.capacity, "the retrieval cache (rebuild it more often)")
         self._n_new = n_new
-        self._mask = None if n_new == 1 else CAUSAL if block is None else block.mask(self._slot(self.length))
+        self._mask = None if n_new == 1 else CAUSAL if block is None else block
 
     def update(self, layer, q, k, v):
         a = self._slot(self.length)

@@ -416,7 +416,7 @@ torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, i
 
 template <int64_t D, typename KV>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                  double scale, bool lanes) {
+                  const bool* visible, double scale, bool lanes) {
   constexpr int64_t BS = block_keys<D, KV>();
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
   const int64_t NV = (R + W - 1) / W, RP = NV * W;
@@ -443,10 +443,14 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       float* ob = o_part + w * R * D;
       float* mb = m_part + w * R;
       float* lb = l_part + w * R;
-      // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u (the keys before the
-      // new tokens are seen by every row: only the new ones are checked, a division each)
+      // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u; a token block (a draft
+      // tree): to the rows of the tokens t with visible[t][u]. The keys before the new tokens are seen by every
+      // row: only the new ones are checked, a division each.
       const int64_t mask_from = causal ? std::clamp<int64_t>(S - T - j0, 0, n) : n;
-      const auto mask = [&](int64_t r, int64_t j) { return j0 + j - (S - T) <= r % T; };
+      const auto mask = [&](int64_t r, int64_t j) {
+        const int64_t u = j0 + j - (S - T), t = r % T;
+        return visible ? visible[t * T + u] : u <= t;
+      };
       if (lanes)
         block_lanes<D>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
       else
@@ -458,11 +462,11 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 
 template <typename KV>
 torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                     double scale, bool lanes) {
+                     const bool* visible, double scale, bool lanes) {
   switch (q.size(2)) {
-    case 64: return run<64, KV>(q, k, v, T, causal, scale, lanes);
-    case 128: return run<128, KV>(q, k, v, T, causal, scale, lanes);
-    default: return run<256, KV>(q, k, v, T, causal, scale, lanes);
+    case 64: return run<64, KV>(q, k, v, T, causal, visible, scale, lanes);
+    case 128: return run<128, KV>(q, k, v, T, causal, visible, scale, lanes);
+    default: return run<256, KV>(q, k, v, T, causal, visible, scale, lanes);
   }
 }
 
@@ -662,7 +666,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
 // `causal` -> out [H, R, D] fp32. path: 0 chooses by R, 1 forces the per-row path, 2 the
 // rows-in-lanes path (for tests and measurements).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
-                               double scale, int64_t path) {
+                               double scale, int64_t path, c10::optional<torch::Tensor> visible) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H, R, D], k/v [H, S, D]");
   const int64_t D = q.size(2);
   TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(2) == D && v.size(2) == D,
@@ -674,11 +678,19 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
   TORCH_CHECK(R <= MAX_ROWS && T >= 1 && R % T == 0 && S >= T && k.size(0) == H && v.size(0) == H && v.size(1) == S,
               "decode_attention: bad shapes");
+  const bool* vis = nullptr;
+  if (visible.has_value()) {
+    TORCH_CHECK(causal, "decode_attention: a visible block [T, T] needs causal (its keys are the last T)");
+    TORCH_CHECK(visible->scalar_type() == torch::kBool && visible->dim() == 2 && visible->size(0) == T &&
+                    visible->size(1) == T && visible->is_contiguous() && visible->device().is_cpu(),
+                "decode_attention: visible must be a contiguous [T, T] bool CPU tensor");
+    vis = visible->data_ptr<bool>();
+  }
   const bool lanes = path == 2 || (path == 0 && R >= LANES_MIN_ROWS);
   switch (k.scalar_type()) {
-    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, scale, lanes);
-    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, scale, lanes);
-    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, scale, lanes);
+    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, scale, lanes);
+    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, scale, lanes);
+    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, vis, scale, lanes);
     default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
   }
 }

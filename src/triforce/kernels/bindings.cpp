@@ -7,9 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("HALF_KV") = true;            // decode_attention reads bf16 / fp16 K and V
   m.def("decode_attention", &triforce::decode_attention,
         "softmax(q k^T * scale) v for q [H, R, D] fp32 over k/v [H, S, D] (fp32, bf16 or fp16; D 64, 128 or 256), "
-        "causal over the last T keys if asked",
+        "causal over the last T keys if asked, or with visible [T, T] bool (a token block: new token t sees new key u "
+        "iff visible[t][u]; every older key is seen by all)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("T"), py::arg("causal"), py::arg("scale"),
-        py::arg("path") = 0);
+        py::arg("path") = 0, py::arg("visible") = py::none());
   m.def("quant_attention", &triforce::quant_attention,
         "softmax(q k^T * scale) v for q [H, R, D] fp32 over a quantized KV cache: planes k_hi/k_lo/v_hi/v_lo "
         "[H, Sq, D/2] uint8 (lower planes empty: 4-bit reading), fp16 scales/zeros (keys [H, Sq/64, D], values "

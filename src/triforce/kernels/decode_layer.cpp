@@ -43,7 +43,7 @@ std::vector<torch::Tensor> layer_forward(torch::Tensor x, const LayerWeights& w,
   auto q = rope_store(qkv, cos, sin, n_heads, n_kv_heads, k_cache.select(0, 0).narrow(1, slot, T),
                       v_cache.select(0, 0).narrow(1, slot, T));
   auto attn = decode_attention(q.view({n_kv_heads, g * T, D}), k_cache.narrow(2, 0, slot + T).select(0, 0),
-                               v_cache.narrow(2, 0, slot + T).select(0, 0), T, T > 1, w.scale, 0);
+                               v_cache.narrow(2, 0, slot + T).select(0, 0), T, T > 1, w.scale, 0, c10::nullopt);
   attn = T == 1 ? attn.view({1, 1, n_heads * D})  // [Hq, 1, D] is already [1, Hq * D]
                 : attn.view({1, n_heads, T, D}).transpose(1, 2).reshape({1, T, n_heads * D});
   x = add_into(linear(attn, w.o, c10::nullopt), x);

@@ -8,8 +8,9 @@
 namespace triforce {
 
 // attention.cpp: softmax(q k^T * scale) v for q [H, R, D] fp32 over k/v [H, S, D] fp32/bf16/fp16 (see there).
+// visible [T, T] bool (with causal): the new keys' visibility for a token block (a draft tree) instead of causal.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
-                               double scale, int64_t path);
+                               double scale, int64_t path, c10::optional<torch::Tensor> visible);
 
 // attention.cpp: the same over a quantized KV cache's planes (8-bit or their 4-bit reading) and its
 // full-precision buffer (caches/quantized.py; see there).
