@@ -14,6 +14,23 @@ from triforce.loading import build_model
 # tests that time nothing lose nothing by it. The embedded-model tests raise it again.
 torch.set_num_threads(1)
 
+
+@pytest.fixture(scope="session", autouse=True)
+def tuned_flags_apart(tmp_path_factory):
+    """`triforce tune` runs in the tests record their flags here (subprocesses inherit the variable), not in
+    the user's cache, where generate and bench would take them by default (bench/profile.py)."""
+    import os
+
+    from triforce.bench.profile import FILE_ENV
+
+    before = os.environ.get(FILE_ENV)
+    os.environ[FILE_ENV] = str(tmp_path_factory.mktemp("tuned") / "tuned.json")
+    yield
+    if before is None:
+        os.environ.pop(FILE_ENV, None)
+    else:
+        os.environ[FILE_ENV] = before
+
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             rms_norm_eps=1e-6, initializer_range=0.25, tie_word_embeddings=False)

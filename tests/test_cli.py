@@ -158,12 +158,15 @@ def test_tune_predicts_and_checks(tmp_path):
     assert out["best"]["predicted_ms_per_token"] == min(x["predicted_ms_per_token"] for x in out["top"])
     assert 1 <= out["best"]["gamma"] <= 3 and 1 <= out["best"]["gamma_draft"] <= 2
     assert out["check"]["tuned"]["triforce_ms_per_token"] > 0
+    # recorded as this machine's default for triforce (in the tests' own file: conftest), unless --check ran it slower
+    slower = out["check"]["tuned"]["triforce_ms_per_token"] > out["check"]["default"]["triforce_ms_per_token"]
+    assert (out["saved"] is None) == slower
     bad = run("tune", "--context-length", "700", "--budgets", "1024", "--quiet")
     assert bad.returncode == 2 and "budget" in bad.stderr
 
 
 @needs_model
-def test_tune_trees():
+def test_tune_trees(tmp_path):
     """`tune --trees`: the probe's acceptance per child rank (rank 0 tried at every path slot), forward
     costs, and the best widths-per-depth tree as flags that parse."""
     from triforce.speculation.stack import StackSpec
@@ -177,6 +180,26 @@ def test_tune_trees():
     assert out["best"]["predicted_ms_per_token"] == min(x["predicted_ms_per_token"] for x in out["top"])
     assert all(x["nodes"] <= 6 for x in out["top"])
     assert StackSpec.parse("streaming,full", 4, tree=out["best"]["tree"]).tree_nodes == out["best"]["nodes"]
+    # recorded: sequoia takes that tree by default at a context near 600 (greedy), not with --no-tuned or --tree
+    assert out["saved"]
+    gen = ("generate", "--method", "sequoia", "--demo-tokens", "500", "--max-new-tokens", "8", "--json", "--sink", "4",
+           "--window", "64")  # the threads tune ran with: a tuned entry holds for its thread count
+    r = run(*gen)
+    assert r.returncode == 0, r.stderr
+    tuned = json.loads(r.stdout)
+    assert tuned["tuned"].startswith(f"--tree {out['best']['tree']} (tuned at context 600, T=0")
+    assert "with this machine's tuned flags --tree" in r.stderr
+    for flag in (["--no-tuned"], ["--tree", "2,1"]):
+        r = run(*gen, *flag)
+        assert r.returncode == 0 and json.loads(r.stdout)["tuned"] is None, r.stderr
+        assert json.loads(r.stdout)["token_ids"] == tuned["token_ids"]  # greedy: the same tokens whatever the tree
+    # bench too: its sequoia row says which flags it took, and stays lossless
+    r = run("bench", "--context-lengths", "600", "--methods", "sequoia", "--temperatures", "0", "--max-new-tokens", "8",
+            "--sink", "4", "--window", "64", "--out", str(tmp_path), "--quiet")
+    assert r.returncode == 0, r.stderr
+    row, = [x for x in json.loads((tmp_path / "results.json").read_text())["rows"] if x["method"] == "sequoia"]
+    assert row["notes"][0].startswith(f"tuned flags (triforce tune): --tree {out['best']['tree']} (tuned at context 600")
+    assert row["lossless"] and f"| sequoia (tuned: --tree {out['best']['tree']}) |" in (tmp_path / "results.md").read_text()
 
 
 @needs_model

@@ -58,20 +58,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "$TRIFORCE_CACHE_DIR or ~/.cache/triforce)")
 
 
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
+def _add_spec_args(p: argparse.ArgumentParser, tuned: bool = True) -> None:
+    """The speculation options; `tuned`: also --no-tuned (generate and bench take tuned flags; tune makes them)."""
     d = SpecConfig()
     g = p.add_argument_group("speculation (defaults measured on the embedded model: docs/triforce.md)")
-    g.add_argument("--gamma", type=_positive_int, default=d.gamma, metavar="N",
-                   help=f"named methods: tokens drafted per verification by the full target (default {d.gamma})")
-    g.add_argument("--gamma-draft", type=_positive_int, default=d.gamma_draft, metavar="N",
-                   help=f"triforce: tokens the bottom drafter proposes per retrieval-level verification (default {d.gamma_draft})")
+    # --gamma, --gamma-draft and --budget default to None: a named triforce run without them takes this
+    # machine's tuned values where `triforce tune` recorded some (bench/profile.py), else SpecConfig's
+    g.add_argument("--gamma", type=_positive_int, default=None, metavar="N",
+                   help=f"named methods: tokens drafted per verification by the full target (default {d.gamma}, or "
+                        f"this machine's tuned value for triforce: `triforce tune`)")
+    g.add_argument("--gamma-draft", type=_positive_int, default=None, metavar="N",
+                   help=f"triforce: tokens the bottom drafter proposes per retrieval-level verification (default "
+                        f"{d.gamma_draft}, or the tuned value)")
     g.add_argument("--draft", default=d.draft, metavar="KIND",
                    help="bottom drafter of triforce: ngram (default), streaming (the target with a StreamingLLM "
                         "cache), or PATH of a small model sharing the target's tokenizer; also the model of a "
                         "'draft' level")
-    g.add_argument("--budget", type=_positive_int, default=d.budget, metavar="N",
+    g.add_argument("--budget", type=_positive_int, default=None, metavar="N",
                    help=f"retrieval (and H2O) cache budget in tokens per layer and KV head, for a retrieval or h2o level "
-                        f"without :BUDGET (default {d.budget})")
+                        f"without :BUDGET (default {d.budget}, or the tuned value for triforce)")
+    if tuned:
+        g.add_argument("--no-tuned", action="store_true",
+                       help="ignore this machine's tuned flags (`triforce tune`) and use the defaults above")
     g.add_argument("--chunk-size", type=_positive_int, default=d.chunk_size, metavar="N",
                    help=f"retrieval chunk size (default {d.chunk_size})")
     g.add_argument("--recent", type=int, default=d.recent, metavar="N",
@@ -128,7 +136,10 @@ def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
     draft, path = args.draft, None
     if draft not in ("ngram", "streaming"):
         path, draft = draft, "draft"
-    cfg = SpecConfig(gamma=args.gamma, gamma_draft=args.gamma_draft, draft=draft, budget=args.budget,
+    d = SpecConfig()
+    cfg = SpecConfig(gamma=d.gamma if args.gamma is None else args.gamma,
+                     gamma_draft=d.gamma_draft if args.gamma_draft is None else args.gamma_draft, draft=draft,
+                     budget=d.budget if args.budget is None else args.budget,
                      chunk_size=args.chunk_size, recent=args.recent, rebuild_every=args.rebuild_every,
                      sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk,
                      draft_weights=args.draft_weights, draft_kv_dtype=args.draft_kv_dtype or _default_draft_kv(args))
@@ -216,7 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure this machine and pick --gamma, --gamma-draft and --budget",
                        description="Measure the cost of full-cache and retrieval-cache forwards of 1..k tokens "
                                    "and each level's acceptance on a real prompt, predict ms/token for every "
-                                   "(budget, gamma, gamma-draft) and print the best as flags.")
+                                   "(budget, gamma, gamma-draft) and print the best as flags. They are recorded as "
+                                   "this machine's default for --method triforce (with --trees: the tree of --method "
+                                   "sequoia), with this model and KV dtype, for runs at contexts within 2x of "
+                                   "--context-length and the same kind of temperature (greedy or sampled); generate "
+                                   "and bench take them unless given --no-tuned or the flags themselves. Not recorded "
+                                   "when --check runs them slower than the defaults.")
     t.add_argument("--context-length", type=_positive_int, default=16384, metavar="N",
                    help="prompt length to tune for (default 16384)")
     t.add_argument("--budgets", default="1024,2048,4096", metavar="N,N", help="retrieval budgets to try")
@@ -243,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(method="triforce")
     _add_model_args(t)
-    _add_spec_args(t)
+    _add_spec_args(t, tuned=False)
     inf = sub.add_parser("info", help="what a model holds and the memory a context will take (nothing is loaded)",
                          description="Print a model's shape, its weights by format with their bytes, the memory "
                                      "each --weights choice holds, KV cache bytes per 1K tokens in each --kv-dtype, "
@@ -308,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per prefill forward, and the prefix cache's block size (default 512)")
     _add_model_args(sv)
     _add_stack_args(sv)
-    _add_spec_args(sv)
+    _add_spec_args(sv, tuned=False)
     return parser
 
 
@@ -369,9 +385,19 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
     configure_device(loaded.model, args)
     prompt = _read_prompt(args, loaded.tokenizer)
     check_request(len(prompt), args.max_new_tokens, loaded.config.max_context)
+    from .bench.profile import describe, tuned_allowed, tuned_run
     from .memory import check_kv_fits
 
     check_kv_fits(loaded.model, len(prompt) + args.max_new_tokens)  # refused now, not OOM-killed mid-prefill
+    tuned = None  # a named run without the tuned flags set takes this machine's `triforce tune` values
+    if tuned_allowed(args, args.method):
+        log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+        tuned = tuned_run(loaded, args.method, config, len(prompt), params.temperature, log)
+        if tuned is not None:
+            stack, config, entry = tuned
+            tuned = describe(entry)
+            if log:
+                log(f"triforce: {args.method} with this machine's tuned flags {tuned}; --no-tuned for the defaults")
     draft_model = None
     if any(lvl.kind == "draft" for lvl in stack.levels):
         draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
@@ -395,6 +421,7 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
             "finish_reason": res.finish_reason,
             "method": res.method,
             "stack": str(stack),
+            "tuned": tuned,  # the tuned flags this run took (triforce tune), or null
             "model": loaded.source,
             "seconds": round(res.decode_seconds, 4),
             "prefill_seconds": round(res.prefill_seconds, 4),

@@ -63,6 +63,9 @@ def _agreement(tokens: list[int], ref: list[int] | None) -> int | None:
     return n
 
 
+TUNED_NOTE = "tuned flags (triforce tune)"  # a row's first note when its method ran with this machine's tuned flags
+
+
 def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, levels=(), notes=()):
     acc = {lvl["level"]: lvl.get("acceptance_rate") for lvl in levels if lvl.get("role") == "verify"}
     tpr = {lvl["level"]: lvl.get("tokens_per_round") for lvl in levels if lvl.get("role") == "verify"}
@@ -79,10 +82,12 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
 
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
               progress=True, draft_model=None, log=print, bandwidth=None, peers=(), draft_dir=None,
-              prompt_files=(), on_row=None) -> list[dict]:
+              prompt_files=(), on_row=None, tuned=None) -> list[dict]:
     """-> one row per (context, prompt, temperature, method); `methods` are method names or StackSpecs
     (a row's method is then the stack's text). `on_row(rows)` is called after each new row (the CLI
-    writes the results so far, so an interrupted run keeps its finished rows)."""
+    writes the results so far, so an interrupted run keeps its finished rows). `tuned(method, context,
+    temperature)` -> (stack, config, entry) or None: a named method's run with this machine's tuned flags
+    (bench/profile.tuned_run; the row's notes say which)."""
     from tqdm.auto import tqdm
 
     from ..corpus import demo_tokens
@@ -91,6 +96,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     from ..speculation.stack import StackSpec, method_stack
     from ..speculation.state import PrefilledPrompt
     from . import peers as peer_mod
+    from . import profile
 
     model, tok = loaded.model, loaded.tokenizer
     rows = []
@@ -105,7 +111,14 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     runs = {str(m) if isinstance(m, StackSpec) else m:
             m if isinstance(m, StackSpec) else method_stack(m, config.gamma, config.gamma_draft, config.draft)
             for m in methods}  # name -> stack
-    stacks = list(runs.values())
+    tuned_runs = {}  # (method, context, temperature) -> (stack, config, entry)
+    if tuned is not None:
+        for m in runs:
+            for n in context_lengths:
+                for temp in temperatures:
+                    if (t := tuned(m, n, temp)) is not None:
+                        tuned_runs[m, n, temp] = t
+    stacks = list(runs.values()) + [t[0] for t in tuned_runs.values()]
     fitting = []
     for n in context_lengths:
         capacity = max(full_capacity(n, max_new_tokens, st) for st in stacks)
@@ -146,7 +159,11 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                 params = sampling_params(temp)
                 ar_tokens, ar_ms = None, None
                 for method, stack in tqdm(runs.items(), desc=f"{n_ctx} T={temp}", leave=False, disable=not progress):
-                    res = generate(model, prompt, max_new_tokens, params, stack=stack, config=config,
+                    cfg, tuned_note = config, []
+                    if (method, n_ctx, temp) in tuned_runs:
+                        stack, cfg, entry = tuned_runs[method, n_ctx, temp]
+                        tuned_note = [f"{TUNED_NOTE}: {profile.describe(entry)}"]
+                    res = generate(model, prompt, max_new_tokens, params, stack=stack, config=cfg,
                                    draft_model=draft_model, seed=seed + pi, prefilled=shared)
                     ms = res.decode_seconds / len(res.tokens) * 1e3
                     if method == "ar":
@@ -158,7 +175,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                             lvl["ms_per_forward"] = round(lvl["seconds"] / lvl["forwards"] * 1e3, 2)
                             lvl["floor_ms"] = level_floor_ms(model, n_ctx, config, bandwidth, lvl["level"])
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
-                               notes=res.stats.get("notes", []))
+                               notes=tuned_note + res.stats.get("notes", []))
                     add(row)
                     log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {row['acceptance']}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
@@ -310,7 +327,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "lossless": None if any(r["lossless"] is None for r in rs) else all(r["lossless"] for r in rs),
                     "agree_with_ar": med(r.get("agree_with_ar") for r in rs),
                     "acceptance": {k: med(r["acceptance"].get(k) for r in rs) for k in rs[0]["acceptance"]},
-                    "level_cost": level_cost, "floor_ms": rs[0].get("floor_ms"), "prompts": len(rs), **peer})
+                    "level_cost": level_cost, "floor_ms": rs[0].get("floor_ms"), "prompts": len(rs),
+                    "notes": list(dict.fromkeys(note for r in rs for note in r["notes"])), **peer})
     return out
 
 
@@ -328,7 +346,9 @@ def markdown(summary: list[dict]) -> str:
         else:
             lossless = "-"
         speed = f"{r['speedup_vs_ar']}x" if r["speedup_vs_ar"] is not None else "-"
-        lines.append(f"| {r['context_length']} | {r['temperature']} | {r['method']} | {_dash(r['ms_per_token'])} | "
+        method = r["method"] + "".join(f" (tuned: {note.split(': ', 1)[1].split(' (tuned at')[0]})"
+                                       for note in r.get("notes", ())[:1] if note.startswith(TUNED_NOTE))
+        lines.append(f"| {r['context_length']} | {r['temperature']} | {method} | {_dash(r['ms_per_token'])} | "
                      f"{speed} | {lossless} | {acc} | {cost} | {r.get('floor_ms') or '-'} |")
     return "\n".join(lines) + "\n" + peers_markdown(summary)
 
@@ -447,6 +467,7 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     from ..loading import configure_device, load_model, resolve_dtype
     from . import peers as peer_mod
     from .hardware import measure_bandwidth
+    from .profile import tuned_allowed, tuned_run
 
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(peer_mod.PEERS)
@@ -479,7 +500,8 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
                      seed=args.seed, progress=not args.quiet, draft_model=draft_model.model if draft_model else None,
                      log=log, bandwidth=bandwidth, peers=peers, prompt_files=args.prompt_file or (),
                      draft_dir=draft_model.hf_dir if draft_model else None,
-                     on_row=lambda rs: write_outputs(out_dir, rs, summarize(rs), meta))
+                     on_row=lambda rs: write_outputs(out_dir, rs, summarize(rs), meta),
+                     tuned=lambda m, n, t: tuned_run(loaded, m, config, n, t, log) if tuned_allowed(args, m) else None)
     summary = summarize(rows)
     write_outputs(out_dir, rows, summary, meta)
     print(markdown(summary))

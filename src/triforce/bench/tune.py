@@ -207,6 +207,11 @@ def main(args, config) -> int:
             log(f"check {name}: triforce {runs['triforce']:.1f} ms/token, ar {runs['ar']:.1f}, "
                 f"x{runs['ar'] / runs['triforce']:.2f}")
         out["check"] = checked
+    out["saved"] = _save(loaded, "chain", args, {k: best[k] for k in ("budget", "gamma", "gamma_draft")},
+                         {"predicted_ms_per_token": best["predicted_ms_per_token"],
+                          "predicted_ar_ms_per_token": out["predicted_ar_ms_per_token"], **out.get("check", {})},
+                         slower=args.check and checked["tuned"]["triforce_ms_per_token"]
+                         > checked["default"]["triforce_ms_per_token"], log=log)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -218,6 +223,28 @@ def main(args, config) -> int:
             print(f"  quantspec (kv4,full; kv4 acceptance {qs['acceptance']}): best predicted "
                   f"{qs['best']['predicted_ms_per_token']} ms/token with --method quantspec --gamma {qs['best']['gamma']}")
     return 0
+
+
+def _save(loaded, kind: str, args, flags: dict, measured: dict, slower: bool, log) -> str | None:
+    """Record the chosen flags as this machine's default for --method triforce (chain) or sequoia (tree) near
+    this context and temperature (bench/profile.py) -> the file, or None where they are not recorded: --check
+    ran them slower than the defaults, or the cache cannot be written (said, not fatal)."""
+    from ..storage import CacheUnwritable
+    from . import profile
+
+    what = "--method triforce" if kind == "chain" else "--method sequoia"
+    if slower:
+        log(f"not recorded as this machine's default for {what}: --check ran them slower than the defaults")
+        return None
+    try:
+        path = profile.record(loaded, kind, args.context_length, args.temperature, flags, measured)
+    except CacheUnwritable as e:
+        log(f"not recorded as this machine's default: {e}")
+        return None
+    log(f"recorded in {path}: {what} uses them by default on this machine, with this model and KV dtype, for "
+        f"{'greedy' if args.temperature <= 0 else 'sampled'} runs at contexts within 2x of {args.context_length} "
+        f"(--no-tuned ignores them)")
+    return str(path)
 
 
 def _main_trees(args, config, loaded, log) -> int:
@@ -245,6 +272,10 @@ def _main_trees(args, config, loaded, log) -> int:
         out["check"] = {"tuned_ms_per_token": round(runs["tuned"], 2), "ar_ms_per_token": round(runs["ar"], 2),
                         "speedup_vs_ar": round(runs["ar"] / runs["tuned"], 3)}
         log(f"check: streaming,full --tree {best['tree']} {runs['tuned']:.1f} ms/token, ar {runs['ar']:.1f}")
+    out["saved"] = _save(loaded, "tree", args, {"tree": best["tree"]},
+                         {"predicted_ms_per_token": best["predicted_ms_per_token"],
+                          "predicted_ar_ms_per_token": out["predicted_ar_ms_per_token"], **out.get("check", {})},
+                         slower=False, log=log)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
