@@ -4,7 +4,10 @@
 // AMX-BF16 (Intel Sapphire Rapids and later) and Linux >= 5.16.
 //
 //     g++ -O3 -march=native -mamx-tile -mamx-bf16 -fopenmp -o /tmp/amx_attention scripts/amx_attention_bench.cpp
-//     OMP_NUM_THREADS=2 /tmp/amx_attention 32768        # a second argument skips parts for a time breakdown
+//     OMP_NUM_THREADS=2 /tmp/amx_attention 32768        # V interleaved into key pairs per block, as it is stored
+//     OMP_NUM_THREADS=2 /tmp/amx_attention 32768 16     # V stored in key pairs already (the tiles' layout)
+// (a second argument: bits that skip parts for a time breakdown, see SKIP; PF_AHEAD=N prefetches N blocks ahead)
+// 16 query rows per KV head (a 5-token verification's 15, padded) over bf16 K/V,
 // 16 query rows per KV head (a 5-token verification's 15, padded) over bf16 K/V,
 // flash-style blocks of 256 keys: scores S^T = K Q^T on AMX (keys x rows), softmax per row in fp32, P rounded
 // to bf16 and transposed to rows x keys, V interleaved in key pairs (VNNI), O += P V on AMX.
@@ -63,7 +66,9 @@ static inline void transpose16(const float* in, int ld, float* out) {
 }
 
 // One (head, block): q pairs qp [32 pairs][16 rows][2] bf16; k, v [n=BS][D] bf16. Writes o_b [R][D], m_b, l_b.
-static int SKIP = 0;  // timing breakdown: 1 no V interleave, 2 no softmax, 4 no transpose, 8 no PV
+static long PF_AHEAD = 1;  // prefetch the block this many ahead (env PF_AHEAD)
+static int SKIP = 0;  // timing breakdown: 1 no V interleave, 2 no softmax, 4 no transpose, 8 no PV;
+                      // 16: V stored in key pairs already (the tiles' layout), no interleave needed
 static void block_amx(const uint16_t* qp, const uint16_t* k, const uint16_t* v, float* o_b, float* m_b, float* l_b,
                       const char* next_k, const char* next_v) {
   alignas(64) float st[BS * 16];          // keys x rows
@@ -84,7 +89,9 @@ static void block_amx(const uint16_t* qp, const uint16_t* k, const uint16_t* v, 
   // V in key pairs while the scores' softmax is computed
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int kp = 0; kp < (SKIP & 1 ? 0 : BS / 2); ++kp) {
+  if (SKIP & 16 && next_v)
+    for (int c = 0; c < BS * D * 2 / 64; ++c) _mm_prefetch(next_v + c * 64, _MM_HINT_T1);
+  for (int kp = 0; kp < (SKIP & 17 ? 0 : BS / 2); ++kp) {
     if (next_v) for (int c = 0; c < 4; ++c) _mm_prefetch(next_v + kp * 256 + c * 64, _MM_HINT_T1);
     const uint16_t* r0 = v + (2 * kp) * D;
     const uint16_t* r1 = r0 + D;
@@ -118,10 +125,11 @@ static void block_amx(const uint16_t* qp, const uint16_t* k, const uint16_t* v, 
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int s = 0; s < (SKIP & 8 ? 0 : BS / 32); ++s) {
     _tile_loadd(4, pa + s * 32, BS * 2);
-    _tile_loadd(5, vb[s][0], 64); _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, vb[s][1], 64); _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, vb[s][2], 64); _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, vb[s][3], 64); _tile_dpbf16ps(3, 4, 5);
+    const uint16_t* b0 = SKIP & 16 ? v + s * 4 * 512 : vb[s][0];  // 16: the block's V already in [s][slice][16 x 32]
+    _tile_loadd(5, b0, 64); _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, b0 + 512, 64); _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, b0 + 1024, 64); _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b0 + 1536, 64); _tile_dpbf16ps(3, 4, 5);
   }
   _tile_stored(0, o_b, D * 4); _tile_stored(1, o_b + 16, D * 4); _tile_stored(2, o_b + 32, D * 4); _tile_stored(3, o_b + 48, D * 4);
 }
@@ -129,12 +137,25 @@ static void block_amx(const uint16_t* qp, const uint16_t* k, const uint16_t* v, 
 int main(int argc, char** argv) {
   if (syscall(SYS_arch_prctl, 0x1023, 18)) { perror("arch_prctl"); return 1; }
   SKIP = argc > 2 ? atoi(argv[2]) : 0;
+  if (getenv("PF_AHEAD")) PF_AHEAD = atol(getenv("PF_AHEAD"));
   const long S = argc > 1 ? atol(argv[1]) : 32768, L = 30, H = 3, nb = S / BS;
   std::vector<uint16_t> K(L * H * S * D), V(L * H * S * D);
   uint32_t seed = 1;
   auto rnd = [&]() { seed = seed * 1664525u + 1013904223u; return ((seed >> 8) / 16777216.f) * 2.f - 1.f; };
   for (auto& x : K) x = bf16(rnd() * 2.f);
   for (auto& x : V) x = bf16(rnd());
+  std::vector<uint16_t> Vp;  // V in key pairs (SKIP & 16)
+  if (SKIP & 16) {  // V in key pairs per block: [32-key step][16-d slice][16 pairs x 16 d x 2]
+    std::vector<uint16_t> P(V.size());
+    for (long w = 0; w < L * H * nb; ++w)
+      for (int st = 0; st < BS / 32; ++st)
+        for (int sl = 0; sl < 4; ++sl)
+          for (int p = 0; p < 16; ++p)
+            for (int d = 0; d < 16; ++d)
+              for (int e = 0; e < 2; ++e)
+                P[w * BS * D + (st * 4 + sl) * 512 + p * 32 + d * 2 + e] = V[w * BS * D + (st * 32 + 2 * p + e) * D + sl * 16 + d];
+    Vp.swap(P);
+  }
   std::vector<float> Q(R * D);
   for (auto& x : Q) x = rnd() * 0.125f * 2.f;   // scaled queries
   alignas(64) static uint16_t qp[32 * 32];
@@ -147,9 +168,11 @@ int main(int argc, char** argv) {
 #pragma omp for schedule(static)
       for (long w = 0; w < L * H * nb; ++w) {
         float* ob = parts.data() + w * R * (D + 2);
-        const bool last = w + 1 == L * H * nb;
-        block_amx(qp, K.data() + w * BS * D, V.data() + w * BS * D, ob, ob + R * D, ob + R * D + R,
-                  last ? nullptr : (const char*)(K.data() + (w + 1) * BS * D), last ? nullptr : (const char*)(V.data() + (w + 1) * BS * D));
+        const long ahead = PF_AHEAD;
+        const bool last = w + ahead >= L * H * nb;
+        const uint16_t* vs = (SKIP & 16 ? Vp.data() : V.data());
+        block_amx(qp, K.data() + w * BS * D, vs + w * BS * D, ob, ob + R * D, ob + R * D + R,
+                  last ? nullptr : (const char*)(K.data() + (w + ahead) * BS * D), last ? nullptr : (const char*)(vs + (w + ahead) * BS * D));
       }
       _tile_release();
     }
