@@ -5,9 +5,10 @@
 //
 //     g++ -O3 -march=native -mamx-tile -mamx-bf16 -fopenmp -o /tmp/amx_attention scripts/amx_attention_bench.cpp
 //     OMP_NUM_THREADS=2 /tmp/amx_attention 32768        # V interleaved into key pairs per block, as it is stored
-//     OMP_NUM_THREADS=2 /tmp/amx_attention 32768 16     # V stored in key pairs already (the tiles' layout)
-// (a second argument: bits that skip parts for a time breakdown, see SKIP; PF_AHEAD=N prefetches N blocks ahead)
-// 16 query rows per KV head (a 5-token verification's 15, padded) over bf16 K/V,
+//     OMP_NUM_THREADS=2 /tmp/amx_attention 32768 16     # V stored in key pairs already (the tiles' layout), and a
+//                                                       # 3-row decode on vdpbf16ps compared with the tiles bit for bit
+// (the second argument: bits that skip parts for a time breakdown, see SKIP; PF_AHEAD=N prefetches N blocks ahead)
+//
 // 16 query rows per KV head (a 5-token verification's 15, padded) over bf16 K/V,
 // flash-style blocks of 256 keys: scores S^T = K Q^T on AMX (keys x rows), softmax per row in fp32, P rounded
 // to bf16 and transposed to rows x keys, V interleaved in key pairs (VNNI), O += P V on AMX.
@@ -105,10 +106,15 @@ static void block_amx(const uint16_t* qp, const uint16_t* k, const uint16_t* v, 
   __m512 mv = _mm512_set1_ps(-INFINITY);
   for (int j = 0; j < (SKIP & 2 ? 0 : BS); ++j) mv = _mm512_max_ps(mv, _mm512_load_ps(st + j * 16));
   __m512 lv = _mm512_setzero_ps();
-  for (int j = 0; j < (SKIP & 2 ? 0 : BS); ++j) {
-    const __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(st + j * 16), mv));
-    lv = _mm512_add_ps(lv, p);
-    _mm512_store_ps(st + j * 16, p);
+  for (int j0 = 0; j0 < (SKIP & 2 ? 0 : BS); j0 += 16) {  // l: per 16 keys an adjacent-pair tree, groups in order
+    __m512 t[16];
+    for (int i = 0; i < 16; ++i) {
+      t[i] = exp512(_mm512_sub_ps(_mm512_load_ps(st + (j0 + i) * 16), mv));
+      _mm512_store_ps(st + (j0 + i) * 16, t[i]);
+    }
+    for (int w = 8; w >= 1; w /= 2)
+      for (int i = 0; i < w; ++i) t[i] = _mm512_add_ps(t[2 * i], t[2 * i + 1]);
+    lv = _mm512_add_ps(lv, t[0]);
   }
   _mm512_storeu_ps(m_b, mv);
   _mm512_storeu_ps(l_b, lv);
@@ -132,6 +138,65 @@ static void block_amx(const uint16_t* qp, const uint16_t* k, const uint16_t* v, 
     _tile_loadd(5, b0 + 1536, 64); _tile_dpbf16ps(3, 4, 5);
   }
   _tile_stored(0, o_b, D * 4); _tile_stored(1, o_b + 16, D * 4); _tile_stored(2, o_b + 32, D * 4); _tile_stored(3, o_b + 48, D * 4);
+}
+
+// The same numbers for the first R3 rows by AVX512-BF16 dot products, keys in lanes (a decode step's shape):
+// K^T pairs by two 16x16 dword transposes per 16 keys; per (row, key) the 32 pairs accumulated in order; softmax as
+// above; l by the same tree; P V per (row, 16 d) over the key pairs in order. v: the block's V in key pairs.
+template <int R3>
+static void block_dp(const uint16_t* qp, const uint16_t* k, const uint16_t* v, float* o_b, float* m_b, float* l_b) {
+  alignas(64) float s[R3][BS];
+  alignas(64) float kt[32 * 16];  // per 16 keys: [pair][key] dwords (as floats: only moved)
+  uint32_t qd[R3][32];
+  for (int r = 0; r < R3; ++r)
+    for (int p = 0; p < 32; ++p) qd[r][p] = (uint32_t)qp[p * 32 + r * 2] | ((uint32_t)qp[p * 32 + r * 2 + 1] << 16);
+  for (int j = 0; j < BS; j += 16) {
+    transpose16((const float*)(k + j * D), D / 2, kt);            // dwords 0..15 of 16 keys -> [pair 0..15][key]
+    transpose16((const float*)(k + j * D) + 16, D / 2, kt + 256);  // dwords 16..31
+    for (int r = 0; r < R3; ++r) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int p = 0; p < 32; ++p)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(_mm512_load_ps(kt + p * 16)),
+                               (__m512bh)_mm512_set1_epi32((int)qd[r][p]));
+      _mm512_store_ps(s[r] + j, acc);
+    }
+  }
+  alignas(64) uint16_t pb[R3][BS];
+  for (int r = 0; r < R3; ++r) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < BS; j += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(s[r] + j));
+    const float m = _mm512_reduce_max_ps(mv);
+    float l = 0.f;
+    for (int j = 0; j < BS; j += 16) {
+      const __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(s[r] + j), _mm512_set1_ps(m)));
+      alignas(64) float t[16];
+      _mm512_store_ps(t, p);
+      _mm512_store_ps(s[r] + j, p);
+      for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; ++i) t[i] = t[2 * i] + t[2 * i + 1];
+      l += t[0];
+    }
+    m_b[r] = m;
+    l_b[r] = l;
+    for (int j = 0; j < BS; j += 32)
+      _mm512_store_si512(pb[r] + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(s[r] + j + 16), _mm512_load_ps(s[r] + j)));
+  }
+  const uint32_t* pd[R3];
+  for (int r = 0; r < R3; ++r) pd[r] = (const uint32_t*)pb[r];
+  __m512 acc[R3][4];
+  for (int r = 0; r < R3; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int kp = 0; kp < BS / 2; ++kp) {
+    const uint16_t* vb = v + ((kp / 16) * 4) * 512 + (kp % 16) * 32;  // [step][slice][pair][16 d x 2]
+    __m512bh vv[4];
+    for (int c = 0; c < 4; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vb + c * 512);
+    for (int r = 0; r < R3; ++r) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pd[r][kp]);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pp);
+    }
+  }
+  for (int r = 0; r < R3; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o_b + r * D + c * 16, acc[r][c]);
 }
 
 int main(int argc, char** argv) {
@@ -207,5 +272,49 @@ int main(int argc, char** argv) {
   const double t = ts[2 + (ts.size() - 2) / 2];
   printf("S %ld: %.1f ms for 30 layers x 3 KV heads x 16 rows (K+V %.0f MB bf16: %.1f GB/s; %.0f GFLOP/s)\n", S, t * 1e3,
          2.0 * L * H * S * D * 2 / 1e6, 2.0 * L * H * S * D * 2 / t / 1e9, 4.0 * L * H * S * D * R / t / 1e9);
+  if (SKIP & 16) {
+    std::vector<float> dparts(L * H * nb * 3 * (D + 2));
+    auto run_dp = [&]() {
+#pragma omp parallel for schedule(static)
+      for (long w = 0; w < L * H * nb; ++w) {
+        float* ob = dparts.data() + w * 3 * (D + 2);
+        block_dp<3>(qp, K.data() + w * BS * D, Vp.data() + w * BS * D, ob, ob + 3 * D, ob + 3 * D + 3);
+      }
+    };
+    run();
+    run_dp();
+    long differ = 0, total = 0, dm = 0, dl = 0, dox = 0;
+    for (long w = 0; w < L * H * nb; ++w) {
+      const float* a = parts.data() + w * R * (D + 2);
+      const float* b = dparts.data() + w * 3 * (D + 2);
+      for (int r = 0; r < 3; ++r) {
+        dm += memcmp(a + R * D + r, b + 3 * D + r, 4) != 0;
+        dl += memcmp(a + R * D + R + r, b + 3 * D + 3 + r, 4) != 0;
+        for (int d = 0; d < D; ++d) dox += memcmp(a + r * D + d, b + r * D + d, 4) != 0;
+      }
+      if (w == 0) printf("block 0 row 0: m %.9g vs %.9g, l %.9g vs %.9g, o0 %.9g vs %.9g\n", a[R * D], b[3 * D], a[R * D + R], b[3 * D + 3], a[0], b[0]);
+    }
+    printf("differ: m %ld, l %ld, o %ld\n", dm, dl, dox);
+    for (long w = 0; w < L * H * nb; ++w) {
+      const float* a = parts.data() + w * R * (D + 2);
+      const float* b = dparts.data() + w * 3 * (D + 2);
+      for (int r = 0; r < 3; ++r) {
+        for (int d = 0; d < D; ++d) { differ += memcmp(a + r * D + d, b + r * D + d, 4) != 0; ++total; }
+        differ += memcmp(a + R * D + r, b + 3 * D + r, 4) != 0;
+        differ += memcmp(a + R * D + R + r, b + 3 * D + 3 + r, 4) != 0;
+        total += 2;
+      }
+    }
+    printf("decode on vdpbf16ps (3 rows) vs the AMX tiles' first 3 rows: %ld of %ld values differ in any bit\n", differ, total);
+    std::vector<double> td;
+    for (int rep = 0; rep < 9; ++rep) {
+      auto t0 = std::chrono::steady_clock::now();
+      run_dp();
+      td.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(td.begin() + 2, td.end());
+    const double tdm = td[2 + (td.size() - 2) / 2];
+    printf("decode (3 rows) on vdpbf16ps: %.1f ms (%.1f GB/s of K+V)\n", tdm * 1e3, 2.0 * L * H * S * D * 2 / tdm / 1e9);
+  }
   return 0;
 }
