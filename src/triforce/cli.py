@@ -389,15 +389,15 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
     from .memory import check_kv_fits
 
     check_kv_fits(loaded.model, len(prompt) + args.max_new_tokens)  # refused now, not OOM-killed mid-prefill
-    tuned = None  # a named run without the tuned flags set takes this machine's `triforce tune` values
+    tuned_flags = None  # a named run without the tuned flags set takes this machine's `triforce tune` values
     if tuned_allowed(args, args.method):
         log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-        tuned = tuned_run(loaded, args.method, config, len(prompt), params.temperature, log)
-        if tuned is not None:
+        if (tuned := tuned_run(loaded, args.method, config, len(prompt), params.temperature, log)) is not None:
             stack, config, entry = tuned
-            tuned = describe(entry)
+            tuned_flags = describe(entry)
             if log:
-                log(f"triforce: {args.method} with this machine's tuned flags {tuned}; --no-tuned for the defaults")
+                log(f"triforce: {args.method} with this machine's tuned flags {tuned_flags}; --no-tuned for the "
+                    "defaults")
     draft_model = None
     if any(lvl.kind == "draft" for lvl in stack.levels):
         draft_model = load_model(draft_path, dtype=dtype, device=args.device, cache_dir=args.cache_dir,
@@ -421,7 +421,7 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
             "finish_reason": res.finish_reason,
             "method": res.method,
             "stack": str(stack),
-            "tuned": tuned,  # the tuned flags this run took (triforce tune), or null
+            "tuned": tuned_flags,  # the tuned flags this run took (triforce tune), or null
             "model": loaded.source,
             "seconds": round(res.decode_seconds, 4),
             "prefill_seconds": round(res.prefill_seconds, 4),

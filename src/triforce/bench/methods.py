@@ -63,9 +63,6 @@ def _agreement(tokens: list[int], ref: list[int] | None) -> int | None:
     return n
 
 
-TUNED_NOTE = "tuned flags (triforce tune)"  # a row's first note when its method ran with this machine's tuned flags
-
-
 def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, levels=(), notes=()):
     acc = {lvl["level"]: lvl.get("acceptance_rate") for lvl in levels if lvl.get("role") == "verify"}
     tpr = {lvl["level"]: lvl.get("tokens_per_round") for lvl in levels if lvl.get("role") == "verify"}
@@ -159,10 +156,9 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                 params = sampling_params(temp)
                 ar_tokens, ar_ms = None, None
                 for method, stack in tqdm(runs.items(), desc=f"{n_ctx} T={temp}", leave=False, disable=not progress):
-                    cfg, tuned_note = config, []
+                    cfg, entry = config, None
                     if (method, n_ctx, temp) in tuned_runs:
                         stack, cfg, entry = tuned_runs[method, n_ctx, temp]
-                        tuned_note = [f"{TUNED_NOTE}: {profile.describe(entry)}"]
                     res = generate(model, prompt, max_new_tokens, params, stack=stack, config=cfg,
                                    draft_model=draft_model, seed=seed + pi, prefilled=shared)
                     ms = res.decode_seconds / len(res.tokens) * 1e3
@@ -173,9 +169,11 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     for lvl in levels:  # per-level cost of one verification forward beside its floor
                         if lvl.get("role") == "verify" and lvl.get("forwards"):
                             lvl["ms_per_forward"] = round(lvl["seconds"] / lvl["forwards"] * 1e3, 2)
-                            lvl["floor_ms"] = level_floor_ms(model, n_ctx, config, bandwidth, lvl["level"])
+                            lvl["floor_ms"] = level_floor_ms(model, n_ctx, cfg, bandwidth, lvl["level"])
+                    tuned_note = [] if entry is None else [f"tuned flags (triforce tune): {profile.describe(entry)}"]
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
                                notes=tuned_note + res.stats.get("notes", []))
+                    row["tuned"] = None if entry is None else profile.flags_text(entry)
                     add(row)
                     log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {row['acceptance']}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
@@ -328,7 +326,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "agree_with_ar": med(r.get("agree_with_ar") for r in rs),
                     "acceptance": {k: med(r["acceptance"].get(k) for r in rs) for k in rs[0]["acceptance"]},
                     "level_cost": level_cost, "floor_ms": rs[0].get("floor_ms"), "prompts": len(rs),
-                    "notes": list(dict.fromkeys(note for r in rs for note in r["notes"])), **peer})
+                    "notes": list(dict.fromkeys(note for r in rs for note in r["notes"])),
+                    "tuned": rs[0].get("tuned"), **peer})
     return out
 
 
@@ -346,8 +345,7 @@ def markdown(summary: list[dict]) -> str:
         else:
             lossless = "-"
         speed = f"{r['speedup_vs_ar']}x" if r["speedup_vs_ar"] is not None else "-"
-        method = r["method"] + "".join(f" (tuned: {note.split(': ', 1)[1].split(' (tuned at')[0]})"
-                                       for note in r.get("notes", ())[:1] if note.startswith(TUNED_NOTE))
+        method = r["method"] + (f" (tuned: {r['tuned']})" if r.get("tuned") else "")
         lines.append(f"| {r['context_length']} | {r['temperature']} | {method} | {_dash(r['ms_per_token'])} | "
                      f"{speed} | {lossless} | {acc} | {cost} | {r.get('floor_ms') or '-'} |")
     return "\n".join(lines) + "\n" + peers_markdown(summary)

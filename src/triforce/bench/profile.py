@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.build import cpu_model
 from ..storage import atomic_write, cache_root, exclusive, writable_dir
 
 FILE = "tuned.json"
@@ -50,23 +51,14 @@ def code_version() -> str:
     return _code_hash
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_id(model) -> str:
     """What the costs were measured on: the GPU's name, or the CPU's model, kernel ISA and thread count."""
     if model.device.type == "cuda":
         return f"cuda {torch.cuda.get_device_name(model.device)}"
     ops = model.backend.ops
     isa = getattr(ops, "ISA", "pytorch") if ops is not None else "pytorch"
-    return f"{_cpu_name()}, {isa} kernels, {torch.get_num_threads()} threads"
+    cpu = cpu_model() or platform.processor() or platform.machine()
+    return f"{cpu}, {isa} kernels, {torch.get_num_threads()} threads"
 
 
 def model_id(loaded) -> str:
@@ -144,12 +136,17 @@ def lookup(loaded, kind: str, context_length: int, temperature: float, log=None)
                                     abs(math.log(e["context_length"] / max(context_length, 1)))))
 
 
-def describe(entry: dict) -> str:
-    """The flags of an entry as a user would type them, and where they were tuned."""
+def flags_text(entry: dict) -> str:
+    """The flags of an entry as a user would type them."""
     f = entry["flags"]
-    flags = (f"--budget {f['budget']} --gamma {f['gamma']} --gamma-draft {f['gamma_draft']}" if entry["kind"] == "chain"
-             else f"--tree {f['tree']}")
-    return f"{flags} (tuned at context {entry['context_length']}, T={entry['temperature']:g}, {entry['written']})"
+    return (f"--budget {f['budget']} --gamma {f['gamma']} --gamma-draft {f['gamma_draft']}" if entry["kind"] == "chain"
+            else f"--tree {f['tree']}")
+
+
+def describe(entry: dict) -> str:
+    """The flags of an entry, and where they were tuned."""
+    return (f"{flags_text(entry)} (tuned at context {entry['context_length']}, T={entry['temperature']:g}, "
+            f"{entry['written']})")
 
 
 def tuned_run(loaded, method: str, config, context_length: int, temperature: float, log=None):

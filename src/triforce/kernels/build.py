@@ -44,20 +44,29 @@ def _compiler_version() -> str:
         return f"{cxx}: unavailable"
 
 
-def _cpu_fingerprint() -> str:
-    """What -march=native sees: the CPU model and its feature flags."""
-    model = flags = ""
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; "" where it names none), or platform.processor() where that
+    cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not model and line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif not flags and line.startswith("flags"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return platform.processor()
+    return ""
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native sees: the CPU model and its feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
                 flags = line.split(":", 1)[1].strip()
-            if model and flags:
                 break
     except OSError:
-        model = platform.processor()
-    return f"{platform.machine()}|{model}|{hashlib.sha1(flags.encode()).hexdigest()[:12]}"
+        pass
+    return f"{platform.machine()}|{cpu_model()}|{hashlib.sha1(flags.encode()).hexdigest()[:12]}"
 
 
 def build_key(sources: list[Path], cflags: list[str]) -> str:
