@@ -177,7 +177,9 @@ def test_draft_weights_model(kern, tiny_llama):
 @pytest.mark.parametrize("T", [1, 5])
 def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
     """K/V stored in fp32, bf16 or fp16 are widened in registers: the result equals fp32 attention
-    over the rounded values (the same numbers PyTorch would see after casting); head dims 64-256."""
+    over the rounded values (the same numbers PyTorch would see after casting); head dims 64-256. Over bf16
+    K/V the scaled queries are rounded to bf16 first (the bf16 arithmetic) on every path, AMX's tiles (path 3)
+    where this machine has them."""
     import torch.nn.functional as F
 
     from triforce.caches.base import causal_mask
@@ -188,10 +190,27 @@ def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
     q = torch.randn(Hkv, g * T, D)
     k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
     mask = causal_mask(T, S - T, "cpu").repeat(g, 1) if T > 1 else None
-    want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
-    for path in (1, 2):
+    if kv_dtype == torch.bfloat16:
+        qs = (q * D ** -0.5).bfloat16().float()
+        want = F.scaled_dot_product_attention(qs, k.float(), v.float(), attn_mask=mask, scale=1.0)
+        unrounded = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
+        assert (want - unrounded).abs().max() > 1e-4  # the rounding matters: the check below can tell
+    else:
+        want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
+    paths = (1, 2, 3) if kv_dtype == torch.bfloat16 and kern.amx_attention() else (1, 2)
+    for path in paths:
         got = kern.decode_attention(q, k, v, T, T > 1, D ** -0.5, path)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_kernel_amx_path_refused_where_unusable(kern):
+    """path 3 (AMX tiles) is taken only for bf16 K/V where the tiles are usable; otherwise a clear error."""
+    q, k = torch.randn(1, 16, 64), torch.randn(1, 2048, 64)
+    with pytest.raises(RuntimeError, match="path 3 needs bf16 K/V and AMX"):
+        kern.decode_attention(q, k, k, 1, False, 0.125, 3)  # fp32 K/V
+    if not kern.amx_attention():
+        with pytest.raises(RuntimeError, match="path 3 needs bf16 K/V and AMX"):
+            kern.decode_attention(q, k.bfloat16(), k.bfloat16(), 1, False, 0.125, 3)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])

@@ -249,6 +249,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
 
     k and v are the cache's (its dtype: fp32, bf16 or fp16; q keeps the model's). The kernel reads fp32
     k/v, and bf16 / fp16 k/v where it says it can (`ops.HALF_KV`); PyTorch's path casts k/v to q's dtype.
+    Over a bf16 cache (fp32 q, CPU) the scaled queries are rounded to bf16 before their products, on every path
+    (the kernel's bf16 arithmetic: its verification scores may run on AMX tiles).
 
     Scores are q . k * scale (None: D ** -0.5). Query head h uses KV head h // g (the transformers convention).
     """
@@ -274,6 +276,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
             out = torch.cat([ops.decode_attention(qg[:, j:j + n].reshape(Hkv, -1, D), k[0], v[0], T, causal, scale,
                                                   **extra).view(Hkv, -1, T, D) for j in range(0, g, n)], dim=1)
         return out.view(B, Hq, T, D)
+    if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu":
+        # a bf16 cache's arithmetic, the kernel's on every path (kernels/attention.cpp, run()): the scaled queries
+        # rounded to bf16, so that q . k takes bf16 x bf16 products as AMX's tiles do
+        q, scale = (q * scale).bfloat16().float(), 1.0
     if k.dtype != q.dtype:  # a KV cache in another dtype: the visible keys only, in the activations' dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
     if isinstance(mask, TokenBlock):

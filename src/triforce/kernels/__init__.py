@@ -33,8 +33,9 @@ _NEEDS = {"avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2"),
 _CFLAGS = {"avx2": ["-march=x86-64-v3", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
            "avx512": ["-march=x86-64-v4", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]}
 _COMMON_CFLAGS = ["-O3", "-mtune=native", "-fopenmp"]
-# used where the CPU has them, else emulated (quant_packed.cpp): VNNI's 4-byte dot product, vpdpbusd
-_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
+# used where the CPU has them: VNNI's 4-byte dot product, vpdpbusd (else emulated, quant_packed.cpp); AMX's
+# bf16 tiles for a bf16 cache's verification scores (attention.cpp; else FMAs)
+_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("amx_tile", "-mamx-tile"), ("amx_bf16", "-mamx-bf16"))}
 _state: dict[str, object] = {}
 
 

@@ -27,8 +27,13 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -306,28 +311,123 @@ void scores_lanes(const float* qt, int64_t RP, const KV* k, int64_t n, float* st
   for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
 }
 
+// ---- scores on AMX tiles (bf16 K, the bf16 arithmetic; Intel Sapphire Rapids and later) ----
+// Compiled where the CPU has AMX-BF16 (kernels/__init__.py adds -mamx-tile -mamx-bf16); used where Linux
+// grants the process the tile state (arch_prctl, Linux >= 5.16) and TRIFORCE_AMX is not 0.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool AMX_BUILT = true;
+
+bool amx_usable() {
+  static const bool ok = [] {
+    const char* env = std::getenv("TRIFORCE_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows of 64 bytes (the palette's largest): a thread's tile configuration is its own register
+// state, so each work chunk sets it before its first tile instruction.
+inline void amx_configure() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Scores of the first n16 keys (a multiple of 16) of one block, st[j][row] (row stride RP) for every group of
+// 16 rows: per 16 keys, C (keys x rows) += K (16 keys x 16 dimension pairs) . Q (16 pairs x 16 rows x 2), D / 32
+// times. qb: the rounded queries in the tiles' pair layout, [NV][D / 32][16 pairs][16 rows][2] bf16.
+template <int64_t D>
+void scores_amx(const uint16_t* qb, int64_t NV, int64_t RP, const c10::BFloat16* k, int64_t n16, float* st,
+                const char* next_k, const char* next_v) {
+  constexpr int NC = D / 32;
+  const auto* kb = reinterpret_cast<const uint16_t*>(k);
+  for (int64_t g = 0; g < NV; ++g) {
+    const uint16_t* qg = qb + g * NC * 512;
+    if constexpr (NC <= 4) {  // the queries stay in tiles 2-5
+      _tile_loadd(2, qg, 64);
+      if constexpr (NC > 1) _tile_loadd(3, qg + 512, 64);
+      if constexpr (NC > 2) _tile_loadd(4, qg + 1024, 64);
+      if constexpr (NC > 3) _tile_loadd(5, qg + 1536, 64);
+    }
+    for (int64_t j = 0; j < n16; j += 16) {
+      if (g == 0) prefetch_rows<c10::BFloat16, D>(next_k, next_v, j, 16);
+      const uint16_t* kj = kb + j * D;
+      _tile_zero(0);
+      if constexpr (NC <= 4) {
+        _tile_loadd(1, kj, D * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        if constexpr (NC > 1) {
+          _tile_loadd(6, kj + 32, D * 2);
+          _tile_dpbf16ps(0, 6, 3);
+        }
+        if constexpr (NC > 2) {
+          _tile_loadd(1, kj + 64, D * 2);
+          _tile_dpbf16ps(0, 1, 4);
+        }
+        if constexpr (NC > 3) {
+          _tile_loadd(6, kj + 96, D * 2);
+          _tile_dpbf16ps(0, 6, 5);
+        }
+      } else {
+        for (int c = 0; c < NC; ++c) {
+          _tile_loadd(2, qg + c * 512, 64);
+          _tile_loadd(1, kj + c * 32, D * 2);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+      }
+      _tile_stored(0, st + j * RP + g * 16, RP * 4);
+    }
+  }
+}
+#else
+constexpr bool AMX_BUILT = false;
+bool amx_usable() { return false; }
+inline void amx_configure() {}
+template <int64_t D>
+void scores_amx(const uint16_t*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*, const char*, const char*) {}
+#endif
+
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
-// qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP].
+// qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP]. qb (bf16 K only; else null): the queries in
+// AMX's layout (scores_amx), whose tiles then compute the scores of the block's keys but its last n % 16.
 template <int64_t D, typename KV, typename Mask>
 void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from,
                  const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
-                 float* l_b) {
+                 float* l_b, const uint16_t* qb = nullptr) {
   const int64_t RP = NV * W;
-  for (int64_t g0 = 0; g0 < NV;) {  // groups of up to NVG_MAX row vectors share each loaded key
+  int64_t j_fma = 0;  // the keys from here on: scores by FMAs
+  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    if (qb != nullptr) {
+      j_fma = n - n % 16;
+      scores_amx<D>(qb, NV, RP, k, j_fma, st, next_k, next_v);
+      next_k = next_v = nullptr;  // prefetched
+    }
+  }
+  const KV* kf = k + j_fma * D;
+  const int64_t nf = n - j_fma;
+  for (int64_t g0 = 0; g0 < NV && nf > 0;) {  // groups of up to NVG_MAX row vectors share each loaded key
     const int64_t left = NV - g0;
     const float* qg = qt + g0 * W;
-    float* sg = st + g0 * W;
+    float* sg = st + j_fma * RP + g0 * W;
     if (left >= NVG_MAX) {
-      scores_lanes<D, NVG_MAX, KV>(qg, RP, k, n, sg, g0 == 0 ? next_k : nullptr, next_v);
+      scores_lanes<D, NVG_MAX, KV>(qg, RP, kf, nf, sg, g0 == 0 ? next_k : nullptr, next_v);
       g0 += NVG_MAX;
     } else if (NVG_MAX > 3 && left == 3) {
-      scores_lanes<D, 3, KV>(qg, RP, k, n, sg, g0 == 0 ? next_k : nullptr, next_v);
+      scores_lanes<D, 3, KV>(qg, RP, kf, nf, sg, g0 == 0 ? next_k : nullptr, next_v);
       g0 += 3;
     } else if (NVG_MAX > 2 && left == 2) {
-      scores_lanes<D, 2, KV>(qg, RP, k, n, sg, g0 == 0 ? next_k : nullptr, next_v);
+      scores_lanes<D, 2, KV>(qg, RP, kf, nf, sg, g0 == 0 ? next_k : nullptr, next_v);
       g0 += 2;
     } else {
-      scores_lanes<D, 1, KV>(qg, RP, k, n, sg, g0 == 0 ? next_k : nullptr, next_v);
+      scores_lanes<D, 1, KV>(qg, RP, kf, nf, sg, g0 == 0 ? next_k : nullptr, next_v);
       g0 += 1;
     }
   }
@@ -395,8 +495,8 @@ torch::Tensor merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R
 
 // The queries for either path: per-row, q scaled [H, R, D]; lanes, q scaled, transposed and zero-padded
 // [H, D, RP] (RP = NV * W). One small copy here instead of PyTorch's mul / transpose / pad / contiguous,
-// each a dispatch.
-torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, int64_t RP) {
+// each a dispatch. round: each scaled query element rounded to bf16 (the bf16 arithmetic).
+torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, int64_t RP, bool round = false) {
   const int64_t H = q.size(0), R = q.size(1), D = q.size(2);
   const auto qs = torch::empty({H * (lanes ? D * RP : R * D)}, q.options());
   const auto qa = q.accessor<float, 3>();
@@ -405,7 +505,7 @@ torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, i
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r = 0; r < (lanes ? RP : R); ++r)
       for (int64_t d = 0; d < D; ++d) {
-        const float x = r < R ? qa[h][r][d] * sc : 0.f;
+        const float x = r < R ? (round ? round_bf16(qa[h][r][d] * sc) : qa[h][r][d] * sc) : 0.f;
         if (lanes)
           dst[(h * D + d) * RP + r] = x;
         else
@@ -414,13 +514,34 @@ torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, i
   return qs;
 }
 
+// The arithmetic: fp32 over fp32 / fp16 K/V. Over bf16 K/V (RB) each scaled query element is rounded to bf16
+// first, the rest fp32: q . k then takes bf16 x bf16 products, exact in fp32, as AMX's tiles compute them, so a
+// bf16 cache's verification scores can run on the tiles and still compute the model `ar` computes, whichever
+// path each forward takes (the sums in another order: the last bits, as between the per-row and rows-in-lanes
+// paths).
 template <int64_t D, typename KV>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                  const bool* visible, double scale, bool lanes) {
+                  const bool* visible, double scale, bool lanes, bool amx) {
   constexpr int64_t BS = block_keys<D, KV>();
+  constexpr bool RB = std::is_same_v<KV, c10::BFloat16>;
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
   const int64_t NV = (R + W - 1) / W, RP = NV * W;
-  const auto qs = scaled_queries(q, scale, lanes, RP);
+  const auto qs = scaled_queries(q, scale, lanes, RP, RB);
+  // AMX (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs][16 rows][2]
+  // (RP is a multiple of 16 on AVX-512, the only build with AMX)
+  std::vector<uint16_t> qb;
+  if (amx && RB && lanes) {
+    const int64_t NQ = RP / 16;
+    qb.assign(H * NQ * D * 16, 0);
+    const float* qt = qs.data_ptr<float>();
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t g = 0; g < NQ; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t i = 0; i < 16; ++i) {
+            const c10::BFloat16 x(qt[(h * D + d) * RP + g * 16 + i]);  // already a bf16 value: exact
+            qb[(((h * NQ + g) * (D / 32) + d / 32) * 16 + (d % 32) / 2) * 32 + i * 2 + d % 2] = x.x;
+          }
+  }
   const int64_t nb = (S + BS - 1) / BS;
   // per-block partial results (not zero-filled: every block writes all of its rows)
   const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
@@ -433,6 +554,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> s(MAX_ROWS * BS);  // RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W
+    if (!qb.empty()) amx_configure();
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
       const KV* kh = kp + h * ks + j0 * D;
@@ -452,7 +574,8 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         return visible ? visible[t * T + u] : u <= t;
       };
       if (lanes)
-        block_lanes<D>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
+        block_lanes<D>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
+                           qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16);
       else
         block_rows<D, BS>(qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
     }
@@ -462,11 +585,11 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 
 template <typename KV>
 torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                     const bool* visible, double scale, bool lanes) {
+                     const bool* visible, double scale, bool lanes, bool amx) {
   switch (q.size(2)) {
-    case 64: return run<64, KV>(q, k, v, T, causal, visible, scale, lanes);
-    case 128: return run<128, KV>(q, k, v, T, causal, visible, scale, lanes);
-    default: return run<256, KV>(q, k, v, T, causal, visible, scale, lanes);
+    case 64: return run<64, KV>(q, k, v, T, causal, visible, scale, lanes, amx);
+    case 128: return run<128, KV>(q, k, v, T, causal, visible, scale, lanes, amx);
+    default: return run<256, KV>(q, k, v, T, causal, visible, scale, lanes, amx);
   }
 }
 
@@ -663,8 +786,9 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
 
 // q [H, R, D] fp32 (any layout; copied scaled), k/v [H, S, D] fp32, bf16 or fp16 (both the same)
 // with contiguous rows, D in {64, 128, 256}, T tokens per row group, causal over the last T keys if
-// `causal` -> out [H, R, D] fp32. path: 0 chooses by R, 1 forces the per-row path, 2 the
-// rows-in-lanes path (for tests and measurements).
+// `causal` -> out [H, R, D] fp32. path: 0 chooses by R (and AMX's tiles for bf16 K/V where usable), 1 forces
+// the per-row path, 2 the rows-in-lanes path on FMAs, 3 rows in lanes on AMX (bf16 K/V; for tests and
+// measurements). bf16 K/V: the bf16 arithmetic (run()).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path, c10::optional<torch::Tensor> visible) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H, R, D], k/v [H, S, D]");
@@ -686,14 +810,20 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                 "decode_attention: visible must be a contiguous [T, T] bool CPU tensor");
     vis = visible->data_ptr<bool>();
   }
-  const bool lanes = path == 2 || (path == 0 && R >= LANES_MIN_ROWS);
+  TORCH_CHECK(path >= 0 && path <= 3, "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX)");
+  TORCH_CHECK(path != 3 || (amx_usable() && k.scalar_type() == torch::kBFloat16),
+              "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
+  const bool lanes = path >= 2 || (path == 0 && R >= LANES_MIN_ROWS);
+  const bool amx = path == 3 || (path == 0 && amx_usable());
   switch (k.scalar_type()) {
-    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, scale, lanes);
-    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, scale, lanes);
-    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, vis, scale, lanes);
+    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, scale, lanes, false);
+    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, scale, lanes, amx);
+    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, vis, scale, lanes, false);
     default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
   }
 }
+
+bool amx_attention() { return amx_usable(); }
 
 }  // namespace triforce
 

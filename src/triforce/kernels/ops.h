@@ -11,6 +11,9 @@ namespace triforce {
 // visible [T, T] bool (with causal): the new keys' visibility for a token block (a draft tree) instead of causal.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path, c10::optional<torch::Tensor> visible);
+// attention.cpp: whether decode_attention computes bf16 K/V's verification scores on AMX tiles here (compiled
+// for a CPU with AMX-BF16, the tile state granted by Linux, TRIFORCE_AMX not 0).
+bool amx_attention();
 
 // attention.cpp: the same over a quantized KV cache's planes (8-bit or their 4-bit reading) and its
 // full-precision buffer (caches/quantized.py; see there).

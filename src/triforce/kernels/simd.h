@@ -79,6 +79,23 @@ inline Vec vmax(const Vec& a, const Vec& b) {
 #endif
 }
 
+// x rounded to the nearest bf16 (ties to even), kept as fp32: the rounding c10::BFloat16 and the AMX / AVX512-BF16
+// conversions do, for finite x (attention's queries and probabilities, never NaN).
+inline Vec round_bf16(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
+#else
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xffff0000u))));
+#endif
+}
+inline float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
+
 // where(keep, x, 0) for a comparison mask `keep` (all-ones lanes)
 inline Vec select(const Vec& keep, const Vec& x) { return Vec::blendv(Vec(0.f), x, keep); }
 
