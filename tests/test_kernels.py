@@ -191,16 +191,26 @@ def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
     k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
     mask = causal_mask(T, S - T, "cpu").repeat(g, 1) if T > 1 else None
     if kv_dtype == torch.bfloat16:
-        qs = (q * D ** -0.5).bfloat16().float()
-        want = F.scaled_dot_product_attention(qs, k.float(), v.float(), attn_mask=mask, scale=1.0)
-        unrounded = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
-        assert (want - unrounded).abs().max() > 1e-4  # the rounding matters: the check below can tell
+        from triforce.model import bf16_attention
+
+        q4 = q.view(Hkv, g, T, D).reshape(1, Hkv * g, T, D)
+        want = bf16_attention(q4, k[None], v[None], "causal" if T > 1 else None, D ** -0.5).view(Hkv, g * T, D)
+        fp32 = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
+        assert _agreement(fp32, want) < 0.5  # fp32 arithmetic is told apart by the check below
     else:
         want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
     paths = (1, 2, 3) if kv_dtype == torch.bfloat16 and kern.amx_attention() else (1, 2)
     for path in paths:
         got = kern.decode_attention(q, k, v, T, T > 1, D ** -0.5, path)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+        if kv_dtype == torch.bfloat16:  # sums in another order may move a rounded p by one bf16 step
+            assert _agreement(got, want) >= 0.9 and (got - want).abs().max() < 1e-3
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+def _agreement(got, want):
+    """The fraction of output rows [..., D] whose every value agrees to the last bits of fp32 (a few ulp)."""
+    return ((got - want).abs() <= 1e-6 + 4e-6 * want.abs()).all(-1).float().mean().item()
 
 
 def test_kernel_amx_path_refused_where_unusable(kern):

@@ -206,8 +206,8 @@ def test_attention_dispatch(dt, half_kv):
     ops = _FakeKernel(half_kv)
     got = model_mod.attention(q, k, v, None, ops=ops)
     assert ops.calls == (1 if dt is torch.float32 or half_kv else 0)
-    if dt is torch.bfloat16:  # a bf16 cache's arithmetic: the scaled queries rounded to bf16, on every path
-        want = model_mod.attention((q * 64 ** -0.5).bfloat16().float(), k.float(), v.float(), None, scale=1.0)
+    if dt is torch.bfloat16:  # a bf16 cache's arithmetic (bf16 x bf16 products), on every path
+        want = model_mod.bf16_attention(q, k, v, None, 64 ** -0.5)
     else:
         want = model_mod.attention(q, k.float(), v.float(), None, ops=None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -249,8 +249,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
 
     k and v are the cache's (its dtype: fp32, bf16 or fp16; q keeps the model's). The kernel reads fp32
     k/v, and bf16 / fp16 k/v where it says it can (`ops.HALF_KV`); PyTorch's path casts k/v to q's dtype.
-    Over a bf16 cache (fp32 q, CPU) the scaled queries are rounded to bf16 before their products, on every path
-    (the kernel's bf16 arithmetic: its verification scores may run on AMX tiles).
+    Over a bf16 cache (fp32 q, CPU) attention takes bf16 x bf16 products on every path (`bf16_attention`), so
+    that the kernel may run a verification on AMX tiles and still compute what `ar` computes.
 
     Scores are q . k * scale (None: D ** -0.5). Query head h uses KV head h // g (the transformers convention).
     """
@@ -277,9 +277,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
                                                   **extra).view(Hkv, -1, T, D) for j in range(0, g, n)], dim=1)
         return out.view(B, Hq, T, D)
     if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu":
-        # a bf16 cache's arithmetic, the kernel's on every path (kernels/attention.cpp, run()): the scaled queries
-        # rounded to bf16, so that q . k takes bf16 x bf16 products as AMX's tiles do
-        q, scale = (q * scale).bfloat16().float(), 1.0
+        return bf16_attention(q, k, v, mask, scale)  # a bf16 cache's arithmetic, the kernel's on every path
     if k.dtype != q.dtype:  # a KV cache in another dtype: the visible keys only, in the activations' dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
     if isinstance(mask, TokenBlock):
@@ -293,6 +291,41 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
         mask = mask.repeat(g, 1)  # rows are (group head, token)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, T, D)  # CUDA's memory-efficient kernel returns a transposed layout
+
+
+LOG2E = 1.4426950408889634
+
+
+def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """A bf16 cache's attention (kernels/attention.cpp, run(), computes the same up to the order of its sums):
+    q [B, Hq, T, D] fp32, k / v [B, Hkv, S, D] bf16, mask as `attention` takes it -> [B, Hq, T, D] fp32.
+
+    Every product is bf16 x bf16, exact in fp32, as on AMX tiles: the scaled queries are rounded to bf16, and
+    the probabilities too, taken in base 2 against an integer reference, p = 2^(s log2 e - M) with
+    M = ceil(max s log2 e), so that their rounding does not depend on how the keys are cut into blocks (a
+    block's p differ from these by an exact power of two). The normaliser l sums the unrounded p."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    if isinstance(mask, TokenBlock):
+        mask = mask.mask(S - T)
+    elif isinstance(mask, str):  # CAUSAL
+        mask = causal_mask(T, S - T, q.device)
+    visible = None if mask is None else mask.repeat(g, 1)  # rows are (group head, token)
+    qs = (q * scale).bfloat16().float().reshape(B, Hkv, g * T, D)
+    out = torch.empty_like(qs)
+    step = max(1, (1 << 22) // max(S, 1))  # rows per product: scores of at most 4M values at a time
+    for b in range(B):
+        for h in range(Hkv):
+            kh, vh = k[b, h].float(), v[b, h].float()
+            for r0 in range(0, g * T, step):
+                s = qs[b, h, r0:r0 + step] @ kh.T
+                if visible is not None:
+                    s.masked_fill_(~visible[r0:r0 + step], float("-inf"))
+                s2 = s * LOG2E
+                p = torch.exp2(s2 - torch.ceil(s2.amax(-1, keepdim=True)))
+                out[b, h, r0:r0 + step] = (p.bfloat16().float() @ vh) / p.sum(-1, keepdim=True)
+    return out.view(B, Hq, T, D)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ namespace triforce {
 namespace {
 
 constexpr int64_t MAX_ROWS = 64;
+constexpr float LOG2E = 1.4426950408889634f;
 constexpr int64_t LANES_MIN_ROWS = 8;  // from this many rows on, the rows-in-lanes path (measured: equal at 6)
 constexpr int64_t BLOCK_FLOATS = 16384;  // keys per work item x head dim: 64 KB of fp32 K (256 keys of 64)
 // Keys per work item: BLOCK_FLOATS / D whatever the K/V dtype (bf16 / fp16 blocks had half as many keys
@@ -139,24 +140,45 @@ void block_pv(const float* p, int64_t js, const KV* v, int64_t R, int64_t n, flo
 
 // Where a row's scores are all -inf (every key of the block masked), m is -inf: subtract 0 instead
 // and zero p, so l = 0 marks the block as empty for that row.
+// B2 (a bf16 cache's arithmetic, run()): m is the block's reference in base 2, an integer, and p = 2^(s log2 e - m)
+// is stored rounded to bf16 (l sums the unrounded p).
+template <bool B2 = false>
 inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
   const Vec mv(m == NEG_INF ? 0.f : m), neg(NEG_INF);
   Vec acc(0.f);
   int64_t j = 0;
   for (; j + W <= n; j += W) {
     const Vec s = Vec::loadu(x + j);
-    const Vec p = select(s != neg, exp(s - mv));
-    p.store(x + j);
-    acc = acc + p;
+    if constexpr (B2) {
+      const Vec p = select(s != neg, exp2(s * Vec(LOG2E) - mv));
+      round_bf16(p).store(x + j);
+      acc = acc + p;
+    } else {
+      const Vec p = select(s != neg, exp(s - mv));
+      p.store(x + j);
+      acc = acc + p;
+    }
   }
   float l = reduce_add(acc);
-  for (; j < n; ++j) {
-    x[j] = x[j] == NEG_INF ? 0.f : std::exp(x[j] - (m == NEG_INF ? 0.f : m));
-    l += x[j];
+  for (; j < n; ++j) {  // (a block's last keys: through a vector too, so that p is computed as above)
+    alignas(64) float t[W] = {};
+    t[0] = x[j];
+    if (x[j] == NEG_INF) t[0] = 0.f, x[j] = 0.f;
+    else {
+      Vec s = Vec::loadu(t);
+      Vec p = B2 ? exp2(s * Vec(LOG2E) - mv) : exp(s - mv);
+      p.store(t);
+      x[j] = B2 ? round_bf16(t[0]) : t[0];
+    }
+    l += t[0];
   }
   *l_out = l;
   return acc;
 }
+
+// A block's base-2 reference for its maximum score m (natural units): ceil(m log2 e), an integer, so that blocks'
+// rounded p differ by exact powers of two whatever the block boundaries (B2).
+inline float base2_reference(float m) { return m == NEG_INF ? NEG_INF : std::ceil(m * LOG2E); }
 
 // Partial dot products of RG rows (q, row stride D) with KP keys from k (row stride D): acc[r][i] holds W lanes
 // whose sum is row r's score of key i. Each key vector is loaded (and widened) once for all RG rows.
@@ -244,7 +266,7 @@ void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s) {
 
 // Per row of s [R, BS] (n scores, masked ones -inf): its max m_b[r], its numerators exp(s - m) in place
 // and their sum l_b[r].
-template <int64_t BS>
+template <int64_t BS, bool B2 = false>
 void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * BS;
@@ -253,22 +275,23 @@ void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
     for (; j + W <= n; j += W) mv = vmax(mv, Vec::loadu(sr + j));
     float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return vmax(a, b); }, mv);
     for (; j < n; ++j) m = std::max(m, sr[j]);
+    if constexpr (B2) m = base2_reference(m);
     m_b[r] = m;
-    softmax_numerators(sr, n, m, l_b + r);
+    softmax_numerators<B2>(sr, n, m, l_b + r);
   }
 }
 
 // One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as stored;
 // s: scratch [R, BS] (BS: the row stride); mask(r, j) -> whether row r sees key j of the block (called
 // for the keys from mask_from on: the ones before it are seen by every row). Writes o_b [R, D], m_b [R], l_b [R].
-template <int64_t D, int64_t BS, typename KV, typename Mask>
+template <int64_t D, int64_t BS, bool B2, typename KV, typename Mask>
 void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from, const Mask& mask,
                 float* s, const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b) {
   scores_rows<D, BS>(q, k, R, n, s);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = mask_from; j < n; ++j)
       if (!mask(r, j)) s[r * BS + j] = NEG_INF;
-  rows_softmax<BS>(s, R, n, m_b, l_b);
+  rows_softmax<BS, B2>(s, R, n, m_b, l_b);
   block_pv<D, BS>(s, 1, v, R, n, o_b, next_k, next_v);
 }
 
@@ -346,7 +369,7 @@ inline void amx_configure() {
 // times. qb: the rounded queries in the tiles' pair layout, [NV][D / 32][16 pairs][16 rows][2] bf16.
 template <int64_t D>
 void scores_amx(const uint16_t* qb, int64_t NV, int64_t RP, const c10::BFloat16* k, int64_t n16, float* st,
-                const char* next_k, const char* next_v) {
+                const char* next_k) {
   constexpr int NC = D / 32;
   const auto* kb = reinterpret_cast<const uint16_t*>(k);
   for (int64_t g = 0; g < NV; ++g) {
@@ -358,7 +381,8 @@ void scores_amx(const uint16_t* qb, int64_t NV, int64_t RP, const c10::BFloat16*
       if constexpr (NC > 3) _tile_loadd(5, qg + 1536, 64);
     }
     for (int64_t j = 0; j < n16; j += 16) {
-      if (g == 0) prefetch_rows<c10::BFloat16, D>(next_k, next_v, j, 16);
+      if (g == 0 && next_k != nullptr)  // the next block's keys into L2 (its values: during p v)
+        for (int64_t b = j * D * 2; b < (j + 16) * D * 2; b += 64) prefetch_l2(next_k + b);
       const uint16_t* kj = kb + j * D;
       _tile_zero(0);
       if constexpr (NC <= 4) {
@@ -387,18 +411,106 @@ void scores_amx(const uint16_t* qb, int64_t NV, int64_t RP, const c10::BFloat16*
     }
   }
 }
+
+// r[i] = column i of the 16 x 16 fp32 block at `in` (row stride ld): an unpack / shuffle transpose in registers.
+inline void transpose16(const float* in, int64_t ld, __m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * ld);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0x88);
+      t[i + k + 4] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+
+// o_b [R, D] = p v of one block's first n32 keys (a multiple of 32) on AMX tiles, for the bf16 arithmetic: st [n][RP]
+// the rounded p (keys x rows; bf16 values as fp32), v [n][D] bf16. Per 32 keys, C (16 rows x 16 dims) += P (16 rows
+// x 32 keys) . V (16 key pairs x 16 dims x 2): V's rows interleaved in pairs once per block (the tiles' layout),
+// P transposed to rows x keys per group of 16 rows; four 16-dim slices of C per pass over the keys.
+template <int64_t D>
+void pv_amx(const float* st, int64_t RP, int64_t NV, const c10::BFloat16* v, int64_t R, int64_t n32, float* o_b,
+            const char* next_v) {
+  constexpr int64_t NS = D / 16, BS = BLOCK_FLOATS / D;
+  alignas(64) uint16_t vb[BS * D];    // [32-key step][slice][16 pairs][16 dims x 2]
+  alignas(64) uint16_t pa[16 * BS];   // one group's p, rows x keys
+  alignas(64) float ot[16 * D];       // one group's output
+  const auto* vv = reinterpret_cast<const uint16_t*>(v);
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                      5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t kp = 0; kp < n32 / 2; ++kp) {
+    if (next_v != nullptr)  // the next block's values into L2, two rows per pair
+      for (int64_t b = 2 * kp * D * 2; b < (2 * kp + 2) * D * 2; b += 64) prefetch_l2(next_v + b);
+    const uint16_t* r0 = vv + 2 * kp * D;
+    for (int64_t h = 0; h < D / 32; ++h) {  // dims 32h..32h+31: slices 2h and 2h+1
+      const __m512i a = _mm512_loadu_si512(r0 + 32 * h), b = _mm512_loadu_si512(r0 + D + 32 * h);
+      uint16_t* dst = vb + ((kp / 16) * NS + 2 * h) * 512 + (kp % 16) * 32;
+      _mm512_store_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_store_si512(dst + 512, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+  for (int64_t g = 0; g < NV; ++g) {
+    for (int64_t j = 0; j < n32; j += 16) {  // p (bf16 values) -> rows x keys, their upper halves
+      __m512 r[16];
+      transpose16(st + j * RP + g * 16, RP, r);
+      for (int row = 0; row < 16; ++row)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pa + row * BS + j),
+                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r[row]), 16)));
+    }
+    for (int64_t c0 = 0; c0 < NS; c0 += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < n32 / 32; ++s) {
+        _tile_loadd(4, pa + s * 32, BS * 2);
+        const uint16_t* b0 = vb + (s * NS + c0) * 512;
+        _tile_loadd(5, b0, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b0 + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b0 + 1024, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b0 + 1536, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, ot + c0 * 16, D * 4);
+      _tile_stored(1, ot + c0 * 16 + 16, D * 4);
+      _tile_stored(2, ot + c0 * 16 + 32, D * 4);
+      _tile_stored(3, ot + c0 * 16 + 48, D * 4);
+    }
+    const int64_t rows = std::min<int64_t>(16, R - g * 16);
+    std::copy(ot, ot + rows * D, o_b + g * 16 * D);
+  }
+}
 #else
 constexpr bool AMX_BUILT = false;
 bool amx_usable() { return false; }
 inline void amx_configure() {}
 template <int64_t D>
-void scores_amx(const uint16_t*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*, const char*, const char*) {}
+void scores_amx(const uint16_t*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*, const char*) {}
+template <int64_t D>
+void pv_amx(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t, float*, const char*) {}
 #endif
 
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
 // qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP]. qb (bf16 K only; else null): the queries in
 // AMX's layout (scores_amx), whose tiles then compute the scores of the block's keys but its last n % 16.
-template <int64_t D, typename KV, typename Mask>
+template <int64_t D, bool B2, typename KV, typename Mask>
 void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from,
                  const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
                  float* l_b, const uint16_t* qb = nullptr) {
@@ -407,8 +519,7 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
     if (qb != nullptr) {
       j_fma = n - n % 16;
-      scores_amx<D>(qb, NV, RP, k, j_fma, st, next_k, next_v);
-      next_k = next_v = nullptr;  // prefetched
+      scores_amx<D>(qb, NV, RP, k, j_fma, st, next_k);
     }
   }
   const KV* kf = k + j_fma * D;
@@ -442,12 +553,19 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
     float* col = st + g * W;
     Vec m = neg, l(0.f);
     for (int64_t jj = 0; jj < n; ++jj) m = vmax(m, Vec::loadu(col + jj * RP));
+    if constexpr (B2) m = select(m != neg, (m * Vec(LOG2E)).ceil()) + select(m == neg, neg);  // base2_reference
     const Vec ms = select(m != neg, m);  // fully masked rows (m = -inf) subtract 0; their p are zeroed
     for (int64_t jj = 0; jj < n; ++jj) {
       const Vec x = Vec::loadu(col + jj * RP);
-      const Vec p = select(x != neg, exp(x - ms));
-      p.store(col + jj * RP);
-      l = l + p;
+      if constexpr (B2) {
+        const Vec p = select(x != neg, exp2(x * Vec(LOG2E) - ms));
+        round_bf16(p).store(col + jj * RP);
+        l = l + p;
+      } else {
+        const Vec p = select(x != neg, exp(x - ms));
+        p.store(col + jj * RP);
+        l = l + p;
+      }
     }
     m.store(mt + g * W);
     l.store(lt + g * W);
@@ -456,13 +574,26 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
     m_b[r] = mt[r];
     l_b[r] = lt[r];
   }
+  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    if (qb != nullptr) {  // p v on the tiles, a cache end's last n % 32 keys by FMAs, added
+      const int64_t n32 = n - n % 32;
+      pv_amx<D>(st, RP, NV, v, R, n32, o_b, next_v);
+      if (n32 < n) {
+        std::vector<float> tail(R * D);
+        block_pv<D, 1>(st + n32 * RP, RP, v + n32 * D, R, n - n32, tail.data());
+        for (int64_t i = 0; i < R * D; ++i) o_b[i] += tail[i];
+      }
+      return;
+    }
+  }
   block_pv<D, 1>(st, RP, v, R, n, o_b);
 }
 
 // The blocks' partial results -> out [H, R, D]: per row, the blocks' o_b merged by their log-sum-exp
 // (blocks with l_b = 0, every key masked for the row, are skipped). parts: o [H, nb, R, D], then m and l
 // [H, nb, R].
-template <int64_t D>
+// B2: m_b are base-2 references (integers), the weights exact powers of two.
+template <int64_t D, bool B2 = false>
 torch::Tensor merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R, const torch::TensorOptions& opts) {
   const float* m_part = o_part + H * nb * R * D;
   const float* l_part = m_part + H * nb * R;
@@ -481,7 +612,7 @@ torch::Tensor merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R
       for (int64_t blk = 0; blk < nb; ++blk) {
         const int64_t i = (h * nb + blk) * R + r;
         if (l_part[i] == 0.f) continue;
-        const float wt = std::exp(m_part[i] - m);
+        const float wt = B2 ? std::ldexp(1.f, static_cast<int>(std::max(m_part[i] - m, -200.f))) : std::exp(m_part[i] - m);
         l += wt * l_part[i];
         const float* ob = o_part + i * D;
         for (int c = 0; c < D / W; ++c) acc[c] = fma(Vec(wt), Vec::loadu(ob + c * W), acc[c]);
@@ -574,13 +705,13 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         return visible ? visible[t * T + u] : u <= t;
       };
       if (lanes)
-        block_lanes<D>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
+        block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
                            qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16);
       else
-        block_rows<D, BS>(qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
+        block_rows<D, BS, RB>(qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
     }
   });
-  return merge_blocks<D>(o_part, H, nb, R, q.options());
+  return merge_blocks<D, RB>(o_part, H, nb, R, q.options());
 }
 
 template <typename KV>
@@ -775,7 +906,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
         const KV* kh = fkp + h * fk_s + f0 * D;
         const KV* vh = fvp + h * fv_s + f0 * D;
         const auto mask = [&](int64_t r, int64_t j) { return maskp[(r % T) * F + f0 + j]; };
-        block_rows<D, QB>(qh, kh, vh, R, n, 0, mask, s.data(), nullptr, nullptr, ob, mb, lb);
+        block_rows<D, QB, false>(qh, kh, vh, R, n, 0, mask, s.data(), nullptr, nullptr, ob, mb, lb);
       }
     }
   });

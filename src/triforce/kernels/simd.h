@@ -150,6 +150,25 @@ inline Vec exp(Vec x) {
   return p * at::vec::cast<float>(e);
 }
 
+// 2^x for x <= 0 (x < -126 taken as -126: 2^-126, the caller's p are relative to their block's maximum):
+// 2^n * 2^f, n = round(x), f = x - n in [-1/2, 1/2] exactly, 2^f = e^(f ln 2) by the Taylor polynomial of exp
+// (relative error about 1e-7). A bf16 cache's softmax works in base 2 (attention.cpp, run()).
+inline Vec exp2(Vec x) {
+  x = vmax(x, Vec(-126.0f));
+  const Vec n = x.round();
+  const Vec f = (x - n) * Vec(0.6931471805599453f);
+  Vec p(1.0f / 5040);
+  p = fma(p, f, Vec(1.0f / 720));
+  p = fma(p, f, Vec(1.0f / 120));
+  p = fma(p, f, Vec(1.0f / 24));
+  p = fma(p, f, Vec(1.0f / 6));
+  p = fma(p, f, Vec(0.5f));
+  p = fma(p, f, Vec(1.0f));
+  p = fma(p, f, Vec(1.0f));
+  const IVec e = (at::vec::convert_to_int_of_same_size(n) + IVec(127)) << IVec(23);  // 2^n as float bits
+  return p * at::vec::cast<float>(e);
+}
+
 // Store the first `count` lanes (all when count >= W; none when count <= 0).
 inline void store(const Vec& v, float* p, int64_t count) {
   if (count >= W)
