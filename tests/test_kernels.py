@@ -174,7 +174,7 @@ def test_draft_weights_model(kern, tiny_llama):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T", [1, 5, 11])  # 11: 33 rows, three groups of 16 on AMX's tiles
 def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
     """K/V stored in fp32, bf16 or fp16 are widened in registers: the result equals fp32 attention
     over the rounded values (the same numbers PyTorch would see after casting); head dims 64-256. Over bf16
@@ -223,12 +223,15 @@ def test_kernel_amx_path_refused_where_unusable(kern):
             kern.decode_attention(q, k.bfloat16(), k.bfloat16(), 1, False, 0.125, 3)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("T", [3, 9])
 def test_kernel_tree_block_both_paths(kern, kv_dtype, T):
     """A draft tree's token block (its tokens the last T keys, straddling a 256-key block boundary) on
-    the per-row and the rows-in-lanes paths (forced) against SDPA with the block's dense [T, S] mask."""
+    the per-row and the rows-in-lanes paths (forced; AMX's tiles too for bf16 where usable) against SDPA with
+    the block's dense [T, S] mask (bf16: model.bf16_attention with it)."""
     import torch.nn.functional as F
+
+    from triforce.model import bf16_attention
 
     torch.manual_seed(5)
     Hkv, g, D = 3, 3, 64
@@ -236,10 +239,18 @@ def test_kernel_tree_block_both_paths(kern, kv_dtype, T):
     block = _random_tree_block(T, seed=1)
     q = torch.randn(Hkv, g * T, D)
     k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
-    want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=block.mask(S - T).repeat(g, 1))
-    for path in (1, 2):
+    if kv_dtype == torch.bfloat16:
+        q4 = q.view(Hkv, g, T, D).reshape(1, Hkv * g, T, D)
+        want = bf16_attention(q4, k[None], v[None], block, D ** -0.5).view(Hkv, g * T, D)
+    else:
+        want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=block.mask(S - T).repeat(g, 1))
+    paths = (1, 2, 3) if kv_dtype == torch.bfloat16 and kern.amx_attention() else (1, 2)
+    for path in paths:
         got = kern.decode_attention(q, k, v, T, True, D ** -0.5, path, visible=block.visible)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+        if kv_dtype == torch.bfloat16:
+            assert _agreement(got, want) >= 0.9 and (got - want).abs().max() < 1e-3
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
     causal = kern.decode_attention(q, k, v, T, True, D ** -0.5, 1)
     assert not torch.allclose(causal, want, rtol=1e-3, atol=1e-3)  # the visibility was used
 

@@ -368,8 +368,7 @@ inline void amx_configure() {
 // 16 rows: per 16 keys, C (keys x rows) += K (16 keys x 16 dimension pairs) . Q (16 pairs x 16 rows x 2), D / 32
 // times. qb: the rounded queries in the tiles' pair layout, [NV][D / 32][16 pairs][16 rows][2] bf16.
 template <int64_t D>
-void scores_amx(const uint16_t* qb, int64_t NV, int64_t RP, const c10::BFloat16* k, int64_t n16, float* st,
-                const char* next_k) {
+void scores_amx(const uint16_t* qb, int64_t NV, int64_t RP, const c10::BFloat16* k, int64_t n16, float* st) {
   constexpr int NC = D / 32;
   const auto* kb = reinterpret_cast<const uint16_t*>(k);
   for (int64_t g = 0; g < NV; ++g) {
@@ -381,8 +380,6 @@ void scores_amx(const uint16_t* qb, int64_t NV, int64_t RP, const c10::BFloat16*
       if constexpr (NC > 3) _tile_loadd(5, qg + 1536, 64);
     }
     for (int64_t j = 0; j < n16; j += 16) {
-      if (g == 0 && next_k != nullptr)  // the next block's keys into L2 (its values: during p v)
-        for (int64_t b = j * D * 2; b < (j + 16) * D * 2; b += 64) prefetch_l2(next_k + b);
       const uint16_t* kj = kb + j * D;
       _tile_zero(0);
       if constexpr (NC <= 4) {
@@ -502,7 +499,7 @@ constexpr bool AMX_BUILT = false;
 bool amx_usable() { return false; }
 inline void amx_configure() {}
 template <int64_t D>
-void scores_amx(const uint16_t*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*, const char*) {}
+void scores_amx(const uint16_t*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*) {}
 template <int64_t D>
 void pv_amx(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t, float*, const char*) {}
 #endif
@@ -516,10 +513,13 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
                  float* l_b, const uint16_t* qb = nullptr) {
   const int64_t RP = NV * W;
   int64_t j_fma = 0;  // the keys from here on: scores by FMAs
+  const char* pf_k = nullptr;  // AMX: the next block's keys, prefetched a row per key during the softmax below
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
-    if (qb != nullptr) {
+    if (qb != nullptr) {  // (the tiles' loads run far ahead of a few prefetches each: spread out, they arrive)
       j_fma = n - n % 16;
-      scores_amx<D>(qb, NV, RP, k, j_fma, st, next_k);
+      scores_amx<D>(qb, NV, RP, k, j_fma, st);
+      pf_k = next_k;
+      next_k = nullptr;
     }
   }
   const KV* kf = k + j_fma * D;
@@ -556,6 +556,9 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
     if constexpr (B2) m = select(m != neg, (m * Vec(LOG2E)).ceil()) + select(m == neg, neg);  // base2_reference
     const Vec ms = select(m != neg, m);  // fully masked rows (m = -inf) subtract 0; their p are zeroed
     for (int64_t jj = 0; jj < n; ++jj) {
+      if (pf_k != nullptr && g == 0)
+        for (int64_t b = jj * D * int64_t(sizeof(KV)); b < (jj + 1) * D * int64_t(sizeof(KV)); b += 64)
+          prefetch_l2(pf_k + b);
       const Vec x = Vec::loadu(col + jj * RP);
       if constexpr (B2) {
         const Vec p = select(x != neg, exp2(x * Vec(LOG2E) - ms));
