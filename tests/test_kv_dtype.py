@@ -352,3 +352,27 @@ def test_kv_bytes_are_what_the_quantized_caches_hold():
         c = QuantizedCache(3, 2, 64, 4096, bits=bits)
         assert c.nbytes() - 2 * c.fk.numel() * 2 == kv_bytes(cfg, 4096, kv_value_bytes(name))
     assert kv_value_bytes(torch.int8) == kv_value_bytes("int8") < 0.55 * kv_value_bytes("fp16")
+
+
+def test_default_kv_dtype_follows_the_machine(monkeypatch):
+    """fp32 weights: bf16 where the CPU kernels run attention on AMX tiles, else fp16; other weights keep their
+    dtype; a CUDA target does not ask the CPU kernels."""
+    from types import SimpleNamespace
+
+    from triforce.loading import default_kv_dtype
+
+    monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace(amx_attention=lambda: True))
+    assert default_kv_dtype(torch.float32) == "bf16"
+    assert default_kv_dtype(torch.float16) == "fp16"
+    monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace(amx_attention=lambda: False))
+    assert default_kv_dtype(torch.float32) == "fp16"
+    monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace())  # a module built before AMX was known
+    assert default_kv_dtype(torch.float32) == "fp16"
+    monkeypatch.setattr(kernels, "cpu", lambda: None)  # TRIFORCE_KERNELS=0, or no compiler
+    assert default_kv_dtype(torch.float32) == "fp16"
+
+    def no_cpu_kernels():
+        raise AssertionError("a CUDA target asked for the CPU kernels")
+    monkeypatch.setattr(kernels, "cpu", no_cpu_kernels)
+    assert default_kv_dtype(torch.float32, "cuda") == "fp16"
+    assert default_kv_dtype(torch.bfloat16, "cuda") == "bf16"

@@ -38,8 +38,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "AMX; bfloat16 on CUDA)")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help=f"the target's KV cache dtype (its stored keys and values only; ar and every stack use "
-                        f"it, so the output stays exact for it): default {DEFAULT_KV_DTYPE} with float32 weights "
-                        f"(docs/kv_dtype.md), else the weights' dtype; int8: 8-bit KIVI-grouped codes as two 4-bit planes, "
+                        f"it, so the output stays exact for it): default {DEFAULT_KV_DTYPE} with float32 weights, bf16 "
+                        f"on a CPU with AMX tiles (its verifications run on them; docs/kv_dtype.md), else the weights' "
+                        f"dtype; int8: 8-bit KIVI-grouped codes as two 4-bit planes, "
                         f"0.55x fp16's bytes, read at 4 bits by kv4 levels (docs/quantized_kv.md)")
     g.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     g.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     inf.add_argument("--model", metavar="PATH", help="a .gguf file or Hugging Face directory (default: the embedded model)")
     inf.add_argument("--context-length", type=_positive_int, metavar="N",
                      help="tokens of context to size the KV cache for (default: the model's context)")
-    inf.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=f"KV cache dtype (default {DEFAULT_KV_DTYPE})")
+    inf.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=f"KV cache dtype (default {DEFAULT_KV_DTYPE}; bf16 on a CPU with AMX tiles)")
     inf.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     inf.add_argument("--rope-theta", type=float, metavar="BASE", help=argparse.SUPPRESS)
     inf.add_argument("--max-context", type=_positive_int, metavar="N", help="override the maximum context in tokens")
@@ -423,6 +424,7 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
             "stack": str(stack),
             "tuned": tuned_flags,  # the tuned flags this run took (triforce tune), or null
             "model": loaded.source,
+            "kv_dtype": kv_dtype_name(loaded.model.kv_dtype),  # the target's KV cache (its arithmetic too)
             "seconds": round(res.decode_seconds, 4),
             "prefill_seconds": round(res.prefill_seconds, 4),
             "tokens_per_second": round(res.tokens_per_second, 3),
@@ -440,7 +442,8 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
                 print(f"  note: {note}", file=sys.stderr)
             ran = f"{res.stats['stack']}" + (f" --gammas {','.join(map(str, res.stats['gammas']))}" if res.stats['gammas'] else "")
             print(f"[{ran if res.method == res.stats['stack'] else res.method + ': ' + ran}] "
-                  f"prompt {res.prompt_tokens} tokens, prefill {res.prefill_seconds:.1f} s; "
+                  f"prompt {res.prompt_tokens} tokens ({kv_dtype_name(loaded.model.kv_dtype)} KV), "
+                  f"prefill {res.prefill_seconds:.1f} s; "
                   f"{len(res.tokens)} tokens in {res.decode_seconds:.2f} s = {res.tokens_per_second:.2f} tok/s "
                   f"({res.finish_reason})", file=sys.stderr)
     return 0

@@ -26,7 +26,8 @@ KV_DTYPES = ("fp32", "bf16", "fp16", "int8")
 FLOAT_KV_DTYPES = ("fp32", "bf16", "fp16")
 # The defaults, for fp32 weights: the target's cache, and the caches of the drafting levels (retrieval,
 # streaming, a small draft model), whose precision only moves acceptance. fp16: half the bytes of fp32, and
-# the embedded model's perplexity at 32K tokens within 0.01% of fp32's (bf16: 0.02%): docs/kv_dtype.md.
+# the embedded model's perplexity at 32K tokens within 0.01% of fp32's (bf16: 0.04%): docs/kv_dtype.md. On a
+# CPU with AMX tiles the target's default is bf16 instead (loading.default_kv_dtype: verifications on the tiles).
 DEFAULT_KV_DTYPE = "fp16"
 DEFAULT_DRAFT_KV_DTYPE = "fp16"
 

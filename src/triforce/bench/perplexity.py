@@ -76,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=512, help="tokens per forward (default 512)")
     parser.add_argument("--json", action="store_true", help="one JSON object per RoPE base instead of a table")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                        help=f"KV cache dtype (the stored keys and values only; default {DEFAULT_KV_DTYPE}: "
-                             f"docs/kv_dtype.md)")
+                        help=f"KV cache dtype (the stored keys and values only; default {DEFAULT_KV_DTYPE}, "
+                             f"bf16 on a CPU with AMX tiles: docs/kv_dtype.md)")
     parser.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     parser.add_argument("--cache-dir", default=None, help="where converted GGUF files are cached")
 

@@ -277,10 +277,20 @@ def configure_device(model: Transformer, args) -> None:
         model.graphs = None
 
 
-def default_kv_dtype(dtype: torch.dtype) -> str:
-    """The KV cache dtype of a model whose weights are `dtype` when none is asked for: config.DEFAULT_KV_DTYPE
-    for fp32 weights (measured: docs/kv_dtype.md), else the weights' own."""
-    return DEFAULT_KV_DTYPE if dtype == torch.float32 else kv_dtype_name(dtype)
+def default_kv_dtype(dtype: torch.dtype, device: str | torch.device = "cpu") -> str:
+    """The KV cache dtype of a model whose weights are `dtype` when none is asked for: with fp32 weights, bf16 on
+    a CPU whose compiled kernels run attention on AMX tiles (a 5-token verification at 1.4 decode steps instead
+    of 1.9, perplexity +0.04% of fp32's), else config.DEFAULT_KV_DTYPE (measured: docs/kv_dtype.md); with other
+    weights, the weights' own."""
+    if dtype != torch.float32:
+        return kv_dtype_name(dtype)
+    if torch.device(device).type == "cpu":
+        from .. import kernels
+
+        ops = kernels.cpu()
+        if ops is not None and getattr(ops, "amx_attention", lambda: False)():
+            return "bf16"
+    return DEFAULT_KV_DTYPE
 
 
 def _refuse_types_without_kernels(path: Path, sd: dict) -> None:
@@ -300,14 +310,14 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
                kv_dtype=None, weights: str = "native") -> LoadedModel:
     """Load a model and its tokenizer. `path=None` is the embedded SmolLM2-135M-Instruct with its
     long-context profile (RoPE base 4e5, 32K context) unless overridden. `kv_dtype`: its KV cache's
-    dtype, 'fp32', 'bf16' or 'fp16' (or a torch dtype); None: default_kv_dtype(dtype). `weights`: one
+    dtype, 'fp32', 'bf16' or 'fp16' (or a torch dtype); None: default_kv_dtype(dtype, device). `weights`: one
     of WEIGHTS (WEIGHTS_HELP). A model whose weights would not fit in the available memory is refused
     before any is read (memory.check_fits)."""
     from .. import memory
 
     if weights not in WEIGHTS:
         raise TriforceError(f"unknown --weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
-    kv_dtype = default_kv_dtype(dtype) if kv_dtype is None else kv_dtype_name(kv_dtype)  # refused before loading
+    kv_dtype = default_kv_dtype(dtype, device) if kv_dtype is None else kv_dtype_name(kv_dtype)  # refused before loading
     gguf_path = gguf_file_of(path)
     sd = None
     if gguf_path is not None:
