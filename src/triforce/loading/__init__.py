@@ -317,7 +317,7 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
 
     if weights not in WEIGHTS:
         raise TriforceError(f"unknown --weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
-    kv_dtype = default_kv_dtype(dtype, device) if kv_dtype is None else kv_dtype_name(kv_dtype)  # refused before loading
+    kv_dtype = None if kv_dtype is None else kv_dtype_name(kv_dtype)  # refused before loading
     gguf_path = gguf_file_of(path)
     sd = None
     if gguf_path is not None:
@@ -343,6 +343,8 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
         rope_theta = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta
         max_context = DEFAULT_MAX_CONTEXT if max_context is None else max_context
     cfg = cfg.with_overrides(rope_theta=rope_theta, max_context=max_context)
+    if kv_dtype is None:  # (asks the CPU kernels, which build on first use: after every refusal above)
+        kv_dtype = default_kv_dtype(dtype, device)
     model = build_model(cfg, sd, dtype=dtype, device=device, kv_dtype=kv_dtype)  # builds the CPU kernels (pack_weights)
     del sd
     if weights == "bf16" and holds_quantized(device):
