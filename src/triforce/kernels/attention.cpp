@@ -160,17 +160,15 @@ inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
     }
   }
   float l = reduce_add(acc);
-  for (; j < n; ++j) {  // (a block's last keys: through a vector too, so that p is computed as above)
-    alignas(64) float t[W] = {};
-    t[0] = x[j];
-    if (x[j] == NEG_INF) t[0] = 0.f, x[j] = 0.f;
-    else {
-      Vec s = Vec::loadu(t);
-      Vec p = B2 ? exp2(s * Vec(LOG2E) - mv) : exp(s - mv);
-      p.store(t);
-      x[j] = B2 ? round_bf16(t[0]) : t[0];
+  for (; j < n; ++j) {  // a block's last keys by the same vector code: a key's p does not depend on where it falls
+    float p = 0.f;
+    if (x[j] != NEG_INF) {
+      alignas(64) float t[W];
+      (B2 ? exp2(Vec(x[j]) * Vec(LOG2E) - mv) : exp(Vec(x[j]) - mv)).store(t);
+      p = t[0];
     }
-    l += t[0];
+    x[j] = B2 ? round_bf16(p) : p;
+    l += p;
   }
   *l_out = l;
   return acc;
@@ -338,8 +336,6 @@ void scores_lanes(const float* qt, int64_t RP, const KV* k, int64_t n, float* st
 // Compiled where the CPU has AMX-BF16 (kernels/__init__.py adds -mamx-tile -mamx-bf16); used where Linux
 // grants the process the tile state (arch_prctl, Linux >= 5.16) and TRIFORCE_AMX is not 0.
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-constexpr bool AMX_BUILT = true;
-
 bool amx_usable() {
   static const bool ok = [] {
     const char* env = std::getenv("TRIFORCE_AMX");
@@ -495,7 +491,6 @@ void pv_amx(const float* st, int64_t RP, int64_t NV, const c10::BFloat16* v, int
   }
 }
 #else
-constexpr bool AMX_BUILT = false;
 bool amx_usable() { return false; }
 inline void amx_configure() {}
 template <int64_t D>
@@ -505,8 +500,9 @@ void pv_amx(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64
 #endif
 
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
-// qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP]. qb (bf16 K only; else null): the queries in
-// AMX's layout (scores_amx), whose tiles then compute the scores of the block's keys but its last n % 16.
+// qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP]. qb (bf16 K/V only; else null): the queries in
+// AMX's layout (scores_amx), whose tiles then compute the block's scores (but its last n % 16 keys') and its p v
+// (pv_amx; but its last n % 32 keys'), the rest by FMAs.
 template <int64_t D, bool B2, typename KV, typename Mask>
 void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from,
                  const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
@@ -648,11 +644,13 @@ torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, i
   return qs;
 }
 
-// The arithmetic: fp32 over fp32 / fp16 K/V. Over bf16 K/V (RB) each scaled query element is rounded to bf16
-// first, the rest fp32: q . k then takes bf16 x bf16 products, exact in fp32, as AMX's tiles compute them, so a
-// bf16 cache's verification scores can run on the tiles and still compute the model `ar` computes, whichever
-// path each forward takes (the sums in another order: the last bits, as between the per-row and rows-in-lanes
-// paths).
+// The arithmetic: fp32 over fp32 / fp16 K/V. Over bf16 K/V (RB) every product is bf16 x bf16 (exact in fp32) as
+// on AMX's tiles: each scaled query element is rounded to bf16, and each probability, taken in base 2 against its
+// block's integer reference (softmax_numerators<B2>: blocks' rounded p then differ by exact powers of two, so
+// the rounding does not depend on where blocks start); sums stay fp32. So a bf16 cache's verification can run
+// on the tiles and still compute the model `ar` computes, whichever path each forward takes (the sums in another
+// order: the last bits, as between the per-row and rows-in-lanes paths; model.bf16_attention is the same on
+// PyTorch's path).
 template <int64_t D, typename KV>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
                   const bool* visible, double scale, bool lanes, bool amx) {
