@@ -355,17 +355,20 @@ def test_kv_bytes_are_what_the_quantized_caches_hold():
 
 
 def test_default_kv_dtype_follows_the_machine(monkeypatch):
-    """fp32 weights: bf16 where the CPU kernels run attention on AMX tiles, else fp16; other weights keep their
-    dtype; a CUDA target does not ask the CPU kernels."""
+    """fp32 weights: bf16 where the CPU kernels run attention on AMX tiles, else fp16 (the target's cache and the
+    CLI's drafting caches); other weights keep their dtype; a CUDA target does not ask the CPU kernels."""
     from types import SimpleNamespace
 
     from triforce.loading import default_kv_dtype
 
+    from triforce.cli import _default_draft_kv
+
+    cpu_args = SimpleNamespace(device="cpu")
     monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace(amx_attention=lambda: True))
-    assert default_kv_dtype(torch.float32) == "bf16"
+    assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
     assert default_kv_dtype(torch.float16) == "fp16"
     monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace(amx_attention=lambda: False))
-    assert default_kv_dtype(torch.float32) == "fp16"
+    assert default_kv_dtype(torch.float32) == "fp16" and _default_draft_kv(cpu_args) == "fp16"
     monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace())  # a module built before AMX was known
     assert default_kv_dtype(torch.float32) == "fp16"
     monkeypatch.setattr(kernels, "cpu", lambda: None)  # TRIFORCE_KERNELS=0, or no compiler

@@ -129,6 +129,13 @@ def cpu():
     return module
 
 
+def amx_attention() -> bool:
+    """Whether the chosen CPU kernels run a bf16 cache's multi-token attention (verifications, trees, prefill) on
+    AMX tiles in this process (kernels/attention.cpp): where they do, bf16 is the default KV dtype."""
+    ops = cpu()
+    return ops is not None and bool(getattr(ops, "amx_attention", lambda: False)())
+
+
 class Backend:
     """Which operations a model's layers run, chosen once when the model is built
     (Transformer.select_backend): the compiled CPU kernels for an fp32 model on the CPU where they

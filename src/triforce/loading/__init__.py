@@ -287,8 +287,7 @@ def default_kv_dtype(dtype: torch.dtype, device: str | torch.device = "cpu") -> 
     if torch.device(device).type == "cpu":
         from .. import kernels
 
-        ops = kernels.cpu()
-        if ops is not None and getattr(ops, "amx_attention", lambda: False)():
+        if kernels.amx_attention():
             return "bf16"
     return DEFAULT_KV_DTYPE
 
