@@ -374,7 +374,8 @@ def main(argv=None) -> None:
         if kern is None:
             kern = model.backend.ops
             print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s; "
-                  f"kernels: {kern.ISA + ' (' + str(kern.LANES) + ' fp32 lanes)' if kern else 'off (PyTorch)'}; "
+                  f"kernels: {kern.ISA + ' (' + str(kern.LANES) + ' fp32 lanes)' if kern else 'off (PyTorch)'}"
+                  f"{', AMX tiles for a bf16 cache' if kern and getattr(kern, 'amx_attention', lambda: False)() else ''}; "
                   f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (MKL sgemm)")
         print(f"{name}, --weights {mode}: weights {weight_bytes(model) / 1e6:.0f} MB read per step, KV "
               f"{kv_bytes_per_token(model) / 1e3:.1f} KB/token ({str(model.kv_dtype).removeprefix('torch.')})",

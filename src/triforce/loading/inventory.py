@@ -90,7 +90,14 @@ def inventory(path: str | os.PathLike | None, rope_theta: float | None = None,
 def report(inv: Inventory, weights: str, kv_dtype: str | None, context: int | None) -> str:
     """The text `triforce info` prints."""
     cfg = inv.config
-    kv_dtype = kv_dtype_name(kv_dtype) if kv_dtype else "fp16"
+    if kv_dtype:
+        kv_dtype = kv_dtype_name(kv_dtype)
+    else:  # what a run would use: fp16, or bf16 on a CPU with AMX tiles (fp32 activations)
+        import torch
+
+        from . import default_kv_dtype
+
+        kv_dtype = default_kv_dtype(torch.float32)
     context = context or cfg.max_context
     lines = [f"model: {inv.source}",
              f"  {cfg.arch}: {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} query / {cfg.n_kv_heads} KV "
