@@ -363,15 +363,19 @@ def test_default_kv_dtype_follows_the_machine(monkeypatch):
 
     from triforce.cli import _default_draft_kv
 
+    def built(module):  # the kernels as built in this process
+        monkeypatch.setattr(kernels, "_state", {"cpu": module})
+        monkeypatch.setattr(kernels, "cpu", lambda: module)
+
     cpu_args = SimpleNamespace(device="cpu")
-    monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace(amx_attention=lambda: True))
+    built(SimpleNamespace(amx_attention=lambda: True))
     assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
     assert default_kv_dtype(torch.float16) == "fp16"
-    monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace(amx_attention=lambda: False))
+    built(SimpleNamespace(amx_attention=lambda: False))
     assert default_kv_dtype(torch.float32) == "fp16" and _default_draft_kv(cpu_args) == "fp16"
-    monkeypatch.setattr(kernels, "cpu", lambda: SimpleNamespace())  # a module built before AMX was known
+    built(SimpleNamespace())  # a module built before AMX was known
     assert default_kv_dtype(torch.float32) == "fp16"
-    monkeypatch.setattr(kernels, "cpu", lambda: None)  # TRIFORCE_KERNELS=0, or no compiler
+    built(None)  # TRIFORCE_KERNELS=0, or no compiler
     assert default_kv_dtype(torch.float32) == "fp16"
 
     def no_cpu_kernels():
@@ -379,3 +383,29 @@ def test_default_kv_dtype_follows_the_machine(monkeypatch):
     monkeypatch.setattr(kernels, "cpu", no_cpu_kernels)
     assert default_kv_dtype(torch.float32, "cuda") == "fp16"
     assert default_kv_dtype(torch.bfloat16, "cuda") == "bf16"
+
+
+def test_amx_prediction_does_not_build_the_kernels(monkeypatch):
+    """The CLI's drafting-cache default is read before a model is loaded (and maybe refused): from the CPU's
+    flags and TRIFORCE_AMX, without compiling the kernels; once they are built, from them."""
+    from types import SimpleNamespace
+
+    def no_build():
+        raise AssertionError("built the kernels")
+    avx512 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "cpu", no_build)
+    monkeypatch.delenv("TRIFORCE_ISA", raising=False)
+    monkeypatch.delenv("TRIFORCE_KERNELS", raising=False)
+    monkeypatch.delenv("TRIFORCE_AMX", raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512 | {"amx_tile", "amx_bf16"}))
+    assert kernels.amx_attention(build=False)
+    monkeypatch.setenv("TRIFORCE_AMX", "0")
+    assert not kernels.amx_attention(build=False)
+    monkeypatch.delenv("TRIFORCE_AMX")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512))  # AMD Zen 4: AVX-512, no AMX
+    assert not kernels.amx_attention(build=False)
+    monkeypatch.setattr(kernels, "_state", {"cpu": SimpleNamespace(amx_attention=lambda: False)})  # built: asked
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512 | {"amx_tile", "amx_bf16"}))
+    monkeypatch.setattr(kernels, "cpu", lambda: kernels._state["cpu"])
+    assert not kernels.amx_attention(build=False)

@@ -133,7 +133,8 @@ def _default_draft_kv(args) -> str:
     if not str(getattr(args, "device", "cpu")).startswith("cuda"):
         from . import kernels
 
-        return "bf16" if kernels.amx_attention() else SpecConfig.draft_kv_dtype
+        # (not built here: a bad model is refused before the kernels are compiled)
+        return "bf16" if kernels.amx_attention(build=False) else SpecConfig.draft_kv_dtype
     return kv_dtype_name(getattr(args, "dtype", None) or "bfloat16")
 
 

@@ -129,9 +129,14 @@ def cpu():
     return module
 
 
-def amx_attention() -> bool:
+def amx_attention(build: bool = True) -> bool:
     """Whether the chosen CPU kernels run a bf16 cache's multi-token attention (verifications, trees, prefill) on
-    AMX tiles in this process (kernels/attention.cpp): where they do, bf16 is the default KV dtype."""
+    AMX tiles in this process (kernels/attention.cpp): where they do, bf16 is the default KV dtype. build=False
+    does not build the kernels to ask them: until they are built, the answer is read from the CPU's flags and
+    TRIFORCE_AMX (the kernels also need Linux to grant the tile state, which only they can ask)."""
+    if "cpu" not in _state and not build:
+        return (chosen_isa() == "avx512" and {"amx_tile", "amx_bf16"} <= cpu_flags()
+                and os.environ.get("TRIFORCE_AMX", "1") != "0")
     ops = cpu()
     return ops is not None and bool(getattr(ops, "amx_attention", lambda: False)())
 
