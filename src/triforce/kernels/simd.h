@@ -134,10 +134,8 @@ inline Vec hsum_lanes(const Vec* t) {
 // exp(x) for x <= 88 (larger x overflow to inf), x < -87 taken as -87: 2^n * e^f with
 // f = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 in two parts, Cody-Waite) by its Taylor polynomial
 // (relative error about 1e-7; at::vec's exp_u20 is within 20 ulp, Sleef's exp is a library call).
-inline Vec exp(Vec x) {
-  x = vmax(x, Vec(-87.0f));
-  const Vec n = (x * Vec(1.4426950408889634f)).round();
-  const Vec f = fma(n, Vec(2.12194440e-4f), fma(n, Vec(-0.693359375f), x));
+// e^f * 2^n for |f| <= ln 2 / 2 and integral n: f's Taylor polynomial, scaled through the exponent bits.
+inline Vec exp_reduced(const Vec& f, const Vec& n) {
   Vec p(1.0f / 5040);
   p = fma(p, f, Vec(1.0f / 720));
   p = fma(p, f, Vec(1.0f / 120));
@@ -150,23 +148,19 @@ inline Vec exp(Vec x) {
   return p * at::vec::cast<float>(e);
 }
 
+inline Vec exp(Vec x) {
+  x = vmax(x, Vec(-87.0f));
+  const Vec n = (x * Vec(1.4426950408889634f)).round();
+  return exp_reduced(fma(n, Vec(2.12194440e-4f), fma(n, Vec(-0.693359375f), x)), n);
+}
+
 // 2^x for x <= 0 (x < -126 taken as -126: 2^-126, the caller's p are relative to their block's maximum):
 // 2^n * 2^f, n = round(x), f = x - n in [-1/2, 1/2] exactly, 2^f = e^(f ln 2) by the Taylor polynomial of exp
 // (relative error about 1e-7). A bf16 cache's softmax works in base 2 (attention.cpp, run()).
 inline Vec exp2(Vec x) {
   x = vmax(x, Vec(-126.0f));
   const Vec n = x.round();
-  const Vec f = (x - n) * Vec(0.6931471805599453f);
-  Vec p(1.0f / 5040);
-  p = fma(p, f, Vec(1.0f / 720));
-  p = fma(p, f, Vec(1.0f / 120));
-  p = fma(p, f, Vec(1.0f / 24));
-  p = fma(p, f, Vec(1.0f / 6));
-  p = fma(p, f, Vec(0.5f));
-  p = fma(p, f, Vec(1.0f));
-  p = fma(p, f, Vec(1.0f));
-  const IVec e = (at::vec::convert_to_int_of_same_size(n) + IVec(127)) << IVec(23);  // 2^n as float bits
-  return p * at::vec::cast<float>(e);
+  return exp_reduced((x - n) * Vec(0.6931471805599453f), n);
 }
 
 // Store the first `count` lanes (all when count >= W; none when count <= 0).
