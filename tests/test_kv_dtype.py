@@ -409,3 +409,21 @@ def test_amx_prediction_does_not_build_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512 | {"amx_tile", "amx_bf16"}))
     monkeypatch.setattr(kernels, "cpu", lambda: kernels._state["cpu"])
     assert not kernels.amx_attention(build=False)
+
+
+def test_info_does_not_build_the_kernels(monkeypatch):
+    """`triforce info` loads nothing: its default KV dtype comes from the CPU's flags, not from compiling."""
+    from conftest import embedded_available
+    from triforce.loading.inventory import inventory, report
+
+    if not embedded_available():
+        pytest.skip("embedded model not installed")
+
+    def no_build():
+        raise AssertionError("built the kernels")
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "cpu", no_build)
+    monkeypatch.delenv("TRIFORCE_KERNELS", raising=False)
+    text = report(inventory(None), "native", None, 4096)
+    default = "bf16" if kernels.amx_attention(build=False) else "fp16"
+    assert f"--kv-dtype {default}:" in text

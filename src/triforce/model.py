@@ -289,17 +289,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
         return bf16_attention(q, k, v, mask, scale)  # a bf16 cache's arithmetic, the kernel's on every path
     if k.dtype != q.dtype:  # a KV cache in another dtype: the visible keys only, in the activations' dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-    if isinstance(mask, TokenBlock):
-        mask = mask.mask(S - T)
-    if isinstance(mask, str):  # CAUSAL
-        if q.device.type == "cpu" and _flash_cpu is not None and S > T:
-            return _causal_block_attention(q, k, v, scale).view(B, Hq, T, D)
-        mask = causal_mask(T, S - T, q.device)
+    if isinstance(mask, str) and q.device.type == "cpu" and _flash_cpu is not None and S > T:  # CAUSAL
+        return _causal_block_attention(q, k, v, scale).view(B, Hq, T, D)
+    mask = _dense_mask(mask, T, S, q.device)
     q = q.reshape(B, Hkv, g * T, D)
     if mask is not None and g > 1:
         mask = mask.repeat(g, 1)  # rows are (group head, token)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, T, D)  # CUDA's memory-efficient kernel returns a transposed layout
+
+
+def _dense_mask(mask, T: int, S: int, device) -> torch.Tensor | None:
+    """`attention`'s mask as None or [T, S] bool (True: new token t sees key j; the T new tokens are the last T keys)."""
+    if isinstance(mask, TokenBlock):
+        return mask.mask(S - T)
+    if isinstance(mask, str):  # CAUSAL
+        return causal_mask(T, S - T, device)
+    return mask
 
 
 LOG2E = 1.4426950408889634
@@ -316,10 +322,7 @@ def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scal
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    if isinstance(mask, TokenBlock):
-        mask = mask.mask(S - T)
-    elif isinstance(mask, str):  # CAUSAL
-        mask = causal_mask(T, S - T, q.device)
+    mask = _dense_mask(mask, T, S, q.device)
     visible = None if mask is None else mask.repeat(g, 1)  # rows are (group head, token)
     qs = (q * scale).bfloat16().float().reshape(B, Hkv, g * T, D)
     out = torch.empty_like(qs)

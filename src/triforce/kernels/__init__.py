@@ -34,8 +34,9 @@ _CFLAGS = {"avx2": ["-march=x86-64-v3", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILI
            "avx512": ["-march=x86-64-v4", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]}
 _COMMON_CFLAGS = ["-O3", "-mtune=native", "-fopenmp"]
 # used where the CPU has them: VNNI's 4-byte dot product, vpdpbusd (else emulated, quant_packed.cpp); AMX's
-# bf16 tiles for a bf16 cache's verification scores (attention.cpp; else FMAs)
-_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("amx_tile", "-mamx-tile"), ("amx_bf16", "-mamx-bf16"))}
+# bf16 tiles for a bf16 cache's multi-token attention (attention.cpp; else FMAs)
+_AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16"]
+_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("amx_tile", _AMX_CFLAGS[0]), ("amx_bf16", _AMX_CFLAGS[1]))}
 _state: dict[str, object] = {}
 
 
@@ -134,8 +135,9 @@ def amx_attention(build: bool = True) -> bool:
     AMX tiles in this process (kernels/attention.cpp): where they do, bf16 is the default KV dtype. build=False
     does not build the kernels to ask them: until they are built, the answer is read from the CPU's flags and
     TRIFORCE_AMX (the kernels also need Linux to grant the tile state, which only they can ask)."""
-    if "cpu" not in _state and not build:
-        return (chosen_isa() == "avx512" and {"amx_tile", "amx_bf16"} <= cpu_flags()
+    if "cpu" not in _state and not build:  # what the build would compile in (_OPTIONAL), and TRIFORCE_AMX
+        isa = chosen_isa()
+        return (isa is not None and set(_AMX_CFLAGS) <= set(_optional_cflags(isa))
                 and os.environ.get("TRIFORCE_AMX", "1") != "0")
     ops = cpu()
     return ops is not None and bool(getattr(ops, "amx_attention", lambda: False)())

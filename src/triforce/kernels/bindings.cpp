@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("T"), py::arg("causal"), py::arg("scale"),
         py::arg("path") = 0, py::arg("visible") = py::none());
   m.def("amx_attention", &triforce::amx_attention,
-        "whether decode_attention runs bf16 K/V's rows-in-lanes scores on AMX tiles in this process");
+        "whether decode_attention runs bf16 K/V's rows-in-lanes path (scores and p v) on AMX tiles in this process");
   m.def("quant_attention", &triforce::quant_attention,
         "softmax(q k^T * scale) v for q [H, R, D] fp32 over a quantized KV cache: planes k_hi/k_lo/v_hi/v_lo "
         "[H, Sq, D/2] uint8 (lower planes empty: 4-bit reading), fp16 scales/zeros (keys [H, Sq/64, D], values "

@@ -11,7 +11,7 @@ namespace triforce {
 // visible [T, T] bool (with causal): the new keys' visibility for a token block (a draft tree) instead of causal.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path, c10::optional<torch::Tensor> visible);
-// attention.cpp: whether decode_attention computes bf16 K/V's verification scores on AMX tiles here (compiled
+// attention.cpp: whether decode_attention runs bf16 K/V's rows-in-lanes path on AMX tiles here (compiled
 // for a CPU with AMX-BF16, the tile state granted by Linux, TRIFORCE_AMX not 0).
 bool amx_attention();
 

@@ -92,12 +92,12 @@ def report(inv: Inventory, weights: str, kv_dtype: str | None, context: int | No
     cfg = inv.config
     if kv_dtype:
         kv_dtype = kv_dtype_name(kv_dtype)
-    else:  # what a run would use: fp16, or bf16 on a CPU with AMX tiles (fp32 activations)
+    else:  # what a run would use: fp16, or bf16 on a CPU with AMX tiles (fp32 activations; nothing is built)
         import torch
 
         from . import default_kv_dtype
 
-        kv_dtype = default_kv_dtype(torch.float32)
+        kv_dtype = default_kv_dtype(torch.float32, build=False)
     context = context or cfg.max_context
     lines = [f"model: {inv.source}",
              f"  {cfg.arch}: {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} query / {cfg.n_kv_heads} KV "
