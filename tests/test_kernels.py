@@ -314,14 +314,16 @@ QUANT_CASES = {  # name: (head dim, bits, buffer dtype, new tokens, tree, shared
     "bf16-buffer": (128, 8, torch.bfloat16, 2, False, False),
     "fp32-buffer": (256, 8, torch.float32, 1, False, False),
     "kv4-over-int8": (64, 8, torch.float16, 4, False, True),
+    "prefill-chunk": (64, 8, torch.float16, 50, False, False),  # 150 rows: three calls of at most 64
 }
 
 
 @pytest.mark.parametrize("case", QUANT_CASES)
 def test_quant_attention_matches_pytorch(kern, case):
-    """kernels' quant_attention (the planes dequantized a group at a time in L1) equals the quantized cache's
-    PyTorch attention (tile by tile): 8-bit and 4-bit readings, chains, trees, every buffer dtype and head dim,
-    and a kv4 cache reading an int8 cache's upper planes."""
+    """kernels' quant_attention (integer dot products on the planes, a group at a time) equals the quantized cache's
+    PyTorch attention (tile by tile, the same arithmetic): 8-bit and 4-bit readings, chains, trees, every buffer
+    dtype and head dim, a kv4 cache reading an int8 cache's upper planes, and a prefill chunk of more rows than
+    one call takes."""
     from triforce.caches.base import TokenBlock
     from triforce.caches.quantized import QuantizedCache
 
@@ -353,6 +355,6 @@ def test_quant_attention_matches_pytorch(kern, case):
     assert int(cache._qb.max()) >= 1024 and cache.fb > 0
     counting = _Counting(kern)
     got = kv.attend(q, D ** -0.5, counting)
-    assert counting.calls == 1
+    assert counting.calls == -(-T // (64 // g))
     want = kv.attend(q, D ** -0.5, None)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)

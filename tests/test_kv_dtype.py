@@ -140,14 +140,14 @@ def test_greedy_equals_ar_on_the_attention_kernel(kv):
 
 class _CountingKernel:
     """The compiled module, counting calls of its attention kernels (decode_layers runs decode_attention
-    inside: kernels/decode_layer.cpp)."""
+    inside, decode_layers_quant quant_attention: kernels/decode_layer.cpp)."""
 
     def __init__(self, kern):
         self.kern, self.attention = kern, 0
 
     def __getattr__(self, name):
         fn = getattr(self.kern, name)
-        if name not in ("decode_attention", "quant_attention", "decode_layers"):
+        if name not in ("decode_attention", "quant_attention", "decode_layers", "decode_layers_quant"):
             return fn
 
         def counted(*a, **kw):

@@ -357,14 +357,14 @@ def long_q4_k_m_file(tmp_path_factory):
 
 
 class _CountingFused:
-    """A kernel module counting its decode_layers calls."""
+    """A kernel module counting its decode_layers (or `name`) calls."""
 
-    def __init__(self, kern):
-        self.kern, self.fused = kern, 0
+    def __init__(self, kern, name: str = "decode_layers"):
+        self.kern, self.fused, self.name = kern, 0, name
 
     def __getattr__(self, name):
         fn = getattr(self.kern, name)
-        if name != "decode_layers":
+        if name != self.name:
             return fn
 
         def counted(*a):
@@ -410,6 +410,43 @@ def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monk
             assert (counting.fused > 0) == fused
         for got, want in zip(outs[True], outs[False]):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@torch.no_grad()
+def test_fused_decode_layers_over_a_quantized_cache(long_q4_k_m_file, isa, monkeypatch):
+    """kernels' decode_layers_quant (every layer in one call over an int8 cache) against Block.forward's Python
+    path over the same kernels: decode steps crossing quantization groups and a 5-token verification, recording
+    queries, then a kv4 cache reading the int8 cache's upper planes: the same logits, queries and codes, bit for
+    bit."""
+    from triforce.caches import QuantizedCache
+    from triforce.model import Block
+
+    if isa not in kernels.runnable_isas() or kernels.variant(isa) is None:
+        pytest.skip(f"no {isa} kernels here")
+    kern = kernels.variant(isa)
+    native, _ = models(long_q4_k_m_file)
+    ids = torch.randint(0, 96, (1, 1300), generator=torch.Generator().manual_seed(6))
+    python_path = Block._fused
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(Block, "_fused", python_path if fused else (lambda self, ops: None))
+        counting = _CountingFused(kern, "decode_layers_quant")
+        with kernels.override(counting):
+            cache = native.new_cache(1300, record_queries=True, dtype="int8")
+            native(ids[:, :1000], cache)  # prefill chunk: the Python path either way
+            rows = [native(ids[:, i:i + 1], cache) for i in range(1000, 1070)]  # a group quantized on the way
+            rows.append(native(ids[:, 1070:1075], cache))
+            queries = cache.queries[1].clone()
+            c = native.cfg
+            view = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 1300, shared=cache)
+            view.build(cache)
+            rows += [native(ids[:, 1075:1076], view), native(ids[:, 1076:1080], view)]
+        outs[fused] = (torch.cat(rows, 1), queries, cache.k_hi[:, :, :, :1024], cache.k_lo[:, :, :, :1024],
+                       cache.v_lo[:, :, :, :1024], cache.fk[:, :, :, :1075 - cache.fb])
+        assert (counting.fused > 0) == fused
+    for got, want in zip(outs[True], outs[False]):
+        assert torch.equal(got, want)
 
 
 def test_kv_on_a_gpu_is_checked_against_the_gpu_memory(monkeypatch):

@@ -12,6 +12,7 @@ RoPE, whose window the KV cache implements (caches/sliding.py).
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,13 @@ from .config import ModelConfig
 from .errors import TriforceError
 from .caches.base import KVCache, TokenBlock, causal_mask, kv_dtype
 from .caches.static import SlotMask, StaticView
-from .caches.quantized import QuantizedKV
+from .caches.quantized import QuantizedCache, QuantizedKV
 from .quantized import BF16, FORMATS, QuantTensor, dequantize, pack_rows, packable, release, unpack_rows
 from .rope import Rotary, apply_rotary
+
+# Transformer -> (ops, its layers, ops.LayerStack) for the fused decode layers: outside the model, so that a
+# deepcopy of a model (tests, drafting copies) carries no compiled module (it rebuilds its own)
+_LAYER_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # The full-precision buffer of an int8 KV cache (its newest one or two groups of 64 tokens).
@@ -575,18 +580,28 @@ class Transformer(nn.Module):
         (Block._fused) and the attention kernel runs; None otherwise (the layers run one by one)."""
         ops = self.backend.ops
         B, T, _ = x.shape
-        if ops is None or T > PANEL_MAX_ROWS or B != 1 or not cache.SLOT_CAUSAL or x.dtype != torch.float32:
-            return None
-        slot = cache._slot(cache.length)
         c = self.cfg
-        if slot + T < KERNEL_MIN_KEYS or c.n_heads // c.n_kv_heads * T > KERNEL_MAX_ROWS \
-                or not (cache._mask is None or isinstance(cache._mask, str)):
+        g = c.n_heads // c.n_kv_heads
+        if ops is None or T > PANEL_MAX_ROWS or B != 1 or x.dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
             return None
+        quantized = isinstance(cache, QuantizedCache) and cache.batch == 1
+        if quantized:  # its attention kernel takes any length (the buffer's keys by the per-row path)
+            if not hasattr(ops, "decode_layers_quant") or x.device.type != "cpu":
+                return None
+        elif not cache.SLOT_CAUSAL:
+            return None
+        else:
+            slot = cache._slot(cache.length)
+            if slot + T < KERNEL_MIN_KEYS or not (cache._mask is None or isinstance(cache._mask, str)):
+                return None
         stack = self._layer_stack(ops)
         if stack is None:
             return None
         record = getattr(cache, "queries", None) is not None
-        out = ops.decode_layers(x, stack, *rope, c.n_heads, c.n_kv_heads, cache.k, cache.v, slot, record)
+        if quantized:
+            out = ops.decode_layers_quant(x, stack, *rope, c.n_heads, c.n_kv_heads, *cache.fused_inputs(g), record)
+        else:
+            out = ops.decode_layers(x, stack, *rope, c.n_heads, c.n_kv_heads, cache.k, cache.v, slot, record)
         if record:  # as FullCache.update records them
             cache.queries[:] = out[1:]
         return out[0]
@@ -595,7 +610,7 @@ class Transformer(nn.Module):
         """ops.LayerStack of every layer's Block._fused arguments and attention scale, or None where a layer has
         none. Built once per (ops, layers): a draft copy (with_draft_weights) has its own layers; select_backend
         and pack_weights drop it."""
-        cached = self.__dict__.get("_stack")
+        cached = _LAYER_STACKS.get(self)
         if cached is not None and cached[0] is ops and cached[1] is self.layers:
             return cached[2]
         args = [block._fused(ops) for block in self.layers]
@@ -603,7 +618,7 @@ class Transformer(nn.Module):
         if hasattr(ops, "LayerStack") and all(a is not None for a in args):
             stack = ops.LayerStack([(*a, b.head_dim ** -0.5 if b.scale is None else b.scale)
                                     for a, b in zip(args, self.layers)])
-        self.__dict__["_stack"] = (ops, self.layers, stack)
+        _LAYER_STACKS[self] = (ops, self.layers, stack)
         return stack
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -636,7 +651,7 @@ class Transformer(nn.Module):
         """Choose, once, the operations every layer runs (kernels.Backend) for this model's device and
         dtype; called when the model is built and when it moves."""
         backend = kernels.Backend.for_model(self.device, self.dtype)
-        self.__dict__.pop("_stack", None)
+        _LAYER_STACKS.pop(self, None)
         self.graphs = None
         if self.device.type == "cuda":
             from .graphs import GraphedForwards
@@ -653,7 +668,7 @@ class Transformer(nn.Module):
 
     def pack_weights(self) -> None:
         """Pre-pack the linear layers' weights for decode and verification forwards on CPU (see Linear)."""
-        self.__dict__.pop("_stack", None)  # the fused layers' arguments name the packed weights
+        _LAYER_STACKS.pop(self, None)  # the fused layers' arguments name the packed weights
         for block in self.layers:
             block.__dict__.pop("_fused_args", None)
         for m in self.modules():

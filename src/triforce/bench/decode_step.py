@@ -343,8 +343,9 @@ def main(argv=None) -> None:
     ap.add_argument("--verify-tokens", type=int, default=5,
                     help="tokens of the verification forward compared with a decode step (default 5: 4 drafts "
                          "and the bonus position)")
-    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                    help="KV cache dtype of the timed caches (default: the model's, docs/kv_dtype.md)")
+    ap.add_argument("--kv-dtype", default=None,
+                    help=f"KV cache dtype of the timed caches, or several comma-separated, timed one after another in "
+                         f"this process (from {', '.join(KV_DTYPES)}; default: the model's, docs/kv_dtype.md)")
     ap.add_argument("--weights", default="native",
                     help="comma-separated ways of holding the weights to time, from native, bf16, fp32 "
                          "(default native: a GGUF file's quantized blocks as stored)")
@@ -352,6 +353,9 @@ def main(argv=None) -> None:
                     help="instead of --model: Llama 3.2 1B's shapes with LAYERS of its 16 layers, random weights "
                          "in the Q4_K_M layout (step time against its own floor; no transformers)")
     args = ap.parse_args(argv)
+    kvs = [None] if args.kv_dtype is None else [x.strip() for x in args.kv_dtype.split(",") if x.strip()]
+    if bad := [x for x in kvs if x is not None and x not in KV_DTYPES]:
+        ap.error(f"--kv-dtype: unknown {', '.join(bad)} (choose from {', '.join(KV_DTYPES)})")
     modes = [w.strip() for w in args.weights.split(",") if w.strip()]
     if bad := [w for w in modes if w not in WEIGHTS]:
         ap.error(f"--weights: unknown {', '.join(bad)} (choose from {', '.join(WEIGHTS)})")
@@ -362,14 +366,14 @@ def main(argv=None) -> None:
     kern = None
     rows, hf_model, transformers_ms = [], None, {}
     k = args.verify_tokens
-    for mode in modes if args.synthetic_1b is None else ["native"]:
+    for mode, kv in [(m, x) for m in (modes if args.synthetic_1b is None else ["native"]) for x in kvs]:
         if args.synthetic_1b is not None:
             from .synthetic import q4_k_m_model
 
-            model, loaded = q4_k_m_model(args.synthetic_1b, kv_dtype=args.kv_dtype or "fp16"), None
+            model, loaded = q4_k_m_model(args.synthetic_1b, kv_dtype=kv or "fp16"), None
             name = f"Llama-3.2-1B shape, {args.synthetic_1b} layers, random Q4_K_M"
         else:
-            loaded = load_model(args.model, progress=False, kv_dtype=args.kv_dtype, weights=mode)
+            loaded = load_model(args.model, progress=False, kv_dtype=kv, weights=mode)
             model, name = loaded.model, loaded.source
         if kern is None:
             kern = model.backend.ops
@@ -414,16 +418,17 @@ def main(argv=None) -> None:
                 hf = transformers_ms[n]
                 hf_s, ratio = f"{hf * 1e3:.1f}", f"{hf / ours:.2f}x"
             kv4 = f"{time_kv4(model, n, args.steps) * 1e3:.1f}" if model.kv_dtype == torch.int8 else "-"
-            rows.append(f"| {mode} | {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | "
+            kv_name = str(model.kv_dtype).removeprefix("torch.")
+            rows.append(f"| {mode} | {kv_name} | {n} | {ours * 1e3:.1f} | {floor * 1e3:.1f} | {ours / floor:.2f}x | "
                         f"{verify * 1e3:.1f} | {verify / ours:.2f} | {flops / 1e9:.0f} ({flops / peak:.0%}) | {kv4} | "
                         f"{hf_s} | {ratio} |")
             print(rows[-1], flush=True)
         del model, loaded
     print()
-    print(f"| weights | context | ours ms/step | floor ms | ours / floor | {k}-token verification ms | "
+    print(f"| weights | KV | context | ours ms/step | floor ms | ours / floor | {k}-token verification ms | "
           f"verification / step | attention GFLOP/s in it (of peak) | kv4 draft step ms (int8) | transformers ms/step | "
           f"transformers / ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -5,11 +5,18 @@ zero point per group and channel: keys have outlier channels); values per token 
 GROUP_V = 32 channels. A value x becomes the 8-bit code c = clamp(round((x - zero) / scale), 0, 255) with
 scale = (max - min) / 255 and zero = min of its group (both stored in fp16; the codes are computed from the
 stored fp16 numbers), so x ~ c * scale + zero within scale / 2. The code is stored as two 4-bit planes,
-upper = c >> 4 and lower = c & 15 (each packed two codes per byte: `pack`; value planes row by row, one
-token's channels after another; key planes channel by channel within each group, one channel's 64 tokens
-after another, the layout the kernel's scores read: 16 keys per vector, no horizontal sums): the
-8-bit reading is (16 * upper + lower) * scale + zero, the 4-bit reading (QuantSpec's draft) uses the upper
-plane alone, (16 * upper + 8) * scale + zero (within 8.5 * scale). `bits=4` stores only the upper plane.
+upper = c >> 4 and lower = c & 15, each packed two codes per byte in the order the kernel's integer dot
+products read them (`pack_keys`, `pack_values`): the 8-bit reading is (16 * upper + lower) * scale + zero,
+the 4-bit reading (QuantSpec's draft) uses the upper plane alone, (16 * upper + 8) * scale + zero (within
+8.5 * scale). `bits=4` stores only the upper plane.
+
+Arithmetic (`QuantizedKV.attend`, the same in kernels/attention.cpp): integer dot products on the codes. Per
+group of 64 keys and query row, the scaled query times the group's key scales is rounded to 15 bits in two int8
+parts against its largest element (qg ~ a (iq1 + iq2 / 254)), so a score is
+a / 254 ((254 iq1 + iq2) . (code - 128)) + q . (zero + 128 scale) with the dot products exact in integers; the probabilities times the values' per-token scales, per group of 64 keys and 32
+channels, are rounded to int16 against their largest (p' ~ sigma * p16, p16 <= 32767), so p v is
+sigma * (p16 . code) + p . zero, again exact in integers. (As llama.cpp quantizes activations to 8 bits
+for its quantized caches; the perplexity cost is in docs/quantized_kv.md.)
 
 Which tokens are read quantized. A query at position p reads the keys and values of positions
 < fp_from(p) = 64 * max(0, p // 64 - 1) from the planes and positions fp_from(p) .. p in full precision:
@@ -20,14 +27,14 @@ codes. A group is quantized when the first query that reads it quantized is fed 
 end), so with rollbacks shorter than a group no rejected token is ever quantized; a longer rollback
 forgets the groups it reaches (O(1)) and they are quantized again from the buffer when next needed.
 
-Storage per layer: the planes [B, Hkv, capacity, D / 2] (uint8; a key group's 64 rows hold its [D, 32]
-channel-major bytes), key scales and zeros [B, Hkv, groups, D],
-value scales and zeros [B, Hkv, capacity, D / 32] (fp16; a head dim below 32: one group per head), and a full-precision buffer [B, Hkv, slots, D]
+Storage per layer: the planes [B, Hkv, capacity, D / 2] (uint8; a group's 64 rows hold its bytes in the
+kernel's order, below), key scales and zeros [B, Hkv, groups, D], value scales and zeros [B, Hkv, capacity,
+D / 32] (fp16; within each group of 64 rows stored channel group by channel group, [D / 32, 64]; a head dim
+below 32: one group per head), and a full-precision buffer [B, Hkv, slots, D]
 holding positions fb .. length - 1 (fb a multiple of 64; `dtype`: fp32, bf16 or fp16), whose old groups are
 dropped when it fills (after quantizing them): it holds the newest 128 + max_rollback tokens plus one
 forward's. Rollback within max_rollback is O(1): an integer and a group count. Attention (`QuantizedKV`)
-reads the planes tile by tile, dequantizing TILE tokens at a time (never the whole cache), or in the compiled
-kernel (kernels/attention.cpp) in registers.
+reads the planes tile by tile, TILE tokens at a time (never the whole cache), or in the compiled kernel.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ TILE = 1024  # tokens dequantized at a time by the PyTorch attention (a multiple
 KERNEL_MAX_ROWS, KERNEL_HEAD_DIMS = 64, (64, 128, 256)  # what kernels.quant_attention takes (rows: g * T)
 PACK = 32  # channels per packing block of a plane (see pack)
 LEVELS = 255  # 8-bit codes 0..255
+TINY = 2.0 ** -100  # a row's largest |q scale| or p v-scale below this: rounded to 0 (1 / it must stay finite)
 
 
 def fp_from(position: int) -> int:
@@ -53,35 +61,69 @@ def fp_from_tensor(positions: torch.Tensor) -> torch.Tensor:
     return ((positions // GROUP_K - 1).clamp(min=0) * GROUP_K).long()
 
 
-def _pack_block(d: int) -> int:
+KEY_LANE = 8  # channels of one token per 4-byte lane of the key planes (4 in low nibbles, 4 in high ones)
+
+
+def _key_lane(d: int) -> int:
+    return min(KEY_LANE, d)
+
+
+def _value_block(d: int) -> int:
     return min(PACK, d)
 
 
-def pack(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit codes [..., D] (uint8) -> (upper, lower) planes [..., D / 2] uint8, two 4-bit codes per byte: in
-    every block of PACK = 32 channels (D below 32: one block), byte i holds channel i in its low nibble and
-    channel i + 16 in its high one (the kernels widen 16 bytes into two vectors of 16 codes)."""
-    *lead, D = codes.shape
-    P = _pack_block(D)
-    c = codes.reshape(*lead, D // P, P)
-    hi, lo = c >> 4, c & 15
-    h = P // 2
-    return ((hi[..., :h] | (hi[..., h:] << 4)).reshape(*lead, D // 2),
-            (lo[..., :h] | (lo[..., h:] << 4)).reshape(*lead, D // 2))
+def pack_keys(codes: torch.Tensor) -> torch.Tensor:
+    """Key codes [..., G, 64, D] (uint8: groups, tokens, channels) -> one plane's bytes [..., G * 64, D / 2],
+    two 4-bit codes (the low nibbles of `codes`) per byte. Per group, lanes of 8 channels of one token:
+    [D / 8][64 tokens][4 bytes], byte b of token t's lane k holding channel 8k + b in its low nibble and
+    8k + 4 + b in its high one (vpdpbusd's 4-byte lanes: a vector is 16 tokens, one query dword per lane)."""
+    *lead, G, n, D = codes.shape
+    o = _key_lane(D)
+    c = (codes & 15).reshape(*lead, G, n, D // o, 2, o // 2).transpose(-4, -3)  # [..., G, D / o, n, 2, o / 2]
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*lead, G * n, D // 2)
 
 
-def unpack(plane: torch.Tensor) -> torch.Tensor:
-    """A plane [..., D / 2] -> its 4-bit codes [..., D] (uint8)."""
-    *lead, half = plane.shape
-    h = _pack_block(2 * half) // 2
-    p = plane.reshape(*lead, half // h, h)
-    return torch.cat((p & 15, p >> 4), dim=-1).reshape(*lead, 2 * half)
+def unpack_keys(plane: torch.Tensor, n: int = GROUP_K) -> torch.Tensor:
+    """A key plane [..., G * n, D / 2] -> its 4-bit codes [..., G, n, D] (uint8)."""
+    *lead, rows, half = plane.shape
+    D, G = 2 * half, rows // n
+    o = _key_lane(D)
+    p = plane.reshape(*lead, G, D // o, n, o // 2)
+    return torch.stack((p & 15, p >> 4), dim=-2).transpose(-4, -3).reshape(*lead, G, n, D)
+
+
+def pack_values(codes: torch.Tensor) -> torch.Tensor:
+    """Value codes [..., n, D] (uint8, n even) -> one plane's bytes [..., n, D / 2]: per pair of tokens and
+    block of 32 channels, 32 bytes, byte 2j + i holding token i's channel j in its low nibble and channel
+    16 + j in its high one (widened to 16-bit words, a vector pairs two tokens per channel: vpdpwssd's lanes)."""
+    *lead, n, D = codes.shape
+    P = _value_block(D)
+    c = (codes & 15).reshape(*lead, n // 2, 2, D // P, 2, P // 2).movedim(-4, -1)  # [..., n/2, D/P, 2, P/2, 2]
+    return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(*lead, n, D // 2)
+
+
+def unpack_values(plane: torch.Tensor) -> torch.Tensor:
+    """A value plane [..., n, D / 2] -> its 4-bit codes [..., n, D] (uint8)."""
+    *lead, n, half = plane.shape
+    D = 2 * half
+    P = _value_block(D)
+    p = plane.reshape(*lead, n // 2, D // P, P // 2, 2)
+    return torch.stack((p & 15, p >> 4), dim=-3).movedim(-1, -4).reshape(*lead, n, D)
 
 
 def codes_of(hi: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
-    """fp32 codes on the 8-bit scale: 16 * upper + lower, or 16 * upper + 8 from the upper plane alone."""
-    c = unpack(hi).float() * 16
-    return c + (unpack(lo).float() if lo is not None else 8.0)
+    """Unpacked 4-bit codes -> fp32 codes on the 8-bit scale: 16 * upper + lower, or 16 * upper + 8 from the upper
+    plane alone."""
+    c = hi.float() * 16
+    return c + (lo.float() if lo is not None else 8.0)
+
+
+def _by_group(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Per-token value scales [..., n, NB] <-> their storage order [..., n / 64 groups of [NB, 64]]."""
+    *lead, n, nb = x.shape
+    if inverse:
+        return x.reshape(*lead, n // GROUP_K, nb, GROUP_K).transpose(-1, -2).reshape(*lead, n, nb)
+    return x.reshape(*lead, n // GROUP_K, GROUP_K, nb).transpose(-1, -2).reshape(*lead, n, nb)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,13 +245,13 @@ class QuantizedCache(KVCache):
         codes, scale, zero = quantize(k.reshape(B, H, ng, GROUP_K, D).transpose(-1, -2))  # per group and channel
         self.k_scale[layer, :, :, g0:g0 + ng], self.k_zero[layer, :, :, g0:g0 + ng] = scale, zero
         vc, vs, vz = quantize(v.reshape(B, H, n, D // self.group_v, self.group_v))  # per token and group of channels
-        self.v_scale[layer, :, :, start:start + n], self.v_zero[layer, :, :, start:start + n] = vs, vz
-        # keys: [B, H, ng, D, 64] codes, channel-major per group, packed along the tokens
-        for codes, hi, lo in ((codes, self.k_hi, self.k_lo), (vc, self.v_hi, self.v_lo)):
-            upper, lower = pack(codes)
-            hi[layer, :, :, start:start + n] = upper.reshape(B, H, n, D // 2)
+        self.v_scale[layer, :, :, start:start + n] = _by_group(vs)
+        self.v_zero[layer, :, :, start:start + n] = _by_group(vz)
+        kc, vc = codes.transpose(-1, -2), vc.reshape(B, H, n, D)  # [B, H, ng, 64, D], [B, H, n, D]
+        for pack, c, hi, lo in ((pack_keys, kc, self.k_hi, self.k_lo), (pack_values, vc, self.v_hi, self.v_lo)):
+            hi[layer, :, :, start:start + n] = pack(c >> 4).reshape(B, H, n, D // 2)
             if lo is not None:
-                lo[layer, :, :, start:start + n] = lower.reshape(B, H, n, D // 2)
+                lo[layer, :, :, start:start + n] = pack(c & 15).reshape(B, H, n, D // 2)
 
     # --- the KVCache contract ---------------------------------------------------------------------------
 
@@ -255,6 +297,18 @@ class QuantizedCache(KVCache):
         if self.queries is not None:
             self.queries[layer] = q
         return QuantizedKV(self, layer), None, None
+
+    def fused_inputs(self, g: int) -> tuple:
+        """For a forward of every layer in one call (model._decode_layers: kernels' decode_layers_quant), after
+        prepare: the groups its queries read quantized, quantized now for every layer (they were all fed by
+        earlier forwards: a forward of at most 64 tokens reads none of its own from the planes), and the
+        arguments that call takes from the cache (g: query heads per KV head)."""
+        self._quantize(range(self.n_layers), self._nq_target)
+        none = torch.empty(0, dtype=torch.uint8)
+        planes = [self.k_hi, self.k_lo if self.k_lo is not None else none, self.k_scale, self.k_zero,
+                  self.v_hi, self.v_lo if self.v_lo is not None else none, self.v_scale, self.v_zero]
+        return (planes, int(self._qb.max()), self._qb.repeat(g), self.fk, self.fv, self.length - self.fb,
+                self._fp_mask)
 
     def commit(self, n_new: int) -> None:
         self.length += n_new
@@ -325,22 +379,35 @@ class QuantizedCache(KVCache):
 
     # --- reading ----------------------------------------------------------------------------------------
 
+    def group_codes(self, layer: int, start: int, end: int, four_bit: bool = False):
+        """The codes of quantized positions start .. end - 1 (multiples of GROUP_K, end <= nq * GROUP_K) of
+        `layer`, G = (end - start) / 64 groups, as fp32 on the 8-bit scale (the 8-bit reading, or the upper
+        planes' with four_bit): keys [B, H, G, 64, D] with their scales and zeros [B, H, G, D], values
+        [B, H, G, 64, D] with theirs [B, H, G, D / 32, 64]."""
+        B, H, D = self.batch, self.n_kv_heads, self.head_dim
+        g0, g1, nb = start // GROUP_K, end // GROUP_K, D // self.group_v
+        lo_k = None if four_bit or self.k_lo is None else unpack_keys(self.k_lo[layer, :, :, start:end])
+        lo_v = None if four_bit or self.v_lo is None else unpack_values(self.v_lo[layer, :, :, start:end])
+        kc = codes_of(unpack_keys(self.k_hi[layer, :, :, start:end]), lo_k)
+        vc = codes_of(unpack_values(self.v_hi[layer, :, :, start:end]), lo_v).view(B, H, g1 - g0, GROUP_K, D)
+
+        def by_group(x):  # value scales [B, H, n, nb] as stored -> [B, H, G, nb, 64]
+            return x[layer, :, :, start:end].float().view(B, H, g1 - g0, nb, GROUP_K)
+
+        return (kc, self.k_scale[layer, :, :, g0:g1].float(), self.k_zero[layer, :, :, g0:g1].float(),
+                vc, by_group(self.v_scale), by_group(self.v_zero))
+
     def dequantized(self, layer: int, start: int, end: int, four_bit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, end - start, D] fp32 of quantized positions start .. end - 1 (multiples of
         GROUP_K, end <= nq * GROUP_K) of `layer`: the 8-bit reading, or the upper planes' with four_bit."""
         B, H, D = self.batch, self.n_kv_heads, self.head_dim
-        n, g0, g1 = end - start, start // GROUP_K, end // GROUP_K
-        lo_k = None if four_bit or self.k_lo is None else self.k_lo[layer, :, :, start:end]
-        lo_v = None if four_bit or self.v_lo is None else self.v_lo[layer, :, :, start:end]
-        def key_groups(plane):  # [B, H, n, D / 2] -> the groups' channel-major bytes [B, H, groups, D, 32]
-            return None if plane is None else plane.reshape(B, H, g1 - g0, D, GROUP_K // 2)
-
-        kc = codes_of(key_groups(self.k_hi[layer, :, :, start:end]), key_groups(lo_k))  # [B, H, groups, D, 64]
-        k = (kc * self.k_scale[layer, :, :, g0:g1, :, None].float()
-             + self.k_zero[layer, :, :, g0:g1, :, None].float()).transpose(-1, -2)
-        vc = codes_of(self.v_hi[layer, :, :, start:end], lo_v).view(B, H, n, D // self.group_v, self.group_v)
-        v = vc * self.v_scale[layer, :, :, start:end, :, None].float() + self.v_zero[layer, :, :, start:end, :, None].float()
-        return k.reshape(B, H, n, D), v.view(B, H, n, D)
+        n, gv = end - start, self.group_v
+        kc, ks, kz, vc, vs, vz = self.group_codes(layer, start, end, four_bit)
+        k = kc * ks[:, :, :, None] + kz[:, :, :, None]
+        G = n // GROUP_K
+        v = (vc.view(B, H, G, GROUP_K, D // gv, gv) * vs.transpose(-1, -2)[..., None]
+             + vz.transpose(-1, -2)[..., None])
+        return k.reshape(B, H, n, D), v.reshape(B, H, n, D)
 
     def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0 .. n - 1 of `layer` [B, Hkv, n, D] fp32, as attention reads them from
@@ -368,9 +435,9 @@ class QuantizedKV:
         self.cache, self.layer = cache, layer
 
     def attend(self, q: torch.Tensor, scale: float, ops=None) -> torch.Tensor:
-        """q [B, Hq, T, D] -> [B, Hq, T, D] (q's dtype), fp32 arithmetic; `ops` the compiled kernels (their
-        quant_attention, kernels/attention.cpp: the planes widened a group at a time into L1, for up to
-        KERNEL_MAX_ROWS rows g * T: decode steps and verifications) or None (PyTorch, TILE tokens at a time)."""
+        """q [B, Hq, T, D] -> [B, Hq, T, D] (q's dtype), the module docstring's arithmetic; `ops` the compiled
+        kernels (their quant_attention, kernels/attention.cpp: integer dot products on the planes a group at a
+        time, KERNEL_MAX_ROWS rows g * T per call) or None (PyTorch, TILE tokens at a time)."""
         c = self.cache
         B, Hq, T, D = q.shape
         H = c.n_kv_heads
@@ -380,36 +447,85 @@ class QuantizedKV:
         q_end = int(c._qb.max())  # planes: positions < q_end (some rows read fewer)
         n_fp = c.length + T - c.fb
         lo = c.k_lo is not None  # no lower planes: the 4-bit reading
-        if ops is not None and B == 1 and R <= KERNEL_MAX_ROWS and D in KERNEL_HEAD_DIMS \
-                and hasattr(ops, "quant_attention"):
+        if ops is not None and B == 1 and D in KERNEL_HEAD_DIMS and hasattr(ops, "quant_attention") and g <= KERNEL_MAX_ROWS:
+            # the kernel, at most KERNEL_MAX_ROWS rows (g * tokens) per call: a prefill chunk in blocks of tokens
+            # (each row's result depends on its own query and keys only, so the blocks give what one call would)
             L, none = self.layer, torch.empty(0, dtype=torch.uint8)
-            out = ops.quant_attention(q.reshape(H, R, D).float(), c.k_hi[L, 0, :, :q_end],
-                                      c.k_lo[L, 0, :, :q_end] if lo else none, c.k_scale[L, 0, :, :q_end // GROUP_K],
-                                      c.k_zero[L, 0, :, :q_end // GROUP_K], c.v_hi[L, 0, :, :q_end],
-                                      c.v_lo[L, 0, :, :q_end] if lo else none, c.v_scale[L, 0, :, :q_end],
-                                      c.v_zero[L, 0, :, :q_end], qb, c.fk[L, 0, :, :n_fp], c.fv[L, 0, :, :n_fp],
-                                      c._fp_mask, T, scale)
+            step = KERNEL_MAX_ROWS // g
+            outs = []
+            for t0 in range(0, T, step):
+                t1 = min(T, t0 + step)
+                end = int(c._qb[t0:t1].max())
+                outs.append(ops.quant_attention(
+                    q[0, :, t0:t1].reshape(H, g * (t1 - t0), D).float(), c.k_hi[L, 0, :, :end],
+                    c.k_lo[L, 0, :, :end] if lo else none, c.k_scale[L, 0, :, :end // GROUP_K],
+                    c.k_zero[L, 0, :, :end // GROUP_K], c.v_hi[L, 0, :, :end], c.v_lo[L, 0, :, :end] if lo else none,
+                    c.v_scale[L, 0, :, :end], c.v_zero[L, 0, :, :end], c._qb[t0:t1].repeat(g),
+                    c.fk[L, 0, :, :n_fp], c.fv[L, 0, :, :n_fp], c._fp_mask[t0:t1].contiguous(), t1 - t0, scale
+                ).view(Hq, t1 - t0, D))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return out.to(q.dtype).view(B, Hq, T, D)
         qf = q.reshape(B, H, R, D).float() * scale
         m = torch.full((B, H, R), float("-inf"), device=q.device)
         l = torch.zeros(B, H, R, device=q.device)
         acc = torch.zeros(B, H, R, D, device=q.device)
 
-        def step(k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> None:
+        def softmax_step(s: torch.Tensor) -> torch.Tensor:
+            """Scores s [B, H, R, n] of the next keys -> their p against the running maximum (acc rescaled)."""
             nonlocal m, l, acc
-            s = (qf @ k.transpose(-1, -2)).masked_fill_(~visible, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - base[..., None])
             w = torch.exp(m - base)
             l = l * w + p.sum(-1)
-            acc = acc * w[..., None] + p @ v
+            acc = acc * w[..., None]
             m = m_new
+            return p
 
         for t0 in range(0, q_end, TILE):
             t1 = min(q_end, t0 + TILE)
-            k, v = c.dequantized(self.layer, t0, t1)
-            step(k, v, torch.arange(t0, t1, device=q.device)[None, :] < qb[:, None])
+            kc, ks, kz, vc, vs, vz = c.group_codes(self.layer, t0, t1)
+            G = (t1 - t0) // GROUP_K
+            visible = torch.arange(t0, t1, device=q.device)[None, :] < qb[:, None]
+            s = quantized_scores(qf, kc, ks, kz).reshape(B, H, R, G * GROUP_K).masked_fill_(~visible, float("-inf"))
+            p = softmax_step(s)  # (rescales acc: before acc is read)
+            acc = acc + quantized_pv(p.view(B, H, R, G, GROUP_K), vc, vs, vz)
         k, v = c.fk[self.layer, :, :, :n_fp].float(), c.fv[self.layer, :, :, :n_fp].float()
-        step(k, v, c._fp_mask.repeat(g, 1))
+        s = (qf @ k.transpose(-1, -2)).masked_fill_(~c._fp_mask.repeat(g, 1), float("-inf"))
+        p = softmax_step(s)
+        acc = acc + p @ v
         return (acc / l[..., None]).to(q.dtype).view(B, Hq, T, D)
+
+
+def quantized_scores(qf: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor, kz: torch.Tensor) -> torch.Tensor:
+    """Scores of scaled queries qf [B, H, R, D] against groups of quantized keys (group_codes: codes kc
+    [B, H, G, 64, D], scales and zeros ks, kz [B, H, G, D]) -> [B, H, R, G, 64]: per row and group, qg = qf * ks
+    rounded to 15 bits in two int8 parts against its largest element: x = qg / a (a = max |qg| / 127),
+    iq1 = round(x), iq2 = round((x - iq1) 254), so qg ~ a (iq1 + iq2 / 254); score
+    a / 254 ((254 iq1 + iq2) . (code - 128)) + qf . (kz + 128 ks). The codes are centred so that the rounding of
+    qg shifts each group's scores by no constant of its own. Each dot product of integers is exact in fp32 (below
+    2^24) whatever the summation order, and their combination in float64, as the kernel's int32 sum."""
+    qg = qf[:, :, :, None, :] * ks[:, :, None]
+    amax = qg.abs().amax(-1, keepdim=True)
+    x = qg * torch.where(amax > TINY, 127.0 / amax, torch.zeros_like(amax))
+    iq1 = torch.round(x)
+    iq2 = torch.round((x - iq1) * 254.0)
+    centred = kc - 128.0
+    dots = (254 * torch.einsum("bhrgd,bhgtd->bhrgt", iq1, centred).double()
+            + torch.einsum("bhrgd,bhgtd->bhrgt", iq2, centred).double()).float()  # (int32 in the kernel)
+    return ((amax / 127.0) / 254.0) * dots + (qf[:, :, :, None, :] * (kz + 128.0 * ks)[:, :, None]).sum(-1, keepdim=True)
+
+
+def quantized_pv(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.Tensor) -> torch.Tensor:
+    """p v over groups of quantized values: p [B, H, R, G, 64] (unnormalised probabilities), codes vc [B, H, G, 64,
+    D], scales and zeros vs, vz [B, H, G, NB, 64] (NB groups of channels) -> sum over the groups [B, H, R, D]. Per
+    row, group and channel group, p' = p * vs rounded to int16 against its largest (p' ~ sigma p16, sigma =
+    max p' / 32767): sigma (p16 . code) + p . vz."""
+    B, H, R, G, _ = p.shape
+    D, NB = vc.shape[-1], vs.shape[3]
+    pq = p[:, :, :, :, None, :] * vs[:, :, None]
+    mx = pq.amax(-1, keepdim=True)
+    p16 = torch.round(pq * torch.where(mx > TINY, 32767.0 / mx, torch.zeros_like(mx)))
+    dots = torch.einsum("bhrgct,bhgtcj->bhrgcj", p16, vc.view(B, H, G, GROUP_K, NB, D // NB))
+    zeros = torch.einsum("bhrgt,bhgct->bhrgc", p, vz)
+    return ((mx / 32767.0) * dots + zeros[..., None]).sum(3).reshape(B, H, R, D)

@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -727,118 +728,265 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
 
 // ---- attention over the quantized KV cache (caches/quantized.py) ----
 // Work items of QB = 64 keys: a quantized group or 64 positions of the full-precision buffer (blocks aligned
-// to positions, as the groups are). A quantized group's codes are widened once into L1 scratch blocks (the
-// planes are all that comes from memory): the keys' codes channel-major, unscaled (their per-channel scale
-// and zero are folded into the queries: q . k = (q * scale) . code + q . zero), the values dequantized row
-// by row. Scores then take 16 (AVX2: 8) keys per vector, a query element broadcast per channel: no
-// horizontal sums, each loaded code vector serving a tile of up to 6 rows. Softmax and p v are the per-row
-// path's (any number of rows; the buffer blocks too), so a row's result depends on its query and its
-// visible keys only (not on where the buffer starts, nor on how many rows there are: masked keys add exact
-// zeros).
+// to positions, as the groups are). A quantized group is read with integer dot products straight from its
+// planes, nothing widened to fp32 (caches/quantized.py's arithmetic, which its PyTorch path computes too):
+//  * scores: the group's per-channel key scales folded into the query, the codes centred
+//    (q . k = (q * scale) . (code - 128) + q . (zero + 128 scale)), and q * scale rounded to int8 per row (two int8 parts). The key planes hold lanes of 8 channels of one token (4 in
+//    low nibbles, 4 in high ones), so a vector is W tokens and, with VNNI, one vpdpbusd adds 4 products per lane
+//    (the two planes' nibbles joined into byte codes first: two shifts and two bit selects per 8 W codes);
+//    without VNNI the nibbles go through vpmaddubsw (16-bit pairs within 2 * 15 * 127: exact);
+//  * p v: p times the values' per-token scales rounded to int16 per row and 32 channels (sigma p16). The value
+//    planes pair two tokens per channel, so the byte codes widened to 16-bit words make vpdpwssd lanes of one
+//    channel: one instruction per W channels, two tokens and row.
+// Integer sums are exact, so a row's result depends on its query and its visible keys only (not on how many
+// rows there are); softmax is the per-row path's, and so are the buffer blocks.
 constexpr int64_t QB = 64;  // caches/quantized.py GROUP_K
-constexpr int SCORE_ROWS = 6;  // rows per register tile of group_scores
+constexpr int QTILE = W == 16 ? 6 : 2;  // rows per register tile of a group's scores and p v
+constexpr int64_t LANE_BYTES = 4 * QB;  // one lane of 8 channels for a group's 64 tokens (quantized.py pack_keys)
+constexpr float TINY = 0x1p-100f;  // a largest value below this rounds to all zeros (quantized.py TINY: 1 / it stays finite)
 
-// One quantized group of QB keys, widened into L1 scratch blocks: kct [D, QB] the keys' 8-bit codes as fp32,
-// channel-major (the key planes hold each group's bytes channel by channel: channel d's 64 tokens in two
-// 16-byte packing blocks at d * 32), vf [QB, D] the dequantized values (scale and zero per token and 32
-// channels; value planes row by row). k_lo / v_lo null: the 4-bit reading, code = 16 * upper + 8. Value
-// scale / zero [QB, D / 32]. In both layouts packing block p of the group's plane bytes holds outputs
-// 32 p .. 32 p + 31. The two nibble planes are joined into byte codes with a few byte operations per 32
-// codes before any widening (simd.h widen32): one widening and one conversion per value (values: and one fma).
-template <int64_t D>
-void widen_group(const uint8_t* k_hi, const uint8_t* k_lo, const uint8_t* v_hi, const uint8_t* v_lo,
-                 const c10::Half* vs, const c10::Half* vz, float* kct, float* vf, bool prefetch) {
-  constexpr int64_t GB = QB * D / 2, NPB = GB / 16;  // bytes of a group in one plane; its packing blocks
-  Vec w[32 / W];
-  for (int64_t p = 0; p < NPB; ++p) {
-    if (prefetch && p % 4 == 0) {  // the next group's planes (GB bytes on) and value scales, a line per plane
-      // per 4 packing blocks: the hardware prefetchers, following four planes and four scale streams per head,
-      // left the loads waiting on memory (1.14 ms per layer at 32K where the data sat in L3 took 0.8)
-      const int64_t at = GB + p * 16;
-      prefetch_l2(k_hi + at);
-      prefetch_l2(v_hi + at);
-      if (k_lo != nullptr) {
-        prefetch_l2(k_lo + at);
-        prefetch_l2(v_lo + at);
-      }
-      if (p * 16 < NPB * 2) {
-        prefetch_l2(reinterpret_cast<const char*>(vs + NPB) + p * 16);
-        prefetch_l2(reinterpret_cast<const char*>(vz + NPB) + p * 16);
-      }
-    }
-    widen32(k_hi + p * 16, k_lo != nullptr ? k_lo + p * 16 : nullptr, w);
-    for (int i = 0; i < 32 / W; ++i) w[i].store(kct + p * 32 + i * W);
-  }
-  // the value scales and zeros as fp32 first, W at a time (a scalar fp16 conversion per packing block was a
-  // dependency chain in front of its fmas)
-  float vsf[NPB], vzf[NPB];
-  for (int64_t i = 0; i < NPB; i += W) {
-    load(vs + i).store(vsf + i);
-    load(vz + i).store(vzf + i);
-  }
-  for (int64_t p = 0; p < NPB; ++p) {
-    widen32(v_hi + p * 16, v_lo != nullptr ? v_lo + p * 16 : nullptr, w);
-    const Vec sc(vsf[p]), z(vzf[p]);
-    for (int i = 0; i < 32 / W; ++i) fma(w[i], sc, z).store(vf + p * 32 + i * W);
-  }
+ALWAYS_INLINE float vmax_all(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return vmax(a, b); }, v);
 }
 
-// The queries q [R, D] (scaled) with a group's key scales folded in: qg [R, D] = q * scale, bias[r] = q[r] . zero.
+// x rounded to the nearest integer (ties to even, as torch.round), stored as W int8 / int16 (x within range).
+ALWAYS_INLINE void store_int8(const Vec& x, int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
+#else
+  const __m256i i = _mm256_cvtps_epi32(x);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+#endif
+}
+ALWAYS_INLINE void store_int16(const Vec& x, int16_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(x)));
+#else
+  const __m256i i = _mm256_cvtps_epi32(x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+#endif
+}
+
+// Plane bytes h (upper) and l (lower; 0x88 for the 4-bit reading) -> the byte codes 16 upper + lower of their
+// low-nibble positions (lo) and of their high-nibble positions (hi).
+ALWAYS_INLINE void join_codes(IV h, IV l, IV& lo, IV& hi) {
+  const IV top = bytes_and(iset(-1), 0xF0);
+  lo = bit_select(sll16_4(h), l, top);
+  hi = bit_select(h, srl16(l, 4), top);
+}
+
+// One group's queries, q * scale (the group's key scales folded in) rounded to 15 bits in two int8 parts per row:
+// x = q * scale / a (a = max |q * scale| / 127), iq[r] = [round(x), round((x - round(x)) * 254)] ([R][2][D]);
+// a2 [R] = a / 254, so q * scale ~ a2 (254 iq1 + iq2); bias [R] = q . (zero + 128 scale); isum [R][2] the parts'
+// sums (the codes are centred). (One int8 part alone, 7 bits against the row's largest element, made the
+// attention's error 5-8x that of the 8-bit keys themselves on keys with outlier channels.)
 template <int64_t D>
-void fold_key_scales(const float* q, int64_t R, const c10::Half* ks, const c10::Half* kz, float* qg, float* bias) {
+void quantize_queries(const float* q, int64_t R, const c10::Half* ks, const c10::Half* kz, int8_t* iq, float* a2,
+                      float* bias, int32_t* isum) {
   Vec sc[D / W], z[D / W];
   for (int c = 0; c < D / W; ++c) {
     sc[c] = load(ks + c * W);
-    z[c] = load(kz + c * W);
+    z[c] = load(kz + c * W) + Vec(128.f) * sc[c];
   }
   for (int64_t r = 0; r < R; ++r) {
-    Vec acc(0.f);
+    Vec qg[D / W], acc(0.f), mx(0.f);
     for (int c = 0; c < D / W; ++c) {
       const Vec x = Vec::loadu(q + r * D + c * W);
-      (x * sc[c]).store(qg + r * D + c * W);
+      qg[c] = x * sc[c];
+      mx = vmax(mx, qg[c].abs());
       acc = fma(x, z[c], acc);
     }
     bias[r] = reduce_add(acc);
+    const float amax = vmax_all(mx);
+    a2[r] = amax / 127.f / 254.f;
+    const Vec inv(amax > TINY ? 127.f / amax : 0.f);
+    int8_t* i1 = iq + r * 2 * D;
+    Vec s1(0.f), s2(0.f);  // sums of integers below 2^24: exact in fp32
+    for (int c = 0; c < D / W; ++c) {
+      const Vec x = qg[c] * inv, x1 = x.round(), x2 = ((x - x1) * Vec(254.f)).round();
+      store_int8(x1, i1 + c * W);
+      store_int8(x2, i1 + D + c * W);
+      s1 = s1 + x1;
+      s2 = s2 + x2;
+    }
+    isum[2 * r] = static_cast<int32_t>(reduce_add(s1));
+    isum[2 * r + 1] = static_cast<int32_t>(reduce_add(s2));
   }
 }
 
-// s[r * QB + j] = qg[r] . code[j] + bias[r] for RT rows and the QB keys of kct [D, QB]: KV vectors of keys
-// per pass (all QB with AVX-512), RT x KV accumulators, one code vector load serving RT fmas.
+// s[r * QB + j] = a2[r] (254 iq1[r] + iq2[r]) . (code[j] - 128) + bias[r] for RT rows and the group's QB keys (the
+// sum exact in int32 for D <= 256); kh / kl the group's plane bytes ([D / 8][QB][4]; kl null: the 4-bit reading,
+// code 16 upper + 8). next_h / next_l: the next group's planes, prefetched (null: none).
 template <int64_t D, int RT>
-void group_scores_tile(const float* qg, const float* bias, const float* kct, float* s) {
-  constexpr int NK = QB / W;  // key vectors in a group
-  constexpr int KV0 = (REGS - 2) / (RT + 1);
-  constexpr int KV = KV0 >= NK ? NK : KV0 >= 4 ? 4 : KV0 >= 2 ? 2 : 1;
-  for (int k0 = 0; k0 < NK; k0 += KV) {
-    Vec acc[RT][KV];
-    for (int r = 0; r < RT; ++r)
-      for (int k = 0; k < KV; ++k) acc[r][k] = Vec(bias[r]);
-    for (int64_t d = 0; d < D; ++d) {
-      Vec c[KV];
-      for (int k = 0; k < KV; ++k) c[k] = Vec::loadu(kct + d * QB + (k0 + k) * W);
-      for (int r = 0; r < RT; ++r) {
-        const Vec qv(qg[r * D + d]);
-        for (int k = 0; k < KV; ++k) acc[r][k] = fma(qv, c[k], acc[r][k]);
+void group_scores_tile(const int8_t* iq, const float* a2, const float* bias, const int32_t* isum, const uint8_t* kh,
+                       const uint8_t* kl, float* s, const uint8_t* next_h, const uint8_t* next_l) {
+  constexpr int NK = QB / W;  // token vectors in a group
+  constexpr int KP = 2;       // token vectors per pass (2 x RT x KP accumulators)
+  const IV eights = bytes_and(iset(-1), 0x88);
+  for (int k0 = 0; k0 < NK; k0 += KP) {
+    IV acc[2][RT][KP];
+    for (int i = 0; i < 2; ++i)
+      for (int r = 0; r < RT; ++r)
+        for (int k = 0; k < KP; ++k) acc[i][r][k] = izero();
+    for (int64_t o = 0; o < D / 8; ++o) {
+      const int64_t at = o * LANE_BYTES + k0 * W * 4;
+      if (next_h != nullptr && k0 == 0)  // the next group's lane: 4 lines per plane
+        for (int64_t b = 0; b < LANE_BYTES; b += 64) {
+          prefetch_l2(next_h + o * LANE_BYTES + b);
+          if (next_l != nullptr) prefetch_l2(next_l + o * LANE_BYTES + b);
+        }
+      if constexpr (VNNI) {
+        IV lo[KP], hi[KP];
+        for (int k = 0; k < KP; ++k)
+          join_codes(iload(kh + at + k * W * 4), kl != nullptr ? iload(kl + at + k * W * 4) : eights, lo[k], hi[k]);
+        for (int i = 0; i < 2; ++i)
+          for (int r = 0; r < RT; ++r) {
+            const int8_t* qo = iq + (2 * r + i) * D + o * 8;
+            const IV q0 = bcast4(qo), q1 = bcast4(qo + 4);
+            for (int k = 0; k < KP; ++k) acc[i][r][k] = dot_us(dot_us(acc[i][r][k], lo[k], q0), hi[k], q1);
+          }
+      } else {
+        // nibbles: iq . (16 upper + lower) = 16 (iq . upper) + iq . lower, each pair of products within 16 bits
+        for (int k = 0; k < KP; ++k) {
+          const IV h = iload(kh + at + k * W * 4);
+          const IV h0 = low_nibbles(h), h1 = high_nibbles(h);
+          IV l0 = h0, l1 = h1;
+          if (kl != nullptr) {
+            const IV l = iload(kl + at + k * W * 4);
+            l0 = low_nibbles(l);
+            l1 = high_nibbles(l);
+          }
+          for (int i = 0; i < 2; ++i)
+            for (int r = 0; r < RT; ++r) {
+              const int8_t* qo = iq + (2 * r + i) * D + o * 8;
+              const IV q0 = bcast4(qo), q1 = bcast4(qo + 4);
+              IV t = iadd(acc[i][r][k], words_times(dot_nibbles(dot_nibbles(izero(), h0, q0), h1, q1), 16));
+              if (kl != nullptr) t = iadd(t, nibble_sum(dot_nibbles(dot_nibbles(izero(), l0, q0), l1, q1)));
+              acc[i][r][k] = t;
+            }
+        }
       }
     }
-    for (int r = 0; r < RT; ++r)
-      for (int k = 0; k < KV; ++k) acc[r][k].store(s + r * QB + (k0 + k) * W);
+    for (int r = 0; r < RT; ++r) {
+      const Vec av(a2[r]), bv(bias[r]);
+      // the codes centred; on the nibble path the 4-bit reading's + 8 too
+      const int32_t add = (!VNNI && kl == nullptr ? 8 : 0) - 128;
+      const IV e1 = iset(add * isum[2 * r]), e2 = iset(add * isum[2 * r + 1]);
+      for (int k = 0; k < KP; ++k) {
+        const IV t = iadd(times254(iadd(acc[0][r][k], e1)), iadd(acc[1][r][k], e2));
+        fma(av, tof(t), bv).store(s + r * QB + (k0 + k) * W);
+      }
+    }
   }
 }
 
 template <int64_t D>
-void group_scores(const float* qg, const float* bias, const float* kct, int64_t R, float* s) {
-  int64_t r = 0;
-  for (; r + SCORE_ROWS <= R; r += SCORE_ROWS)
-    group_scores_tile<D, SCORE_ROWS>(qg + r * D, bias + r, kct, s + r * QB);
-  const float* qr = qg + r * D;
-  switch (R - r) {
-    case 1: group_scores_tile<D, 1>(qr, bias + r, kct, s + r * QB); break;
-    case 2: group_scores_tile<D, 2>(qr, bias + r, kct, s + r * QB); break;
-    case 3: group_scores_tile<D, 3>(qr, bias + r, kct, s + r * QB); break;
-    case 4: group_scores_tile<D, 4>(qr, bias + r, kct, s + r * QB); break;
-    case 5: group_scores_tile<D, 5>(qr, bias + r, kct, s + r * QB); break;
-    default: break;
+void group_scores(const int8_t* iq, const float* a2, const float* bias, const int32_t* isum, const uint8_t* kh,
+                  const uint8_t* kl, int64_t R, float* s, const uint8_t* next_h, const uint8_t* next_l) {
+  for (int64_t r = 0; r < R; r += QTILE) {
+    const uint8_t* nh = r == 0 ? next_h : nullptr;
+    const uint8_t* nl = r == 0 ? next_l : nullptr;
+    const auto args = std::make_tuple(iq + r * 2 * D, a2 + r, bias + r, isum + 2 * r, kh, kl, s + r * QB, nh, nl);
+    static_assert(QTILE == 6 || QTILE == 2, "group_scores and group_pv dispatch tiles of up to 6 rows");
+    switch (std::min<int64_t>(QTILE, R - r)) {
+      case 1: std::apply(group_scores_tile<D, 1>, args); break;
+      case 2: std::apply(group_scores_tile<D, 2>, args); break;
+      case 3: std::apply(group_scores_tile<D, 3>, args); break;
+      case 4: std::apply(group_scores_tile<D, 4>, args); break;
+      case 5: std::apply(group_scores_tile<D, 5>, args); break;
+      default: std::apply(group_scores_tile<D, QTILE>, args); break;
+    }
+  }
+}
+
+// The probabilities p [R, QB] (softmax numerators, masked keys 0) of a group times its values' per-token scales
+// vs [NB, QB] (fp32), rounded per row and 32-channel block: p16 [R, NB, QB] = round(p vs / sigma), sigma [R, NB] =
+// max(p vs) / 32767; zsum [R, NB] = p . vz (the zeros' share).
+template <int64_t D>
+void quantize_probabilities(const float* p, int64_t R, const float* vs, const float* vz, int16_t* p16, float* sigma,
+                            float* zsum) {
+  constexpr int64_t NB = D / 32, NK = QB / W;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < NB; ++c) {
+      Vec pv[NK], mx(0.f), z(0.f);
+      for (int k = 0; k < NK; ++k) {
+        const Vec pk = Vec::loadu(p + r * QB + k * W);
+        pv[k] = pk * Vec::loadu(vs + c * QB + k * W);
+        mx = vmax(mx, pv[k]);
+        z = fma(pk, Vec::loadu(vz + c * QB + k * W), z);
+      }
+      const float m = vmax_all(mx);
+      sigma[r * NB + c] = m / 32767.f;
+      zsum[r * NB + c] = reduce_add(z);
+      const Vec inv(m > TINY ? 32767.f / m : 0.f);
+      for (int k = 0; k < NK; ++k) store_int16(pv[k] * inv, p16 + (r * NB + c) * QB + k * W);
+    }
+}
+
+// o [RT, D] = sigma (p16 . code) + zsum for RT rows over the group's values (vh / vl its plane bytes: per pair of
+// tokens D bytes, per 32-channel block 32 of them; vl null: the 4-bit reading). Passes of 4 W channels (4 vectors
+// of accumulators per row); next_h / next_l prefetched (null: none).
+template <int64_t D, int RT>
+void group_pv_tile(const int16_t* p16, const float* sigma, const float* zsum, const uint8_t* vh, const uint8_t* vl,
+                   float* o, const uint8_t* next_h, const uint8_t* next_l) {
+  constexpr int64_t NB = D / 32, CB = W / 8;  // channel blocks in all, and per pass (4 W channels)
+  const IV eights = bytes_and(iset(-1), 0x88);
+  for (int64_t c0 = 0; c0 < NB; c0 += CB) {
+    IV acc[RT][4];
+    for (int r = 0; r < RT; ++r)
+      for (int k = 0; k < 4; ++k) acc[r][k] = izero();
+    for (int64_t u = 0; u < QB / 2; ++u) {
+      const int64_t at = u * D + c0 * 32;  // CB blocks of this pair: W * 4 bytes
+      if (next_h != nullptr && c0 == 0)  // the next group's pair: D bytes per plane
+        for (int64_t b = 0; b < D; b += 64) {
+          prefetch_l2(next_h + u * D + b);
+          if (next_l != nullptr) prefetch_l2(next_l + u * D + b);
+        }
+      IV lo, hi;
+      join_codes(iload(vh + at), vl != nullptr ? iload(vl + at) : eights, lo, hi);
+      IV w[4];  // 16-bit words, two tokens per channel, W channels each: in channel order
+#if defined(CPU_CAPABILITY_AVX512)
+      w[0] = widen_bytes(_mm512_castsi512_si256(lo));     // block c0: channels 0-15
+      w[1] = widen_bytes(_mm512_castsi512_si256(hi));     // 16-31
+      w[2] = widen_bytes(_mm512_extracti64x4_epi64(lo, 1));  // block c0 + 1: 0-15
+      w[3] = widen_bytes(_mm512_extracti64x4_epi64(hi, 1));  // 16-31
+#else
+      w[0] = widen_bytes(_mm256_castsi256_si128(lo));     // channels 0-7
+      w[1] = widen_bytes(_mm256_extracti128_si256(lo, 1));  // 8-15
+      w[2] = widen_bytes(_mm256_castsi256_si128(hi));     // 16-23
+      w[3] = widen_bytes(_mm256_extracti128_si256(hi, 1));  // 24-31
+#endif
+      for (int r = 0; r < RT; ++r)
+        for (int k = 0; k < 4; ++k) {
+          const int64_t c = c0 + k * CB / 4;  // the block of vector k
+          acc[r][k] = dot_words(acc[r][k], w[k], bcast4(p16 + (r * NB + c) * QB + 2 * u));
+        }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int k = 0; k < 4; ++k) {
+        const int64_t c = c0 + k * CB / 4;
+        fma(Vec(sigma[r * NB + c]), tof(acc[r][k]), Vec(zsum[r * NB + c])).store(o + r * D + c0 * 32 + k * W);
+      }
+  }
+}
+
+template <int64_t D>
+void group_pv(const int16_t* p16, const float* sigma, const float* zsum, const uint8_t* vh, const uint8_t* vl,
+              int64_t R, float* o, const uint8_t* next_h, const uint8_t* next_l) {
+  constexpr int64_t NB = D / 32;
+  for (int64_t r = 0; r < R; r += QTILE) {
+    const uint8_t* nh = r == 0 ? next_h : nullptr;
+    const uint8_t* nl = r == 0 ? next_l : nullptr;
+    const auto args = std::make_tuple(p16 + r * NB * QB, sigma + r * NB, zsum + r * NB, vh, vl, o + r * D, nh, nl);
+    switch (std::min<int64_t>(QTILE, R - r)) {
+      case 1: std::apply(group_pv_tile<D, 1>, args); break;
+      case 2: std::apply(group_pv_tile<D, 2>, args); break;
+      case 3: std::apply(group_pv_tile<D, 3>, args); break;
+      case 4: std::apply(group_pv_tile<D, 4>, args); break;
+      case 5: std::apply(group_pv_tile<D, 5>, args); break;
+      default: std::apply(group_pv_tile<D, QTILE>, args); break;
+    }
   }
 }
 
@@ -848,6 +996,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
                         const torch::Tensor& v_lo, const torch::Tensor& v_scale, const torch::Tensor& v_zero,
                         const torch::Tensor& lim, const torch::Tensor& fk, const torch::Tensor& fv,
                         const torch::Tensor& fmask, int64_t T, double scale) {
+  constexpr int64_t NB = D / 32;
   const int64_t H = q.size(0), R = q.size(1), Sq = k_hi.size(1), F = fk.size(1);
   const int64_t nq = Sq / QB, nf = (F + QB - 1) / QB, nb = nq + nf;
   const auto qs = scaled_queries(q, scale, false, R);
@@ -873,7 +1022,11 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
                 vs_s = v_scale.stride(0), fk_s = fk.stride(0), fv_s = fv.stride(0);
   const int64_t vplane_s = v_hi.stride(0), vlo_s = eight_bit ? v_lo.stride(0) : 0;
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> s(MAX_ROWS * QB), kf(QB * D), vf(QB * D), qg(MAX_ROWS * D), bias(MAX_ROWS);
+    std::vector<float> s(MAX_ROWS * QB), a(MAX_ROWS), bias(MAX_ROWS), vsf(NB * QB), vzf(NB * QB),
+        sigma(MAX_ROWS * NB), zsum(MAX_ROWS * NB);
+    std::vector<int8_t> iq(MAX_ROWS * 2 * D);
+    std::vector<int32_t> isum(MAX_ROWS * 2);
+    std::vector<int16_t> p16(MAX_ROWS * NB * QB);
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb;
       const float* qh = qp + h * R * D;
@@ -891,17 +1044,34 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
           for (int64_t r = 0; r < R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
           continue;
         }
-        widen_group<D>(khp + h * plane_s + j0 * (D / 2), eight_bit ? klp + h * lo_s + j0 * (D / 2) : nullptr,
-                       vhp + h * vplane_s + j0 * (D / 2), eight_bit ? vlp + h * vlo_s + j0 * (D / 2) : nullptr,
-                       vsp + h * vs_s + j0 * (D / 32), vzp + h * vs_s + j0 * (D / 32), kf.data(), vf.data(),
-                       blk + 1 < nq);
-        fold_key_scales<D>(qh, R, ksp + h * ks_s + blk * D, kzp + h * ks_s + blk * D, qg.data(), bias.data());
-        group_scores<D>(qg.data(), bias.data(), kf.data(), R, s.data());
+        const bool next = blk + 1 < nq;
+        const int64_t gb = QB * D / 2;  // a group's bytes in one plane
+        const uint8_t* kh = khp + h * plane_s + j0 * (D / 2);
+        const uint8_t* kl = eight_bit ? klp + h * lo_s + j0 * (D / 2) : nullptr;
+        const uint8_t* vh = vhp + h * vplane_s + j0 * (D / 2);
+        const uint8_t* vl = eight_bit ? vlp + h * vlo_s + j0 * (D / 2) : nullptr;
+        quantize_queries<D>(qh, R, ksp + h * ks_s + blk * D, kzp + h * ks_s + blk * D, iq.data(), a.data(),
+                            bias.data(), isum.data());
+        group_scores<D>(iq.data(), a.data(), bias.data(), isum.data(), kh, kl, R, s.data(), next ? kh + gb : nullptr,
+                        next && kl != nullptr ? kl + gb : nullptr);
         if (masked)
           for (int64_t r = 0; r < R; ++r)
             for (int64_t j = std::max<int64_t>(0, limp[r] - j0); j < QB; ++j) s[r * QB + j] = NEG_INF;
         rows_softmax<QB>(s.data(), R, QB, mb, lb);
-        block_pv<D, QB>(s.data(), 1, vf.data(), R, QB, ob);
+        const c10::Half* vs = vsp + h * vs_s + j0 * NB;  // [NB, QB] per group (quantized.py's storage order)
+        const c10::Half* vz = vzp + h * vs_s + j0 * NB;
+        for (int64_t i = 0; i < NB * QB; i += W) {
+          load(vs + i).store(vsf.data() + i);
+          load(vz + i).store(vzf.data() + i);
+        }
+        if (next)
+          for (int64_t i = 0; i < NB * QB * 2; i += 64) {
+            prefetch_l2(reinterpret_cast<const char*>(vs + NB * QB) + i);
+            prefetch_l2(reinterpret_cast<const char*>(vz + NB * QB) + i);
+          }
+        quantize_probabilities<D>(s.data(), R, vsf.data(), vzf.data(), p16.data(), sigma.data(), zsum.data());
+        group_pv<D>(p16.data(), sigma.data(), zsum.data(), vh, vl, R, ob, next ? vh + gb : nullptr,
+                    next && vl != nullptr ? vl + gb : nullptr);
       } else {
         const int64_t f0 = (blk - nq) * QB, n = std::min(QB, F - f0);
         const KV* kh = fkp + h * fk_s + f0 * D;

@@ -66,4 +66,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "written at `slot` (model.Block.forward's kernel path) -> [x] + (each layer's rotated q if `queries`)",
         py::arg("x"), py::arg("stack"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"), py::arg("n_kv_heads"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot"), py::arg("queries"));
+  m.def("decode_layers_quant", &triforce::decode_layers_quant,
+        "decode_layers over a quantized cache (caches/quantized.py QuantizedCache.fused_inputs) -> [x] + (each "
+        "layer's rotated q if `queries`)",
+        py::arg("x"), py::arg("stack"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"), py::arg("n_kv_heads"),
+        py::arg("planes"), py::arg("q_end"), py::arg("lim"), py::arg("fk"), py::arg("fv"), py::arg("slot"),
+        py::arg("fmask"), py::arg("queries"));
 }

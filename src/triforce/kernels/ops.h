@@ -78,5 +78,14 @@ struct LayerStack {
 std::vector<torch::Tensor> decode_layers(torch::Tensor x, const LayerStack& stack, torch::Tensor cos, torch::Tensor sin,
                                          int64_t n_heads, int64_t n_kv_heads, torch::Tensor k_cache,
                                          torch::Tensor v_cache, int64_t slot, bool queries);
+// decode_layer.cpp: the same over a quantized cache (caches/quantized.py): planes = its 8 tensors k_hi, k_lo, k_scale,
+// k_zero, v_hi, v_lo, v_scale, v_zero [n_layers, 1, Hkv, ...] (the lower planes empty for the 4-bit reading), read
+// below q_end; the full-precision buffer fk / fv [n_layers, 1, Hkv, slots, D] written at `slot`; lim and fmask as
+// quant_attention takes them.
+std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack& stack, torch::Tensor cos,
+                                               torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
+                                               std::vector<torch::Tensor> planes, int64_t q_end, torch::Tensor lim,
+                                               torch::Tensor fk, torch::Tensor fv, int64_t slot, torch::Tensor fmask,
+                                               bool queries);
 
 }  // namespace triforce

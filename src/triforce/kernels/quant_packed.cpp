@@ -85,21 +85,9 @@ void quantize_row(const float* x, int64_t K, const QX& o) {
   }
 }
 
-// More operations on integer lanes (simd.h's IV), and the dot products of 4 bytes per lane.
+// More operations on integer lanes (simd.h's IV; the shared ones and dot_us / dot_nibbles are there).
 #if defined(CPU_CAPABILITY_AVX512)
-ALWAYS_INLINE IV izero() { return _mm512_setzero_si512(); }
-ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
-ALWAYS_INLINE IV bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-ALWAYS_INLINE IV low_nibbles(IV v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
-ALWAYS_INLINE IV high_nibbles(IV v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm512_add_epi32(_mm512_slli_epi32(a, 8), b); }
-ALWAYS_INLINE IV bytes_and(IV a, int c) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(c))); }
-ALWAYS_INLINE IV srl16(IV a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(n)); }
-ALWAYS_INLINE IV sll16_4(IV a) { return _mm512_slli_epi16(a, 4); }
 ALWAYS_INLINE IV signed_byte(IV a, int k) {  // byte k of each lane, sign-extended
   return _mm512_sra_epi32(_mm512_sll_epi32(a, _mm_cvtsi32_si128(24 - 8 * k)), _mm_cvtsi32_si128(24));
 }
@@ -107,23 +95,11 @@ ALWAYS_INLINE IV isub(IV a, IV b) { return _mm512_sub_epi32(a, b); }
 ALWAYS_INLINE IV mul32(IV a, IV b) { return _mm512_mullo_epi32(a, b); }
 ALWAYS_INLINE Vec half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
-// acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
-ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
-// 4-bit codes: the same into a block accumulator that nibble_sum turns into int32 lanes (here it already is)
-ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
-ALWAYS_INLINE IV nibble_sum(IV acc) { return acc; }
 ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) { return dot_us(dot_us(acc, u, s), u2, s2); }
 // Q8_0's signed codes: vpdpbusd takes unsigned bytes, so q + 128 (xor of the sign bit) and 128 sum X off after
 constexpr bool Q8_OFFSET = true;
 ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) { return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(q, _mm512_set1_epi8(-128)), s); }
 #else
-ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-}
-// 4-bit codes (Q4_K): pairs of products (each within 2 * 15 * 127) summed in 16 bits over up to 8 words
-// (within 30480), widened to int32 lanes once per block by nibble_sum
-ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
-ALWAYS_INLINE IV nibble_sum(IV acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 // two 4-bit-code products summed in 16 bits, then widened (as on AVX2, where it measured faster for Q4_0 / Q4_1)
 ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {
   const IV p = _mm512_add_epi16(_mm512_maddubs_epi16(u, s), _mm512_maddubs_epi16(u2, s2));
@@ -137,23 +113,6 @@ ALWAYS_INLINE IV q8_dot(IV acc, IV q, IV s) {  // |q| times x with q's sign: pai
 }
 #endif
 #else
-ALWAYS_INLINE IV izero() { return _mm256_setzero_si256(); }
-ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-ALWAYS_INLINE IV bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-ALWAYS_INLINE IV low_nibbles(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-ALWAYS_INLINE IV high_nibbles(IV v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-// vpmaddubsw saturates pairs at 16 bits: 6-bit codes (Q6_K) keep a pair within 2 * 63 * 127
-ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-// 4-bit codes (Q4_K): pairs of products (each within 2 * 15 * 127) summed in 16 bits over up to 8 words
-// (within 30480), widened to int32 lanes once per block by nibble_sum
-ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
-ALWAYS_INLINE IV nibble_sum(IV acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 // two 4-bit-code products summed in 16 bits, then widened: Q4_0 / Q4_1 with 5 rows of x 1.73 -> 1.41 ms per
 // 4096 x 8192 against dot_nibbles (which is faster for Q4_K: 3.32 -> 2.91)
 ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {
@@ -161,9 +120,6 @@ ALWAYS_INLINE IV dot_us2(IV acc, IV u, IV s, IV u2, IV s2) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 ALWAYS_INLINE IV shl8_add(IV a, IV b) { return _mm256_add_epi32(_mm256_slli_epi32(a, 8), b); }
-ALWAYS_INLINE IV bytes_and(IV a, int c) { return _mm256_and_si256(a, _mm256_set1_epi8(static_cast<char>(c))); }
-ALWAYS_INLINE IV srl16(IV a, int n) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(n)); }
-ALWAYS_INLINE IV sll16_4(IV a) { return _mm256_slli_epi16(a, 4); }
 ALWAYS_INLINE IV signed_byte(IV a, int k) {  // byte k of each lane, sign-extended
   return _mm256_sra_epi32(_mm256_sll_epi32(a, _mm_cvtsi32_si128(24 - 8 * k)), _mm_cvtsi32_si128(24));
 }

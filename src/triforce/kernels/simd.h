@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
@@ -68,6 +69,78 @@ ALWAYS_INLINE IV ior(IV a, IV b) { return _mm256_or_si256(a, b); }
 ALWAYS_INLINE IV srl(IV a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 ALWAYS_INLINE IV sll4(IV a) { return _mm256_slli_epi32(a, 4); }
 ALWAYS_INLINE Vec tof(IV a) { return _mm256_cvtepi32_ps(a); }
+#endif
+
+// Byte and word operations on IV: the quantized caches' and weights' integer dot products.
+#if defined(CPU_CAPABILITY_AVX512)
+ALWAYS_INLINE IV izero() { return _mm512_setzero_si512(); }
+ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+ALWAYS_INLINE IV bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+ALWAYS_INLINE IV low_nibbles(IV v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+ALWAYS_INLINE IV high_nibbles(IV v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+ALWAYS_INLINE IV bytes_and(IV a, int c) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(c))); }
+ALWAYS_INLINE IV srl16(IV a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(n)); }
+ALWAYS_INLINE IV sll16_4(IV a) { return _mm512_slli_epi16(a, 4); }
+ALWAYS_INLINE IV iadd(IV a, IV b) { return _mm512_add_epi32(a, b); }
+ALWAYS_INLINE IV times254(IV a) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(254)); }
+// 16-bit words times c, adjacent pairs summed into int32 lanes
+ALWAYS_INLINE IV words_times(IV a, int c) { return _mm512_madd_epi16(a, _mm512_set1_epi16(static_cast<short>(c))); }
+// (a & m) | (b & ~m), bitwise
+ALWAYS_INLINE IV bit_select(IV a, IV b, IV m) { return _mm512_ternarylogic_epi32(a, b, m, 0xE4); }
+#if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
+constexpr bool VNNI = true;
+// acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
+ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+// 4-bit codes: the same into a block accumulator that nibble_sum turns into int32 lanes (here it already is)
+ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+ALWAYS_INLINE IV nibble_sum(IV acc) { return acc; }
+// acc + per lane sum of 2 products of signed 16-bit words (exact)
+ALWAYS_INLINE IV dot_words(IV acc, IV a, IV b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#else
+constexpr bool VNNI = false;
+ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+// 4-bit codes (Q4_K): pairs of products (each within 2 * 15 * 127) summed in 16 bits over up to 8 words
+// (within 30480), widened to int32 lanes once per block by nibble_sum
+ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
+ALWAYS_INLINE IV nibble_sum(IV acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+ALWAYS_INLINE IV dot_words(IV acc, IV a, IV b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#endif
+// 2 W bytes -> 2 W zero-extended 16-bit words
+ALWAYS_INLINE IV widen_bytes(const __m256i& b) { return _mm512_cvtepu8_epi16(b); }
+#else
+ALWAYS_INLINE IV izero() { return _mm256_setzero_si256(); }
+ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+ALWAYS_INLINE IV bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+ALWAYS_INLINE IV low_nibbles(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+ALWAYS_INLINE IV high_nibbles(IV v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+ALWAYS_INLINE IV bytes_and(IV a, int c) { return _mm256_and_si256(a, _mm256_set1_epi8(static_cast<char>(c))); }
+ALWAYS_INLINE IV srl16(IV a, int n) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(n)); }
+ALWAYS_INLINE IV sll16_4(IV a) { return _mm256_slli_epi16(a, 4); }
+ALWAYS_INLINE IV iadd(IV a, IV b) { return _mm256_add_epi32(a, b); }
+ALWAYS_INLINE IV times254(IV a) { return _mm256_mullo_epi32(a, _mm256_set1_epi32(254)); }
+ALWAYS_INLINE IV words_times(IV a, int c) { return _mm256_madd_epi16(a, _mm256_set1_epi16(static_cast<short>(c))); }
+ALWAYS_INLINE IV bit_select(IV a, IV b, IV m) { return _mm256_or_si256(_mm256_and_si256(a, m), _mm256_andnot_si256(m, b)); }
+constexpr bool VNNI = false;
+// vpmaddubsw saturates pairs at 16 bits: 6-bit codes (Q6_K) keep a pair within 2 * 63 * 127
+ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+// 4-bit codes (Q4_K): pairs of products (each within 2 * 15 * 127) summed in 16 bits over up to 8 words
+// (within 30480), widened to int32 lanes once per block by nibble_sum
+ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+ALWAYS_INLINE IV nibble_sum(IV acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+ALWAYS_INLINE IV dot_words(IV acc, IV a, IV b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+ALWAYS_INLINE IV widen_bytes(const __m128i& b) { return _mm256_cvtepu8_epi16(b); }
 #endif
 
 // max without NaN propagation (at::vec::maximum adds a NaN check per call; scores are never NaN)
@@ -169,45 +242,6 @@ inline void store(const Vec& v, float* p, int64_t count) {
     v.store(p);
   else if (count > 0)
     v.store(p, count);
-}
-
-// 32 codes of one packing block of the quantized cache (caches/quantized.py: byte i holds code i in its low
-// nibble and code i + 16 in its high one): 16 bytes of the upper plane and 16 of the lower one (null: the
-// 4-bit reading, lower code 8) -> the 8-bit codes 16 upper + lower as bytes, a = codes 0-15, b = codes 16-31.
-// (Joining 64 bytes at a time into a byte scratch and widening from there was 30% slower: the round trip
-// through memory costs more than these byte operations.)
-inline void codes32(const uint8_t* hi, const uint8_t* lo, __m128i& a, __m128i& b) {
-  const __m128i m = _mm_set1_epi8(0x0F);
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi));
-  const __m128i h_lo = _mm_slli_epi16(_mm_and_si128(h, m), 4);  // each byte's low nibble, moved up (no carry)
-  const __m128i h_hi = _mm_andnot_si128(m, h);
-  if (lo == nullptr) {
-    const __m128i eight = _mm_set1_epi8(8);
-    a = _mm_or_si128(h_lo, eight);
-    b = _mm_or_si128(h_hi, eight);
-    return;
-  }
-  const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo));
-  a = _mm_or_si128(h_lo, _mm_and_si128(l, m));
-  b = _mm_or_si128(h_hi, _mm_and_si128(_mm_srli_epi16(l, 4), m));
-}
-
-// 16 byte codes -> 16 / W vectors of them as fp32, in order.
-inline void widen16(__m128i c, Vec* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
-#else
-  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
-  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)));
-#endif
-}
-
-// One packing block's 32 codes (codes32's planes) -> 32 / W vectors of them as fp32, in order.
-inline void widen32(const uint8_t* hi, const uint8_t* lo, Vec* out) {
-  __m128i a, b;
-  codes32(hi, lo, a, b);
-  widen16(a, out);
-  widen16(b, out + 16 / W);
 }
 
 inline void prefetch_l2(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
