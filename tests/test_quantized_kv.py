@@ -233,6 +233,38 @@ def _check_attention(tree: bool, T: int, ops=None, bits: int = 8):
         assert 1e-7 < err < 2e-3, err
 
 
+def test_kernel_without_vnni_computes_the_same_integers():
+    """The quantized attention's integer dot products are exact, so an AVX-512 build without VNNI (vpmaddubsw on
+    nibbles, vpmaddwd: Skylake-X) gives the VNNI build's results bit for bit: decode, verification and 64-row
+    calls, both readings, every head dim (where this CPU has VNNI; elsewhere the default build is that one)."""
+    from triforce import kernels
+
+    if "avx512" not in kernels.runnable_isas() or not any("vnni" in f for f in kernels._optional_cflags("avx512")):
+        pytest.skip("no AVX-512 VNNI here: the default AVX-512 build is the one without it")
+    vnni, plain = kernels.variant("avx512"), kernels.variant("avx512", optional=False)
+    if vnni is None or plain is None:
+        pytest.skip("kernels unavailable")
+    gen = torch.Generator().manual_seed(0)
+    Hk, S, g = 2, 1024, 3
+    for d in (64, 128, 256):
+        def planes():
+            return torch.randint(0, 256, (Hk, S, d // 2), dtype=torch.uint8, generator=gen)
+
+        k_hi, k_lo, v_hi, v_lo = planes(), planes(), planes(), planes()
+        ks, kz = (torch.rand(Hk, S // 64, d, generator=gen) * 0.05).half(), torch.randn(Hk, S // 64, d, generator=gen).half()
+        vs, vz = (torch.rand(Hk, S, d // 32, generator=gen) * 0.05).half(), torch.randn(Hk, S, d // 32, generator=gen).half()
+        fk, fv = torch.randn(Hk, 100, d, generator=gen).half(), torch.randn(Hk, 100, d, generator=gen).half()
+        none = torch.empty(0, dtype=torch.uint8)
+        for T in (1, 5, 21):
+            q = torch.randn(Hk, g * T, d, generator=gen) * 3
+            lim = torch.randint(S - 300, S + 1, (g * T,), generator=gen)
+            fmask = torch.rand(T, 100, generator=gen) > 0.3
+            for lo in ((k_lo, v_lo), (none, none)):
+                a, b = (m.quant_attention(q, k_hi, lo[0], ks, kz, v_hi, lo[1], vs, vz, lim, fk, fv, fmask, T, d ** -0.5)
+                        for m in (vnni, plain))
+                assert torch.equal(a, b), (d, T, lo[0].numel())
+
+
 def test_memory_is_bounded():
     """No full-precision copy of the cache: the buffer stays at the newest groups plus a forward, attention
     reads at most TILE tokens' codes at a time, and int8 / int4 take 55% / 30% of an fp16 cache's bytes (plus the buffer)."""

@@ -100,17 +100,20 @@ def _optional_cflags(isa: str) -> list[str]:
     return [flag for need, flag in _OPTIONAL.get(isa, ()) if need in flags]
 
 
-def variant(isa: str):
+def variant(isa: str, optional: bool = True):
     """The compiled module for `isa` (built on first use), or None if it cannot be built here. The
-    caller must know that the CPU runs `isa` (runnable_isas)."""
-    key = f"variant-{isa}"
+    caller must know that the CPU runs `isa` (runnable_isas). optional=False: without the optional
+    instructions (VNNI, AMX) even where the CPU has them, as on a CPU without them (tests)."""
+    key = f"variant-{isa}" + ("" if optional else "-plain")
     if key in _state:
         return _state[key]
     from .build import build_and_load
 
     try:
-        module = build_and_load(f"triforce_cpu_{isa}", [_HERE / s for s in _SOURCES], [_HERE / h for h in _HEADERS],
-                                cflags=_COMMON_CFLAGS + _CFLAGS[isa] + _optional_cflags(isa), ldflags=["-fopenmp"])
+        module = build_and_load(f"triforce_cpu_{isa}" + ("" if optional else "_plain"), [_HERE / s for s in _SOURCES],
+                                [_HERE / h for h in _HEADERS],
+                                cflags=_COMMON_CFLAGS + _CFLAGS[isa] + (_optional_cflags(isa) if optional else []),
+                                ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - a failed build or wait means: use PyTorch's kernels
         print(f"triforce: CPU kernels ({isa}) unavailable ({type(e).__name__}: {str(e)[:300]}); using PyTorch",
               file=sys.stderr)
