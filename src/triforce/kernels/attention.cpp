@@ -734,14 +734,14 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
 //    (q . k = (q * scale) . (code - 128) + q . (zero + 128 scale)), and q * scale rounded to int8 per row (two int8 parts). The key planes hold lanes of 8 channels of one token (4 in
 //    low nibbles, 4 in high ones), so a vector is W tokens and, with VNNI, one vpdpbusd adds 4 products per lane
 //    (the two planes' nibbles joined into byte codes first: two shifts and two bit selects per 8 W codes);
-//    without VNNI the nibbles go through vpmaddubsw (16-bit pairs within 2 * 15 * 127: exact);
+//    without VNNI the query as one int16 (254 iq1 + iq2) against the codes widened to words, vpmaddwd (exact);
 //  * p v: p times the values' per-token scales rounded to int16 per row and 32 channels (sigma p16). The value
 //    planes pair two tokens per channel, so the byte codes widened to 16-bit words make vpdpwssd lanes of one
 //    channel: one instruction per W channels, two tokens and row.
 // Integer sums are exact, so a row's result depends on its query and its visible keys only (not on how many
 // rows there are); softmax is the per-row path's, and so are the buffer blocks.
 constexpr int64_t QB = 64;  // caches/quantized.py GROUP_K
-constexpr int QTILE = W == 16 ? 6 : 2;  // rows per register tile of a group's scores and p v
+constexpr int QTILE = W == 16 ? 6 : 3;  // rows per register tile of a group's scores and p v
 constexpr int64_t LANE_BYTES = 4 * QB;  // one lane of 8 channels for a group's 64 tokens (quantized.py pack_keys)
 constexpr float TINY = 0x1p-100f;  // a largest value below this rounds to all zeros (quantized.py TINY: 1 / it stays finite)
 
@@ -805,8 +805,12 @@ void quantize_queries(const float* q, int64_t R, const c10::Half* ks, const c10:
     Vec s1(0.f), s2(0.f);  // sums of integers below 2^24: exact in fp32
     for (int c = 0; c < D / W; ++c) {
       const Vec x = qg[c] * inv, x1 = x.round(), x2 = ((x - x1) * Vec(254.f)).round();
-      store_int8(x1, i1 + c * W);
-      store_int8(x2, i1 + D + c * W);
+      if constexpr (VNNI) {
+        store_int8(x1, i1 + c * W);
+        store_int8(x2, i1 + D + c * W);
+      } else {  // the words path: 254 iq1 + iq2 as one int16 (the row's 2 D bytes)
+        store_int16(fma(x1, Vec(254.f), x2), reinterpret_cast<int16_t*>(i1) + c * W);
+      }
       s1 = s1 + x1;
       s2 = s2 + x2;
     }
@@ -818,9 +822,47 @@ void quantize_queries(const float* q, int64_t R, const c10::Half* ks, const c10:
 // s[r * QB + j] = a2[r] (254 iq1[r] + iq2[r]) . (code[j] - 128) + bias[r] for RT rows and the group's QB keys (the
 // sum exact in int32 for D <= 256); kh / kl the group's plane bytes ([D / 8][QB][4]; kl null: the 4-bit reading,
 // code 16 upper + 8). next_h / next_l: the next group's planes, prefetched (null: none).
+// Without VNNI, the same integers from 16-bit words: the query as iq16 = 254 iq1 + iq2 (int16, quantize_queries),
+// the codes joined, centred and widened to words, vpmaddwd: a lane's 4 channels of one token widen to two int32
+// lanes, summed in pairs at the end (pair_sums). (vpmaddubsw on the nibbles took 2.5x the instructions per row.)
+template <int64_t D, int RT>
+void group_scores_words(const int8_t* iq, const float* a2, const float* bias, const uint8_t* kh, const uint8_t* kl,
+                        float* s, const uint8_t* next_h, const uint8_t* next_l) {
+  constexpr int NK = QB / W;  // token vectors in a group
+  const IV eights = bytes_and(iset(-1), 0x88), c128 = iset16(128);
+  for (int k = 0; k < NK; ++k) {
+    IV acc[RT][2];  // per row: int32 pair lanes of the vector's first and second halves of tokens
+    for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = izero();
+    for (int64_t o = 0; o < D / 8; ++o) {
+      const int64_t at = o * LANE_BYTES + k * W * 4;
+      if (next_h != nullptr && k == 0)  // the next group's lane: 4 lines per plane
+        for (int64_t b = 0; b < LANE_BYTES; b += 64) {
+          prefetch_l2(next_h + o * LANE_BYTES + b);
+          if (next_l != nullptr) prefetch_l2(next_l + o * LANE_BYTES + b);
+        }
+      IV lo, hi;
+      join_codes(iload(kh + at), kl != nullptr ? iload(kl + at) : eights, lo, hi);
+      const IV w[4] = {isub16(widen_bytes(lower_half(lo)), c128), isub16(widen_bytes(upper_half(lo)), c128),
+                       isub16(widen_bytes(lower_half(hi)), c128), isub16(widen_bytes(upper_half(hi)), c128)};
+      for (int r = 0; r < RT; ++r) {
+        const int16_t* qo = reinterpret_cast<const int16_t*>(iq + r * 2 * D) + o * 8;
+        const IV q0 = bcast8(qo), q1 = bcast8(qo + 4);  // channels 8o .. 8o + 3 and 8o + 4 .. 8o + 7
+        acc[r][0] = dot_words(dot_words(acc[r][0], w[0], q0), w[2], q1);
+        acc[r][1] = dot_words(dot_words(acc[r][1], w[1], q0), w[3], q1);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      fma(Vec(a2[r]), tof(pair_sums(acc[r][0], acc[r][1])), Vec(bias[r])).store(s + r * QB + k * W);
+  }
+}
+
 template <int64_t D, int RT>
 void group_scores_tile(const int8_t* iq, const float* a2, const float* bias, const int32_t* isum, const uint8_t* kh,
                        const uint8_t* kl, float* s, const uint8_t* next_h, const uint8_t* next_l) {
+  if constexpr (!VNNI) {
+    group_scores_words<D, RT>(iq, a2, bias, kh, kl, s, next_h, next_l);
+    return;
+  }
   constexpr int NK = QB / W;  // token vectors in a group
   constexpr int KP = 2;       // token vectors per pass (2 x RT x KP accumulators)
   const IV eights = bytes_and(iset(-1), 0x88);
@@ -836,43 +878,19 @@ void group_scores_tile(const int8_t* iq, const float* a2, const float* bias, con
           prefetch_l2(next_h + o * LANE_BYTES + b);
           if (next_l != nullptr) prefetch_l2(next_l + o * LANE_BYTES + b);
         }
-      if constexpr (VNNI) {
-        IV lo[KP], hi[KP];
-        for (int k = 0; k < KP; ++k)
-          join_codes(iload(kh + at + k * W * 4), kl != nullptr ? iload(kl + at + k * W * 4) : eights, lo[k], hi[k]);
-        for (int i = 0; i < 2; ++i)
-          for (int r = 0; r < RT; ++r) {
-            const int8_t* qo = iq + (2 * r + i) * D + o * 8;
-            const IV q0 = bcast4(qo), q1 = bcast4(qo + 4);
-            for (int k = 0; k < KP; ++k) acc[i][r][k] = dot_us(dot_us(acc[i][r][k], lo[k], q0), hi[k], q1);
-          }
-      } else {
-        // nibbles: iq . (16 upper + lower) = 16 (iq . upper) + iq . lower, each pair of products within 16 bits
-        for (int k = 0; k < KP; ++k) {
-          const IV h = iload(kh + at + k * W * 4);
-          const IV h0 = low_nibbles(h), h1 = high_nibbles(h);
-          IV l0 = h0, l1 = h1;
-          if (kl != nullptr) {
-            const IV l = iload(kl + at + k * W * 4);
-            l0 = low_nibbles(l);
-            l1 = high_nibbles(l);
-          }
-          for (int i = 0; i < 2; ++i)
-            for (int r = 0; r < RT; ++r) {
-              const int8_t* qo = iq + (2 * r + i) * D + o * 8;
-              const IV q0 = bcast4(qo), q1 = bcast4(qo + 4);
-              IV t = iadd(acc[i][r][k], words_times(dot_nibbles(dot_nibbles(izero(), h0, q0), h1, q1), 16));
-              if (kl != nullptr) t = iadd(t, nibble_sum(dot_nibbles(dot_nibbles(izero(), l0, q0), l1, q1)));
-              acc[i][r][k] = t;
-            }
+      IV lo[KP], hi[KP];
+      for (int k = 0; k < KP; ++k)
+        join_codes(iload(kh + at + k * W * 4), kl != nullptr ? iload(kl + at + k * W * 4) : eights, lo[k], hi[k]);
+      for (int i = 0; i < 2; ++i)
+        for (int r = 0; r < RT; ++r) {
+          const int8_t* qo = iq + (2 * r + i) * D + o * 8;
+          const IV q0 = bcast4(qo), q1 = bcast4(qo + 4);
+          for (int k = 0; k < KP; ++k) acc[i][r][k] = dot_us(dot_us(acc[i][r][k], lo[k], q0), hi[k], q1);
         }
-      }
     }
     for (int r = 0; r < RT; ++r) {
       const Vec av(a2[r]), bv(bias[r]);
-      // the codes centred; on the nibble path the 4-bit reading's + 8 too
-      const int32_t add = (!VNNI && kl == nullptr ? 8 : 0) - 128;
-      const IV e1 = iset(add * isum[2 * r]), e2 = iset(add * isum[2 * r + 1]);
+      const IV e1 = iset(-128 * isum[2 * r]), e2 = iset(-128 * isum[2 * r + 1]);  // the codes centred
       for (int k = 0; k < KP; ++k) {
         const IV t = iadd(times254(iadd(acc[0][r][k], e1)), iadd(acc[1][r][k], e2));
         fma(av, tof(t), bv).store(s + r * QB + (k0 + k) * W);
@@ -888,7 +906,7 @@ void group_scores(const int8_t* iq, const float* a2, const float* bias, const in
     const uint8_t* nh = r == 0 ? next_h : nullptr;
     const uint8_t* nl = r == 0 ? next_l : nullptr;
     const auto args = std::make_tuple(iq + r * 2 * D, a2 + r, bias + r, isum + 2 * r, kh, kl, s + r * QB, nh, nl);
-    static_assert(QTILE == 6 || QTILE == 2, "group_scores and group_pv dispatch tiles of up to 6 rows");
+    static_assert(QTILE == 6 || QTILE == 3, "group_scores and group_pv dispatch tiles of up to 6 rows");
     switch (std::min<int64_t>(QTILE, R - r)) {
       case 1: std::apply(group_scores_tile<D, 1>, args); break;
       case 2: std::apply(group_scores_tile<D, 2>, args); break;
@@ -930,8 +948,10 @@ void quantize_probabilities(const float* p, int64_t R, const float* vs, const fl
 template <int64_t D, int RT>
 void group_pv_tile(const int16_t* p16, const float* sigma, const float* zsum, const uint8_t* vh, const uint8_t* vl,
                    float* o, const uint8_t* next_h, const uint8_t* next_l) {
-  constexpr int64_t NB = D / 32, CB = W / 8;  // channel blocks in all, and per pass (4 W channels)
+  constexpr int64_t NB = D / 32;  // channel blocks
   const IV eights = bytes_and(iset(-1), 0x88);
+#if defined(CPU_CAPABILITY_AVX512)
+  constexpr int64_t CB = 2;  // blocks per pass: 64 plane bytes, 4 vectors of accumulators per row
   for (int64_t c0 = 0; c0 < NB; c0 += CB) {
     IV acc[RT][4];
     for (int r = 0; r < RT; ++r)
@@ -945,30 +965,48 @@ void group_pv_tile(const int16_t* p16, const float* sigma, const float* zsum, co
         }
       IV lo, hi;
       join_codes(iload(vh + at), vl != nullptr ? iload(vl + at) : eights, lo, hi);
-      IV w[4];  // 16-bit words, two tokens per channel, W channels each: in channel order
-#if defined(CPU_CAPABILITY_AVX512)
-      w[0] = widen_bytes(_mm512_castsi512_si256(lo));     // block c0: channels 0-15
-      w[1] = widen_bytes(_mm512_castsi512_si256(hi));     // 16-31
-      w[2] = widen_bytes(_mm512_extracti64x4_epi64(lo, 1));  // block c0 + 1: 0-15
-      w[3] = widen_bytes(_mm512_extracti64x4_epi64(hi, 1));  // 16-31
-#else
-      w[0] = widen_bytes(_mm256_castsi256_si128(lo));     // channels 0-7
-      w[1] = widen_bytes(_mm256_extracti128_si256(lo, 1));  // 8-15
-      w[2] = widen_bytes(_mm256_castsi256_si128(hi));     // 16-23
-      w[3] = widen_bytes(_mm256_extracti128_si256(hi, 1));  // 24-31
-#endif
+      // 16-bit words, two tokens per channel, in channel order: block c0's channels 0-15 and 16-31, block c0 + 1's
+      const IV w[4] = {widen_bytes(lower_half(lo)), widen_bytes(lower_half(hi)), widen_bytes(upper_half(lo)),
+                       widen_bytes(upper_half(hi))};
       for (int r = 0; r < RT; ++r)
-        for (int k = 0; k < 4; ++k) {
-          const int64_t c = c0 + k * CB / 4;  // the block of vector k
-          acc[r][k] = dot_words(acc[r][k], w[k], bcast4(p16 + (r * NB + c) * QB + 2 * u));
-        }
+        for (int k = 0; k < 4; ++k)
+          acc[r][k] = dot_words(acc[r][k], w[k], bcast4(p16 + (r * NB + c0 + k / 2) * QB + 2 * u));
     }
     for (int r = 0; r < RT; ++r)
       for (int k = 0; k < 4; ++k) {
-        const int64_t c = c0 + k * CB / 4;
+        const int64_t c = c0 + k / 2;
         fma(Vec(sigma[r * NB + c]), tof(acc[r][k]), Vec(zsum[r * NB + c])).store(o + r * D + c0 * 32 + k * W);
       }
   }
+#else
+  // 16 registers: a pass is half a block (16 channels, 2 vectors of accumulators per row), that half joined alone
+  const IV top = bytes_and(iset(-1), 0xF0);
+  for (int64_t c = 0; c < NB; ++c)
+    for (int half = 0; half < 2; ++half) {
+      IV acc[RT][2];
+      for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = izero();
+      for (int64_t u = 0; u < QB / 2; ++u) {
+        const int64_t at = u * D + c * 32;
+        if (next_h != nullptr && c == 0 && half == 0)  // the next group's pair: D bytes per plane
+          for (int64_t b = 0; b < D; b += 64) {
+            prefetch_l2(next_h + u * D + b);
+            if (next_l != nullptr) prefetch_l2(next_l + u * D + b);
+          }
+        const IV h = iload(vh + at), l = vl != nullptr ? iload(vl + at) : eights;
+        const IV codes = half == 0 ? bit_select(sll16_4(h), l, top) : bit_select(h, srl16(l, 4), top);
+        const IV w0 = widen_bytes(lower_half(codes)), w1 = widen_bytes(upper_half(codes));
+        for (int r = 0; r < RT; ++r) {
+          const IV pp = bcast4(p16 + (r * NB + c) * QB + 2 * u);
+          acc[r][0] = dot_words(acc[r][0], w0, pp);
+          acc[r][1] = dot_words(acc[r][1], w1, pp);
+        }
+      }
+      for (int r = 0; r < RT; ++r)
+        for (int k = 0; k < 2; ++k)
+          fma(Vec(sigma[r * NB + c]), tof(acc[r][k]), Vec(zsum[r * NB + c]))
+              .store(o + r * D + c * 32 + half * 16 + k * W);
+    }
+#endif
 }
 
 template <int64_t D>

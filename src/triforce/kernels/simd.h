@@ -87,8 +87,6 @@ ALWAYS_INLINE IV srl16(IV a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si1
 ALWAYS_INLINE IV sll16_4(IV a) { return _mm512_slli_epi16(a, 4); }
 ALWAYS_INLINE IV iadd(IV a, IV b) { return _mm512_add_epi32(a, b); }
 ALWAYS_INLINE IV times254(IV a) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(254)); }
-// 16-bit words times c, adjacent pairs summed into int32 lanes
-ALWAYS_INLINE IV words_times(IV a, int c) { return _mm512_madd_epi16(a, _mm512_set1_epi16(static_cast<short>(c))); }
 // (a & m) | (b & ~m), bitwise
 ALWAYS_INLINE IV bit_select(IV a, IV b, IV m) { return _mm512_ternarylogic_epi32(a, b, m, 0xE4); }
 #if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
@@ -113,6 +111,21 @@ ALWAYS_INLINE IV dot_words(IV acc, IV a, IV b) { return _mm512_add_epi32(acc, _m
 #endif
 // 2 W bytes -> 2 W zero-extended 16-bit words
 ALWAYS_INLINE IV widen_bytes(const __m256i& b) { return _mm512_cvtepu8_epi16(b); }
+ALWAYS_INLINE __m256i lower_half(IV a) { return _mm512_castsi512_si256(a); }
+ALWAYS_INLINE __m256i upper_half(IV a) { return _mm512_extracti64x4_epi64(a, 1); }
+ALWAYS_INLINE IV isub16(IV a, IV b) { return _mm512_sub_epi16(a, b); }
+ALWAYS_INLINE IV iset16(int v) { return _mm512_set1_epi16(static_cast<short>(v)); }
+ALWAYS_INLINE IV bcast8(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_set1_epi64(v);
+}
+// the sums of adjacent int32 lanes of a then b, in order: W lanes
+ALWAYS_INLINE IV pair_sums(IV a, IV b) {
+  const IV even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b),
+                          _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b));
+}
 #else
 ALWAYS_INLINE IV izero() { return _mm256_setzero_si256(); }
 ALWAYS_INLINE IV iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -128,7 +141,6 @@ ALWAYS_INLINE IV srl16(IV a, int n) { return _mm256_srl_epi16(a, _mm_cvtsi32_si1
 ALWAYS_INLINE IV sll16_4(IV a) { return _mm256_slli_epi16(a, 4); }
 ALWAYS_INLINE IV iadd(IV a, IV b) { return _mm256_add_epi32(a, b); }
 ALWAYS_INLINE IV times254(IV a) { return _mm256_mullo_epi32(a, _mm256_set1_epi32(254)); }
-ALWAYS_INLINE IV words_times(IV a, int c) { return _mm256_madd_epi16(a, _mm256_set1_epi16(static_cast<short>(c))); }
 ALWAYS_INLINE IV bit_select(IV a, IV b, IV m) { return _mm256_or_si256(_mm256_and_si256(a, m), _mm256_andnot_si256(m, b)); }
 constexpr bool VNNI = false;
 // vpmaddubsw saturates pairs at 16 bits: 6-bit codes (Q6_K) keep a pair within 2 * 63 * 127
@@ -141,6 +153,16 @@ ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm256_add_epi16(acc, 
 ALWAYS_INLINE IV nibble_sum(IV acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 ALWAYS_INLINE IV dot_words(IV acc, IV a, IV b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 ALWAYS_INLINE IV widen_bytes(const __m128i& b) { return _mm256_cvtepu8_epi16(b); }
+ALWAYS_INLINE __m128i lower_half(IV a) { return _mm256_castsi256_si128(a); }
+ALWAYS_INLINE __m128i upper_half(IV a) { return _mm256_extracti128_si256(a, 1); }
+ALWAYS_INLINE IV isub16(IV a, IV b) { return _mm256_sub_epi16(a, b); }
+ALWAYS_INLINE IV iset16(int v) { return _mm256_set1_epi16(static_cast<short>(v)); }
+ALWAYS_INLINE IV bcast8(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_set1_epi64x(v);
+}
+ALWAYS_INLINE IV pair_sums(IV a, IV b) { return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8); }
 #endif
 
 // max without NaN propagation (at::vec::maximum adds a NaN check per call; scores are never NaN)
