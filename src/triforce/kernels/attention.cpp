@@ -731,8 +731,9 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
 // to positions, as the groups are). A quantized group is read with integer dot products straight from its
 // planes, nothing widened to fp32 (caches/quantized.py's arithmetic, which its PyTorch path computes too):
 //  * scores: the group's per-channel key scales folded into the query, the codes centred
-//    (q . k = (q * scale) . (code - 128) + q . (zero + 128 scale)), and q * scale rounded to int8 per row (two int8 parts). The key planes hold lanes of 8 channels of one token (4 in
-//    low nibbles, 4 in high ones), so a vector is W tokens and, with VNNI, one vpdpbusd adds 4 products per lane
+//    (q . k = (q * scale) . (code - 128) + q . (zero + 128 scale)), and q * scale rounded per row to 15 bits in
+//    two int8 parts (quantize_queries). The key planes hold lanes of 8 channels of one token (4 in low nibbles,
+//    4 in high ones), so a vector is W tokens and, with VNNI, one vpdpbusd adds 4 products per lane
 //    (the two planes' nibbles joined into byte codes first: two shifts and two bit selects per 8 W codes);
 //    without VNNI the query as one int16 (254 iq1 + iq2) against the codes widened to words, vpmaddwd (exact);
 //  * p v: p times the values' per-token scales rounded to int16 per row and 32 channels (sigma p16). The value
