@@ -213,6 +213,26 @@ def _agreement(got, want):
     return ((got - want).abs() <= 1e-6 + 4e-6 * want.abs()).all(-1).float().mean().item()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_kernel_auto_path_follows_this_cpus_row_threshold(kern, kv_dtype):
+    """path 0 takes the per-row path below attention_lanes_min_rows (the crossover measured for this kind of
+    CPU: 8 rows on Intel, more on AMD Zen 4's AVX-512 build) and rows in lanes from it: bit for bit the forced
+    path's output on either side, and the two paths tell apart (their sums run in different orders)."""
+    dot = kv_dtype == torch.bfloat16 and (kern.bf16_dot_attention() or kern.amx_attention())
+    m = kern.attention_lanes_min_rows(dot)
+    assert 2 <= m <= 64
+    lanes = 3 if kv_dtype == torch.bfloat16 and kern.amx_attention() else 2
+    torch.manual_seed(6)
+    H, S, D = 2, 700, 64
+    k, v = (torch.randn(H, S, D) * 2).to(kv_dtype), torch.randn(H, S, D).to(kv_dtype)
+    q = torch.randn(H, m, D)
+    below = kern.decode_attention(q[:, :m - 1], k, v, 1, False, D ** -0.5, 0)
+    assert torch.equal(below, kern.decode_attention(q[:, :m - 1], k, v, 1, False, D ** -0.5, 1))
+    at = kern.decode_attention(q, k, v, 1, False, D ** -0.5, 0)
+    assert torch.equal(at, kern.decode_attention(q, k, v, 1, False, D ** -0.5, lanes))
+    assert not torch.equal(at, kern.decode_attention(q, k, v, 1, False, D ** -0.5, 1))
+
+
 def test_kernel_amx_path_refused_where_unusable(kern):
     """path 3 (AMX tiles) is taken only for bf16 K/V where the tiles are usable; otherwise a clear error."""
     q, k = torch.randn(1, 16, 64), torch.randn(1, 2048, 64)

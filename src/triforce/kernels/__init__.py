@@ -34,9 +34,12 @@ _CFLAGS = {"avx2": ["-march=x86-64-v3", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILI
            "avx512": ["-march=x86-64-v4", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]}
 _COMMON_CFLAGS = ["-O3", "-mtune=native", "-fopenmp"]
 # used where the CPU has them: VNNI's 4-byte dot product, vpdpbusd (else emulated, quant_packed.cpp); AMX's
-# bf16 tiles for a bf16 cache's multi-token attention (attention.cpp; else FMAs)
+# bf16 tiles for a bf16 cache's multi-token attention (attention.cpp), else AVX512-BF16's dot products (vdpbf16ps),
+# else FMAs
 _AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16"]
-_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("amx_tile", _AMX_CFLAGS[0]), ("amx_bf16", _AMX_CFLAGS[1]))}
+_BF16_CFLAG = "-mavx512bf16"
+_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", _BF16_CFLAG), ("amx_tile", _AMX_CFLAGS[0]),
+                        ("amx_bf16", _AMX_CFLAGS[1]))}
 _state: dict[str, object] = {}
 
 

@@ -46,6 +46,20 @@ namespace {
 constexpr int64_t MAX_ROWS = 64;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int64_t LANES_MIN_ROWS = 8;  // from this many rows on, the rows-in-lanes path (measured: equal at 6)
+
+// The row count from which decode_attention's path 0 takes the rows-in-lanes path; dot: bf16 K/V on dot products
+// (AVX512-BF16 or AMX). LANES_MIN_ROWS was measured on an Intel Xeon. On AMD Zen 4 the AVX-512 build's lanes
+// path runs its broadcast FMAs at about half the rate (30 layers x 3 KV heads at 32K, fp16 K/V, per row vs lanes:
+// 15 rows 41.1 vs 67.0 ms, 24 rows 62.3 vs 85.6, 48 rows 113.9 vs 106.6; the AVX2 build's lanes path there: 60.6
+// at 15), so it keeps the per-row path to 40 rows, and for bf16 on vdpbf16ps lanes to 12 (9 rows 33.9 vs 41.5,
+// 15 rows 45.6 vs 41.5, 48 rows 117.6 vs 59.8).
+inline int64_t lanes_min_rows(bool dot) {
+  static const bool amd_avx512 = [] {
+    __builtin_cpu_init();
+    return W == 16 && __builtin_cpu_is("amd");
+  }();
+  return amd_avx512 ? (dot ? 12 : 40) : LANES_MIN_ROWS;
+}
 constexpr int64_t BLOCK_FLOATS = 16384;  // keys per work item x head dim: 64 KB of fp32 K (256 keys of 64)
 // Keys per work item: BLOCK_FLOATS / D whatever the K/V dtype (bf16 / fp16 blocks had half as many keys
 // while the lanes path widened a whole block's keys into an L1 scratch; it widens a tile at a time now:
@@ -500,19 +514,133 @@ template <int64_t D>
 void pv_amx(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t, float*, const char*) {}
 #endif
 
+// ---- a bf16 cache's rows-in-lanes path on AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4 on, Intel Cooper Lake
+// on) ----
+// One instruction sums two bf16 x bf16 products per lane into fp32: twice an FMA's multiply-adds, at the FMA's rate
+// on Zen 4 (measured 2.7 vs 2.5 G instructions/s per core; on Sapphire Rapids at half it, where AMX's tiles serve
+// instead). The products are the bf16 arithmetic's (exact in fp32): only the order of the fp32 sums differs from the
+// FMA paths, as between the other paths. Keys are read as stored (no widening), a dimension pair broadcast from
+// memory per key; values interleaved in key pairs in registers.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool BF16_DOT = true;
+
+// Scores of the n keys of k for NVG groups of 16 rows: st[j][row] (row stride RP). qb: the rounded queries' pairs,
+// [NVG][D / 2][16 rows][2] bf16 (scores_amx's layout); prefetches the next block's rows as scores_lanes does.
+template <int64_t D, int NVG>
+void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t n, float* st, const char* next_k,
+                const char* next_v) {
+  constexpr int JT = keys_per_tile<NVG>();
+  const auto* kp = reinterpret_cast<const int32_t*>(k);  // [n][D / 2] dimension pairs
+  auto tile = [&](auto jt_const, int64_t j) {
+    constexpr int JN = decltype(jt_const)::value;
+    __m512 acc[JN][NVG];
+    for (int jj = 0; jj < JN; ++jj)
+      for (int g = 0; g < NVG; ++g) acc[jj][g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D / 2; ++d) {
+      __m512bh qv[NVG];
+      for (int g = 0; g < NVG; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(qb + (g * (D / 2) + d) * 32);
+      for (int jj = 0; jj < JN; ++jj) {
+        const __m512bh kb = (__m512bh)_mm512_set1_epi32(kp[(j + jj) * (D / 2) + d]);
+        for (int g = 0; g < NVG; ++g) acc[jj][g] = _mm512_dpbf16_ps(acc[jj][g], qv[g], kb);
+      }
+    }
+    for (int jj = 0; jj < JN; ++jj)
+      for (int g = 0; g < NVG; ++g) _mm512_storeu_ps(st + (j + jj) * RP + g * 16, acc[jj][g]);
+  };
+  int64_t j = 0;
+  for (; j + JT <= n; j += JT) {
+    prefetch_rows<c10::BFloat16, D>(next_k, next_v, j, JT);
+    tile(std::integral_constant<int, JT>{}, j);
+  }
+  prefetch_rows<c10::BFloat16, D>(next_k, next_v, j, block_keys<D, c10::BFloat16>() - j);
+  for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
+}
+
+// o [NR, D] = p v of NR rows over n keys: pp [(n + 1) / 2][RP] the rows' p in key pairs (bf16, the first key's in the
+// low half; a last odd key paired with 0), v [n][D] bf16. Passes of 64 channels (4 vectors of accumulators per row:
+// NR x 4 + 4 registers). Per key pair, the two value rows interleaved by vpunpck{l,h}wd: lane i of a vector holds
+// one channel's pair, in unpack order (per 32 channels, lo: channels 0-3, 8-11, 16-19, 24-27; hi: 4-7, ...), put
+// back in channel order when stored.
+template <int64_t D, int NR>
+void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t n, float* o) {
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  const auto* vv = reinterpret_cast<const uint16_t*>(v);
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t u = 0; 2 * u < n; ++u) {
+      const uint16_t* a = vv + 2 * u * D + c0;
+      const bool pair = 2 * u + 1 < n;
+      __m512bh vp[4];
+      for (int c = 0; c < 2; ++c) {
+        const __m512i x = _mm512_loadu_si512(a + 32 * c);
+        const __m512i y = pair ? _mm512_loadu_si512(a + D + 32 * c) : _mm512_setzero_si512();
+        vp[2 * c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+        vp[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(pp[u * RP + r]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vp[c], pb);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < 2; ++c) {
+        float* oc = o + r * D + c0 + 32 * c;
+        _mm512_storeu_ps(oc, _mm512_permutex2var_ps(acc[r][2 * c], first, acc[r][2 * c + 1]));
+        _mm512_storeu_ps(oc + 16, _mm512_permutex2var_ps(acc[r][2 * c], second, acc[r][2 * c + 1]));
+      }
+  }
+}
+
+// o_b [R, D] = p v over the block's n keys: st [n][RP] the rounded p (bf16 values as fp32, keys x rows) paired by
+// keys once (their upper halves), then tiles of up to TILE rows.
+template <int64_t D>
+void pv_dot(const float* st, int64_t RP, const c10::BFloat16* v, int64_t R, int64_t n, float* o_b) {
+  alignas(64) int32_t pp[(BLOCK_FLOATS / D + 1) / 2 * MAX_ROWS];
+  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+  for (int64_t u = 0; 2 * u < n; ++u)
+    for (int64_t g = 0; g < RP; g += 16) {
+      const __m512i a = _mm512_loadu_si512(st + 2 * u * RP + g);
+      const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(st + (2 * u + 1) * RP + g) : _mm512_setzero_si512();
+      _mm512_store_si512(pp + u * RP + g, _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, high)));
+    }
+  for (int64_t r0 = 0; r0 < R; r0 += TILE) {
+    const auto args = std::make_tuple(pp + r0, RP, v, n, o_b + r0 * D);
+    switch (std::min<int64_t>(TILE, R - r0)) {
+      case 1: std::apply(pv_dot_tile<D, 1>, args); break;
+      case 2: std::apply(pv_dot_tile<D, 2>, args); break;
+      case 3: std::apply(pv_dot_tile<D, 3>, args); break;
+      case 4: std::apply(pv_dot_tile<D, 4>, args); break;
+      case 5: std::apply(pv_dot_tile<D, 5>, args); break;
+      default: std::apply(pv_dot_tile<D, 6>, args); break;
+    }
+  }
+}
+#else
+constexpr bool BF16_DOT = false;
+template <int64_t D, int NVG>
+void scores_dot(const uint16_t*, int64_t, const c10::BFloat16*, int64_t, float*, const char*, const char*) {}
+template <int64_t D>
+void pv_dot(const float*, int64_t, const c10::BFloat16*, int64_t, int64_t, float*) {}
+#endif
+
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
 // qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP]. qb (bf16 K/V only; else null): the queries in
-// AMX's layout (scores_amx), whose tiles then compute the block's scores (but its last n % 16 keys') and its p v
-// (pv_amx; but its last n % 32 keys'), the rest by FMAs.
+// AMX's pair layout (scores_amx); with `tiles`, AMX's tiles then compute the block's scores (but its last n % 16
+// keys') and its p v (pv_amx; but its last n % 32 keys'), the rest by FMAs; without, AVX512-BF16 dot products
+// (scores_dot, pv_dot; BF16_DOT builds only).
 template <int64_t D, bool B2, typename KV, typename Mask>
 void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from,
                  const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
-                 float* l_b, const uint16_t* qb = nullptr) {
+                 float* l_b, const uint16_t* qb = nullptr, bool tiles = false) {
   const int64_t RP = NV * W;
   int64_t j_fma = 0;  // the keys from here on: scores by FMAs
   const char* pf_k = nullptr;  // AMX: the next block's keys, prefetched a row per key during the softmax below
+  const bool dot = std::is_same_v<KV, c10::BFloat16> && BF16_DOT && qb != nullptr && !tiles;
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
-    if (qb != nullptr) {  // (the tiles' loads run far ahead of a few prefetches each: spread out, they arrive)
+    if (qb != nullptr && tiles) {  // (the tiles' loads run far ahead of a few prefetches each: spread out, they arrive)
       j_fma = n - n % 16;
       scores_amx<D>(qb, NV, RP, k, j_fma, st);
       pf_k = next_k;
@@ -525,19 +653,28 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
     const int64_t left = NV - g0;
     const float* qg = qt + g0 * W;
     float* sg = st + j_fma * RP + g0 * W;
-    if (left >= NVG_MAX) {
-      scores_lanes<D, NVG_MAX, KV>(qg, RP, kf, nf, sg, g0 == 0 ? next_k : nullptr, next_v);
-      g0 += NVG_MAX;
-    } else if (NVG_MAX > 3 && left == 3) {
-      scores_lanes<D, 3, KV>(qg, RP, kf, nf, sg, g0 == 0 ? next_k : nullptr, next_v);
-      g0 += 3;
-    } else if (NVG_MAX > 2 && left == 2) {
-      scores_lanes<D, 2, KV>(qg, RP, kf, nf, sg, g0 == 0 ? next_k : nullptr, next_v);
-      g0 += 2;
-    } else {
-      scores_lanes<D, 1, KV>(qg, RP, kf, nf, sg, g0 == 0 ? next_k : nullptr, next_v);
-      g0 += 1;
+    const char* nk = g0 == 0 ? next_k : nullptr;
+    const int ng = static_cast<int>(std::min<int64_t>(left, NVG_MAX));
+    if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+      if (dot) {
+        const uint16_t* qbg = qb + g0 * (D / 2) * 32;
+        switch (ng) {
+          case 1: scores_dot<D, 1>(qbg, RP, kf, nf, sg, nk, next_v); break;
+          case 2: scores_dot<D, 2>(qbg, RP, kf, nf, sg, nk, next_v); break;
+          case 3: scores_dot<D, 3>(qbg, RP, kf, nf, sg, nk, next_v); break;
+          default: scores_dot<D, NVG_MAX>(qbg, RP, kf, nf, sg, nk, next_v); break;
+        }
+        g0 += ng;
+        continue;
+      }
     }
+    switch (ng) {
+      case 1: scores_lanes<D, 1, KV>(qg, RP, kf, nf, sg, nk, next_v); break;
+      case 2: scores_lanes<D, NVG_MAX >= 2 ? 2 : 1, KV>(qg, RP, kf, nf, sg, nk, next_v); break;
+      case 3: scores_lanes<D, NVG_MAX >= 3 ? 3 : 1, KV>(qg, RP, kf, nf, sg, nk, next_v); break;
+      default: scores_lanes<D, NVG_MAX, KV>(qg, RP, kf, nf, sg, nk, next_v); break;
+    }
+    g0 += ng;
   }
   for (int64_t jj = mask_from; jj < n; ++jj)
     for (int64_t r = 0; r < R; ++r)
@@ -575,6 +712,10 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
     l_b[r] = lt[r];
   }
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    if (dot) {
+      pv_dot<D>(st, RP, v, R, n, o_b);
+      return;
+    }
     if (qb != nullptr) {  // p v on the tiles, a cache end's last n % 32 keys by FMAs, added
       const int64_t n32 = n - n % 32;
       pv_amx<D>(st, RP, NV, v, R, n32, o_b, next_v);
@@ -660,10 +801,10 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
   const int64_t NV = (R + W - 1) / W, RP = NV * W;
   const auto qs = scaled_queries(q, scale, lanes, RP, RB);
-  // AMX (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs][16 rows][2]
-  // (RP is a multiple of 16 on AVX-512, the only build with AMX)
+  // AMX or AVX512-BF16 (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs]
+  // [16 rows][2] (RP is a multiple of 16 on AVX-512, the only build with either)
   std::vector<uint16_t> qb;
-  if (amx && RB && lanes) {
+  if ((amx || BF16_DOT) && RB && lanes) {
     const int64_t NQ = RP / 16;
     qb.assign(H * NQ * D * 16, 0);
     const float* qt = qs.data_ptr<float>();
@@ -687,7 +828,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> s(MAX_ROWS * BS);  // RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W
-    if (!qb.empty()) amx_configure();
+    if (!qb.empty() && amx) amx_configure();
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
       const KV* kh = kp + h * ks + j0 * D;
@@ -708,7 +849,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       };
       if (lanes)
         block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
-                           qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16);
+                           qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx);
       else
         block_rows<D, BS, RB>(qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
     }
@@ -1128,7 +1269,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
 // q [H, R, D] fp32 (any layout; copied scaled), k/v [H, S, D] fp32, bf16 or fp16 (both the same)
 // with contiguous rows, D in {64, 128, 256}, T tokens per row group, causal over the last T keys if
 // `causal` -> out [H, R, D] fp32. path: 0 chooses by R (and AMX's tiles for bf16 K/V where usable), 1 forces
-// the per-row path, 2 the rows-in-lanes path on FMAs, 3 rows in lanes on AMX (bf16 K/V; for tests and
+// the per-row path, 2 the rows-in-lanes path on the vector units (bf16 K/V: vdpbf16ps where the build has AVX512-BF16, else FMAs), 3 rows in lanes on AMX (bf16 K/V; for tests and
 // measurements). bf16 K/V: the bf16 arithmetic (run()).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path, c10::optional<torch::Tensor> visible) {
@@ -1154,7 +1295,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(path >= 0 && path <= 3, "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX)");
   TORCH_CHECK(path != 3 || (amx_usable() && k.scalar_type() == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
-  const bool lanes = path >= 2 || (path == 0 && R >= LANES_MIN_ROWS);
+  const bool dot = k.scalar_type() == torch::kBFloat16 && (BF16_DOT || amx_usable());
+  const bool lanes = path >= 2 || (path == 0 && R >= lanes_min_rows(dot));
   const bool amx = path == 3 || (path == 0 && amx_usable());
   switch (k.scalar_type()) {
     case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, scale, lanes, false);
@@ -1165,6 +1307,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }
 
 bool amx_attention() { return amx_usable(); }
+bool bf16_dot_attention() { return BF16_DOT; }
+int64_t attention_lanes_min_rows(bool bf16_dot) { return lanes_min_rows(bf16_dot); }
 
 }  // namespace triforce
 
