@@ -233,7 +233,7 @@ class _FakeKernel:
 @pytest.mark.parametrize("T", [1, 4, 100])
 def test_real_kernel_with_half_kv(dt, T):
     """Where the compiled kernel reads half k/v (ops.HALF_KV), it matches PyTorch's path on the same values; a
-    causal prefill of 100 tokens too (over bf16 with AMX: the kernel 21 tokens at a time)."""
+    causal prefill of 100 tokens too (over bf16 with AMX or AVX512-BF16: the kernel 21 tokens at a time)."""
     kern = kernels.cpu()
     if kern is None or not getattr(kern, "HALF_KV", False):
         pytest.skip("the compiled attention kernel does not read bf16 / fp16 K/V here")
