@@ -355,8 +355,9 @@ def test_kv_bytes_are_what_the_quantized_caches_hold():
 
 
 def test_default_kv_dtype_follows_the_machine(monkeypatch):
-    """fp32 weights: bf16 where the CPU kernels run attention on AMX tiles, else fp16 (the target's cache and the
-    CLI's drafting caches); other weights keep their dtype; a CUDA target does not ask the CPU kernels."""
+    """fp32 weights: bf16 where the CPU kernels run attention on AMX tiles (the target's cache and the CLI's
+    drafting caches) or on AVX512-BF16 dot products (the target's cache), else fp16; other weights keep their
+    dtype; a CUDA target does not ask the CPU kernels."""
     from types import SimpleNamespace
 
     from triforce.loading import default_kv_dtype
@@ -371,7 +372,9 @@ def test_default_kv_dtype_follows_the_machine(monkeypatch):
     built(SimpleNamespace(amx_attention=lambda: True))
     assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
     assert default_kv_dtype(torch.float16) == "fp16"
-    built(SimpleNamespace(amx_attention=lambda: False))
+    built(SimpleNamespace(amx_attention=lambda: False, bf16_dot_attention=lambda: True))  # AVX512-BF16, no AMX
+    assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "fp16"
+    built(SimpleNamespace(amx_attention=lambda: False, bf16_dot_attention=lambda: False))
     assert default_kv_dtype(torch.float32) == "fp16" and _default_draft_kv(cpu_args) == "fp16"
     built(SimpleNamespace())  # a module built before AMX was known
     assert default_kv_dtype(torch.float32) == "fp16"
@@ -386,8 +389,8 @@ def test_default_kv_dtype_follows_the_machine(monkeypatch):
 
 
 def test_amx_prediction_does_not_build_the_kernels(monkeypatch):
-    """The CLI's drafting-cache default is read before a model is loaded (and maybe refused): from the CPU's
-    flags and TRIFORCE_AMX, without compiling the kernels; once they are built, from them."""
+    """The CLI's KV defaults are read before a model is loaded (and maybe refused): from the CPU's flags,
+    TRIFORCE_AMX and TRIFORCE_ISA, without compiling the kernels; once they are built, from them."""
     from types import SimpleNamespace
 
     def no_build():
@@ -403,8 +406,13 @@ def test_amx_prediction_does_not_build_the_kernels(monkeypatch):
     monkeypatch.setenv("TRIFORCE_AMX", "0")
     assert not kernels.amx_attention(build=False)
     monkeypatch.delenv("TRIFORCE_AMX")
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512))  # AMD Zen 4: AVX-512, no AMX
-    assert not kernels.amx_attention(build=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512))  # AVX-512 alone
+    assert not kernels.amx_attention(build=False) and not kernels.bf16_dot_attention(build=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512 | {"avx512_bf16"}))  # AMD Zen 4: no AMX
+    assert not kernels.amx_attention(build=False) and kernels.bf16_dot_attention(build=False)
+    monkeypatch.setenv("TRIFORCE_ISA", "avx2")  # the AVX2 build has neither
+    assert not kernels.bf16_dot_attention(build=False)
+    monkeypatch.delenv("TRIFORCE_ISA")
     monkeypatch.setattr(kernels, "_state", {"cpu": SimpleNamespace(amx_attention=lambda: False)})  # built: asked
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512 | {"amx_tile", "amx_bf16"}))
     monkeypatch.setattr(kernels, "cpu", lambda: kernels._state["cpu"])
@@ -425,5 +433,5 @@ def test_info_does_not_build_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "cpu", no_build)
     monkeypatch.delenv("TRIFORCE_KERNELS", raising=False)
     text = report(inventory(None), "native", None, 4096)
-    default = "bf16" if kernels.amx_attention(build=False) else "fp16"
+    default = "bf16" if kernels.bf16_dot_attention(build=False) else "fp16"
     assert f"--kv-dtype {default}:" in text

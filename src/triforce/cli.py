@@ -39,7 +39,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help=f"the target's KV cache dtype (its stored keys and values only; ar and every stack use "
                         f"it, so the output stays exact for it): default {DEFAULT_KV_DTYPE} with float32 weights, bf16 "
-                        f"on a CPU with AMX tiles (its verifications run on them; docs/kv_dtype.md), else the weights' "
+                        f"on a CPU with AMX tiles or AVX512-BF16 (its verifications and prefill run on their dot "
+                        f"products; docs/kv_dtype.md), else the weights' "
                         f"dtype; int8: 8-bit KIVI-grouped codes as two 4-bit planes, "
                         f"0.55x fp16's bytes, read at 4 bits by kv4 levels (docs/quantized_kv.md)")
     g.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
@@ -275,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     inf.add_argument("--model", metavar="PATH", help="a .gguf file or Hugging Face directory (default: the embedded model)")
     inf.add_argument("--context-length", type=_positive_int, metavar="N",
                      help="tokens of context to size the KV cache for (default: the model's context)")
-    inf.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=f"KV cache dtype (default {DEFAULT_KV_DTYPE}; bf16 on a CPU with AMX tiles)")
+    inf.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=f"KV cache dtype (default {DEFAULT_KV_DTYPE}; bf16 on a CPU with AMX tiles or AVX512-BF16)")
     inf.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     inf.add_argument("--rope-theta", type=float, metavar="BASE", help=argparse.SUPPRESS)
     inf.add_argument("--max-context", type=_positive_int, metavar="N", help="override the maximum context in tokens")

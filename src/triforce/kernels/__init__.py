@@ -149,6 +149,20 @@ def amx_attention(build: bool = True) -> bool:
     return ops is not None and bool(getattr(ops, "amx_attention", lambda: False)())
 
 
+def bf16_dot_attention(build: bool = True) -> bool:
+    """Whether the chosen CPU kernels run a bf16 cache's multi-token attention on dot products in this process:
+    AMX's tiles (amx_attention), or AVX512-BF16's vdpbf16ps (AMD Zen 4 on, Intel Cooper Lake on: twice an FMA's
+    multiply-adds per instruction). Where they do, bf16 is the default KV dtype (docs/kv_dtype.md). build=False:
+    read from the CPU's flags until the kernels are built, as amx_attention does."""
+    if amx_attention(build):
+        return True
+    if "cpu" not in _state and not build:
+        isa = chosen_isa()
+        return isa is not None and _BF16_CFLAG in _optional_cflags(isa)
+    ops = cpu()
+    return ops is not None and bool(getattr(ops, "bf16_dot_attention", lambda: False)())
+
+
 class Backend:
     """Which operations a model's layers run, chosen once when the model is built
     (Transformer.select_backend): the compiled CPU kernels for an fp32 model on the CPU where they
