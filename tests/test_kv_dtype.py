@@ -435,3 +435,24 @@ def test_info_does_not_build_the_kernels(monkeypatch):
     text = report(inventory(None), "native", None, 4096)
     default = "bf16" if kernels.bf16_dot_attention(build=False) else "fp16"
     assert f"--kv-dtype {default}:" in text
+
+
+def test_optional_instructions_the_compiler_lacks_are_left_out(monkeypatch):
+    """An optional ISA flag (VNNI, AVX512-BF16, AMX) goes into the build only where the CPU has it and the
+    compiler knows it: an older compiler builds the variant without it instead of failing the whole build (and
+    the defaults that depend on it follow)."""
+    from triforce.kernels import build
+
+    avx512 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.delenv("TRIFORCE_ISA", raising=False)
+    monkeypatch.delenv("TRIFORCE_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512 | {"avx512_vnni", "avx512_bf16"}))
+    monkeypatch.setattr(build, "_ACCEPTS", {"-mavx512vnni": True, "-mavx512bf16": True})
+    assert kernels._optional_cflags("avx512") == ["-mavx512vnni", "-mavx512bf16"]
+    assert kernels.bf16_dot_attention(build=False)
+    monkeypatch.setattr(build, "_ACCEPTS", {"-mavx512vnni": True, "-mavx512bf16": False})
+    assert kernels._optional_cflags("avx512") == ["-mavx512vnni"]
+    assert not kernels.bf16_dot_attention(build=False)
+    monkeypatch.setattr(build, "_ACCEPTS", {})
+    assert not build.compiler_accepts("-mno-such-instruction-set")  # the real compiler asked (or none there)

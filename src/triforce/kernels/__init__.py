@@ -99,8 +99,12 @@ def chosen_isa(flags: frozenset[str] | None = None) -> str | None:
 
 
 def _optional_cflags(isa: str) -> list[str]:
+    """The optional instructions' flags for `isa` that both this CPU has and the compiler knows (an older compiler
+    without one builds the variant without it rather than failing the whole build)."""
+    from .build import compiler_accepts
+
     flags = cpu_flags()
-    return [flag for need, flag in _OPTIONAL.get(isa, ()) if need in flags]
+    return [flag for need, flag in _OPTIONAL.get(isa, ()) if need in flags and compiler_accepts(flag)]
 
 
 def variant(isa: str, optional: bool = True):

@@ -44,6 +44,23 @@ def _compiler_version() -> str:
         return f"{cxx}: unavailable"
 
 
+def compiler_accepts(flag: str) -> bool:
+    """Whether the C++ compiler ($CXX, else c++) compiles an empty unit with `flag` (an optional ISA flag an older
+    compiler may not know: -mavx512bf16 needs GCC 10, -mamx-tile GCC 11); asked once per flag and process."""
+    if flag not in _ACCEPTS:
+        cxx = os.environ.get("CXX", "c++")
+        try:
+            out = subprocess.run([cxx, flag, "-x", "c++", "-fsyntax-only", "-"], input="", capture_output=True,
+                                 text=True, timeout=60)
+            _ACCEPTS[flag] = out.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            _ACCEPTS[flag] = False
+    return _ACCEPTS[flag]
+
+
+_ACCEPTS: dict[str, bool] = {}
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo; "" where it names none), or platform.processor() where that
     cannot be read."""
