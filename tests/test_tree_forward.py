@@ -128,7 +128,10 @@ def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
     prompt = [rng.randrange(96) for _ in range(n_prompt)]
     pending = [rng.randrange(96) for _ in range(2)]
     ctx = prompt + pending
-    tree = random_tree(rng, max_depth=5, max_width=3, max_nodes=18)
+    # at most 14 nodes: with the 2 pending tokens the block stays within PANEL_MAX_ROWS, so the linear layers run
+    # the panel kernel for both forwards (exact per row); past it they ran oneDNN's sgemm, whose other summation
+    # order on AMD Zen 4 put 6.5-9.3e-6 of the logits' scale between the two, too near the wrong variant's 1.5e-5
+    tree = random_tree(rng, max_depth=5, max_width=3, max_nodes=14)
     assert len(tree) >= 6 and not tree.is_chain
     c = long_model.cfg
 
@@ -173,8 +176,10 @@ def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
     with torch.inference_mode(), kernels.override(Spy(drop=True)):  # the wrong variant: nodes see earlier siblings
         wrong = copy.deepcopy(before).score(ctx, len(prompt), tree, ranked=True)
     want = torch.stack(want)
-    # Float order apart (a 17-token block takes the rows-in-lanes path, a 3-token chain the per-row one:
-    # about 3e-6 of the logits' scale), the tree's rows are plain decoding's; the wrong variant's are not.
-    tol = 4e-6 * float(want.abs().max())
+    # Float order apart, the tree's rows are plain decoding's; the wrong variant's are not (1.5e-5 of the logits'
+    # scale: a node that sees its siblings' keys among a thousand). The float order is the attention kernel's: a
+    # chain of up to 3 tokens takes the per-row path, the tree the rows-in-lanes path where this CPU's crossover
+    # says so (AVX2 build on AMD Zen 4: up to 4.7e-6 of the scale between them; the same path: under 4e-7).
+    tol = 6e-6 * float(want.abs().max())
     assert float((rows - want).abs().max()) <= tol
-    assert float((wrong - want).abs().max()) > 2 * tol
+    assert float((wrong - want).abs().max()) > 1.5 * tol

@@ -49,12 +49,11 @@ class KernelChoiceError(TriforceError):
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux names them (/proc/cpuinfo); elsewhere, what PyTorch detects."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    from .build import proc_cpu_flags
+
+    line = proc_cpu_flags()
+    if line is not None:
+        return frozenset(line.split())
     try:
         cap = torch.backends.cpu.get_cpu_capability()
     except Exception:  # noqa: BLE001

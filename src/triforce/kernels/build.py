@@ -73,16 +73,20 @@ def cpu_model() -> str:
     return ""
 
 
-def _cpu_fingerprint() -> str:
-    """What -march=native sees: the CPU model and its feature flags."""
-    flags = ""
+def proc_cpu_flags() -> str | None:
+    """The CPU's feature flags line as Linux writes it (/proc/cpuinfo), or None where it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native sees: the CPU model and its feature flags."""
+    flags = proc_cpu_flags() or ""
     return f"{platform.machine()}|{cpu_model()}|{hashlib.sha1(flags.encode()).hexdigest()[:12]}"
 
 
