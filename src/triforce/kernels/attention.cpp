@@ -102,23 +102,42 @@ inline void pv_tile(const float* p, int64_t js, const KV* v, int64_t n, int c0, 
   for (int64_t j = 0; j < n; ++j) {
     if constexpr (PF) prefetch_rows<KV, D>(next_k, next_v, j, 1);
     const KV* vj = v + j * D + c0 * W;
-    Vec vv[DCP];
-    for (int c = 0; c < DCP; ++c) vv[c] = load(vj + c * W);
     const float* pj = p + j * js;
-    for (int r = 0; r < NR; ++r) {
-      const Vec pr(pj[r * RS]);
-      for (int c = 0; c < DCP; ++c) acc[r][c] = fma(pr, vv[c], acc[r][c]);
+    if constexpr (NR * DCP + NR + 1 <= REGS) {  // few rows: their p held, a value vector widened at a time
+      Vec pr[NR];
+      for (int r = 0; r < NR; ++r) pr[r] = Vec(pj[r * RS]);
+      for (int c = 0; c < DCP; ++c) {
+        const Vec vv = load(vj + c * W);
+        for (int r = 0; r < NR; ++r) acc[r][c] = fma(pr[r], vv, acc[r][c]);
+      }
+    } else {
+      Vec vv[DCP];
+      for (int c = 0; c < DCP; ++c) vv[c] = load(vj + c * W);
+      for (int r = 0; r < NR; ++r) {
+        const Vec pr(pj[r * RS]);
+        for (int c = 0; c < DCP; ++c) acc[r][c] = fma(pr, vv[c], acc[r][c]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < DCP; ++c) acc[r][c].store(o + r * D + (c0 + c) * W);
 }
 
+constexpr int pv_vectors_per_pass(int nc, int nr) {
+  if (nc < DC) return nc;
+  const int wide = (REGS - 1 - nr) / nr;  // NR x DCP accumulators + NR p + one value vector
+  for (int d : {8, 4})
+    if (d > DC && d <= wide && nc % d == 0) return d;
+  return DC;
+}
+
 template <int64_t D, int64_t RS, int NR, typename KV>
 inline void pv_rows(const float* p, int64_t js, const KV* v, int64_t n, float* o, const char* next_k,
                     const char* next_v) {
   constexpr int NC = D / W;
-  constexpr int DCP = NC < DC ? NC : DC;
+  // vectors of a value row per pass: DC, or with few rows as many as their accumulators and p leave registers
+  // for (one value vector live at a time; AVX2, 3 rows: 4 vectors, two passes over the keys instead of four)
+  constexpr int DCP = pv_vectors_per_pass(NC, NR);
   // (the prefetching loop is a separate instance: with its inner loop in the tile GCC kept the accumulators
   // on the stack, a load and a store around every fma)
   for (int c0 = 0; c0 < NC; c0 += DCP)
