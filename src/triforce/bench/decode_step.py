@@ -313,6 +313,16 @@ def kv_ab(model, contexts: list[int], steps: int, rounds: int = 3) -> None:
               f"| {b16} / {b8} |", flush=True)
 
 
+def _bf16_dot_words(kern) -> str:
+    """What the header says of a bf16 cache's multi-token attention: on AMX tiles, on AVX512-BF16 dot products, or
+    nothing (FMAs)."""
+    if kern and getattr(kern, "amx_attention", lambda: False)():
+        return ", AMX tiles for a bf16 cache"
+    if kern and getattr(kern, "bf16_dot_attention", lambda: False)():
+        return ", AVX512-BF16 dot products for a bf16 cache"
+    return ""
+
+
 def main(argv=None) -> None:
     from ..config import KV_DTYPES, WEIGHTS
     from ..loading import load_model
@@ -379,7 +389,7 @@ def main(argv=None) -> None:
             kern = model.backend.ops
             print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s; "
                   f"kernels: {kern.ISA + ' (' + str(kern.LANES) + ' fp32 lanes)' if kern else 'off (PyTorch)'}"
-                  f"{', AMX tiles for a bf16 cache' if kern and getattr(kern, 'amx_attention', lambda: False)() else ''}; "
+                  f"{_bf16_dot_words(kern)}; "
                   f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (MKL sgemm)")
         print(f"{name}, --weights {mode}: weights {weight_bytes(model) / 1e6:.0f} MB read per step, KV "
               f"{kv_bytes_per_token(model) / 1e3:.1f} KB/token ({str(model.kv_dtype).removeprefix('torch.')})",
