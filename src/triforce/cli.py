@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="temperature to tune for (default 0: greedy; top-p 0.9 when T > 0). Acceptance, and so "
                         "the best flags, depend on it")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--check", action="store_true", help="also run the tuned and the default settings for real")
+    t.add_argument("--check", action="store_true", help="also run the tuned and the default settings for real (and ar), alternating; sampled: over 4 seeds")
     t.add_argument("--trees", action="store_true",
                    help="tune Sequoia trees instead (streaming,full --tree): measure the acceptance of each child "
                         "rank and the forward costs, predict every widths-per-depth tree, print the best")
