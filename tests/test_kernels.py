@@ -218,7 +218,7 @@ def test_kernel_auto_path_follows_this_cpus_row_threshold(kern, kv_dtype):
     """path 0 takes the per-row path below attention_lanes_min_rows (the crossover measured for this kind of
     CPU: 8 rows on Intel, more on AMD Zen 4's AVX-512 build) and rows in lanes from it: bit for bit the forced
     path's output on either side, and the two paths tell apart (their sums run in different orders)."""
-    dot = kv_dtype == torch.bfloat16 and (kern.bf16_dot_attention() or kern.amx_attention())
+    dot = kv_dtype == torch.bfloat16 and kern.bf16_dot_attention()
     m = kern.attention_lanes_min_rows(dot)
     assert 2 <= m <= 64
     lanes = 3 if kv_dtype == torch.bfloat16 and kern.amx_attention() else 2

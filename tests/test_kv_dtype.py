@@ -369,7 +369,7 @@ def test_default_kv_dtype_follows_the_machine(monkeypatch):
         monkeypatch.setattr(kernels, "cpu", lambda: module)
 
     cpu_args = SimpleNamespace(device="cpu")
-    built(SimpleNamespace(amx_attention=lambda: True))
+    built(SimpleNamespace(amx_attention=lambda: True, bf16_dot_attention=lambda: True))  # AMX (its dot products)
     assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
     assert default_kv_dtype(torch.float16) == "fp16"
     built(SimpleNamespace(amx_attention=lambda: False, bf16_dot_attention=lambda: True))  # AVX512-BF16, no AMX

@@ -283,7 +283,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
         return out.view(B, Hq, T, D)
     if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu":
         if isinstance(mask, str) and B == 1 and S >= KERNEL_MIN_KEYS and D in KERNEL_HEAD_DIMS and ops is not None \
-                and (getattr(ops, "amx_attention", lambda: False)() or getattr(ops, "bf16_dot_attention", lambda: False)()):
+                and getattr(ops, "bf16_dot_attention", lambda: False)():
             # a causal prefill over a bf16 cache, on AMX's tiles or AVX512-BF16's dot products: the kernel's
             # verification path, a few tokens at a time, each against the keys up to its own (an 8K prefill of the
             # embedded model on AMX: 13.4 s, against 36.7 s through bf16_attention and 15.8 s for an fp16 cache's

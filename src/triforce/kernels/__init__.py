@@ -100,10 +100,10 @@ def chosen_isa(flags: frozenset[str] | None = None) -> str | None:
 def _optional_cflags(isa: str) -> list[str]:
     """The optional instructions' flags for `isa` that both this CPU has and the compiler knows (an older compiler
     without one builds the variant without it rather than failing the whole build)."""
-    from .build import compiler_accepts
+    from .build import accepted_flags
 
     flags = cpu_flags()
-    return [flag for need, flag in _OPTIONAL.get(isa, ()) if need in flags and compiler_accepts(flag)]
+    return accepted_flags([flag for need, flag in _OPTIONAL.get(isa, ()) if need in flags])
 
 
 def variant(isa: str, optional: bool = True):
@@ -157,11 +157,9 @@ def bf16_dot_attention(build: bool = True) -> bool:
     AMX's tiles (amx_attention), or AVX512-BF16's vdpbf16ps (AMD Zen 4 on, Intel Cooper Lake on: twice an FMA's
     multiply-adds per instruction). Where they do, bf16 is the default KV dtype (docs/kv_dtype.md). build=False:
     read from the CPU's flags until the kernels are built, as amx_attention does."""
-    if amx_attention(build):
-        return True
     if "cpu" not in _state and not build:
         isa = chosen_isa()
-        return isa is not None and _BF16_CFLAG in _optional_cflags(isa)
+        return amx_attention(build=False) or (isa is not None and _BF16_CFLAG in _optional_cflags(isa))
     ops = cpu()
     return ops is not None and bool(getattr(ops, "bf16_dot_attention", lambda: False)())
 

@@ -34,7 +34,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -70,6 +69,24 @@ constexpr int64_t block_keys() {
   return BLOCK_FLOATS / D;
 }
 constexpr int TILE = 6;                  // query rows per register tile in p v
+
+// f(std::integral_constant<int, n>{}) for the n = min(rows, MAX) rows of a register tile (1 <= n <= MAX <= 6): a
+// tile's row count as a compile-time constant, so that its accumulators can live in registers.
+template <int MAX, typename F>
+ALWAYS_INLINE void with_tile_rows(int64_t rows, F&& f) {
+  static_assert(MAX >= 1 && MAX <= 6, "tiles of 1 to 6 rows");
+  auto at = [&](auto n) {
+    if constexpr (decltype(n)::value <= MAX) f(n);
+  };
+  switch (std::min<int64_t>(MAX, rows)) {
+    case 1: at(std::integral_constant<int, 1>{}); break;
+    case 2: at(std::integral_constant<int, 2>{}); break;
+    case 3: at(std::integral_constant<int, 3>{}); break;
+    case 4: at(std::integral_constant<int, 4>{}); break;
+    case 5: at(std::integral_constant<int, 5>{}); break;
+    default: at(std::integral_constant<int, 6>{}); break;
+  }
+}
 constexpr int DC = W == 16 ? 4 : 2;      // vectors of a value row per pass: TILE x DC + DC + 1 <= REGS
 // rows-in-lanes scores: row vectors per group and keys per tile, JT x NVG + NVG + 1 <= REGS - 1
 constexpr int NVG_MAX = W == 16 ? 4 : 2;
@@ -160,15 +177,7 @@ void block_pv(const float* p, int64_t js, const KV* v, int64_t R, int64_t n, flo
     float* o = o_b + r0 * D;
     const char* nk = r0 == 0 ? next_k : nullptr;
     const char* nv = r0 == 0 ? next_v : nullptr;
-    static_assert(TILE == 6, "block_pv dispatches tiles of 1 to 6 rows");
-    switch (std::min<int64_t>(TILE, R - r0)) {
-      case 1: pv_rows<D, RS, 1>(pr, js, v, n, o, nk, nv); break;
-      case 2: pv_rows<D, RS, 2>(pr, js, v, n, o, nk, nv); break;
-      case 3: pv_rows<D, RS, 3>(pr, js, v, n, o, nk, nv); break;
-      case 4: pv_rows<D, RS, 4>(pr, js, v, n, o, nk, nv); break;
-      case 5: pv_rows<D, RS, 5>(pr, js, v, n, o, nk, nv); break;
-      default: pv_rows<D, RS, 6>(pr, js, v, n, o, nk, nv); break;
-    }
+    with_tile_rows<TILE>(R - r0, [&](auto nr) { pv_rows<D, RS, decltype(nr)::value>(pr, js, v, n, o, nk, nv); });
   }
 }
 
@@ -626,15 +635,7 @@ void pv_dot(const float* st, int64_t RP, const c10::BFloat16* v, int64_t R, int6
       _mm512_store_si512(pp + u * RP + g, _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, high)));
     }
   for (int64_t r0 = 0; r0 < R; r0 += TILE) {
-    const auto args = std::make_tuple(pp + r0, RP, v, n, o_b + r0 * D);
-    switch (std::min<int64_t>(TILE, R - r0)) {
-      case 1: std::apply(pv_dot_tile<D, 1>, args); break;
-      case 2: std::apply(pv_dot_tile<D, 2>, args); break;
-      case 3: std::apply(pv_dot_tile<D, 3>, args); break;
-      case 4: std::apply(pv_dot_tile<D, 4>, args); break;
-      case 5: std::apply(pv_dot_tile<D, 5>, args); break;
-      default: std::apply(pv_dot_tile<D, 6>, args); break;
-    }
+    with_tile_rows<TILE>(R - r0, [&](auto nr) { pv_dot_tile<D, decltype(nr)::value>(pp + r0, RP, v, n, o_b + r0 * D); });
   }
 }
 #else
@@ -1066,16 +1067,10 @@ void group_scores(const int8_t* iq, const float* a2, const float* bias, const in
   for (int64_t r = 0; r < R; r += QTILE) {
     const uint8_t* nh = r == 0 ? next_h : nullptr;
     const uint8_t* nl = r == 0 ? next_l : nullptr;
-    const auto args = std::make_tuple(iq + r * 2 * D, a2 + r, bias + r, isum + 2 * r, kh, kl, s + r * QB, nh, nl);
-    static_assert(QTILE == 6 || QTILE == 3, "group_scores and group_pv dispatch tiles of up to 6 rows");
-    switch (std::min<int64_t>(QTILE, R - r)) {
-      case 1: std::apply(group_scores_tile<D, 1>, args); break;
-      case 2: std::apply(group_scores_tile<D, 2>, args); break;
-      case 3: std::apply(group_scores_tile<D, 3>, args); break;
-      case 4: std::apply(group_scores_tile<D, 4>, args); break;
-      case 5: std::apply(group_scores_tile<D, 5>, args); break;
-      default: std::apply(group_scores_tile<D, QTILE>, args); break;
-    }
+    with_tile_rows<QTILE>(R - r, [&](auto nr) {
+      group_scores_tile<D, decltype(nr)::value>(iq + r * 2 * D, a2 + r, bias + r, isum + 2 * r, kh, kl, s + r * QB, nh,
+                                                nl);
+    });
   }
 }
 
@@ -1177,15 +1172,9 @@ void group_pv(const int16_t* p16, const float* sigma, const float* zsum, const u
   for (int64_t r = 0; r < R; r += QTILE) {
     const uint8_t* nh = r == 0 ? next_h : nullptr;
     const uint8_t* nl = r == 0 ? next_l : nullptr;
-    const auto args = std::make_tuple(p16 + r * NB * QB, sigma + r * NB, zsum + r * NB, vh, vl, o + r * D, nh, nl);
-    switch (std::min<int64_t>(QTILE, R - r)) {
-      case 1: std::apply(group_pv_tile<D, 1>, args); break;
-      case 2: std::apply(group_pv_tile<D, 2>, args); break;
-      case 3: std::apply(group_pv_tile<D, 3>, args); break;
-      case 4: std::apply(group_pv_tile<D, 4>, args); break;
-      case 5: std::apply(group_pv_tile<D, 5>, args); break;
-      default: std::apply(group_pv_tile<D, QTILE>, args); break;
-    }
+    with_tile_rows<QTILE>(R - r, [&](auto nr) {
+      group_pv_tile<D, decltype(nr)::value>(p16 + r * NB * QB, sigma + r * NB, zsum + r * NB, vh, vl, o + r * D, nh, nl);
+    });
   }
 }
 
@@ -1290,6 +1279,8 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
 // `causal` -> out [H, R, D] fp32. path: 0 chooses by R (and AMX's tiles for bf16 K/V where usable), 1 forces
 // the per-row path, 2 the rows-in-lanes path on the vector units (bf16 K/V: vdpbf16ps where the build has AVX512-BF16, else FMAs), 3 rows in lanes on AMX (bf16 K/V; for tests and
 // measurements). bf16 K/V: the bf16 arithmetic (run()).
+bool bf16_dot_attention() { return BF16_DOT || amx_usable(); }
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path, c10::optional<torch::Tensor> visible) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H, R, D], k/v [H, S, D]");
@@ -1314,7 +1305,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(path >= 0 && path <= 3, "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX)");
   TORCH_CHECK(path != 3 || (amx_usable() && k.scalar_type() == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
-  const bool dot = k.scalar_type() == torch::kBFloat16 && (BF16_DOT || amx_usable());
+  const bool dot = k.scalar_type() == torch::kBFloat16 && bf16_dot_attention();
   const bool lanes = path >= 2 || (path == 0 && R >= lanes_min_rows(dot));
   const bool amx = path == 3 || (path == 0 && amx_usable());
   switch (k.scalar_type()) {
@@ -1326,7 +1317,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }
 
 bool amx_attention() { return amx_usable(); }
-bool bf16_dot_attention() { return BF16_DOT; }
 int64_t attention_lanes_min_rows(bool bf16_dot) { return lanes_min_rows(bf16_dot); }
 
 }  // namespace triforce

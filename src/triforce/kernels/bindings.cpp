@@ -14,8 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_attention", &triforce::amx_attention,
         "whether decode_attention runs bf16 K/V's rows-in-lanes path (scores and p v) on AMX tiles in this process");
   m.def("bf16_dot_attention", &triforce::bf16_dot_attention,
-        "whether decode_attention's rows-in-lanes path over bf16 K/V runs on AVX512-BF16 dot products (vdpbf16ps) "
-        "where it does not on AMX tiles (path 2 always)");
+        "whether decode_attention's rows-in-lanes path over bf16 K/V runs on dot products in this process: AMX "
+        "tiles (amx_attention) or AVX512-BF16's vdpbf16ps");
   m.def("attention_lanes_min_rows", &triforce::attention_lanes_min_rows,
         "from how many query rows per KV head decode_attention's path 0 takes the rows-in-lanes path on this CPU "
         "(bf16_dot: bf16 K/V on AVX512-BF16 or AMX dot products)", py::arg("bf16_dot"));

@@ -44,18 +44,29 @@ def _compiler_version() -> str:
         return f"{cxx}: unavailable"
 
 
+def _compiles_with(flags: list[str]) -> bool:
+    """Whether the C++ compiler ($CXX, else c++) compiles an empty unit with `flags`."""
+    try:
+        return subprocess.run([os.environ.get("CXX", "c++"), *flags, "-x", "c++", "-fsyntax-only", "-"], input="",
+                              capture_output=True, text=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def compiler_accepts(flag: str) -> bool:
-    """Whether the C++ compiler ($CXX, else c++) compiles an empty unit with `flag` (an optional ISA flag an older
-    compiler may not know: -mavx512bf16 needs GCC 10, -mamx-tile GCC 11); asked once per flag and process."""
+    """Whether the C++ compiler knows `flag` (an optional ISA flag an older compiler may not: -mavx512bf16 needs
+    GCC 10, -mamx-tile GCC 11); asked once per flag and process."""
     if flag not in _ACCEPTS:
-        cxx = os.environ.get("CXX", "c++")
-        try:
-            out = subprocess.run([cxx, flag, "-x", "c++", "-fsyntax-only", "-"], input="", capture_output=True,
-                                 text=True, timeout=60)
-            _ACCEPTS[flag] = out.returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            _ACCEPTS[flag] = False
+        _ACCEPTS[flag] = _compiles_with([flag])
     return _ACCEPTS[flag]
+
+
+def accepted_flags(flags: list[str]) -> list[str]:
+    """The flags the compiler knows, in order: one compiler run for all of them where it knows them all (the
+    usual case; every process that loads the kernels asks), one per flag only where it does not."""
+    if flags and not all(f in _ACCEPTS for f in flags) and _compiles_with(flags):
+        _ACCEPTS.update(dict.fromkeys(flags, True))
+    return [f for f in flags if compiler_accepts(f)]
 
 
 _ACCEPTS: dict[str, bool] = {}

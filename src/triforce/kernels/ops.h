@@ -14,8 +14,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // attention.cpp: whether decode_attention runs bf16 K/V's rows-in-lanes path on AMX tiles here (compiled
 // for a CPU with AMX-BF16, the tile state granted by Linux, TRIFORCE_AMX not 0).
 bool amx_attention();
-// attention.cpp: whether it runs that path on AVX512-BF16 dot products (vdpbf16ps) where not on the tiles
-// (compiled for a CPU with AVX512-BF16).
+// attention.cpp: whether it runs that path on dot products, AMX's tiles (amx_attention) or AVX512-BF16's
+// vdpbf16ps (compiled for a CPU with AVX512-BF16).
 bool bf16_dot_attention();
 // attention.cpp: the row count from which decode_attention's path 0 takes the rows-in-lanes path on this CPU.
 int64_t attention_lanes_min_rows(bool bf16_dot);
