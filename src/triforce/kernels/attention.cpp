@@ -95,29 +95,41 @@ constexpr int keys_per_tile() {
   return W == 16 ? (NVG == 1 ? 16 : NVG == 2 ? 12 : NVG == 3 ? 8 : 6) : (NVG == 1 ? 12 : 5);
 }
 
-// Ask for rows [j, j + count) of the next block's K and V (null: none) while this block computes,
-// a few rows per iteration of a loop over this block's keys (the lanes path: its score loop; the
-// per-row path: its p v loop).
-template <typename KV, int64_t D>
-inline void prefetch_rows(const char* k, const char* v, int64_t j, int64_t count) {
-  if (k == nullptr) return;
-  constexpr int64_t row_bytes = D * sizeof(KV);
-  for (int64_t b = j * row_bytes; b < (j + count) * row_bytes; b += 64) {
-    prefetch_l2(k + b);
-    prefetch_l2(v + b);
+// The next block's K or V, into L2 a few cache lines per step of a loop over this block: paced so that the bytes
+// stream in while this block computes. (Asked for all at once, in one phase of a work item, they queued behind
+// each other and the rest of the item ran with no reads in flight: the AVX2 build's decode attention at 32K, fp16,
+// took 25.3 ms with the next block's K and V requested in p v's first pass, 19.7 with K paced over the scores
+// and V over every pass of p v; AVX-512 18.2 -> 17.5.)
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
+  Prefetch(const void* from, int64_t bytes) {
+    if (from != nullptr) {
+      p = static_cast<const char*>(from);
+      end = p + bytes;
+    }
   }
-}
+  bool pending() const { return p < end; }
+  // spread what is left over `steps` calls of step()
+  void pace(int64_t steps) { per_step = steps > 0 ? ((end - p + 63) / 64 + steps - 1) / steps : 0; }
+  ALWAYS_INLINE void step() {
+    for (int64_t i = 0; i < per_step && p < end; ++i, p += 64) prefetch_l2(p);
+  }
+  void finish() {
+    for (; p < end; p += 64) prefetch_l2(p);
+  }
+};
 
 // One tile of NR rows (a compile-time count, so the accumulators can live in registers) and DCP vectors of the
-// value rows from vector c0 on; PF: prefetch the next block's rows, one per key.
+// value rows from vector c0 on; PF: a step of pf per key.
 template <int64_t D, int64_t RS, int NR, int DCP, bool PF, typename KV>
-inline void pv_tile(const float* p, int64_t js, const KV* v, int64_t n, int c0, float* o, const char* next_k,
-                    const char* next_v) {
+inline void pv_tile(const float* p, int64_t js, const KV* v, int64_t n, int c0, float* o, Prefetch* pf) {
   Vec acc[NR][DCP];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < DCP; ++c) acc[r][c] = Vec(0.f);
   for (int64_t j = 0; j < n; ++j) {
-    if constexpr (PF) prefetch_rows<KV, D>(next_k, next_v, j, 1);
+    if constexpr (PF) pf->step();
     const KV* vj = v + j * D + c0 * W;
     const float* pj = p + j * js;
     if constexpr (NR * DCP + NR + 1 <= REGS) {  // few rows: their p held, a value vector widened at a time
@@ -149,8 +161,7 @@ constexpr int pv_vectors_per_pass(int nc, int nr) {
 }
 
 template <int64_t D, int64_t RS, int NR, typename KV>
-inline void pv_rows(const float* p, int64_t js, const KV* v, int64_t n, float* o, const char* next_k,
-                    const char* next_v) {
+inline void pv_rows(const float* p, int64_t js, const KV* v, int64_t n, float* o, Prefetch* pf) {
   constexpr int NC = D / W;
   // vectors of a value row per pass: DC, or with few rows as many as their accumulators and p leave registers
   // for (one value vector live at a time; AVX2, 3 rows: 4 vectors, two passes over the keys instead of four)
@@ -158,26 +169,28 @@ inline void pv_rows(const float* p, int64_t js, const KV* v, int64_t n, float* o
   // (the prefetching loop is a separate instance: with its inner loop in the tile GCC kept the accumulators
   // on the stack, a load and a store around every fma)
   for (int c0 = 0; c0 < NC; c0 += DCP)
-    if (c0 == 0 && next_k != nullptr)
-      pv_tile<D, RS, NR, DCP, true>(p, js, v, n, c0, o, next_k, next_v);
+    if (pf != nullptr && pf->pending())
+      pv_tile<D, RS, NR, DCP, true>(p, js, v, n, c0, o, pf);
     else
-      pv_tile<D, RS, NR, DCP, false>(p, js, v, n, c0, o, nullptr, nullptr);
+      pv_tile<D, RS, NR, DCP, false>(p, js, v, n, c0, o, nullptr);
 }
 
 // o_b [R, D] = p v for one block of n keys (v: the block's first value row), with p(r, j) =
 // p[r * RS + j * js] (the per-row path keeps scores by row, RS = BS; the lanes path by key, RS = 1;
-// RS is a compile-time constant: runtime strides in the inner loop cost 10-20%). With next_k /
-// next_v, prefetches the next block's rows during the first pass (the per-row path: a decode step is
-// memory-bound and its p v loop is the longest; this reached 91% of the bandwidth at 32K).
+// RS is a compile-time constant: runtime strides in the inner loop cost 10-20%). With pf (the next block's
+// values), its lines paced over every pass of every tile over the keys.
 template <int64_t D, int64_t RS, typename KV>
-void block_pv(const float* p, int64_t js, const KV* v, int64_t R, int64_t n, float* o_b,
-              const char* next_k = nullptr, const char* next_v = nullptr) {
+void block_pv(const float* p, int64_t js, const KV* v, int64_t R, int64_t n, float* o_b, Prefetch* pf = nullptr) {
+  if (pf != nullptr) {
+    int64_t passes = 0;
+    for (int64_t r0 = 0; r0 < R; r0 += TILE)
+      passes += D / W / pv_vectors_per_pass(D / W, static_cast<int>(std::min<int64_t>(R - r0, TILE)));
+    pf->pace(passes * n);
+  }
   for (int64_t r0 = 0; r0 < R; r0 += TILE) {
     const float* pr = p + r0 * RS;
     float* o = o_b + r0 * D;
-    const char* nk = r0 == 0 ? next_k : nullptr;
-    const char* nv = r0 == 0 ? next_v : nullptr;
-    with_tile_rows<TILE>(R - r0, [&](auto nr) { pv_rows<D, RS, decltype(nr)::value>(pr, js, v, n, o, nk, nv); });
+    with_tile_rows<TILE>(R - r0, [&](auto nr) { pv_rows<D, RS, decltype(nr)::value>(pr, js, v, n, o, pf); });
   }
 }
 
@@ -257,10 +270,11 @@ inline void hsum_halves(const Vec* a, const Vec* b, float* a_out, float* b_out) 
 // Scores of a group of RG = 2 or 3 rows: W keys at a time, in two halves of KP = W / 2 keys, each half's partial
 // sums of rows 0 and 1 reduced together; row 2's two halves (RG = 3) reduced together after them.
 template <int64_t D, int64_t BS, int RG, typename KV>
-inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0) {
+inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0, Prefetch& pf) {
   constexpr int KP = W / 2;
   float* s1 = s0 + BS;
   for (int64_t j = 0; j < nw; j += W) {
+    pf.step();
     Vec lo[RG][KP], hi[RG][KP];
     dot_parts<D, RG, KP>(qg, k + j * D, lo);
     hsum_halves<KP>(lo[0], lo[1], s0 + j, s1 + j);
@@ -270,17 +284,19 @@ inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0) {
   }
 }
 
+// pf (the next block's keys): paced over the first group's loop.
 template <int64_t D, int64_t BS, typename KV>
-void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s) {
+void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s, Prefetch& pf) {
   constexpr int NC = D / W;
   const int64_t nw = n - n % W;
+  pf.pace(nw / W);
   int64_t r0 = 0;
   while (R - r0 >= 2) {  // groups of 3, or of 2 where 2 or 4 rows are left
     if (R - r0 == 2 || R - r0 == 4) {
-      group_scores<D, BS, 2>(q + r0 * D, k, nw, s + r0 * BS);
+      group_scores<D, BS, 2>(q + r0 * D, k, nw, s + r0 * BS, pf);
       r0 += 2;
     } else {
-      group_scores<D, BS, 3>(q + r0 * D, k, nw, s + r0 * BS);
+      group_scores<D, BS, 3>(q + r0 * D, k, nw, s + r0 * BS, pf);
       r0 += 3;
     }
   }
@@ -288,6 +304,7 @@ void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s) {
     const float* qr = q + r0 * D;
     float* sr = s + r0 * BS;
     for (int64_t j = 0; j < nw; j += W) {  // W keys at a time, their W partial-sum vectors reduced together
+      pf.step();
       Vec t[W];
       for (int c = 0; c < NC; ++c) {
         const Vec qc = Vec::loadu(qr + c * W);
@@ -328,12 +345,15 @@ void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
 template <int64_t D, int64_t BS, bool B2, typename KV, typename Mask>
 void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from, const Mask& mask,
                 float* s, const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b) {
-  scores_rows<D, BS>(q, k, R, n, s);
+  constexpr int64_t row_bytes = D * sizeof(KV);
+  Prefetch pk(next_k, BS * row_bytes), pv(next_v, BS * row_bytes);
+  scores_rows<D, BS>(q, k, R, n, s, pk);
+  pk.finish();
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = mask_from; j < n; ++j)
       if (!mask(r, j)) s[r * BS + j] = NEG_INF;
   rows_softmax<BS, B2>(s, R, n, m_b, l_b);
-  block_pv<D, BS>(s, 1, v, R, n, o_b, next_k, next_v);
+  block_pv<D, BS>(s, 1, v, R, n, o_b, &pv);
 }
 
 // Rows-in-lanes scores of one block for NVG vectors of rows: st[j][row] for the n keys of k (as stored),
@@ -341,8 +361,7 @@ void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, 
 // are widened a tile at a time into a small scratch that stays in L1 (the broadcasts need fp32 scalars);
 // widening the whole block first into a 32 KB scratch left its loads waiting and the block out of L1.
 template <int64_t D, int NVG, typename KV>
-void scores_lanes(const float* qt, int64_t RP, const KV* k, int64_t n, float* st, const char* next_k,
-                  const char* next_v) {
+void scores_lanes(const float* qt, int64_t RP, const KV* k, int64_t n, float* st, Prefetch& pf) {
   constexpr int JT = keys_per_tile<NVG>();
   float kt[std::is_same_v<KV, float> ? 1 : JT * D];
   auto tile = [&](auto jt_const, int64_t j) {
@@ -367,11 +386,12 @@ void scores_lanes(const float* qt, int64_t RP, const KV* k, int64_t n, float* st
       for (int g = 0; g < NVG; ++g) acc[jj][g].store(st + (j + jj) * RP + g * W);
   };
   int64_t j = 0;
+  pf.pace(n / JT);
   for (; j + JT <= n; j += JT) {
-    prefetch_rows<KV, D>(next_k, next_v, j, JT);
+    pf.step();
     tile(std::integral_constant<int, JT>{}, j);
   }
-  prefetch_rows<KV, D>(next_k, next_v, j, block_keys<D, KV>() - j);
+  pf.finish();
   for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
 }
 
@@ -555,8 +575,7 @@ constexpr bool BF16_DOT = true;
 // Scores of the n keys of k for NVG groups of 16 rows: st[j][row] (row stride RP). qb: the rounded queries' pairs,
 // [NVG][D / 2][16 rows][2] bf16 (scores_amx's layout); prefetches the next block's rows as scores_lanes does.
 template <int64_t D, int NVG>
-void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t n, float* st, const char* next_k,
-                const char* next_v) {
+void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t n, float* st, Prefetch& pf) {
   constexpr int JT = keys_per_tile<NVG>();
   const auto* kp = reinterpret_cast<const int32_t*>(k);  // [n][D / 2] dimension pairs
   auto tile = [&](auto jt_const, int64_t j) {
@@ -576,11 +595,12 @@ void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t 
       for (int g = 0; g < NVG; ++g) _mm512_storeu_ps(st + (j + jj) * RP + g * 16, acc[jj][g]);
   };
   int64_t j = 0;
+  pf.pace(n / JT);
   for (; j + JT <= n; j += JT) {
-    prefetch_rows<c10::BFloat16, D>(next_k, next_v, j, JT);
+    pf.step();
     tile(std::integral_constant<int, JT>{}, j);
   }
-  prefetch_rows<c10::BFloat16, D>(next_k, next_v, j, block_keys<D, c10::BFloat16>() - j);
+  pf.finish();
   for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
 }
 
@@ -590,7 +610,7 @@ void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t 
 // one channel's pair, in unpack order (per 32 channels, lo: channels 0-3, 8-11, 16-19, 24-27; hi: 4-7, ...), put
 // back in channel order when stored.
 template <int64_t D, int NR>
-void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t n, float* o) {
+void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t n, float* o, Prefetch* pf) {
   const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   const auto* vv = reinterpret_cast<const uint16_t*>(v);
@@ -599,6 +619,7 @@ void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t 
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t u = 0; 2 * u < n; ++u) {
+      if (pf != nullptr) pf->step();
       const uint16_t* a = vv + 2 * u * D + c0;
       const bool pair = 2 * u + 1 < n;
       __m512bh vp[4];
@@ -623,9 +644,9 @@ void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t 
 }
 
 // o_b [R, D] = p v over the block's n keys: st [n][RP] the rounded p (bf16 values as fp32, keys x rows) paired by
-// keys once (their upper halves), then tiles of up to TILE rows.
+// keys once (their upper halves), then tiles of up to TILE rows; pf (the next block's values) paced over them.
 template <int64_t D>
-void pv_dot(const float* st, int64_t RP, const c10::BFloat16* v, int64_t R, int64_t n, float* o_b) {
+void pv_dot(const float* st, int64_t RP, const c10::BFloat16* v, int64_t R, int64_t n, float* o_b, Prefetch* pf) {
   alignas(64) int32_t pp[(BLOCK_FLOATS / D + 1) / 2 * MAX_ROWS];
   const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
   for (int64_t u = 0; 2 * u < n; ++u)
@@ -634,16 +655,19 @@ void pv_dot(const float* st, int64_t RP, const c10::BFloat16* v, int64_t R, int6
       const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(st + (2 * u + 1) * RP + g) : _mm512_setzero_si512();
       _mm512_store_si512(pp + u * RP + g, _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, high)));
     }
+  pf->pace((R + TILE - 1) / TILE * (D / 64) * ((n + 1) / 2));
   for (int64_t r0 = 0; r0 < R; r0 += TILE) {
-    with_tile_rows<TILE>(R - r0, [&](auto nr) { pv_dot_tile<D, decltype(nr)::value>(pp + r0, RP, v, n, o_b + r0 * D); });
+    with_tile_rows<TILE>(R - r0, [&](auto nr) {
+      pv_dot_tile<D, decltype(nr)::value>(pp + r0, RP, v, n, o_b + r0 * D, pf->pending() ? pf : nullptr);
+    });
   }
 }
 #else
 constexpr bool BF16_DOT = false;
 template <int64_t D, int NVG>
-void scores_dot(const uint16_t*, int64_t, const c10::BFloat16*, int64_t, float*, const char*, const char*) {}
+void scores_dot(const uint16_t*, int64_t, const c10::BFloat16*, int64_t, float*, Prefetch&) {}
 template <int64_t D>
-void pv_dot(const float*, int64_t, const c10::BFloat16*, int64_t, int64_t, float*) {}
+void pv_dot(const float*, int64_t, const c10::BFloat16*, int64_t, int64_t, float*, Prefetch*) {}
 #endif
 
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
@@ -669,30 +693,32 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   }
   const KV* kf = k + j_fma * D;
   const int64_t nf = n - j_fma;
+  // the next block's keys paced over the (first group's) scores, its values over p v (AMX: see above)
+  constexpr int64_t block_bytes = block_keys<D, KV>() * D * sizeof(KV);
+  Prefetch pk(next_k, block_bytes), pv(next_v, block_bytes);
   for (int64_t g0 = 0; g0 < NV && nf > 0;) {  // groups of up to NVG_MAX row vectors share each loaded key
     const int64_t left = NV - g0;
     const float* qg = qt + g0 * W;
     float* sg = st + j_fma * RP + g0 * W;
-    const char* nk = g0 == 0 ? next_k : nullptr;
     const int ng = static_cast<int>(std::min<int64_t>(left, NVG_MAX));
     if constexpr (std::is_same_v<KV, c10::BFloat16>) {
       if (dot) {
         const uint16_t* qbg = qb + g0 * (D / 2) * 32;
         switch (ng) {
-          case 1: scores_dot<D, 1>(qbg, RP, kf, nf, sg, nk, next_v); break;
-          case 2: scores_dot<D, 2>(qbg, RP, kf, nf, sg, nk, next_v); break;
-          case 3: scores_dot<D, 3>(qbg, RP, kf, nf, sg, nk, next_v); break;
-          default: scores_dot<D, NVG_MAX>(qbg, RP, kf, nf, sg, nk, next_v); break;
+          case 1: scores_dot<D, 1>(qbg, RP, kf, nf, sg, pk); break;
+          case 2: scores_dot<D, 2>(qbg, RP, kf, nf, sg, pk); break;
+          case 3: scores_dot<D, 3>(qbg, RP, kf, nf, sg, pk); break;
+          default: scores_dot<D, NVG_MAX>(qbg, RP, kf, nf, sg, pk); break;
         }
         g0 += ng;
         continue;
       }
     }
     switch (ng) {
-      case 1: scores_lanes<D, 1, KV>(qg, RP, kf, nf, sg, nk, next_v); break;
-      case 2: scores_lanes<D, NVG_MAX >= 2 ? 2 : 1, KV>(qg, RP, kf, nf, sg, nk, next_v); break;
-      case 3: scores_lanes<D, NVG_MAX >= 3 ? 3 : 1, KV>(qg, RP, kf, nf, sg, nk, next_v); break;
-      default: scores_lanes<D, NVG_MAX, KV>(qg, RP, kf, nf, sg, nk, next_v); break;
+      case 1: scores_lanes<D, 1, KV>(qg, RP, kf, nf, sg, pk); break;
+      case 2: scores_lanes<D, NVG_MAX >= 2 ? 2 : 1, KV>(qg, RP, kf, nf, sg, pk); break;
+      case 3: scores_lanes<D, NVG_MAX >= 3 ? 3 : 1, KV>(qg, RP, kf, nf, sg, pk); break;
+      default: scores_lanes<D, NVG_MAX, KV>(qg, RP, kf, nf, sg, pk); break;
     }
     g0 += ng;
   }
@@ -733,7 +759,7 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   }
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
     if (dot) {
-      pv_dot<D>(st, RP, v, R, n, o_b);
+      pv_dot<D>(st, RP, v, R, n, o_b, &pv);
       return;
     }
     if (qb != nullptr) {  // p v on the tiles, a cache end's last n % 32 keys by FMAs, added
@@ -747,7 +773,7 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
       return;
     }
   }
-  block_pv<D, 1>(st, RP, v, R, n, o_b);
+  block_pv<D, 1>(st, RP, v, R, n, o_b, &pv);
 }
 
 // The blocks' partial results -> out [H, R, D]: per row, the blocks' o_b merged by their log-sum-exp
