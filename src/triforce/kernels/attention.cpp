@@ -95,41 +95,60 @@ constexpr int keys_per_tile() {
   return W == 16 ? (NVG == 1 ? 16 : NVG == 2 ? 12 : NVG == 3 ? 8 : 6) : (NVG == 1 ? 12 : 5);
 }
 
-// The next block's K or V, into L2 a few cache lines per step of a loop over this block: paced so that the bytes
-// stream in while this block computes. (Asked for all at once, in one phase of a work item, they queued behind
-// each other and the rest of the item ran with no reads in flight: the AVX2 build's decode attention at 32K, fp16,
-// took 25.3 ms with the next block's K and V requested in p v's first pass, 19.7 with K paced over the scores
-// and V over every pass of p v; AVX-512 18.2 -> 17.5.)
+// The next block's K and V, into L2 a few cache lines at a time over the whole of this block's work item, at the
+// pace of its arithmetic. The loops step it by their vector instructions (FMAs, dot products; an exp as 16), and
+// the work item paces it by their total, so the lines go out at an even rate: asked for in one phase of the item,
+// they queued behind each other, stalled that phase's own loads (a burst of 32 prefetches per tile of 16 keys took
+// the bf16 dot-product scores from 20 to 31 cycles per key) and left the rest of the item with no reads in flight.
+// Zen 5, 32K, 30 layers x 3 KV heads, bf16 K/V, 15 rows (a 5-token verification) on dot products: 26.3 -> 24 ms
+// with K and V over the whole item instead of K over the scores and V over p v. The per-row path (decode) keeps
+// the latter: its scores and p v are each as long, and one stream over both made fp16 decode steps 2-6% slower.
 struct Prefetch {
-  const char* p = nullptr;
-  const char* end = nullptr;
-  int64_t per_step = 0;
-  Prefetch(const void* from, int64_t bytes) {
-    if (from != nullptr) {
-      p = static_cast<const char*>(from);
-      end = p + bytes;
+  const char* a = nullptr;  // the K lines left, then the V lines
+  const char* a_end = nullptr;
+  const char* b = nullptr;
+  const char* b_end = nullptr;
+  uint64_t rate = 0;  // lines per unit of work, 32.32 fixed point
+  uint64_t owed = 0;  // lines due, 32.32
+  Prefetch(const void* k, const void* v, int64_t bytes) {
+    if (k != nullptr) a = static_cast<const char*>(k), a_end = a + bytes;
+    if (v != nullptr) b = static_cast<const char*>(v), b_end = b + bytes;
+  }
+  bool pending() const { return a < a_end || b < b_end; }
+  void pace(int64_t units) {
+    const uint64_t lines = ((a_end - a) + (b_end - b)) / 64;
+    rate = units > 0 ? (lines << 32) / static_cast<uint64_t>(units) + 1 : uint64_t(1) << 40;
+  }
+  ALWAYS_INLINE void step(int64_t units) {
+    owed += rate * static_cast<uint64_t>(units);
+    for (; owed >= (uint64_t(1) << 32); owed -= uint64_t(1) << 32) {
+      if (a < a_end) {
+        prefetch_l2(a);
+        a += 64;
+      } else if (b < b_end) {
+        prefetch_l2(b);
+        b += 64;
+      } else {
+        owed = 0;
+        return;
+      }
     }
   }
-  bool pending() const { return p < end; }
-  // spread what is left over `steps` calls of step()
-  void pace(int64_t steps) { per_step = steps > 0 ? ((end - p + 63) / 64 + steps - 1) / steps : 0; }
-  ALWAYS_INLINE void step() {
-    for (int64_t i = 0; i < per_step && p < end; ++i, p += 64) prefetch_l2(p);
-  }
   void finish() {
-    for (; p < end; p += 64) prefetch_l2(p);
+    for (; a < a_end; a += 64) prefetch_l2(a);
+    for (; b < b_end; b += 64) prefetch_l2(b);
   }
 };
 
 // One tile of NR rows (a compile-time count, so the accumulators can live in registers) and DCP vectors of the
-// value rows from vector c0 on; PF: a step of pf per key.
+// value rows from vector c0 on; PF: pf stepped per key.
 template <int64_t D, int64_t RS, int NR, int DCP, bool PF, typename KV>
 inline void pv_tile(const float* p, int64_t js, const KV* v, int64_t n, int c0, float* o, Prefetch* pf) {
   Vec acc[NR][DCP];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < DCP; ++c) acc[r][c] = Vec(0.f);
   for (int64_t j = 0; j < n; ++j) {
-    if constexpr (PF) pf->step();
+    if constexpr (PF) pf->step(NR * DCP);
     const KV* vj = v + j * D + c0 * W;
     const float* pj = p + j * js;
     if constexpr (NR * DCP + NR + 1 <= REGS) {  // few rows: their p held, a value vector widened at a time
@@ -177,16 +196,9 @@ inline void pv_rows(const float* p, int64_t js, const KV* v, int64_t n, float* o
 
 // o_b [R, D] = p v for one block of n keys (v: the block's first value row), with p(r, j) =
 // p[r * RS + j * js] (the per-row path keeps scores by row, RS = BS; the lanes path by key, RS = 1;
-// RS is a compile-time constant: runtime strides in the inner loop cost 10-20%). With pf (the next block's
-// values), its lines paced over every pass of every tile over the keys.
+// RS is a compile-time constant: runtime strides in the inner loop cost 10-20%). pf: stepped per key and pass.
 template <int64_t D, int64_t RS, typename KV>
 void block_pv(const float* p, int64_t js, const KV* v, int64_t R, int64_t n, float* o_b, Prefetch* pf = nullptr) {
-  if (pf != nullptr) {
-    int64_t passes = 0;
-    for (int64_t r0 = 0; r0 < R; r0 += TILE)
-      passes += D / W / pv_vectors_per_pass(D / W, static_cast<int>(std::min<int64_t>(R - r0, TILE)));
-    pf->pace(passes * n);
-  }
   for (int64_t r0 = 0; r0 < R; r0 += TILE) {
     const float* pr = p + r0 * RS;
     float* o = o_b + r0 * D;
@@ -274,7 +286,7 @@ inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0, Pr
   constexpr int KP = W / 2;
   float* s1 = s0 + BS;
   for (int64_t j = 0; j < nw; j += W) {
-    pf.step();
+    pf.step(RG * D);
     Vec lo[RG][KP], hi[RG][KP];
     dot_parts<D, RG, KP>(qg, k + j * D, lo);
     hsum_halves<KP>(lo[0], lo[1], s0 + j, s1 + j);
@@ -284,12 +296,10 @@ inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0, Pr
   }
 }
 
-// pf (the next block's keys): paced over the first group's loop.
 template <int64_t D, int64_t BS, typename KV>
 void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s, Prefetch& pf) {
   constexpr int NC = D / W;
   const int64_t nw = n - n % W;
-  pf.pace(nw / W);
   int64_t r0 = 0;
   while (R - r0 >= 2) {  // groups of 3, or of 2 where 2 or 4 rows are left
     if (R - r0 == 2 || R - r0 == 4) {
@@ -304,7 +314,7 @@ void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s, Pr
     const float* qr = q + r0 * D;
     float* sr = s + r0 * BS;
     for (int64_t j = 0; j < nw; j += W) {  // W keys at a time, their W partial-sum vectors reduced together
-      pf.step();
+      pf.step(D);
       Vec t[W];
       for (int c = 0; c < NC; ++c) {
         const Vec qc = Vec::loadu(qr + c * W);
@@ -345,8 +355,10 @@ void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
 template <int64_t D, int64_t BS, bool B2, typename KV, typename Mask>
 void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from, const Mask& mask,
                 float* s, const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b) {
-  constexpr int64_t row_bytes = D * sizeof(KV);
-  Prefetch pk(next_k, BS * row_bytes), pv(next_v, BS * row_bytes);
+  // the next block's K paced over the scores, its V over p v (see Prefetch)
+  Prefetch pk(next_k, nullptr, BS * D * sizeof(KV)), pv(nullptr, next_v, BS * D * sizeof(KV));
+  pk.pace(n * R * D / W);  // the scores' FMAs
+  pv.pace(n * R * D / W);  // p v's
   scores_rows<D, BS>(q, k, R, n, s, pk);
   pk.finish();
   for (int64_t r = 0; r < R; ++r)
@@ -354,6 +366,7 @@ void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, 
       if (!mask(r, j)) s[r * BS + j] = NEG_INF;
   rows_softmax<BS, B2>(s, R, n, m_b, l_b);
   block_pv<D, BS>(s, 1, v, R, n, o_b, &pv);
+  pv.finish();
 }
 
 // Rows-in-lanes scores of one block for NVG vectors of rows: st[j][row] for the n keys of k (as stored),
@@ -386,12 +399,10 @@ void scores_lanes(const float* qt, int64_t RP, const KV* k, int64_t n, float* st
       for (int g = 0; g < NVG; ++g) acc[jj][g].store(st + (j + jj) * RP + g * W);
   };
   int64_t j = 0;
-  pf.pace(n / JT);
   for (; j + JT <= n; j += JT) {
-    pf.step();
+    pf.step(JT * D * NVG);
     tile(std::integral_constant<int, JT>{}, j);
   }
-  pf.finish();
   for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
 }
 
@@ -575,7 +586,10 @@ constexpr bool BF16_DOT = true;
 // Scores of the n keys of k for NVG groups of 16 rows: st[j][row] (row stride RP). qb: the rounded queries' pairs,
 // [NVG][D / 2][16 rows][2] bf16 (scores_amx's layout); prefetches the next block's rows as scores_lanes does.
 template <int64_t D, int NVG>
-void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t n, float* st, Prefetch& pf) {
+// (Not inlined, and the keys addressed from one pointer: inside block_lanes GCC kept a pointer per key of the tile,
+// partly on the stack, reloaded in the inner loop. Zen 5: 33 -> 28 cycles per key, then 2% more on the whole.)
+__attribute__((noinline)) void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t n, float* st,
+                                          Prefetch& pf) {
   constexpr int JT = keys_per_tile<NVG>();
   const auto* kp = reinterpret_cast<const int32_t*>(k);  // [n][D / 2] dimension pairs
   auto tile = [&](auto jt_const, int64_t j) {
@@ -583,11 +597,13 @@ void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t 
     __m512 acc[JN][NVG];
     for (int jj = 0; jj < JN; ++jj)
       for (int g = 0; g < NVG; ++g) acc[jj][g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D / 2; ++d) {
+    const int32_t* kd = kp + j * (D / 2);  // the tile's dimension pair d: kd[jj * (D / 2)] for key j + jj
+    for (int64_t d = 0; d < D / 2; ++d, ++kd) {
+      asm("" : "+r"(kd));  // (opaque to the loop optimiser: it would make a pointer per key again)
       __m512bh qv[NVG];
       for (int g = 0; g < NVG; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(qb + (g * (D / 2) + d) * 32);
       for (int jj = 0; jj < JN; ++jj) {
-        const __m512bh kb = (__m512bh)_mm512_set1_epi32(kp[(j + jj) * (D / 2) + d]);
+        const __m512bh kb = (__m512bh)_mm512_set1_epi32(kd[jj * (D / 2)]);
         for (int g = 0; g < NVG; ++g) acc[jj][g] = _mm512_dpbf16_ps(acc[jj][g], qv[g], kb);
       }
     }
@@ -595,12 +611,10 @@ void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t 
       for (int g = 0; g < NVG; ++g) _mm512_storeu_ps(st + (j + jj) * RP + g * 16, acc[jj][g]);
   };
   int64_t j = 0;
-  pf.pace(n / JT);
   for (; j + JT <= n; j += JT) {
-    pf.step();
+    pf.step(JT * D / 2 * NVG);
     tile(std::integral_constant<int, JT>{}, j);
   }
-  pf.finish();
   for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
 }
 
@@ -619,7 +633,7 @@ void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t 
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t u = 0; 2 * u < n; ++u) {
-      if (pf != nullptr) pf->step();
+      if (pf != nullptr) pf->step(4 * NR + 4);
       const uint16_t* a = vv + 2 * u * D + c0;
       const bool pair = 2 * u + 1 < n;
       __m512bh vp[4];
@@ -644,7 +658,7 @@ void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t 
 }
 
 // o_b [R, D] = p v over the block's n keys: st [n][RP] the rounded p (bf16 values as fp32, keys x rows) paired by
-// keys once (their upper halves), then tiles of up to TILE rows; pf (the next block's values) paced over them.
+// keys once (their upper halves), then tiles of up to TILE rows; pf stepped per key pair and tile.
 template <int64_t D>
 void pv_dot(const float* st, int64_t RP, const c10::BFloat16* v, int64_t R, int64_t n, float* o_b, Prefetch* pf) {
   alignas(64) int32_t pp[(BLOCK_FLOATS / D + 1) / 2 * MAX_ROWS];
@@ -655,7 +669,6 @@ void pv_dot(const float* st, int64_t RP, const c10::BFloat16* v, int64_t R, int6
       const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(st + (2 * u + 1) * RP + g) : _mm512_setzero_si512();
       _mm512_store_si512(pp + u * RP + g, _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, high)));
     }
-  pf->pace((R + TILE - 1) / TILE * (D / 64) * ((n + 1) / 2));
   for (int64_t r0 = 0; r0 < R; r0 += TILE) {
     with_tile_rows<TILE>(R - r0, [&](auto nr) {
       pv_dot_tile<D, decltype(nr)::value>(pp + r0, RP, v, n, o_b + r0 * D, pf->pending() ? pf : nullptr);
@@ -693,9 +706,11 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   }
   const KV* kf = k + j_fma * D;
   const int64_t nf = n - j_fma;
-  // the next block's keys paced over the (first group's) scores, its values over p v (AMX: see above)
-  constexpr int64_t block_bytes = block_keys<D, KV>() * D * sizeof(KV);
-  Prefetch pk(next_k, block_bytes), pv(next_v, block_bytes);
+  // the next block's K and V paced over the scores (FMAs or dot products), the softmax (an exp per key and row
+  // vector counted as 16) and p v (FMAs; dot products and interleaves) (AMX: its own prefetches, above)
+  Prefetch pf(tiles ? nullptr : next_k, tiles ? nullptr : next_v, block_keys<D, KV>() * D * sizeof(KV));
+  pf.pace(dot ? n * NV * (D / 2 + 16) + n * (2 * R + 2 * ((R + TILE - 1) / TILE)) * D / 64
+              : n * NV * (D + 16) + n * R * D / W);
   for (int64_t g0 = 0; g0 < NV && nf > 0;) {  // groups of up to NVG_MAX row vectors share each loaded key
     const int64_t left = NV - g0;
     const float* qg = qt + g0 * W;
@@ -705,20 +720,20 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
       if (dot) {
         const uint16_t* qbg = qb + g0 * (D / 2) * 32;
         switch (ng) {
-          case 1: scores_dot<D, 1>(qbg, RP, kf, nf, sg, pk); break;
-          case 2: scores_dot<D, 2>(qbg, RP, kf, nf, sg, pk); break;
-          case 3: scores_dot<D, 3>(qbg, RP, kf, nf, sg, pk); break;
-          default: scores_dot<D, NVG_MAX>(qbg, RP, kf, nf, sg, pk); break;
+          case 1: scores_dot<D, 1>(qbg, RP, kf, nf, sg, pf); break;
+          case 2: scores_dot<D, 2>(qbg, RP, kf, nf, sg, pf); break;
+          case 3: scores_dot<D, 3>(qbg, RP, kf, nf, sg, pf); break;
+          default: scores_dot<D, NVG_MAX>(qbg, RP, kf, nf, sg, pf); break;
         }
         g0 += ng;
         continue;
       }
     }
     switch (ng) {
-      case 1: scores_lanes<D, 1, KV>(qg, RP, kf, nf, sg, pk); break;
-      case 2: scores_lanes<D, NVG_MAX >= 2 ? 2 : 1, KV>(qg, RP, kf, nf, sg, pk); break;
-      case 3: scores_lanes<D, NVG_MAX >= 3 ? 3 : 1, KV>(qg, RP, kf, nf, sg, pk); break;
-      default: scores_lanes<D, NVG_MAX, KV>(qg, RP, kf, nf, sg, pk); break;
+      case 1: scores_lanes<D, 1, KV>(qg, RP, kf, nf, sg, pf); break;
+      case 2: scores_lanes<D, NVG_MAX >= 2 ? 2 : 1, KV>(qg, RP, kf, nf, sg, pf); break;
+      case 3: scores_lanes<D, NVG_MAX >= 3 ? 3 : 1, KV>(qg, RP, kf, nf, sg, pf); break;
+      default: scores_lanes<D, NVG_MAX, KV>(qg, RP, kf, nf, sg, pf); break;
     }
     g0 += ng;
   }
@@ -739,6 +754,7 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
       if (pf_k != nullptr && g == 0)
         for (int64_t b = jj * D * int64_t(sizeof(KV)); b < (jj + 1) * D * int64_t(sizeof(KV)); b += 64)
           prefetch_l2(pf_k + b);
+      pf.step(16);
       const Vec x = Vec::loadu(col + jj * RP);
       if constexpr (B2) {
         const Vec p = select(x != neg, exp2(x * Vec(LOG2E) - ms));
@@ -759,7 +775,8 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   }
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
     if (dot) {
-      pv_dot<D>(st, RP, v, R, n, o_b, &pv);
+      pv_dot<D>(st, RP, v, R, n, o_b, &pf);
+      pf.finish();
       return;
     }
     if (qb != nullptr) {  // p v on the tiles, a cache end's last n % 32 keys by FMAs, added
@@ -773,7 +790,8 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
       return;
     }
   }
-  block_pv<D, 1>(st, RP, v, R, n, o_b, &pv);
+  block_pv<D, 1>(st, RP, v, R, n, o_b, &pf);
+  pf.finish();
 }
 
 // The blocks' partial results -> out [H, R, D]: per row, the blocks' o_b merged by their log-sum-exp
