@@ -233,6 +233,19 @@ def test_kernel_auto_path_follows_this_cpus_row_threshold(kern, kv_dtype):
     assert not torch.equal(at, kern.decode_attention(q, k, v, 1, False, D ** -0.5, 1))
 
 
+def test_vector_peak_is_this_builds_own(kern):
+    """vector_peak_flops (decode_step's "of peak"): a rate for this build's FMAs, and for AVX512-BF16's dot products
+    only where the build has them (0.0 on the others: never an illegal instruction)."""
+    assert kern.vector_peak_flops(False) > 1e9
+    dot = kern.vector_peak_flops(True)
+    if kern.ISA == "avx2":
+        assert dot == 0.0
+    elif kern.bf16_dot_attention() and not kern.amx_attention():  # dot products without tiles: vdpbf16ps
+        assert dot > 1e9
+    else:
+        assert dot == 0.0 or dot > 1e9
+
+
 def test_kernel_amx_path_refused_where_unusable(kern):
     """path 3 (AMX tiles) is taken only for bf16 K/V where the tiles are usable; otherwise a clear error."""
     q, k = torch.randn(1, 16, 64), torch.randn(1, 2048, 64)

@@ -313,6 +313,22 @@ def kv_ab(model, contexts: list[int], steps: int, rounds: int = 3) -> None:
               f"| {b16} / {b8} |", flush=True)
 
 
+def arithmetic_peaks(kern) -> dict:
+    """The arithmetic peaks the attention's rate is compared with, FLOP/s on all threads: the kernels' own
+    register-resident loops (FMAs; AVX512-BF16 dot products, what a bf16 cache's verification runs on, 0 where the
+    build has none), or without kernels MKL's sgemm (on AMD's AVX-512 CPUs it runs AVX2 code: half the FMA peak)."""
+    from .hardware import measure_fma_peak
+
+    if kern is None:
+        fma = measure_fma_peak()
+        return {"fma": fma, "dot": 0.0, "words": f"{fma / 1e9:.0f} GFLOP/s (MKL sgemm)"}
+    fma = max(kern.vector_peak_flops(False) for _ in range(3))
+    dot = max(kern.vector_peak_flops(True) for _ in range(3))
+    words = f"{fma / 1e9:.0f} GFLOP/s ({kern.LANES}-lane FMAs)" + (
+        f", {dot / 1e9:.0f} GFLOP/s (vdpbf16ps; a bf16 cache's column is of this)" if dot else "")
+    return {"fma": fma, "dot": dot, "words": words}
+
+
 def _bf16_dot_words(kern) -> str:
     """What the header says of a bf16 cache's multi-token attention: on AMX tiles, on AVX512-BF16 dot products, or
     nothing (FMAs)."""
@@ -326,7 +342,7 @@ def _bf16_dot_words(kern) -> str:
 def main(argv=None) -> None:
     from ..config import KV_DTYPES, WEIGHTS
     from ..loading import load_model
-    from .hardware import floor_seconds, kv_bytes_per_token, measure_bandwidth, measure_fma_peak, weight_bytes
+    from .hardware import floor_seconds, kv_bytes_per_token, measure_bandwidth, weight_bytes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="8192,32768", help="comma-separated context lengths")
@@ -372,7 +388,6 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     bw = measure_bandwidth()
-    peak = measure_fma_peak()
     kern = None
     rows, hf_model, transformers_ms = [], None, {}
     k = args.verify_tokens
@@ -387,10 +402,10 @@ def main(argv=None) -> None:
             model, name = loaded.model, loaded.source
         if kern is None:
             kern = model.backend.ops
+            peaks = arithmetic_peaks(kern)
             print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s; "
                   f"kernels: {kern.ISA + ' (' + str(kern.LANES) + ' fp32 lanes)' if kern else 'off (PyTorch)'}"
-                  f"{_bf16_dot_words(kern)}; "
-                  f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (MKL sgemm)")
+                  f"{_bf16_dot_words(kern)}; arithmetic peak {peaks['words']}")
         print(f"{name}, --weights {mode}: weights {weight_bytes(model) / 1e6:.0f} MB read per step, KV "
               f"{kv_bytes_per_token(model) / 1e3:.1f} KB/token ({str(model.kv_dtype).removeprefix('torch.')})",
               flush=True)
@@ -420,6 +435,7 @@ def main(argv=None) -> None:
             # attention's FLOPs over the whole verification forward's time: a lower bound on the rate the
             # attention kernel reached (its FLOPs dominate the forward at long context)
             flops = attention_flops(model.cfg, n, k) / verify
+            peak = peaks["dot"] if model.kv_dtype == torch.bfloat16 and peaks["dot"] else peaks["fma"]
             if hf_model is None:
                 hf_s, ratio = "-", "-"
             else:

@@ -19,6 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_lanes_min_rows", &triforce::attention_lanes_min_rows,
         "from how many query rows per KV head decode_attention's path 0 takes the rows-in-lanes path on this CPU "
         "(bf16_dot: bf16 K/V on AVX512-BF16 or AMX dot products)", py::arg("bf16_dot"));
+  m.def("vector_peak_flops", &triforce::vector_peak_flops,
+        "this build's vector arithmetic peak on all threads in FLOP/s: FMAs, or with dot AVX512-BF16's vdpbf16ps (0 "
+        "where the build has none); register-resident chains, about 10 ms", py::arg("dot") = false);
   m.def("quant_attention", &triforce::quant_attention,
         "softmax(q k^T * scale) v for q [H, R, D] fp32 over a quantized KV cache: planes k_hi/k_lo/v_hi/v_lo "
         "[H, Sq, D/2] uint8 (lower planes empty: 4-bit reading), fp16 scales/zeros (keys [H, Sq/64, D], values "

@@ -19,6 +19,8 @@ bool amx_attention();
 bool bf16_dot_attention();
 // attention.cpp: the row count from which decode_attention's path 0 takes the rows-in-lanes path on this CPU.
 int64_t attention_lanes_min_rows(bool bf16_dot);
+// attention.cpp: this build's vector arithmetic peak on all threads, FLOP/s (FMAs, or AVX512-BF16 dot products).
+double vector_peak_flops(bool dot);
 
 // attention.cpp: the same over a quantized KV cache's planes (8-bit or their 4-bit reading) and its
 // full-precision buffer (caches/quantized.py; see there).
