@@ -50,6 +50,9 @@ class Run:
     def __init__(self, args, env, limit_file_size: int | None = None):
         def preexec():
             os.setsid()  # its own process group: a SIGKILL test kills the compiler children too
+            # SIGINT at its default, as a terminal's Ctrl-C finds it: a suite started in the background (`nohup ... &`
+            # without job control) hands its children SIGINT ignored, and Python then never sees it
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             if limit_file_size is not None:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_size, limit_file_size))
 
