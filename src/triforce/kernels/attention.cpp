@@ -30,11 +30,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <chrono>
-#include <numeric>
 #include <cmath>
 #include <cstdlib>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -53,13 +55,19 @@ constexpr int64_t LANES_MIN_ROWS = 8;  // from this many rows on, the rows-in-la
 // path runs its broadcast FMAs at about half the rate (30 layers x 3 KV heads at 32K, fp16 K/V, per row vs lanes:
 // 15 rows 41.1 vs 67.0 ms, 24 rows 62.3 vs 85.6, 48 rows 113.9 vs 106.6; the AVX2 build's lanes path there: 60.6
 // at 15), so it keeps the per-row path to 40 rows, and for bf16 on vdpbf16ps lanes to 12 (9 rows 33.9 vs 41.5,
-// 15 rows 45.6 vs 41.5, 48 rows 117.6 vs 59.8).
+// 15 rows 45.6 vs 41.5, 48 rows 117.6 vs 59.8). On Zen 5 (family 26), with the prefetches paced (Prefetch), bf16
+// on vdpbf16ps: 6 rows 20.7 per row vs 21.3 lanes, 9 rows 26.9 vs 23.0, 12 rows 31.5 vs 22.5: lanes from 8 there;
+// fp16 per row still ahead at 24 rows (56.7 vs 62.2). (Zen 4 not re-measured with the paced prefetches.)
 inline int64_t lanes_min_rows(bool dot) {
-  static const bool amd_avx512 = [] {
+  static const int amd_avx512_family = [] {  // 0: not an AMD CPU with this build's 16 lanes
     __builtin_cpu_init();
-    return W == 16 && __builtin_cpu_is("amd");
+    if (W != 16 || !__builtin_cpu_is("amd")) return 0;
+    unsigned a, b, c, d;
+    __cpuid(1, a, b, c, d);
+    return int((a >> 8) & 0xf) + int((a >> 20) & 0xff);  // base family + extended family
   }();
-  return amd_avx512 ? (dot ? 12 : 40) : LANES_MIN_ROWS;
+  if (amd_avx512_family == 0) return LANES_MIN_ROWS;
+  return dot ? (amd_avx512_family >= 26 ? 8 : 12) : 40;
 }
 constexpr int64_t BLOCK_FLOATS = 16384;  // keys per work item x head dim: 64 KB of fp32 K (256 keys of 64)
 // Keys per work item: BLOCK_FLOATS / D whatever the K/V dtype (bf16 / fp16 blocks had half as many keys
