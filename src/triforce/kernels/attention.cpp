@@ -594,10 +594,10 @@ void pv_amx(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64
 constexpr bool BF16_DOT = true;
 
 // Scores of the n keys of k for NVG groups of 16 rows: st[j][row] (row stride RP). qb: the rounded queries' pairs,
-// [NVG][D / 2][16 rows][2] bf16 (scores_amx's layout); prefetches the next block's rows as scores_lanes does.
+// [NVG][D / 2][16 rows][2] bf16 (scores_amx's layout); steps pf per tile as scores_lanes does. (Not inlined, and the
+// keys addressed from one pointer: inside block_lanes GCC kept a pointer per key of the tile, partly on the stack,
+// reloaded in the inner loop. Zen 5: 33 -> 28 cycles per key, then 2% more on the whole.)
 template <int64_t D, int NVG>
-// (Not inlined, and the keys addressed from one pointer: inside block_lanes GCC kept a pointer per key of the tile,
-// partly on the stack, reloaded in the inner loop. Zen 5: 33 -> 28 cycles per key, then 2% more on the whole.)
 __attribute__((noinline)) void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t n, float* st,
                                           Prefetch& pf) {
   constexpr int JT = keys_per_tile<NVG>();
@@ -781,27 +781,25 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
     for (int64_t jj = 0; jj < n; ++jj) m = vmax(m, Vec::loadu(col + jj * RP));
     if constexpr (B2) m = select(m != neg, (m * Vec(LOG2E)).ceil()) + select(m == neg, neg);  // base2_reference
     const Vec ms = select(m != neg, m);  // fully masked rows (m = -inf) subtract 0; their p are zeroed
-    if (dot) {
-      m.store(mt + g * W);
-      softmax_pairs(col, RP, n, ms, pp + g * W, pf).store(lt + g * W);
-      continue;
-    }
-    for (int64_t jj = 0; jj < n; ++jj) {
-      if (pf_k != nullptr && g == 0)
-        for (int64_t b = jj * D * int64_t(sizeof(KV)); b < (jj + 1) * D * int64_t(sizeof(KV)); b += 64)
-          prefetch_l2(pf_k + b);
-      pf.step(16);
-      const Vec x = Vec::loadu(col + jj * RP);
-      if constexpr (B2) {
-        const Vec p = select(x != neg, exp2(x * Vec(LOG2E) - ms));
-        round_bf16(p).store(col + jj * RP);
-        l = l + p;
-      } else {
-        const Vec p = select(x != neg, exp(x - ms));
-        p.store(col + jj * RP);
-        l = l + p;
+    if (dot)
+      l = softmax_pairs(col, RP, n, ms, pp + g * W, pf);
+    else
+      for (int64_t jj = 0; jj < n; ++jj) {
+        if (pf_k != nullptr && g == 0)
+          for (int64_t b = jj * D * int64_t(sizeof(KV)); b < (jj + 1) * D * int64_t(sizeof(KV)); b += 64)
+            prefetch_l2(pf_k + b);
+        pf.step(16);
+        const Vec x = Vec::loadu(col + jj * RP);
+        if constexpr (B2) {
+          const Vec p = select(x != neg, exp2(x * Vec(LOG2E) - ms));
+          round_bf16(p).store(col + jj * RP);
+          l = l + p;
+        } else {
+          const Vec p = select(x != neg, exp(x - ms));
+          p.store(col + jj * RP);
+          l = l + p;
+        }
       }
-    }
     m.store(mt + g * W);
     l.store(lt + g * W);
   }
