@@ -981,7 +981,8 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
 // Integer sums are exact, so a row's result depends on its query and its visible keys only (not on how many
 // rows there are); softmax is the per-row path's, and so are the buffer blocks.
 constexpr int64_t QB = 64;  // caches/quantized.py GROUP_K
-constexpr int QTILE = W == 16 ? 6 : 3;  // rows per register tile of a group's scores and p v
+constexpr int QTILE = 3;  // rows per register tile of a group's scores and p v (6 on AVX-512 spilled accumulators:
+                          // 32K, 15 rows, 3 measured 10-15% faster than 6 on Zen 5, 4 level with 3)
 constexpr int64_t LANE_BYTES = 4 * QB;  // one lane of 8 channels for a group's 64 tokens (quantized.py pack_keys)
 constexpr float TINY = 0x1p-100f;  // a largest value below this rounds to all zeros (quantized.py TINY: 1 / it stays finite)
 
@@ -1065,23 +1066,22 @@ void quantize_queries(const float* q, int64_t R, const c10::Half* ks, const c10:
 // Without VNNI, the same integers from 16-bit words: the query as iq16 = 254 iq1 + iq2 (int16, quantize_queries),
 // the codes joined, centred and widened to words, vpmaddwd: a lane's 4 channels of one token widen to two int32
 // lanes, summed in pairs at the end (pair_sums). (vpmaddubsw on the nibbles took 2.5x the instructions per row.)
-template <int64_t D, int RT>
+template <int64_t D, int RT, bool LO>
 void group_scores_words(const int8_t* iq, const float* a2, const float* bias, const uint8_t* kh, const uint8_t* kl,
                         float* s, const uint8_t* next_h, const uint8_t* next_l) {
   constexpr int NK = QB / W;  // token vectors in a group
   const IV eights = bytes_and(iset(-1), 0x88), c128 = iset16(128);
+  const uint8_t* const pf_h = next_h != nullptr ? next_h : kh;  // as group_pv_tile's
+  const uint8_t* const pf_l = next_l != nullptr ? next_l : pf_h;
   for (int k = 0; k < NK; ++k) {
     IV acc[RT][2];  // per row: int32 pair lanes of the vector's first and second halves of tokens
     for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = izero();
     for (int64_t o = 0; o < D / 8; ++o) {
       const int64_t at = o * LANE_BYTES + k * W * 4;
-      if (next_h != nullptr && k == 0)  // the next group's lane: 4 lines per plane
-        for (int64_t b = 0; b < LANE_BYTES; b += 64) {
-          prefetch_l2(next_h + o * LANE_BYTES + b);
-          if (next_l != nullptr) prefetch_l2(next_l + o * LANE_BYTES + b);
-        }
+      prefetch_l2(pf_h + o * LANE_BYTES + k * W * 4);  // the next group's lane, a line per token vector and plane
+      prefetch_l2(pf_l + o * LANE_BYTES + k * W * 4);
       IV lo, hi;
-      join_codes(iload(kh + at), kl != nullptr ? iload(kl + at) : eights, lo, hi);
+      join_codes(iload(kh + at), LO ? iload(kl + at) : eights, lo, hi);
       const IV w[4] = {isub16(widen_bytes(lower_half(lo)), c128), isub16(widen_bytes(upper_half(lo)), c128),
                        isub16(widen_bytes(lower_half(hi)), c128), isub16(widen_bytes(upper_half(hi)), c128)};
       for (int r = 0; r < RT; ++r) {
@@ -1096,16 +1096,18 @@ void group_scores_words(const int8_t* iq, const float* a2, const float* bias, co
   }
 }
 
-template <int64_t D, int RT>
+template <int64_t D, int RT, bool LO>
 void group_scores_tile(const int8_t* iq, const float* a2, const float* bias, const int32_t* isum, const uint8_t* kh,
                        const uint8_t* kl, float* s, const uint8_t* next_h, const uint8_t* next_l) {
   if constexpr (!VNNI) {
-    group_scores_words<D, RT>(iq, a2, bias, kh, kl, s, next_h, next_l);
+    group_scores_words<D, RT, LO>(iq, a2, bias, kh, kl, s, next_h, next_l);
     return;
   }
   constexpr int NK = QB / W;  // token vectors in a group
   constexpr int KP = 2;       // token vectors per pass (2 x RT x KP accumulators)
   const IV eights = bytes_and(iset(-1), 0x88);
+  const uint8_t* const pf_h = next_h != nullptr ? next_h : kh;  // as group_pv_tile's
+  const uint8_t* const pf_l = next_l != nullptr ? next_l : pf_h;
   for (int k0 = 0; k0 < NK; k0 += KP) {
     IV acc[2][RT][KP];
     for (int i = 0; i < 2; ++i)
@@ -1113,14 +1115,13 @@ void group_scores_tile(const int8_t* iq, const float* a2, const float* bias, con
         for (int k = 0; k < KP; ++k) acc[i][r][k] = izero();
     for (int64_t o = 0; o < D / 8; ++o) {
       const int64_t at = o * LANE_BYTES + k0 * W * 4;
-      if (next_h != nullptr && k0 == 0)  // the next group's lane: 4 lines per plane
-        for (int64_t b = 0; b < LANE_BYTES; b += 64) {
-          prefetch_l2(next_h + o * LANE_BYTES + b);
-          if (next_l != nullptr) prefetch_l2(next_l + o * LANE_BYTES + b);
-        }
+      for (int k = 0; k < KP; ++k) {  // the next group's lane, a line per token vector and plane
+        prefetch_l2(pf_h + at + k * W * 4);
+        prefetch_l2(pf_l + at + k * W * 4);
+      }
       IV lo[KP], hi[KP];
       for (int k = 0; k < KP; ++k)
-        join_codes(iload(kh + at + k * W * 4), kl != nullptr ? iload(kl + at + k * W * 4) : eights, lo[k], hi[k]);
+        join_codes(iload(kh + at + k * W * 4), LO ? iload(kl + at + k * W * 4) : eights, lo[k], hi[k]);
       for (int i = 0; i < 2; ++i)
         for (int r = 0; r < RT; ++r) {
           const int8_t* qo = iq + (2 * r + i) * D + o * 8;
@@ -1146,8 +1147,12 @@ void group_scores(const int8_t* iq, const float* a2, const float* bias, const in
     const uint8_t* nh = r == 0 ? next_h : nullptr;
     const uint8_t* nl = r == 0 ? next_l : nullptr;
     with_tile_rows<QTILE>(R - r, [&](auto nr) {
-      group_scores_tile<D, decltype(nr)::value>(iq + r * 2 * D, a2 + r, bias + r, isum + 2 * r, kh, kl, s + r * QB, nh,
-                                                nl);
+      if (kl != nullptr)  // the 8-bit reading (the lower plane too), else the 4-bit one: no plane test in the loops
+        group_scores_tile<D, decltype(nr)::value, true>(iq + r * 2 * D, a2 + r, bias + r, isum + 2 * r, kh, kl,
+                                                        s + r * QB, nh, nl);
+      else
+        group_scores_tile<D, decltype(nr)::value, false>(iq + r * 2 * D, a2 + r, bias + r, isum + 2 * r, kh, kl,
+                                                         s + r * QB, nh, nl);
     });
   }
 }
@@ -1179,11 +1184,15 @@ void quantize_probabilities(const float* p, int64_t R, const float* vs, const fl
 // o [RT, D] = sigma (p16 . code) + zsum for RT rows over the group's values (vh / vl its plane bytes: per pair of
 // tokens D bytes, per 32-channel block 32 of them; vl null: the 4-bit reading). Passes of 4 W channels (4 vectors
 // of accumulators per row); next_h / next_l prefetched (null: none).
-template <int64_t D, int RT>
+template <int64_t D, int RT, bool LO>
 void group_pv_tile(const int16_t* p16, const float* sigma, const float* zsum, const uint8_t* vh, const uint8_t* vl,
                    float* o, const uint8_t* next_h, const uint8_t* next_l) {
   constexpr int64_t NB = D / 32;  // channel blocks
   const IV eights = bytes_and(iset(-1), 0x88);
+  // Prefetch targets without a branch in the loops (a branch there made GCC keep the accumulators on the stack):
+  // with no next group, or no lower plane, the current group's own lines (already cached: a spare load slot).
+  const uint8_t* const pf_h = next_h != nullptr ? next_h : vh;
+  const uint8_t* const pf_l = next_l != nullptr ? next_l : pf_h;
 #if defined(CPU_CAPABILITY_AVX512)
   constexpr int64_t CB = 2;  // blocks per pass: 64 plane bytes, 4 vectors of accumulators per row
   for (int64_t c0 = 0; c0 < NB; c0 += CB) {
@@ -1192,13 +1201,12 @@ void group_pv_tile(const int16_t* p16, const float* sigma, const float* zsum, co
       for (int k = 0; k < 4; ++k) acc[r][k] = izero();
     for (int64_t u = 0; u < QB / 2; ++u) {
       const int64_t at = u * D + c0 * 32;  // CB blocks of this pair: W * 4 bytes
-      if (next_h != nullptr && c0 == 0)  // the next group's pair: D bytes per plane
-        for (int64_t b = 0; b < D; b += 64) {
-          prefetch_l2(next_h + u * D + b);
-          if (next_l != nullptr) prefetch_l2(next_l + u * D + b);
-        }
+      for (int64_t b = 0; b < D; b += 64) {  // the next group's pair: D bytes per plane (branch-free: see pf_h)
+        prefetch_l2(pf_h + u * D + b);
+        prefetch_l2(pf_l + u * D + b);
+      }
       IV lo, hi;
-      join_codes(iload(vh + at), vl != nullptr ? iload(vl + at) : eights, lo, hi);
+      join_codes(iload(vh + at), LO ? iload(vl + at) : eights, lo, hi);
       // 16-bit words, two tokens per channel, in channel order: block c0's channels 0-15 and 16-31, block c0 + 1's
       const IV w[4] = {widen_bytes(lower_half(lo)), widen_bytes(lower_half(hi)), widen_bytes(upper_half(lo)),
                        widen_bytes(upper_half(hi))};
@@ -1221,12 +1229,11 @@ void group_pv_tile(const int16_t* p16, const float* sigma, const float* zsum, co
       for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = izero();
       for (int64_t u = 0; u < QB / 2; ++u) {
         const int64_t at = u * D + c * 32;
-        if (next_h != nullptr && c == 0 && half == 0)  // the next group's pair: D bytes per plane
-          for (int64_t b = 0; b < D; b += 64) {
-            prefetch_l2(next_h + u * D + b);
-            if (next_l != nullptr) prefetch_l2(next_l + u * D + b);
-          }
-        const IV h = iload(vh + at), l = vl != nullptr ? iload(vl + at) : eights;
+        for (int64_t b = 0; b < D; b += 64) {  // the next group's pair: D bytes per plane
+          prefetch_l2(pf_h + u * D + b);
+          prefetch_l2(pf_l + u * D + b);
+        }
+        const IV h = iload(vh + at), l = LO ? iload(vl + at) : eights;
         const IV codes = half == 0 ? bit_select(sll16_4(h), l, top) : bit_select(h, srl16(l, 4), top);
         const IV w0 = widen_bytes(lower_half(codes)), w1 = widen_bytes(upper_half(codes));
         for (int r = 0; r < RT; ++r) {
@@ -1251,8 +1258,38 @@ void group_pv(const int16_t* p16, const float* sigma, const float* zsum, const u
     const uint8_t* nh = r == 0 ? next_h : nullptr;
     const uint8_t* nl = r == 0 ? next_l : nullptr;
     with_tile_rows<QTILE>(R - r, [&](auto nr) {
-      group_pv_tile<D, decltype(nr)::value>(p16 + r * NB * QB, sigma + r * NB, zsum + r * NB, vh, vl, o + r * D, nh, nl);
+      if (vl != nullptr)  // as group_scores
+        group_pv_tile<D, decltype(nr)::value, true>(p16 + r * NB * QB, sigma + r * NB, zsum + r * NB, vh, vl, o + r * D,
+                                                    nh, nl);
+      else
+        group_pv_tile<D, decltype(nr)::value, false>(p16 + r * NB * QB, sigma + r * NB, zsum + r * NB, vh, vl,
+                                                     o + r * D, nh, nl);
     });
+  }
+}
+
+// rows_softmax for R rows of a quantized group's QB scores (row stride QB): the same m, p and l, bit for bit (the
+// max is exact in any order; p and l by softmax_numerators' operations in its order), with the group's length a
+// constant, so each row's loops unroll and the rows' chains overlap.
+inline void group_softmax(float* s, int64_t R, float* m_b, float* l_b) {
+  constexpr int NK = QB / W;
+  const Vec neg(NEG_INF);
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * QB;
+    Vec x[NK];
+    for (int k = 0; k < NK; ++k) x[k] = Vec::loadu(sr + k * W);
+    Vec mv = x[0];
+    for (int k = 1; k < NK; ++k) mv = vmax(mv, x[k]);
+    const float m = vmax_all(mv);
+    m_b[r] = m;
+    const Vec ms(m == NEG_INF ? 0.f : m);
+    Vec acc(0.f);
+    for (int k = 0; k < NK; ++k) {
+      const Vec p = select(x[k] != neg, exp(x[k] - ms));
+      p.store(sr + k * W);
+      acc = acc + p;
+    }
+    l_b[r] = reduce_add(acc);
   }
 }
 
@@ -1323,7 +1360,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
         if (masked)
           for (int64_t r = 0; r < R; ++r)
             for (int64_t j = std::max<int64_t>(0, limp[r] - j0); j < QB; ++j) s[r * QB + j] = NEG_INF;
-        rows_softmax<QB>(s.data(), R, QB, mb, lb);
+        group_softmax(s.data(), R, mb, lb);
         const c10::Half* vs = vsp + h * vs_s + j0 * NB;  // [NB, QB] per group (quantized.py's storage order)
         const c10::Half* vz = vzp + h * vs_s + j0 * NB;
         for (int64_t i = 0; i < NB * QB; i += W) {
