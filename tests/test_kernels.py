@@ -31,7 +31,7 @@ def test_kernel_matches_sdpa(kern, T, mask_kind, S):
         mask[:, 0] = True
     else:
         mask = None
-    assert T <= model.KERNEL_MAX_ROWS and S >= model.KERNEL_MIN_KEYS
+    assert T <= model.KERNEL_MAX_ROWS
     counting = _Counting(kern)
     got = model.attention(q, k, v, mask, ops=counting)
     # the kernel really ran (bool masks, from the StreamingLLM cache, stay on PyTorch's path; a tree's

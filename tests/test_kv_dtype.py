@@ -118,7 +118,7 @@ def test_greedy_equals_ar_for_each_kv_dtype(kv, use_kernels, small_draft):
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_greedy_equals_ar_on_the_attention_kernel(kv):
-    """Past KERNEL_MIN_KEYS keys with head_dim 64, decode steps and verifications run the compiled attention
+    """Over 1,174 keys (several of the kernel's blocks) with head_dim 64, decode steps and verifications run the compiled attention
     kernel on the cache's dtype (bf16 / fp16 where it reads them): still ar's tokens."""
     kern = kernels.cpu()
     if kern is None or (kv in ("bf16", "fp16") and not getattr(kern, "HALF_KV", False)) or (
@@ -128,7 +128,7 @@ def test_greedy_equals_ar_on_the_attention_kernel(kv):
                              max_position_embeddings=2048))
     m.kv_dtype = kv
     assert m.cfg.head_dim == 64
-    prompt = _prompt(model_mod.KERNEL_MIN_KEYS + 150, 4)
+    prompt = _prompt(1174, 4)
     calls = _CountingKernel(kern)
     with kernels.override(calls):
         ref = generate_ar(m, prompt, 24).tokens
@@ -200,7 +200,7 @@ def test_attention_dispatch(dt, half_kv):
     """The compiled kernel gets fp32 k/v always and bf16 / fp16 k/v only where it says it reads them
     (ops.HALF_KV); otherwise PyTorch's path, on k/v cast to q's dtype."""
     torch.manual_seed(5)
-    S, T = model_mod.KERNEL_MIN_KEYS + 37, 1
+    S, T = 1061, 1
     q = torch.randn(1, 6, T, 64)
     k, v = torch.randn(1, 2, S, 64).to(dt), torch.randn(1, 2, S, 64).to(dt)
     ops = _FakeKernel(half_kv)

@@ -117,14 +117,14 @@ def long_model():
 
 @pytest.mark.parametrize("kind", ["full", "retrieval"])
 def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
-    """Past KERNEL_MIN_KEYS keys a tree's forward runs the compiled attention kernel with the token block's
+    """Over 1,064 keys (several of the kernel's blocks) a tree's forward runs the compiled attention kernel with the token block's
     visibility (not PyTorch's masked attention over a dense [T, S] mask), for each ISA variant: each
     node's logits equal plain decoding down its path, and a kernel that ignored the visibility (each node
     seeing its earlier siblings too, as the causal path would let it) is caught."""
-    from triforce import kernels, model as model_mod
+    from triforce import kernels
 
     rng = random.Random(11)
-    n_prompt = model_mod.KERNEL_MIN_KEYS + 40
+    n_prompt = 1064
     prompt = [rng.randrange(96) for _ in range(n_prompt)]
     pending = [rng.randrange(96) for _ in range(2)]
     ctx = prompt + pending
@@ -140,7 +140,7 @@ def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
         prefill(long_model, full, torch.tensor([prompt]), 512)
         if kind == "full":
             st = ModelState("full", long_model, full, GREEDY)
-        else:  # a budget past KERNEL_MIN_KEYS, so that the retrieval cache's forward takes the kernel too
+        else:  # a budget of several kernel blocks
             cache = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=1040, chunk_size=8, recent=16,
                                    max_new=64)
             cache.build(full)

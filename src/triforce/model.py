@@ -238,10 +238,11 @@ def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 
 # The compiled decode-attention kernel (kernels/attention.cpp) takes up to this many query rows per KV
-# head (g*T: 21 tokens for SmolLM2's g = 3; more tokens, up to this many, take several calls) and is used
-# from this many keys on; with fewer keys it is no faster than PyTorch's kernels.
+# head (g*T: 21 tokens for SmolLM2's g = 3; more tokens, up to this many, take several calls), over any
+# number of keys. (It once started at 1,024 keys, where attention alone was no faster than PyTorch's; but
+# below that a forward also lost the one-call path through every layer: a 1-token forward over 256 keys
+# took 8.4 ms instead of 3.0 on Zen 5, 5 tokens 11.6 instead of 4.4.)
 KERNEL_MAX_ROWS = 64
-KERNEL_MIN_KEYS = 1024
 KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
@@ -267,7 +268,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
         return k.attend(q, scale, ops if q.device.type == "cpu" else None)
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    if B == 1 and T <= KERNEL_MAX_ROWS and S >= KERNEL_MIN_KEYS and D in KERNEL_HEAD_DIMS and q.device.type == "cpu" \
+    if B == 1 and T <= KERNEL_MAX_ROWS and D in KERNEL_HEAD_DIMS and q.device.type == "cpu" \
             and (mask is None or isinstance(mask, (str, TokenBlock))) and ops is not None \
             and (k.dtype == torch.float32 or getattr(ops, "HALF_KV", False)):
         # a draft tree: the kernel's causal path with the block's own visibility
@@ -282,7 +283,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
                                                   **extra).view(Hkv, -1, T, D) for j in range(0, g, n)], dim=1)
         return out.view(B, Hq, T, D)
     if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu":
-        if isinstance(mask, str) and B == 1 and S >= KERNEL_MIN_KEYS and D in KERNEL_HEAD_DIMS and ops is not None \
+        if isinstance(mask, str) and B == 1 and D in KERNEL_HEAD_DIMS and ops is not None \
                 and getattr(ops, "bf16_dot_attention", lambda: False)():
             # a causal prefill over a bf16 cache, on AMX's tiles or AVX512-BF16's dot products: the kernel's
             # verification path, a few tokens at a time, each against the keys up to its own (an 8K prefill of the
@@ -593,7 +594,7 @@ class Transformer(nn.Module):
             return None
         else:
             slot = cache._slot(cache.length)
-            if slot + T < KERNEL_MIN_KEYS or not (cache._mask is None or isinstance(cache._mask, str)):
+            if not (cache._mask is None or isinstance(cache._mask, str)):
                 return None
         stack = self._layer_stack(ops)
         if stack is None:
