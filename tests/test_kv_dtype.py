@@ -355,9 +355,9 @@ def test_kv_bytes_are_what_the_quantized_caches_hold():
 
 
 def test_default_kv_dtype_follows_the_machine(monkeypatch):
-    """fp32 weights: bf16 where the CPU kernels run attention on AMX tiles (the target's cache and the CLI's
-    drafting caches) or on AVX512-BF16 dot products (the target's cache), else fp16; other weights keep their
-    dtype; a CUDA target does not ask the CPU kernels."""
+    """fp32 weights: bf16 where the CPU kernels run a bf16 cache's attention on dot products, AMX tiles or
+    AVX512-BF16 (the target's cache and the CLI's drafting caches), else fp16; other weights keep their dtype; a
+    CUDA target does not ask the CPU kernels."""
     from types import SimpleNamespace
 
     from triforce.loading import default_kv_dtype
@@ -373,7 +373,7 @@ def test_default_kv_dtype_follows_the_machine(monkeypatch):
     assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
     assert default_kv_dtype(torch.float16) == "fp16"
     built(SimpleNamespace(amx_attention=lambda: False, bf16_dot_attention=lambda: True))  # AVX512-BF16, no AMX
-    assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "fp16"
+    assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
     built(SimpleNamespace(amx_attention=lambda: False, bf16_dot_attention=lambda: False))
     assert default_kv_dtype(torch.float32) == "fp16" and _default_draft_kv(cpu_args) == "fp16"
     built(SimpleNamespace())  # a module built before AMX was known

@@ -94,7 +94,7 @@ def _add_spec_args(p: argparse.ArgumentParser, tuned: bool = True) -> None:
                         "is exact either way: the full level verifies with the fp32 weights")
     g.add_argument("--draft-kv-dtype", choices=FLOAT_KV_DTYPES, default=None,
                    help=f"KV cache dtype of the drafting levels (retrieval, streaming, a draft model; default "
-                        f"{d.draft_kv_dtype} on CPU, bf16 on a CPU with AMX tiles, the weights' dtype on CUDA). The output "
+                        f"{d.draft_kv_dtype} on CPU, bf16 on a CPU with AMX tiles or AVX512-BF16, the weights' dtype on CUDA). The output "
                         f"is exact either way")
     g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
     g.add_argument("--window", type=_positive_int, default=d.window, metavar="N",
@@ -127,15 +127,17 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
 
 
 def _default_draft_kv(args) -> str:
-    """CPU: the measured default (config.DEFAULT_DRAFT_KV_DTYPE), bf16 where the CPU kernels run attention on
-    AMX tiles (a drafting level's multi-token forwards then run on them: 5 tokens over a 4K cache 11.1 ms
-    instead of 13.9); CUDA: the weights' dtype (the GPU attention kernel reads K/V in the activations' dtype:
-    another would be converted every forward)."""
+    """CPU: the measured default (config.DEFAULT_DRAFT_KV_DTYPE), bf16 where the CPU kernels run a bf16 cache's
+    attention on dot products, as for the target's cache (loading.default_kv_dtype): a drafting level's
+    multi-token forwards then run on them (AMX tiles: 5 tokens over a 4K cache 11.1 ms instead of 13.9; AMD Zen 5's
+    AVX512-BF16: 7.5 instead of 9.2, and the 32K bench's retrieval forwards 8.3-8.7 ms instead of 9.3-9.6);
+    CUDA: the weights' dtype (the GPU attention kernel reads K/V in the activations' dtype: another would be
+    converted every forward)."""
     if not str(getattr(args, "device", "cpu")).startswith("cuda"):
         from . import kernels
 
         # (not built here: a bad model is refused before the kernels are compiled)
-        return "bf16" if kernels.amx_attention(build=False) else SpecConfig.draft_kv_dtype
+        return "bf16" if kernels.bf16_dot_attention(build=False) else SpecConfig.draft_kv_dtype
     return kv_dtype_name(getattr(args, "dtype", None) or "bfloat16")
 
 
