@@ -21,9 +21,9 @@ def _streaming(model, sink, window, **kw):
 class MaskedFullCache(FullCache):
     """Full cache whose attention is restricted by the StreamingLLM mask (the reference)."""
 
-    def __init__(self, model, sink, window, capacity):
+    def __init__(self, model, sink, window, capacity, dtype=torch.float32):
         c = model.cfg
-        super().__init__(c.n_layers, c.n_kv_heads, c.head_dim, capacity)
+        super().__init__(c.n_layers, c.n_kv_heads, c.head_dim, capacity, dtype=dtype)
         self.sink, self.window = sink, window
 
     def prepare(self, n_new, block=None):
@@ -91,6 +91,81 @@ def test_streaming_cache_rollback_keeps_window(tiny_llama):
     torch.testing.assert_close(torch.cat(got, dim=1), ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError):
         cache.rollback(pos - 40)  # deeper than max_rollback: refused, not silently wrong
+
+
+class _GapSpy:
+    """The compiled module, counting the attention calls that get a StreamingLLM window's gap."""
+
+    def __init__(self, kern):
+        self.kern, self.gap_calls, self.calls = kern, 0, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.kern, name)
+        if name not in ("decode_attention", "decode_layers"):
+            return fn
+
+        def counted(*a, **kw):
+            self.calls += 1
+            self.gap_calls += kw.get("gap") is not None
+            return fn(*a, **kw)
+        return counted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sink,window", [(4, 16), (0, 8), (2, 1), (16, 40)])
+@torch.no_grad()
+def test_streaming_cache_on_the_kernels_equals_the_mask(sink, window, dtype):
+    """With head_dim 64 the StreamingLLM cache's forwards run on the compiled attention, every layer in one call
+    for chains (the window as a gap of hidden slots per new token, kernels/attention.cpp), and still equal full
+    attention under the sink + window mask, through compactions and mixed chunk sizes; a kernel that ignored the
+    gap (the whole region visible) is caught."""
+    from triforce import kernels
+    from conftest import hf_tiny, ours_from_hf
+
+    kern = kernels.cpu()
+    if kern is None:
+        pytest.skip("no compiled CPU kernels here")
+    m = ours_from_hf(hf_tiny("llama", seed=13, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=2048))
+    assert m.cfg.head_dim == 64
+    m.kv_dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    ids = _ids(300, seed=3)
+    ref = m(ids, MaskedFullCache(m, sink, window, 320, dtype))  # PyTorch's attention under the dense mask
+
+    def run(spy):
+        cache = StreamingCache(m.cfg.n_layers, m.cfg.n_kv_heads, 64, sink=sink, window=window, max_rollback=4,
+                               slack=32, dtype=dtype)
+        parts, pos = [], 0
+        with kernels.override(spy):
+            for n in [8, 5, 1, 1, 7, 3, 2] + [1] * 60 + [8] * 8 + [30] + [1] * 1000:
+                if pos >= 300:
+                    break
+                n = min(n, 300 - pos)
+                parts.append(m(ids[:, pos:pos + n], cache))
+                pos += n
+        return torch.cat(parts, dim=1)
+
+    spy = _GapSpy(kern)
+    got = run(spy)
+    assert spy.gap_calls > 0 and spy.gap_calls == spy.calls  # every forward on the kernels, with the gap
+    # (the kernel sums in other orders than PyTorch's attention: fp32 within 2e-4 of the reference here; over a
+    # bf16 cache that can move a stored key by a bf16 step, which this random tiny model turns into logits up to
+    # 0.3 apart at a few positions: their mean is compared)
+    tol = 1e-3 if dtype == torch.float32 else 5e-3  # fp32: each logit; bf16: their mean (measured 6e-4 - 1.7e-3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    else:
+        assert (got - ref).abs().mean() < tol
+
+    class NoGap(_GapSpy):  # the wrong variant: the gap dropped
+        def __getattr__(self, name):
+            fn = getattr(self.kern, name)
+            if name not in ("decode_attention", "decode_layers"):
+                return fn
+            return lambda *a, **kw: fn(*a, **{k: v for k, v in kw.items() if k != "gap"})
+
+    wrong = run(NoGap(kern))
+    assert (wrong - ref).abs().mean() > 100 * tol  # (measured 2-4)
 
 
 def _brute_force_selection(keys, query, budget, chunk, recent):

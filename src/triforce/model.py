@@ -21,7 +21,7 @@ from torch import nn
 from . import kernels
 from .config import ModelConfig
 from .errors import TriforceError
-from .caches.base import KVCache, TokenBlock, causal_mask, kv_dtype
+from .caches.base import KVCache, TokenBlock, WindowGap, causal_mask, kv_dtype
 from .caches.static import SlotMask, StaticView
 from .caches.quantized import QuantizedCache, QuantizedKV
 from .quantized import BF16, FORMATS, QuantTensor, dequantize, pack_rows, packable, release, unpack_rows
@@ -269,10 +269,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
     if B == 1 and T <= KERNEL_MAX_ROWS and D in KERNEL_HEAD_DIMS and q.device.type == "cpu" \
-            and (mask is None or isinstance(mask, (str, TokenBlock))) and ops is not None \
+            and (mask is None or isinstance(mask, (str, TokenBlock, WindowGap))) and ops is not None \
             and (k.dtype == torch.float32 or getattr(ops, "HALF_KV", False)):
-        # a draft tree: the kernel's causal path with the block's own visibility
-        extra = {"visible": mask.visible.contiguous()} if isinstance(mask, TokenBlock) else {}
+        # a draft tree: the kernel's causal path with the block's own visibility; a StreamingLLM window: its gap
+        window = mask if isinstance(mask, WindowGap) else None
+        block = window.block if window is not None else mask if isinstance(mask, TokenBlock) else None
+        extra = {"visible": block.visible.contiguous()} if block is not None else {}
+        if window is not None:
+            extra["gap"] = window.gap
         causal = mask is not None and T > 1
         if g * T <= KERNEL_MAX_ROWS:
             out = ops.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, causal, scale, **extra)
@@ -282,6 +286,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
             out = torch.cat([ops.decode_attention(qg[:, j:j + n].reshape(Hkv, -1, D), k[0], v[0], T, causal, scale,
                                                   **extra).view(Hkv, -1, T, D) for j in range(0, g, n)], dim=1)
         return out.view(B, Hq, T, D)
+    if isinstance(mask, WindowGap):  # PyTorch's attention takes the window as a bool mask
+        mask = mask.dense
     if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu":
         if isinstance(mask, str) and B == 1 and D in KERNEL_HEAD_DIMS and ops is not None \
                 and getattr(ops, "bf16_dot_attention", lambda: False)():
@@ -578,8 +584,9 @@ class Transformer(nn.Module):
     def _decode_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache
                        ) -> torch.Tensor | None:
         """Every layer in one C++ call (kernels/decode_layer.cpp: the kernel path of Block.forward, bit for bit)
-        for a decode-sized forward through a slot-causal cache on CPU, where each layer has the fused form
-        (Block._fused) and the attention kernel runs; None otherwise (the layers run one by one)."""
+        for a decode-sized forward through a slot-causal cache, a quantized one or a StreamingLLM one (its window's
+        gap) on CPU, where each layer has the fused form (Block._fused) and the attention kernel runs; None
+        otherwise (the layers run one by one)."""
         ops = self.backend.ops
         B, T, _ = x.shape
         c = self.cfg
@@ -587,9 +594,13 @@ class Transformer(nn.Module):
         if ops is None or T > PANEL_MAX_ROWS or B != 1 or x.dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
             return None
         quantized = isinstance(cache, QuantizedCache) and cache.batch == 1
+        gap = None
         if quantized:  # its attention kernel takes any length (the buffer's keys by the per-row path)
             if not hasattr(ops, "decode_layers_quant") or x.device.type != "cpu":
                 return None
+        elif isinstance(getattr(cache, "_mask", None), WindowGap) and cache._mask.block is None:
+            # a StreamingLLM cache: its slots up to the new ones, less each token's gap (caches/streaming.py)
+            gap = cache._mask.gap
         elif not cache.SLOT_CAUSAL:
             return None
         else:
@@ -602,6 +613,9 @@ class Transformer(nn.Module):
         record = getattr(cache, "queries", None) is not None
         if quantized:
             out = ops.decode_layers_quant(x, stack, *rope, c.n_heads, c.n_kv_heads, *cache.fused_inputs(g), record)
+        elif gap is not None:
+            out = ops.decode_layers(x, stack, *rope, c.n_heads, c.n_kv_heads, cache.k, cache.v, cache._write_slot,
+                                    record, gap=gap)
         else:
             out = ops.decode_layers(x, stack, *rope, c.n_heads, c.n_kv_heads, cache.k, cache.v, slot, record)
         if record:  # as FullCache.update records them

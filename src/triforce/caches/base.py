@@ -143,6 +143,19 @@ class TokenBlock:
         return torch.cat([past, self.visible], dim=1)
 
 
+@dataclass(frozen=True)
+class WindowGap:
+    """A StreamingLLM window's mask in the form the compiled attention takes (model.attention): the storage slots
+    gap[0] .. gap[1 + t] - 1 (gap [T + 1] int64 on the CPU: the first slot past the sinks, then each new token's
+    first slot in its window) are hidden from new token t, every other older slot is visible, and the new tokens
+    see each other causally (or as `block` says). `dense` is the same mask as a [T, S] bool tensor, for PyTorch's
+    attention."""
+
+    gap: torch.Tensor
+    block: TokenBlock | None
+    dense: torch.Tensor
+
+
 # A mask marker: every key but the newest T is visible to all T new tokens, and the newest T keys
 # (the new tokens themselves) are causal. Attention can then skip building and applying a [T, S] mask.
 CAUSAL = "causal"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import KVCache, kv_buffer
+from .base import KVCache, WindowGap, kv_buffer
 
 
 class StreamingCache(KVCache):
@@ -65,7 +65,15 @@ class StreamingCache(KVCache):
         visible = (keys >= 0) & (keys <= q) & ((keys < self.sink) | (keys > q - self.window))
         if block is not None:  # among the new tokens: only ancestors (positions alone do not say)
             visible[:, slot:end] &= block.visible
-        self._mask, self._write_slot, self._n_new = visible, slot, n_new
+        mask = visible
+        if self.pos.device.type == "cpu" and bool((keys >= 0).all()):
+            # every slot below the new ones holds a position: the sinks, then the region from `start` on, so a
+            # query at position p sees all but the region's positions up to p - window (its gap), in slots
+            gap = torch.empty(n_new + 1, dtype=torch.long)
+            gap[0] = self.sink
+            gap[1:] = self.sink + (positions - self.window + 1 - self.start).clamp(min=0)
+            mask = WindowGap(gap, block, visible)
+        self._mask, self._write_slot, self._n_new = mask, slot, n_new
 
     def update(self, layer, q, k, v):
         a, b = self._write_slot, self._write_slot + self._n_new

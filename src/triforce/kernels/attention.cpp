@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -893,7 +894,7 @@ torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, i
 // PyTorch's path).
 template <int64_t D, typename KV>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                  const bool* visible, double scale, bool lanes, bool amx) {
+                  const bool* visible, const int64_t* gap, double scale, bool lanes, bool amx) {
   constexpr int64_t BS = block_keys<D, KV>();
   constexpr bool RB = std::is_same_v<KV, c10::BFloat16>;
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
@@ -939,11 +940,28 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       float* lb = l_part + w * R;
       // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u; a token block (a draft
       // tree): to the rows of the tokens t with visible[t][u]. The keys before the new tokens are seen by every
-      // row: only the new ones are checked, a division each.
-      const int64_t mask_from = causal ? std::clamp<int64_t>(S - T - j0, 0, n) : n;
+      // row: only the new ones are checked, a division each. gap (a StreamingLLM window): keys gap[0] ..
+      // gap[1 + t] - 1 are hidden from token t's rows (between the sinks and its window); a block that every
+      // row's gap covers is not read at all.
+      int64_t mask_from = causal ? std::clamp<int64_t>(S - T - j0, 0, n) : n;
+      if (gap != nullptr && gap[0] < j0 + n) {
+        int64_t lo = n;  // from here on some row's gap may hide the block's keys
+        int64_t all_to = std::numeric_limits<int64_t>::max();
+        for (int64_t t = 0; t < T; ++t) {
+          if (gap[1 + t] > gap[0] && gap[1 + t] > j0) lo = std::min(lo, std::max<int64_t>(gap[0] - j0, 0));
+          all_to = std::min(all_to, gap[1 + t]);
+        }
+        if (gap[0] <= j0 && all_to >= j0 + n) {  // hidden from every row
+          for (int64_t r = 0; r < R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
+          continue;
+        }
+        mask_from = std::min(mask_from, lo);
+      }
       const auto mask = [&](int64_t r, int64_t j) {
         const int64_t u = j0 + j - (S - T), t = r % T;
-        return visible ? visible[t * T + u] : u <= t;
+        if (gap != nullptr && j0 + j >= gap[0] && j0 + j < gap[1 + t]) return false;
+        if (u < 0) return true;
+        return causal ? (visible ? visible[t * T + u] : u <= t) : true;
       };
       if (lanes)
         block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
@@ -957,11 +975,11 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 
 template <typename KV>
 torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                     const bool* visible, double scale, bool lanes, bool amx) {
+                     const bool* visible, const int64_t* gap, double scale, bool lanes, bool amx) {
   switch (q.size(2)) {
-    case 64: return run<64, KV>(q, k, v, T, causal, visible, scale, lanes, amx);
-    case 128: return run<128, KV>(q, k, v, T, causal, visible, scale, lanes, amx);
-    default: return run<256, KV>(q, k, v, T, causal, visible, scale, lanes, amx);
+    case 64: return run<64, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx);
+    case 128: return run<128, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx);
+    default: return run<256, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx);
   }
 }
 
@@ -1397,7 +1415,8 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
 bool bf16_dot_attention() { return BF16_DOT || amx_usable(); }
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
-                               double scale, int64_t path, c10::optional<torch::Tensor> visible) {
+                               double scale, int64_t path, c10::optional<torch::Tensor> visible,
+                               c10::optional<torch::Tensor> gap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H, R, D], k/v [H, S, D]");
   const int64_t D = q.size(2);
   TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(2) == D && v.size(2) == D,
@@ -1417,6 +1436,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                 "decode_attention: visible must be a contiguous [T, T] bool CPU tensor");
     vis = visible->data_ptr<bool>();
   }
+  const int64_t* gp = nullptr;
+  if (gap.has_value()) {
+    TORCH_CHECK(gap->scalar_type() == torch::kLong && gap->dim() == 1 && gap->size(0) == T + 1 &&
+                    gap->is_contiguous() && gap->device().is_cpu(),
+                "decode_attention: gap must be a contiguous [T + 1] int64 CPU tensor (first hidden key, then each "
+                "token's first key past its gap)");
+    gp = gap->data_ptr<int64_t>();
+  }
   TORCH_CHECK(path >= 0 && path <= 3, "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX)");
   TORCH_CHECK(path != 3 || (amx_usable() && k.scalar_type() == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
@@ -1424,9 +1451,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const bool lanes = path >= 2 || (path == 0 && R >= lanes_min_rows(dot));
   const bool amx = path == 3 || (path == 0 && amx_usable());
   switch (k.scalar_type()) {
-    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, scale, lanes, false);
-    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, scale, lanes, amx);
-    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, vis, scale, lanes, false);
+    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, gp, scale, lanes, false);
+    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, gp, scale, lanes, amx);
+    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, vis, gp, scale, lanes, false);
     default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
   }
 }

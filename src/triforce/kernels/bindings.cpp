@@ -8,9 +8,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &triforce::decode_attention,
         "softmax(q k^T * scale) v for q [H, R, D] fp32 over k/v [H, S, D] (fp32, bf16 or fp16; D 64, 128 or 256), "
         "causal over the last T keys if asked, or with visible [T, T] bool (a token block: new token t sees new key u "
-        "iff visible[t][u]; every older key is seen by all)",
+        "iff visible[t][u]; every older key is seen by all); gap [T + 1] int64 (a StreamingLLM window): keys gap[0] "
+        ".. gap[1 + t] - 1 hidden from new token t",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("T"), py::arg("causal"), py::arg("scale"),
-        py::arg("path") = 0, py::arg("visible") = py::none());
+        py::arg("path") = 0, py::arg("visible") = py::none(), py::arg("gap") = py::none());
   m.def("amx_attention", &triforce::amx_attention,
         "whether decode_attention runs bf16 K/V's rows-in-lanes path (scores and p v) on AMX tiles in this process");
   m.def("bf16_dot_attention", &triforce::bf16_dot_attention,
@@ -74,7 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "every decoder layer of a T <= 16-token forward in turn over the cache k/v [n_layers, 1, Hkv, capacity, D] "
         "written at `slot` (model.Block.forward's kernel path) -> [x] + (each layer's rotated q if `queries`)",
         py::arg("x"), py::arg("stack"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"), py::arg("n_kv_heads"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot"), py::arg("queries"));
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot"), py::arg("queries"), py::arg("gap") = py::none());
   m.def("decode_layers_quant", &triforce::decode_layers_quant,
         "decode_layers over a quantized cache (caches/quantized.py QuantizedCache.fused_inputs) -> [x] + (each "
         "layer's rotated q if `queries`)",

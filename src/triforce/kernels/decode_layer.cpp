@@ -57,7 +57,8 @@ std::vector<torch::Tensor> layer_forward(torch::Tensor x, const LayerWeights& w,
 
 std::vector<torch::Tensor> decode_layers(torch::Tensor x, const LayerStack& stack, torch::Tensor cos, torch::Tensor sin,
                                          int64_t n_heads, int64_t n_kv_heads, torch::Tensor k_cache,
-                                         torch::Tensor v_cache, int64_t slot, bool queries) {
+                                         torch::Tensor v_cache, int64_t slot, bool queries,
+                                         c10::optional<torch::Tensor> gap) {
   const int64_t L = static_cast<int64_t>(stack.layers.size());
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes(),
               "decode_layers: k/v cache [n_layers, 1, Hkv, capacity, D], one layer per LayerWeights");
@@ -67,7 +68,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, const LayerStack& stac
     const double scale = stack.layers[i].scale;
     const auto attend = [&](const torch::Tensor& q, int64_t T) {
       return decode_attention(q, kc.narrow(2, 0, slot + T).select(0, 0), vc.narrow(2, 0, slot + T).select(0, 0), T,
-                              T > 1, scale, 0, c10::nullopt);
+                              T > 1, scale, 0, c10::nullopt, gap);
     };
     auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, kc, vc, slot, attend);
     out[0] = xq[0];

@@ -9,8 +9,10 @@ namespace triforce {
 
 // attention.cpp: softmax(q k^T * scale) v for q [H, R, D] fp32 over k/v [H, S, D] fp32/bf16/fp16 (see there).
 // visible [T, T] bool (with causal): the new keys' visibility for a token block (a draft tree) instead of causal.
+// gap [T + 1] int64 (a StreamingLLM window): keys gap[0] .. gap[1 + t] - 1 hidden from new token t's rows.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
-                               double scale, int64_t path, c10::optional<torch::Tensor> visible);
+                               double scale, int64_t path, c10::optional<torch::Tensor> visible,
+                               c10::optional<torch::Tensor> gap = c10::nullopt);
 // attention.cpp: whether decode_attention runs bf16 K/V's rows-in-lanes path on AMX tiles here (compiled
 // for a CPU with AMX-BF16, the tile state granted by Linux, TRIFORCE_AMX not 0).
 bool amx_attention();
@@ -84,7 +86,8 @@ struct LayerStack {
 // -> {x after the last layer} and, if `queries`, each layer's rotated q after it.
 std::vector<torch::Tensor> decode_layers(torch::Tensor x, const LayerStack& stack, torch::Tensor cos, torch::Tensor sin,
                                          int64_t n_heads, int64_t n_kv_heads, torch::Tensor k_cache,
-                                         torch::Tensor v_cache, int64_t slot, bool queries);
+                                         torch::Tensor v_cache, int64_t slot, bool queries,
+                                         c10::optional<torch::Tensor> gap = c10::nullopt);
 // decode_layer.cpp: the same over a quantized cache (caches/quantized.py): planes = its 8 tensors k_hi, k_lo, k_scale,
 // k_zero, v_hi, v_lo, v_scale, v_zero [n_layers, 1, Hkv, ...] (the lower planes empty for the 4-bit reading), read
 // below q_end; the full-precision buffer fk / fv [n_layers, 1, Hkv, slots, D] written at `slot`; lim and fmask as
