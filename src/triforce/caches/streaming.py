@@ -9,6 +9,10 @@ Layout per layer: [sink slots | region]. The region holds positions [start, leng
 When it would overflow, its newest `window + max_rollback` tokens are moved to its front (an
 O(window) copy every `slack` tokens), so a rollback of up to `max_rollback` tokens keeps the exact
 window semantics.
+
+On the CPU kernels a forward's mask goes as a WindowGap (caches/base.py): the slots between the sinks and each
+new token's window are hidden from it, which the attention kernel skips or masks, so chains take the one C++
+call through every layer (model.Transformer._decode_layers); PyTorch's attention gets the same mask dense.
 """
 from __future__ import annotations
 
