@@ -136,6 +136,12 @@ def test_greedy_equals_ar_on_the_attention_kernel(kv):
         config = SpecConfig(**{**SPEC.__dict__, "prefill_chunk": 512})
         for method in ("ngram", "retrieval"):
             assert generate(m, prompt, 24, method=method, config=config).tokens == ref, method
+        # drafting levels whose chains take the one call through every layer too: H2O's cache, and the StreamingLLM
+        # cache's window as a gap (kernels/attention.cpp)
+        for levels, gammas in (("ngram,h2o:300,full", "2,4"), ("streaming:64,full", "3"),
+                               ("ngram,streaming:64,retrieval:300,full", "2,2,3")):
+            got = generate(m, prompt, 24, stack=StackSpec.parse(levels, gammas), config=config).tokens
+            assert got == ref, levels
 
 
 class _CountingKernel:

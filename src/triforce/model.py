@@ -601,7 +601,7 @@ class Transformer(nn.Module):
         elif isinstance(getattr(cache, "_mask", None), WindowGap) and cache._mask.block is None:
             # a StreamingLLM cache: its slots up to the new ones, less each token's gap (caches/streaming.py)
             gap = cache._mask.gap
-        elif not cache.SLOT_CAUSAL:
+        elif not (cache.SLOT_CAUSAL if cache.FUSED_DECODE is None else cache.FUSED_DECODE):
             return None
         else:
             slot = cache._slot(cache.length)

@@ -73,6 +73,10 @@ class KVCache:
     # buffers are self.k / self.v on the model's device: then a fixed-shape forward (a CUDA graph,
     # caches/static.py) may run through it.
     SLOT_CAUSAL = False
+    # Whether the CPU's one call through every layer (model.Transformer._decode_layers) may run a chain through it:
+    # None, as SLOT_CAUSAL says; a cache whose forwards are slot-causal but which keeps CUDA graphs away for
+    # another reason says True.
+    FUSED_DECODE: bool | None = None
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         raise NotImplementedError
