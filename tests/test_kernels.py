@@ -34,8 +34,8 @@ def test_kernel_matches_sdpa(kern, T, mask_kind, S):
     assert T <= model.KERNEL_MAX_ROWS
     counting = _Counting(kern)
     got = model.attention(q, k, v, mask, ops=counting)
-    # the kernel really ran (bool masks, from the StreamingLLM cache, stay on PyTorch's path; a tree's
-    # token block takes the kernel's causal path with its own visibility)
+    # the kernel really ran (bool masks stay on PyTorch's path: the StreamingLLM cache hands the kernel a WindowGap
+    # instead, test_kv.py; a tree's token block takes the kernel's causal path with its own visibility)
     # (more than KERNEL_MAX_ROWS rows per KV head, 3 * 30 here: two query heads of each group in one call, one in a second)
     assert counting.calls == (0 if mask_kind == "bool" else 1 if Hq // Hkv * T <= model.KERNEL_MAX_ROWS else 2)
     want = model.attention(q, k, v, mask, ops=None)  # PyTorch's path

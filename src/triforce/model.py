@@ -600,7 +600,7 @@ class Transformer(nn.Module):
                 return None
         elif isinstance(getattr(cache, "_mask", None), WindowGap) and cache._mask.block is None:
             # a StreamingLLM cache: its slots up to the new ones, less each token's gap (caches/streaming.py)
-            gap = cache._mask.gap
+            gap, slot = cache._mask.gap, cache._slot(cache.length)
         elif not (cache.SLOT_CAUSAL if cache.FUSED_DECODE is None else cache.FUSED_DECODE):
             return None
         else:
@@ -613,11 +613,9 @@ class Transformer(nn.Module):
         record = getattr(cache, "queries", None) is not None
         if quantized:
             out = ops.decode_layers_quant(x, stack, *rope, c.n_heads, c.n_kv_heads, *cache.fused_inputs(g), record)
-        elif gap is not None:
-            out = ops.decode_layers(x, stack, *rope, c.n_heads, c.n_kv_heads, cache.k, cache.v, cache._write_slot,
-                                    record, gap=gap)
         else:
-            out = ops.decode_layers(x, stack, *rope, c.n_heads, c.n_kv_heads, cache.k, cache.v, slot, record)
+            window = {} if gap is None else {"gap": gap}  # (a slot-causal cache's call as it always was)
+            out = ops.decode_layers(x, stack, *rope, c.n_heads, c.n_kv_heads, cache.k, cache.v, slot, record, **window)
         if record:  # as FullCache.update records them
             cache.queries[:] = out[1:]
         return out[0]

@@ -36,7 +36,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -944,18 +943,14 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       // gap[1 + t] - 1 are hidden from token t's rows (between the sinks and its window); a block that every
       // row's gap covers is not read at all.
       int64_t mask_from = causal ? std::clamp<int64_t>(S - T - j0, 0, n) : n;
-      if (gap != nullptr && gap[0] < j0 + n) {
-        int64_t lo = n;  // from here on some row's gap may hide the block's keys
-        int64_t all_to = std::numeric_limits<int64_t>::max();
-        for (int64_t t = 0; t < T; ++t) {
-          if (gap[1 + t] > gap[0] && gap[1 + t] > j0) lo = std::min(lo, std::max<int64_t>(gap[0] - j0, 0));
-          all_to = std::min(all_to, gap[1 + t]);
-        }
-        if (gap[0] <= j0 && all_to >= j0 + n) {  // hidden from every row
+      if (gap != nullptr) {
+        const int64_t from = std::max(gap[0], j0);  // the block's first key a gap can hide
+        const auto [to_min, to_max] = std::minmax_element(gap + 1, gap + 1 + T);
+        if (from == j0 && *to_min >= j0 + n) {  // hidden from every row
           for (int64_t r = 0; r < R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
           continue;
         }
-        mask_from = std::min(mask_from, lo);
+        if (from < j0 + n && *to_max > from) mask_from = std::min(mask_from, from - j0);
       }
       const auto mask = [&](int64_t r, int64_t j) {
         const int64_t u = j0 + j - (S - T), t = r % T;
