@@ -166,6 +166,59 @@ def test_check_detects_a_wrong_sampler(models, prompt, exact, monkeypatch):
     assert min(pv) < 1e-6, f"the wrong sampler went undetected: p-values {pv}"
 
 
+SHORTCUT_STACK = ("ngram,streaming:8,retrieval:12,full", "2,2,3")
+
+
+def shortcut_counts(models, prompt, shortcut_rounds: list[tuple[int, int]]):
+    from triforce.speculation.stack import StackSpec
+
+    target, _ = models
+    counts = torch.zeros(POSITIONS, V)
+    for seed in range(N_SAMPLES):
+        res = generate(target, prompt, POSITIONS, PARAMS, stack=StackSpec.parse(*SHORTCUT_STACK), config=CFG, seed=seed)
+        top = res.stats["levels"][0]
+        shortcut_rounds.append((top["shortcut_rounds"], top["rounds"]))
+        for i, t in enumerate(res.tokens):
+            counts[i, t] += 1
+    return counts
+
+
+def test_ngram_shortcut_follows_target_distribution(models, prompt, exact, monkeypatch):
+    """The top verifies the n-gram proposal itself whenever it comes from a bigram match (so the route depends
+    on the sampled history), through the levels between otherwise: the tokens still follow the target."""
+    from triforce.speculation.drafters import NGramDrafter
+
+    monkeypatch.setattr(NGramDrafter, "acceptance", lambda self, n: 1.0 if n == 2 else None)
+    rounds: list[tuple[int, int]] = []
+    pv = p_values(shortcut_counts(models, prompt, rounds), exact)
+    assert min(pv) > ALPHA, f"chi-square p-values {pv}"
+    assert sum(s > 0 for s, _ in rounds) > 0.2 * N_SAMPLES  # both routes taken, in many runs
+    assert sum(s < r for s, r in rounds) > 0.2 * N_SAMPLES
+
+
+def test_check_detects_a_shortcut_that_retries(models, prompt, exact, monkeypatch):
+    """A wrong router: a direct round whose first draft is rejected is thrown away and redone through the levels
+    between (a second chance for the n-gram's token). The same check catches it."""
+    from triforce.speculation.drafters import NGramDrafter
+
+    monkeypatch.setattr(NGramDrafter, "acceptance", lambda self, n: 1.0)
+    right = level_mod.Level._round
+
+    def retrying(self, ctx, committed, k):
+        tokens, p = right(self, ctx, committed, k)
+        if self.shortcut is None or len(tokens) > 1:
+            return tokens, p
+        shortcut, self.shortcut = self.shortcut, None
+        try:
+            return right(self, ctx, committed, k)
+        finally:
+            self.shortcut = shortcut
+
+    monkeypatch.setattr(level_mod.Level, "_round", retrying)
+    pv = p_values(shortcut_counts(models, prompt, []), exact)
+    assert min(pv) < 1e-6, f"the retrying router went undetected: p-values {pv}"
+
+
 def _accept_first_token(accept_fn, p, q, n, seed):
     g = make_generator(seed)
     counts = torch.zeros(p.shape[1])

@@ -1,6 +1,7 @@
 """Every method's greedy output equals plain autoregressive decoding, token for token."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,47 @@ def test_hierarchy_levels_and_rebuilds(target):
     names = [lvl["level"] for lvl in res.stats["levels"]]
     assert names == ["full", "retrieval", "ngram"]
     assert res.stats["retrieval_rebuilds"] >= 1 + 80 // TINY_SPEC.rebuild_every - 1
+
+
+def test_ngram_shortcut_keeps_greedy_exact(smollm, all_threads):
+    """Text the embedded model copies (a passage given twice): once the n-gram drafts of a match length are
+    accepted, the top verifies them itself (shortcut rounds), the retrieval level catching up when next used;
+    the output stays ar's. 0 turns it off."""
+    from triforce.corpus import demo_tokens
+
+    model = smollm.model
+    passage = demo_tokens(smollm.tokenizer, 400)
+    prompt = passage + passage[:40]
+    cfg = SpecConfig(budget=256, recent=32, rebuild_every=32)
+    ref = generate(model, prompt, 64, method="ar").tokens
+    on = generate(model, prompt, 64, method="triforce", config=cfg)
+    off = generate(model, prompt, 64, method="triforce", config=replace(cfg, ngram_shortcut=0.0))
+    assert on.tokens == ref and off.tokens == ref
+    top, middle, ngram = on.stats["levels"]
+    assert 0 < top["shortcut_rounds"] < top["rounds"], top
+    assert middle["rounds"] > 0 and ngram["recent_acceptance_by_match"], (middle, ngram)
+    assert "shortcut_rounds" not in off.stats["levels"][0]
+    assert off.stats["levels"][1]["forwards"] > middle["forwards"]  # the rounds it skipped
+
+
+def test_ngram_shortcut_alternating_routes_keep_greedy_exact(target, monkeypatch):
+    """Every other round verified directly: each middle level catches up over the tokens it skipped."""
+    from triforce.speculation.drafters import NGramDrafter
+
+    calls = []
+
+    def every_other(self, n):
+        calls.append(n)
+        return 1.0 if len(calls) % 2 else 0.0
+
+    monkeypatch.setattr(NGramDrafter, "acceptance", every_other)
+    for seed, n_prompt in [(0, 200), (2, 90)]:
+        prompt = _prompt(n_prompt, seed)
+        stack = StackSpec.parse("ngram,streaming:24,retrieval:40,full", "2,2,4")
+        res = generate(target, prompt, 64, stack=stack, config=TINY_SPEC)
+        assert res.tokens == generate_ar(target, prompt, 64).tokens
+        top = res.stats["levels"][0]
+        assert 0 < top["shortcut_rounds"] < top["rounds"]
 
 
 def test_short_prompt_degrades_to_full_cache(target):

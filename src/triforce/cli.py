@@ -96,6 +96,11 @@ def _add_spec_args(p: argparse.ArgumentParser, tuned: bool = True) -> None:
                    help=f"KV cache dtype of the drafting levels (retrieval, streaming, a draft model; default "
                         f"{d.draft_kv_dtype} on CPU, bf16 on a CPU with AMX tiles or AVX512-BF16, the weights' dtype on CUDA). The output "
                         f"is exact either way")
+    g.add_argument("--ngram-shortcut", type=float, default=d.ngram_shortcut, metavar="RATE",
+                   help=f"stacks with levels between an ngram bottom and full (triforce): the full level verifies "
+                        f"an n-gram proposal itself, skipping the levels between, when proposals from matches of "
+                        f"its length were lately accepted at least RATE of the time (default {d.ngram_shortcut}; "
+                        f"0: never). The output is exact either way")
     g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
     g.add_argument("--window", type=_positive_int, default=d.window, metavar="N",
                    help=f"StreamingLLM recent window, for a streaming level without :BUDGET (default {d.window})")
@@ -152,6 +157,7 @@ def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
                      budget=d.budget if args.budget is None else args.budget,
                      chunk_size=args.chunk_size, recent=args.recent, rebuild_every=args.rebuild_every,
                      sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk,
+                     ngram_shortcut=args.ngram_shortcut,
                      draft_weights=args.draft_weights, draft_kv_dtype=args.draft_kv_dtype or _default_draft_kv(args))
     cfg.validate()
     return cfg, path

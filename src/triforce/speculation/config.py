@@ -27,6 +27,10 @@ class SpecConfig:
     sink: int = 16  # StreamingLLM cache: sink tokens; window = budget - sink (a level without :BUDGET: `window`)
     window: int = 512
     ngram: int = 3  # longest n-gram matched by the n-gram drafter
+    # a stack with levels between an n-gram bottom and `full`: the top verifies an n-gram proposal itself when
+    # proposals from matches of its length were lately accepted at least this often (level.Level.shortcut);
+    # 0: never. Chosen on the 32K bench (docs/benchmarks.md, session 16)
+    ngram_shortcut: float = 0.6
     prefill_chunk: int = 512
     draft_weights: str = "bf16"  # weights of the target when it drafts (retrieval / streaming levels): bf16 or fp32
     # KV cache dtype of the drafting levels (retrieval, streaming, a small draft model; a kv4 level's
@@ -38,6 +42,8 @@ class SpecConfig:
         for name in ("gamma", "gamma_draft", "chunk_size", "rebuild_every", "window", "ngram", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise TriforceError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.ngram_shortcut <= 1.0:
+            raise TriforceError(f"--ngram-shortcut must be between 0 (never) and 1, got {self.ngram_shortcut}")
         if self.sink < 0 or self.recent < 0:
             raise TriforceError("--sink and --recent must be >= 0")
         if self.draft not in ("ngram", "streaming", "draft"):

@@ -117,12 +117,22 @@ def accept(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
 class Level:
     """`drafter` proposes up to `gamma` tokens, `verifier` checks them in one forward. With a tree
     template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a model at the
-    bottom: ModelDrafter.propose_tree), each round drafts that tree instead of a chain (Sequoia)."""
+    bottom: ModelDrafter.propose_tree), each round drafts that tree instead of a chain (Sequoia).
+
+    `shortcut` (an n-gram drafter at the bottom of the stack, below `drafter`): a round verifies its
+    proposal directly, skipping the levels between, when its drafts from matches of the same length have
+    lately been accepted at least `shortcut_above` of the time (NGramDrafter.acceptance, fed back by
+    whichever level verified them). Repeated text then costs no middle-level forwards, and new text still
+    goes through them. The choice is made from past rounds only, before the verification draws anything,
+    so the output stays exactly the verifier's (a round's rule is exact for any draft)."""
 
     def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator,
-                 tree: tuple[int, ...] | None = None):
+                 tree: tuple[int, ...] | None = None, shortcut=None, shortcut_above: float = 1.0):
         self.name, self.drafter, self.verifier, self.gamma, self.generator = name, drafter, verifier, gamma, generator
         self.tree = tree if tree and hasattr(drafter, "propose_tree") else None
+        self.shortcut = shortcut if self.tree is None else None
+        self.shortcut_above = shortcut_above
+        self.shortcut_rounds = 0
         self.rounds = self.drafted = self.accepted = self.syncs = 0
         self.seconds = 0.0
         self.recent: list[float] = []  # acceptance of the last rounds, for rebuild policies
@@ -131,11 +141,23 @@ class Level:
         self.rank_tried: list[int] = []
         self.rank_accepted: list[int] = []
 
+    def _drafter_for(self, ctx: list[int], committed: int, k: int):
+        """This round's drafter: the shortcut where its proposal's match length has earned it, else `drafter`."""
+        if self.shortcut is not None:
+            tokens, n = self.shortcut.lookup(ctx, committed, k)
+            rate = self.shortcut.acceptance(n) if tokens else None
+            if rate is not None and rate >= self.shortcut_above:
+                self.shortcut_rounds += 1
+                return self.shortcut
+        return self.drafter
+
     def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
+        drafter = self.drafter
         if self.tree is not None:
             tree, q = self.drafter.propose_tree(ctx, committed, self.tree)
         else:
-            draft, q = self.drafter.propose(ctx, committed, k)
+            drafter = self._drafter_for(ctx, committed, k)
+            draft, q = drafter.propose(ctx, committed, k)
             tree = DraftTree.chain(draft)
             if q is not None:
                 q = torch.cat([q, torch.zeros_like(q[:1])])  # the last node is a leaf: no children
@@ -144,6 +166,8 @@ class Level:
         path, nxt = verify_tree(tree, q, p, self.generator)
         self.verifier.keep_path(path)
         j = len(path)
+        if hasattr(drafter, "feedback"):
+            drafter.feedback(len(tree), j)
         self.seconds += time.perf_counter() - t
         self.rounds += 1
         self.syncs += 1
@@ -201,6 +225,7 @@ class Level:
             "tokens_per_round": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else None,
             "seconds": round(self.seconds, 4), "forwards": self.verifier.forwards,
             "host_syncs": self.syncs, "syncs_per_round": round(self.syncs / self.rounds, 3) if self.rounds else None,
+            **({"shortcut_rounds": self.shortcut_rounds} if self.shortcut is not None else {}),
             **({"tree_nodes": len(self.tree), "acceptance_by_rank": [round(a, 4) for a in self.acceptance_by_rank()],
                 "tried_by_rank": list(self.rank_tried)} if self.tree is not None else {}),
         }
