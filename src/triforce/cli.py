@@ -452,7 +452,9 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
                 if lvl.get("role") == "verify":
                     print(f"  level {lvl['level']}: {lvl['accepted']}/{lvl['proposed']} drafted tokens accepted "
                           f"({lvl['acceptance_rate']}), {lvl['tokens_per_round']} tokens per verification, "
-                          f"{lvl['seconds']:.2f} s", file=sys.stderr)
+                          f"{lvl['seconds']:.2f} s" + (f"; {lvl['shortcut_rounds']} of {lvl['rounds']} rounds verified the "
+                                                      f"n-gram drafts directly" if lvl.get("shortcut_rounds") else ""),
+                          file=sys.stderr)
             for note in res.stats.get("notes", []):
                 print(f"  note: {note}", file=sys.stderr)
             ran = f"{res.stats['stack']}" + (f" --gammas {','.join(map(str, res.stats['gammas']))}" if res.stats['gammas'] else "")
