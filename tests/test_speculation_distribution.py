@@ -186,9 +186,7 @@ def shortcut_counts(models, prompt, shortcut_rounds: list[tuple[int, int]]):
 def test_ngram_shortcut_follows_target_distribution(models, prompt, exact, monkeypatch):
     """The top verifies the n-gram proposal itself whenever it comes from a bigram match (so the route depends
     on the sampled history), through the levels between otherwise: the tokens still follow the target."""
-    from triforce.speculation.drafters import NGramDrafter
-
-    monkeypatch.setattr(NGramDrafter, "acceptance", lambda self, n: 1.0 if n == 2 else None)
+    monkeypatch.setattr(level_mod.Level, "shortcut_rate", lambda self, n: 1.0 if n == 2 else None)
     rounds: list[tuple[int, int]] = []
     pv = p_values(shortcut_counts(models, prompt, rounds), exact)
     assert min(pv) > ALPHA, f"chi-square p-values {pv}"
@@ -199,9 +197,7 @@ def test_ngram_shortcut_follows_target_distribution(models, prompt, exact, monke
 def test_check_detects_a_shortcut_that_retries(models, prompt, exact, monkeypatch):
     """A wrong router: a direct round whose first draft is rejected is thrown away and redone through the levels
     between (a second chance for the n-gram's token). The same check catches it."""
-    from triforce.speculation.drafters import NGramDrafter
-
-    monkeypatch.setattr(NGramDrafter, "acceptance", lambda self, n: 1.0)
+    monkeypatch.setattr(level_mod.Level, "shortcut_rate", lambda self, n: 1.0)
     right = level_mod.Level._round
 
     def retrying(self, ctx, committed, k):

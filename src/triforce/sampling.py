@@ -44,12 +44,19 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         # keep a token if the mass strictly before it (in descending order) is < top_p (the top token is
-        # always kept). Sorting a 262K-token vocabulary per row costs milliseconds: the top TOP_P_CANDIDATES
+        # always kept). Sorting a 262K-token vocabulary per row costs milliseconds: the top k candidates
         # decide it whenever their mass reaches top_p (every token after them then has mass before it
-        # >= top_p, so it is dropped either way); otherwise the whole row is sorted.
-        k = min(TOP_P_CANDIDATES, probs.shape[-1])
-        sorted_p, order = probs.topk(k, dim=-1)
-        if k < probs.shape[-1] and bool((sorted_p.sum(-1) < params.top_p).any()):
+        # >= top_p, so it is dropped either way), k from TOP_P_CANDIDATES in turn; otherwise the whole row
+        # is sorted.
+        sorted_p = order = None
+        for k in TOP_P_CANDIDATES:
+            if k >= probs.shape[-1]:
+                break
+            top, top_order = probs.topk(k, dim=-1)
+            if not bool((top.sum(-1) < params.top_p).any()):
+                sorted_p, order = top, top_order
+                break
+        if sorted_p is None:
             sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
@@ -58,7 +65,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs
 
 
-TOP_P_CANDIDATES = 1024
+# Candidate counts tried in turn: for the embedded model at T=0.6, top-p 0.9, the top 128 hold the mass in every
+# row of a Shakespeare passage (the top 64 in 98%); topk(128) over its 49K vocabulary took 0.025 ms per row, topk(1024)
+# 0.47 (AMD Zen 5): 1.4 ms of a 5-token verification's 31.
+TOP_P_CANDIDATES = (128, 1024)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -8,7 +8,6 @@ Every proposer implements
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
 
@@ -111,22 +110,13 @@ class ModelDrafter:
 class NGramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
     `max_ngram` down to `min_ngram`) and propose what followed it. Deterministic, so q is one-hot:
-    the verifier accepts token x with probability p(x) (at temperature 0: iff x is its argmax).
-
-    Its verifier tells it how many of each proposal it accepted (`feedback`, as llama.cpp's speculative
-    examples tell their drafter), kept per match length n over the last HISTORY proposals: `acceptance(n)`
-    is what a stack's top level reads to decide whether to verify a proposal itself (Level.shortcut)."""
-
-    HISTORY = 16  # proposals per match length whose acceptance is remembered
-    MIN_HISTORY = 4  # fewer: acceptance(n) is unknown (None)
+    the verifier accepts token x with probability p(x) (at temperature 0: iff x is its argmax)."""
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, device="cpu"):
         self.vocab_size, self.max_ngram, self.min_ngram, self.device = vocab_size, max_ngram, min_ngram, device
         self.name = "ngram"
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
         self._indexed = 0  # n-grams ending before this position (within the committed prefix) are indexed
-        self._history: dict[int, deque] = {n: deque(maxlen=self.HISTORY) for n in self._index}  # (drafted, accepted)
-        self.last_n = 0  # match length of the last proposal (0: none)
         self.tokens = 0
         self.seconds = 0.0
 
@@ -140,7 +130,7 @@ class NGramDrafter:
 
     def lookup(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], int]:
         """-> (up to k tokens that followed the latest earlier occurrence of the longest matching n-gram, n);
-        ([], 0) without a match. No bookkeeping: propose() is the proposal."""
+        ([], 0) without a match. No bookkeeping: propose() is the proposal (Level.shortcut looks ahead with this)."""
         self._update_index(ctx, committed)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(ctx) < n:
@@ -152,24 +142,10 @@ class NGramDrafter:
 
     def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], None]:
         t = time.perf_counter()
-        tokens, self.last_n = self.lookup(ctx, committed, k)
+        tokens, _ = self.lookup(ctx, committed, k)
         self.tokens += len(tokens)
         self.seconds += time.perf_counter() - t
         return tokens, None
 
-    def feedback(self, drafted: int, accepted: int) -> None:
-        """The level above verified the last proposal: `accepted` of its `drafted` tokens."""
-        if drafted and self.last_n:
-            self._history[self.last_n].append((drafted, accepted))
-
-    def acceptance(self, n: int) -> float | None:
-        """Accepted / drafted over the remembered proposals from matches of length n (None: too few)."""
-        h = self._history.get(n)
-        if not h or len(h) < self.MIN_HISTORY:
-            return None
-        return sum(a for _, a in h) / sum(d for d, _ in h)
-
     def stats(self) -> dict:
-        rates = {n: self.acceptance(n) for n in self._history}
-        return {"level": self.name, "role": "draft", "tokens": self.tokens, "seconds": round(self.seconds, 4),
-                "recent_acceptance_by_match": {str(n): round(r, 3) for n, r in rates.items() if r is not None}}
+        return {"level": self.name, "role": "draft", "tokens": self.tokens, "seconds": round(self.seconds, 4)}

@@ -12,6 +12,7 @@ their distributions, so a level is itself a drafter (`propose`) for the level ab
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -119,12 +120,18 @@ class Level:
     template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a model at the
     bottom: ModelDrafter.propose_tree), each round drafts that tree instead of a chain (Sequoia).
 
-    `shortcut` (an n-gram drafter at the bottom of the stack, below `drafter`): a round verifies its
-    proposal directly, skipping the levels between, when its drafts from matches of the same length have
-    lately been accepted at least `shortcut_above` of the time (NGramDrafter.acceptance, fed back by
-    whichever level verified them). Repeated text then costs no middle-level forwards, and new text still
-    goes through them. The choice is made from past rounds only, before the verification draws anything,
-    so the output stays exactly the verifier's (a round's rule is exact for any draft)."""
+    `shortcut` (an n-gram drafter at the bottom of the stack, below `drafter`): each round looks its proposal
+    up first and verifies it directly, skipping the levels between, when proposals from matches of the same
+    length have lately been accepted at least `shortcut_above` of the time (`shortcut_rate`). Repeated text then
+    costs no middle-level forwards, and new text still goes through them. Every round counts for that rate: a
+    direct round by what it accepted, a round through the middle by how far the proposal matched the tokens the
+    round emitted, which is what a direct round would have accepted (at temperature 0 exactly; sampled, in
+    distribution, the emitted tokens being the verifier's either way). The route is chosen from past rounds only,
+    before the round's verification draws anything, so the output stays exactly the verifier's.
+    """
+
+    SHORTCUT_HISTORY = 16  # proposals per match length whose outcome the shortcut remembers
+    SHORTCUT_MIN_HISTORY = 4  # fewer: the rate is unknown and the round goes through the middle
 
     def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator,
                  tree: tuple[int, ...] | None = None, shortcut=None, shortcut_above: float = 1.0):
@@ -133,6 +140,8 @@ class Level:
         self.shortcut = shortcut if self.tree is None else None
         self.shortcut_above = shortcut_above
         self.shortcut_rounds = 0
+        self._shortcut_history: dict[int, deque] = {}  # match length -> (drafted, accepted) of recent proposals
+        self._lookahead: tuple[list[int], int] = ([], 0)  # this round's n-gram proposal and its match length
         self.rounds = self.drafted = self.accepted = self.syncs = 0
         self.seconds = 0.0
         self.recent: list[float] = []  # acceptance of the last rounds, for rebuild policies
@@ -141,23 +150,43 @@ class Level:
         self.rank_tried: list[int] = []
         self.rank_accepted: list[int] = []
 
+    def shortcut_rate(self, n: int) -> float | None:
+        """Accepted / drafted over the remembered proposals from n-gram matches of length n (None: too few)."""
+        h = self._shortcut_history.get(n)
+        if h is None or len(h) < self.SHORTCUT_MIN_HISTORY:
+            return None
+        return sum(a for _, a in h) / sum(d for d, _ in h)
+
     def _drafter_for(self, ctx: list[int], committed: int, k: int):
         """This round's drafter: the shortcut where its proposal's match length has earned it, else `drafter`."""
         if self.shortcut is not None:
-            tokens, n = self.shortcut.lookup(ctx, committed, k)
-            rate = self.shortcut.acceptance(n) if tokens else None
+            self._lookahead = self.shortcut.lookup(ctx, committed, k)
+            tokens, n = self._lookahead
+            rate = self.shortcut_rate(n) if tokens else None
             if rate is not None and rate >= self.shortcut_above:
                 self.shortcut_rounds += 1
                 return self.shortcut
         return self.drafter
 
+    def _remember_lookahead(self, emitted: list[int]) -> None:
+        """The round emitted these tokens: how many of its n-gram proposal a direct verification accepted or
+        would have (the proposal's prefix equal to them; past the emitted tokens nothing is known)."""
+        proposal, n = self._lookahead
+        self._lookahead = ([], 0)
+        if not proposal:
+            return
+        m = 0
+        while m < min(len(proposal), len(emitted)) and proposal[m] == emitted[m]:
+            m += 1
+        drafted = len(proposal) if m < len(emitted) else m
+        if drafted:
+            self._shortcut_history.setdefault(n, deque(maxlen=self.SHORTCUT_HISTORY)).append((drafted, m))
+
     def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
-        drafter = self.drafter
         if self.tree is not None:
             tree, q = self.drafter.propose_tree(ctx, committed, self.tree)
         else:
-            drafter = self._drafter_for(ctx, committed, k)
-            draft, q = drafter.propose(ctx, committed, k)
+            draft, q = self._drafter_for(ctx, committed, k).propose(ctx, committed, k)
             tree = DraftTree.chain(draft)
             if q is not None:
                 q = torch.cat([q, torch.zeros_like(q[:1])])  # the last node is a leaf: no children
@@ -166,8 +195,6 @@ class Level:
         path, nxt = verify_tree(tree, q, p, self.generator)
         self.verifier.keep_path(path)
         j = len(path)
-        if hasattr(drafter, "feedback"):
-            drafter.feedback(len(tree), j)
         self.seconds += time.perf_counter() - t
         self.rounds += 1
         self.syncs += 1
@@ -178,6 +205,8 @@ class Level:
         if self.tree is not None:
             self._count_ranks(tree, path)
         tokens = [tree.tokens[i] for i in path] + [nxt]  # a tree may give more than k + 1: callers cut
+        if self.shortcut is not None:
+            self._remember_lookahead(tokens)
         slots = [0] + [i + 1 for i in path]  # the verifier's rows after the context and each accepted node
         return tokens, (p[slots][:len(tokens)] if p.dim() == 2 else None)
 
@@ -225,7 +254,10 @@ class Level:
             "tokens_per_round": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else None,
             "seconds": round(self.seconds, 4), "forwards": self.verifier.forwards,
             "host_syncs": self.syncs, "syncs_per_round": round(self.syncs / self.rounds, 3) if self.rounds else None,
-            **({"shortcut_rounds": self.shortcut_rounds} if self.shortcut is not None else {}),
+            **({"shortcut_rounds": self.shortcut_rounds,
+                "shortcut_rate_by_match": {str(n): round(r, 3) for n in sorted(self._shortcut_history)
+                                           if (r := self.shortcut_rate(n)) is not None}}
+               if self.shortcut is not None else {}),
             **({"tree_nodes": len(self.tree), "acceptance_by_rank": [round(a, 4) for a in self.acceptance_by_rank()],
                 "tried_by_rank": list(self.rank_tried)} if self.tree is not None else {}),
         }
