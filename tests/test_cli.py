@@ -140,7 +140,13 @@ def test_bench_writes_results(tmp_path):
             assert set(x["level_cost"]) == {"full", "retrieval"}
             assert x["level_cost"]["retrieval"]["floor_ms"] < x["level_cost"]["full"]["floor_ms"]
             assert all(c["ms_per_forward"] > 0 for c in x["level_cost"].values())
-    assert "| 700 | 0.0 | triforce |" in (tmp_path / "results.md").read_text()
+            # tokens per round per level, and the n-gram shortcut's rounds (issue 13's table)
+            assert set(x["tokens_per_round"]) == {"full", "retrieval"} and x["tokens_per_round"]["full"] >= 1
+            assert 0 <= x["shortcut"]["rounds_direct"] <= x["shortcut"]["rounds"]
+        elif x["method"] == "ngram":
+            assert x["shortcut"] is None and set(x["tokens_per_round"]) == {"full"}
+    md = (tmp_path / "results.md").read_text()
+    assert "| 700 | 0.0 | triforce |" in md and "tokens per round (per level)" in md and "rounds direct)" in md
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     bad = run("bench", "--methods", "ar,medusa", "--quiet")
     assert bad.returncode == 2 and "unknown method" in bad.stderr

@@ -66,6 +66,9 @@ def _agreement(tokens: list[int], ref: list[int] | None) -> int | None:
 def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, levels=(), notes=()):
     acc = {lvl["level"]: lvl.get("acceptance_rate") for lvl in levels if lvl.get("role") == "verify"}
     tpr = {lvl["level"]: lvl.get("tokens_per_round") for lvl in levels if lvl.get("role") == "verify"}
+    top = levels[0] if levels else {}
+    direct = ({"rounds_direct": top["shortcut_rounds"], "rounds": top["rounds"]}  # the n-gram shortcut's rounds
+              if "shortcut_rounds" in top else None)
     return {"method": method, "context_length": n_ctx, "prompt": pi, "temperature": temp,
             "ms_per_token": round(ms, 2) if ms is not None else None,  # None: a peer that could not run
             "speedup_vs_ar": round(ar_ms / ms, 3) if ar_ms and ms else None,
@@ -73,7 +76,7 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
             # At T=0 an exact engine reproduces ar's tokens; agree_with_ar says where one stops doing so.
             "lossless": (tokens == ar_tokens) if (temp == 0 and tokens is not None) else None,
             "agree_with_ar": _agreement(tokens, ar_tokens) if (temp == 0 and tokens is not None) else None,
-            "acceptance": acc, "tokens_per_round": tpr, "tokens": len(tokens) if tokens else 0,
+            "acceptance": acc, "tokens_per_round": tpr, "shortcut": direct, "tokens": len(tokens) if tokens else 0,
             "notes": list(notes), "levels": list(levels)}
 
 
@@ -325,6 +328,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "lossless": None if any(r["lossless"] is None for r in rs) else all(r["lossless"] for r in rs),
                     "agree_with_ar": med(r.get("agree_with_ar") for r in rs),
                     "acceptance": {k: med(r["acceptance"].get(k) for r in rs) for k in rs[0]["acceptance"]},
+                    "tokens_per_round": {k: med((r.get("tokens_per_round") or {}).get(k) for r in rs)
+                                         for k in rs[0].get("tokens_per_round") or {}},
+                    "shortcut": ({k: med(r["shortcut"][k] for r in rs) for k in ("rounds_direct", "rounds")}
+                                 if all(r.get("shortcut") for r in rs) else None),
                     "level_cost": level_cost, "floor_ms": rs[0].get("floor_ms"), "prompts": len(rs),
                     "notes": list(dict.fromkeys(note for r in rs for note in r["notes"])),
                     "tuned": rs[0].get("tuned"), **peer})
@@ -333,10 +340,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def markdown(summary: list[dict]) -> str:
     lines = ["| context | T | method | ms/token | speedup vs ar | lossless | acceptance (per level) | "
-             "ms per forward / floor (per level) | floor ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "tokens per round (per level) | ms per forward / floor (per level) | floor ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         acc = ", ".join(f"{k} {v}" for k, v in r["acceptance"].items()) or "-"
+        tpr = ", ".join(f"{k} {v}" for k, v in (r.get("tokens_per_round") or {}).items()) or "-"
+        if r.get("shortcut"):
+            tpr += f" ({r['shortcut']['rounds_direct']:g} of {r['shortcut']['rounds']:g} rounds direct)"
         cost = ", ".join(f"{k} {c['ms_per_forward']}/{c['floor_ms'] or '-'}" for k, c in r.get("level_cost", {}).items()) or "-"
         if r["lossless"] is not None:
             lossless = "yes" if r["lossless"] else "**NO**"
@@ -347,7 +357,7 @@ def markdown(summary: list[dict]) -> str:
         speed = f"{r['speedup_vs_ar']}x" if r["speedup_vs_ar"] is not None else "-"
         method = r["method"] + (f" (tuned: {r['tuned']})" if r.get("tuned") else "")
         lines.append(f"| {r['context_length']} | {r['temperature']} | {method} | {_dash(r['ms_per_token'])} | "
-                     f"{speed} | {lossless} | {acc} | {cost} | {r.get('floor_ms') or '-'} |")
+                     f"{speed} | {lossless} | {acc} | {tpr} | {cost} | {r.get('floor_ms') or '-'} |")
     return "\n".join(lines) + "\n" + peers_markdown(summary)
 
 
