@@ -65,13 +65,17 @@ def exact(models, prompt):
     return exact_marginals(models[0], prompt, PARAMS)
 
 
-def sample_counts(models, prompt, method, cfg, n=N_SAMPLES, params=PARAMS, stack=None):
+def sample_counts(models, prompt, method, cfg, n=N_SAMPLES, params=PARAMS, stack=None, tops=None):
+    """Counts [POSITIONS, V] of the first generated tokens over n seeds; `tops`: a list that gets each run's
+    top-level stats."""
     target, draft = models
     counts = torch.zeros(POSITIONS, V)
     for seed in range(n):
-        toks = generate(target, prompt, POSITIONS, params, method=method, stack=stack, config=cfg, draft_model=draft,
-                        seed=seed).tokens
-        for i, t in enumerate(toks):
+        res = generate(target, prompt, POSITIONS, params, method=method, stack=stack, config=cfg, draft_model=draft,
+                       seed=seed)
+        if tops is not None:
+            tops.append(res.stats["levels"][0])
+        for i, t in enumerate(res.tokens):
             counts[i, t] += 1
     return counts
 
@@ -169,34 +173,24 @@ def test_check_detects_a_wrong_sampler(models, prompt, exact, monkeypatch):
 SHORTCUT_STACK = ("ngram,streaming:8,retrieval:12,full", "2,2,3")
 
 
-def shortcut_counts(models, prompt, shortcut_rounds: list[tuple[int, int]]):
-    from triforce.speculation.stack import StackSpec
-
-    target, _ = models
-    counts = torch.zeros(POSITIONS, V)
-    for seed in range(N_SAMPLES):
-        res = generate(target, prompt, POSITIONS, PARAMS, stack=StackSpec.parse(*SHORTCUT_STACK), config=CFG, seed=seed)
-        top = res.stats["levels"][0]
-        shortcut_rounds.append((top["shortcut_rounds"], top["rounds"]))
-        for i, t in enumerate(res.tokens):
-            counts[i, t] += 1
-    return counts
-
-
 def test_ngram_shortcut_follows_target_distribution(models, prompt, exact, monkeypatch):
     """The top verifies the n-gram proposal itself whenever it comes from a bigram match (so the route depends
     on the sampled history), through the levels between otherwise: the tokens still follow the target."""
+    from triforce.speculation.stack import StackSpec
+
     monkeypatch.setattr(level_mod.Level, "shortcut_rate", lambda self, n: 1.0 if n == 2 else None)
-    rounds: list[tuple[int, int]] = []
-    pv = p_values(shortcut_counts(models, prompt, rounds), exact)
+    tops: list[dict] = []
+    pv = p_values(sample_counts(models, prompt, None, CFG, stack=StackSpec.parse(*SHORTCUT_STACK), tops=tops), exact)
     assert min(pv) > ALPHA, f"chi-square p-values {pv}"
-    assert sum(s > 0 for s, _ in rounds) > 0.2 * N_SAMPLES  # both routes taken, in many runs
-    assert sum(s < r for s, r in rounds) > 0.2 * N_SAMPLES
+    assert sum(t["shortcut_rounds"] > 0 for t in tops) > 0.2 * N_SAMPLES  # both routes taken, in many runs
+    assert sum(t["shortcut_rounds"] < t["rounds"] for t in tops) > 0.2 * N_SAMPLES
 
 
 def test_check_detects_a_shortcut_that_retries(models, prompt, exact, monkeypatch):
     """A wrong router: a direct round whose first draft is rejected is thrown away and redone through the levels
     between (a second chance for the n-gram's token). The same check catches it."""
+    from triforce.speculation.stack import StackSpec
+
     monkeypatch.setattr(level_mod.Level, "shortcut_rate", lambda self, n: 1.0)
     right = level_mod.Level._round
 
@@ -211,7 +205,7 @@ def test_check_detects_a_shortcut_that_retries(models, prompt, exact, monkeypatc
             self.shortcut = shortcut
 
     monkeypatch.setattr(level_mod.Level, "_round", retrying)
-    pv = p_values(shortcut_counts(models, prompt, []), exact)
+    pv = p_values(sample_counts(models, prompt, None, CFG, stack=StackSpec.parse(*SHORTCUT_STACK)), exact)
     assert min(pv) < 1e-6, f"the retrying router went undetected: p-values {pv}"
 
 

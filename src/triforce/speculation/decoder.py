@@ -84,12 +84,14 @@ class Decoder:
         proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
                     else KINDS[bottom_spec.kind].drafter(ctx, bottom_spec))
         tree = fixed_tree(self.stack.tree) if self.stack.tree else None  # drafted by the bottom level only
-        bottom = proposer
-        for state, gamma in zip(self.states[1:], self.stack.gammas):
-            proposer = Level(state.name, proposer, state, gamma, generator, tree=tree)
+        # the top level's n-gram shortcut past the levels between (Level.shortcut)
+        shortcut = (proposer if bottom_spec.kind == "ngram" and len(self.stack.levels) > 2 and config.ngram_shortcut > 0
+                    else None)
+        for i, (state, gamma) in enumerate(zip(self.states[1:], self.stack.gammas), start=2):
+            top = i == len(self.stack.levels)
+            proposer = Level(state.name, proposer, state, gamma, generator, tree=tree,
+                             shortcut=shortcut if top else None, shortcut_above=config.ngram_shortcut)
             tree = None
-        if bottom_spec.kind == "ngram" and len(self.stack.levels) > 2 and config.ngram_shortcut > 0:
-            proposer.shortcut, proposer.shortcut_above = bottom, config.ngram_shortcut
         self.top = proposer
 
     def _useful(self, stack: StackSpec, prompt_len: int) -> StackSpec:
