@@ -289,6 +289,23 @@ def test_corrupt_gguf_is_refused_and_leaves_nothing(q4_k_m_file, tmp_path, damag
     assert not cache.exists() or not any(cache.iterdir())
 
 
+def test_info_counts_the_runtime_beside_weights_and_kv(monkeypatch):
+    """`triforce info`'s verdict adds the runtime (Python, PyTorch, tokenizer, activations: memory.RUNTIME, measured)
+    to weights + KV: a context that needs all the available memory for weights and KV alone does not fit."""
+    if not embedded_available():
+        pytest.skip("embedded model not installed")
+    from triforce import memory
+    from triforce.loading.inventory import inventory, report
+
+    inv = inventory(None)
+    need = inv.weight_bytes("native") + 8192 * inv.kv_bytes_per_token("bf16")
+    for avail, verdict in ((need + memory.RUNTIME, "fits"), (need + memory.RUNTIME - (1 << 20), "DOES NOT FIT"),
+                           (need + memory.HEADROOM, "DOES NOT FIT")):
+        monkeypatch.setattr(memory, "available_bytes", lambda: avail)
+        line = report(inv, "native", "bf16", 8192).splitlines()[-1]
+        assert line.endswith(verdict) and "the runtime" in line, line
+
+
 def test_info_and_memory_refusal(capsys):
     if not embedded_available():
         pytest.skip("embedded model not installed")

@@ -42,7 +42,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"on a CPU with AMX tiles or AVX512-BF16 (its verifications and prefill run on their dot "
                         f"products; docs/kv_dtype.md), else the weights' "
                         f"dtype; int8: 8-bit KIVI-grouped codes as two 4-bit planes, "
-                        f"0.55x fp16's bytes, read at 4 bits by kv4 levels (docs/quantized_kv.md)")
+                        f"0.55x fp16's bytes, read at 4 bits by kv4 levels; faster decode steps at long context "
+                        f"but a slower prefill (32K: about 3x bf16's; docs/quantized_kv.md)")
     g.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     g.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
     g.add_argument("--offload-kv", action="store_true",

@@ -114,11 +114,12 @@ def report(inv: Inventory, weights: str, kv_dtype: str | None, context: int | No
         f"{d} {memory.gib(1024 * inv.kv_bytes_per_token(d))}" for d in KV_DTYPES)
         + f" (a kv4 level's own 4-bit cache over a float target: {memory.gib(1024 * inv.kv_bytes_per_token('int4'))})")
     wb, kb = inv.weight_bytes(weights), context * inv.kv_bytes_per_token(kv_dtype)
-    total = wb + kb
+    total = wb + kb + memory.RUNTIME
     avail = memory.available_bytes()
+    # (this process already holds PyTorch, part of the runtime counted again: the verdict errs on the safe side)
     verdict = "" if avail is None else (
-        f"; available {memory.gib(avail)}: " + ("fits" if total <= avail - memory.HEADROOM else "DOES NOT FIT"))
+        f"; available {memory.gib(avail)}: " + ("fits" if total <= avail else "DOES NOT FIT"))
     lines.append(f"a {context}-token context with --weights {weights} --kv-dtype {kv_dtype}: weights {memory.gib(wb)} "
-                 f"+ KV {memory.gib(kb)} = {memory.gib(total)} (+ activations, under {memory.gib(memory.HEADROOM)})"
-                 f"{verdict}")
+                 f"+ KV {memory.gib(kb)} + the runtime (Python, PyTorch, tokenizer, activations; measured with the "
+                 f"embedded model) about {memory.gib(memory.RUNTIME)} = {memory.gib(total)} at its peak{verdict}")
     return "\n".join(lines)
