@@ -242,6 +242,29 @@ def test_bench_runs_user_stacks_beside_methods(tmp_path):
     assert bad.returncode == 2 and "no 'full' level" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@needs_model
+def test_bench_compares_with_a_reference_kv_dtype(tmp_path):
+    """--reference-kv-dtype: ar over a cache of that dtype, prefilled on its own, and every method's speedup over it
+    (issue 17: an int8 run's methods against fp32 ar, the gain end to end)."""
+    r = run("bench", "--context-lengths", "600", "--methods", "ngram", "--temperatures", "0,0.6", "--max-new-tokens",
+            "4", "--kv-dtype", "int8", "--reference-kv-dtype", "fp32", "--out", str(tmp_path / "b"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert result["meta"]["kv_dtype"] == "int8" and result["meta"]["reference_kv_dtype"] == "fp32"
+    rows = {(x["method"], x["temperature"]): x for x in result["rows"]}
+    assert set(rows) == {(m, t) for m in ("ar", "ngram", "ar (fp32 KV)") for t in (0.0, 0.6)}
+    for t in (0.0, 0.6):
+        ref, ar = rows["ar (fp32 KV)", t], rows["ar", t]
+        assert ref["reference"] and ref["speedup_vs_reference"] == 1.0 and ref["lossless"] is None
+        for m in ("ar", "ngram"):  # each method's speedup over the reference: its ms/token against the reference's
+            x = rows[m, t]
+            assert not x["reference"] and x["speedup_vs_reference"] == round(ref["ms_per_token"] / x["ms_per_token"], 3)
+        assert ar["speedup_vs_ar"] == 1.0 and rows["ngram", 0.0]["lossless"]
+    assert "| speedup vs ar (fp32 KV) |" in (tmp_path / "b" / "results.md").read_text()
+    bad = run("bench", "--kv-dtype", "fp16", "--reference-kv-dtype", "fp16", "--quiet")
+    assert bad.returncode == 2 and "this run's own KV dtype" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_serve_refuses_an_int8_kv_cache():
     """Its prefix cache stores float K/V blocks: one line, exit 2, before loading anything."""
     r = run("serve", "--kv-dtype", "int8", "--port", "8931")

@@ -96,6 +96,32 @@ def test_a_build_with_amx_is_refused_unless_asked_for(monkeypatch):
     assert LlamaCppPeer("model.gguf", 4.0e5, **QUIET).rope_theta == 4.0e5
 
 
+def test_an_int8_run_gives_llama_cpp_a_q8_0_cache(monkeypatch):
+    """Issue 17: beside our int8 cache llama.cpp runs with q8_0 K and V (f16 otherwise); it quantizes V only with
+    flash attention, so the flash-off variant is a reason, not a run."""
+    import types
+
+    import torch
+
+    made = []
+    fake = types.ModuleType("llama_cpp")
+    fake.llama_print_system_info = lambda: b"CPU : AVX512 = 1 |"
+    fake.GGML_TYPE_Q8_0 = 8
+    fake.Llama = lambda *a, **kw: made.append(kw) or SimpleNamespace(close=lambda: None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    assert peers.llama_kv_type(torch.int8) == "q8_0" and peers.llama_kv_type("int8") == "q8_0"
+    assert {peers.llama_kv_type(d) for d in (torch.float16, torch.bfloat16, torch.float32)} == {"f16"}
+    peer = LlamaCppPeer("model.gguf", 4.0e5, kv_type="q8_0", **QUIET)
+    peer._context(100, True)
+    assert made[-1]["type_k"] == made[-1]["type_v"] == 8 and made[-1]["flash_attn"] is True
+    assert peer.settings(True)["kv_type"] == "q8_0"
+    with pytest.raises(LlamaCppUnavailable, match="only with flash attention"):
+        peer._context(100, False)
+    assert len(made) == 1
+    LlamaCppPeer("model.gguf", 4.0e5, **QUIET)._context(100, False)  # f16: llama.cpp's default types
+    assert "type_k" not in made[-1] and made[-1]["flash_attn"] is False
+
+
 def test_not_installed_rows_explain_why(no_llama_cpp):
     """No model needed: the rows of a peer that cannot start carry the reason, and no timing."""
     added = []

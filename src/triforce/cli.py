@@ -237,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps), transformers-lookup (its prompt-lookup speculation), transformers-assisted (needs "
                         "--draft PATH), llama.cpp (prefill and decode on the same GGUF file, flash attention on "
                         "and off; llama.cpp-fa / llama.cpp-nofa for one; needs ./install.sh llama)")
+    b.add_argument("--reference-kv-dtype", choices=KV_DTYPES, default=None, metavar="KV",
+                   help="also run ar over a KV cache of this dtype (one of " + ", ".join(KV_DTYPES) + "; its own "
+                        "prefill of each prompt, after the run's methods) and show every method's speedup over it "
+                        "beside the speedup over ar: the gain end to end of this run's --kv-dtype, e.g. "
+                        "--kv-dtype int8 --reference-kv-dtype fp32")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(method="triforce")
     _add_model_args(b)

@@ -82,12 +82,14 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
 
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
               progress=True, draft_model=None, log=print, bandwidth=None, peers=(), draft_dir=None,
-              prompt_files=(), on_row=None, tuned=None) -> list[dict]:
+              prompt_files=(), on_row=None, tuned=None, reference_kv: str | None = None) -> list[dict]:
     """-> one row per (context, prompt, temperature, method); `methods` are method names or StackSpecs
     (a row's method is then the stack's text). `on_row(rows)` is called after each new row (the CLI
     writes the results so far, so an interrupted run keeps its finished rows). `tuned(method, context,
     temperature)` -> (stack, config, entry) or None: a named method's run with this machine's tuned flags
-    (bench/profile.tuned_run; the row's notes say which)."""
+    (bench/profile.tuned_run; the row's notes say which). `reference_kv` (a KV dtype name): also `ar` over a
+    cache of that dtype, with its own prefill of each prompt (row "ar (<dtype> KV)", marked `reference`), so
+    that summarize() gives every method's speedup over it too: the end-to-end gain of the run's --kv-dtype."""
     from tqdm.auto import tqdm
 
     from ..corpus import demo_tokens
@@ -105,6 +107,35 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
         rows.append(row)
         if on_row is not None:
             on_row(rows)
+
+    def reference_ar(n_ctx: int, pi: int, prompt: list[int], ar_by_temp: dict) -> None:
+        """`ar` over a cache of reference_kv: the model's KV dtype switched for its own prefill and decoding
+        (the weights are shared; the run's cache is freed before, so the two never coexist)."""
+        own = model.kv_dtype
+        model.kv_dtype = reference_kv
+        try:
+            stack = runs["ar"]
+            t = time.perf_counter()
+            ref = PrefilledPrompt(model, prompt, full_capacity(n_ctx, max_new_tokens, stack), config.prefill_chunk,
+                                  progress)
+            log(f"context {n_ctx}, prompt {pi}: prefill with {reference_kv} KV {time.perf_counter() - t:.1f} s")
+            ref_floor = level_floor_ms(model, n_ctx, config, bandwidth, "full")
+            generate(model, prompt, 4, sampling_params(0.0), stack=stack, config=config, prefilled=ref)  # warm-up
+            name = f"ar ({reference_kv} KV)"
+            for temp in temperatures:
+                res = generate(model, prompt, max_new_tokens, sampling_params(temp), stack=stack, config=config,
+                               seed=seed + pi, prefilled=ref)
+                ms = res.decode_seconds / len(res.tokens) * 1e3
+                ar_tokens, ar_ms = ar_by_temp[temp]
+                row = _row(name, n_ctx, pi, temp, ms, ar_ms, ref_floor, res.tokens, ar_tokens,
+                           notes=[f"the reference: ar over a {reference_kv} KV cache, another model than the run's "
+                                  f"--kv-dtype (its tokens need not equal ar's)"])
+                row["lossless"], row["reference"] = None, True
+                add(row)
+                log(f"  T={temp} {name:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}")
+            del ref
+        finally:
+            model.kv_dtype = own
 
     if "ar" not in methods:
         methods = ["ar"] + list(methods)
@@ -191,6 +222,8 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     log(f"  T={temp} {peer:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}"
                         + (f"  lossless={row['lossless']} agree={row['agree_with_ar']}" if temp == 0 else ""))
             del shared
+            if reference_kv is not None:
+                reference_ar(n_ctx, pi, prompt, ar_by_temp)
             llama.run(n_ctx, pi, prompt, temperatures, ar_by_temp, floor_ms, prefill_s)
         if "transformers" in peers:
             hf_ms = tf_peer.decode_ms(n_ctx)
@@ -269,7 +302,7 @@ class _LlamaCppRuns:
                     ms, toks = self.peer.decode(self.max_new, temp, params.top_p, self.seed + pi)
                     row = _row(name, n_ctx, pi, temp, ms, ar_ms, floor_ms, toks, ar_tokens, notes=[
                         f"llama.cpp (llama-cpp-python {self.peer.settings(flash)['llama_cpp_python']}) on "
-                        f"{self.peer.path.name}, flash attention {'on' if flash else 'off'}, f16 KV, "
+                        f"{self.peer.path.name}, flash attention {'on' if flash else 'off'}, {self.peer.kv_type} KV, "
                         f"{self.peer.threads} threads; decode = {self.max_new} x (sample + llama_decode of one "
                         "token) after its own prefill", check])
                     # not an exact engine of our fp32 model (quantised products): agree_with_ar says how far
@@ -310,9 +343,15 @@ def summarize(rows: list[dict]) -> list[dict]:
         values = [v for v in values if v is not None]
         return round(statistics.median(values), 3) if values else None
 
+    reference_ms = {(n, temp): med(r["ms_per_token"] for r in rs)  # the reference ar's median, if run
+                    for (n, temp, _), rs in groups.items() if rs[0].get("reference")}
     out = []
     for (n, temp, method), rs in groups.items():
         names = [lvl["level"] for lvl in rs[0]["levels"] if "ms_per_forward" in lvl]
+        ms = med(r["ms_per_token"] for r in rs)
+        ref = reference_ms.get((n, temp))
+        vs_reference = {} if ref is None else {"speedup_vs_reference": round(ref / ms, 3) if ms else None,
+                                               "reference": bool(rs[0].get("reference"))}
         level_cost = {name: {"ms_per_forward": med(lvl.get("ms_per_forward") for r in rs for lvl in r["levels"]
                                                    if lvl["level"] == name),
                              "floor_ms": next(lvl.get("floor_ms") for lvl in rs[0]["levels"] if lvl["level"] == name)}
@@ -323,8 +362,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "ours_prefill_tokens_per_s": med(r.get("ours_prefill_tokens_per_s") for r in rs),
                     "notes": list(dict.fromkeys(note for r in rs for note in r["notes"]))}
         out.append({"method": method, "context_length": n, "temperature": temp,
-                    "ms_per_token": med(r["ms_per_token"] for r in rs),
-                    "speedup_vs_ar": med(r["speedup_vs_ar"] for r in rs),
+                    "ms_per_token": ms,
+                    "speedup_vs_ar": med(r["speedup_vs_ar"] for r in rs), **vs_reference,
                     "lossless": None if any(r["lossless"] is None for r in rs) else all(r["lossless"] for r in rs),
                     "agree_with_ar": med(r.get("agree_with_ar") for r in rs),
                     "acceptance": {k: med(r["acceptance"].get(k) for r in rs) for k in rs[0]["acceptance"]},
@@ -339,9 +378,12 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def markdown(summary: list[dict]) -> str:
-    lines = ["| context | T | method | ms/token | speedup vs ar | lossless | acceptance (per level) | "
-             "tokens per round (per level) | ms per forward / floor (per level) | floor ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    reference = next((r["method"] for r in summary if r.get("reference")), None)
+    lines = ["| context | T | method | ms/token | speedup vs ar | "
+             + (f"speedup vs {reference} | " if reference else "")
+             + "lossless | acceptance (per level) | tokens per round (per level) | ms per forward / floor (per level) "
+             "| floor ms |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if reference else "")]
     for r in summary:
         acc = ", ".join(f"{k} {v}" for k, v in r["acceptance"].items()) or "-"
         tpr = ", ".join(f"{k} {v}" for k, v in (r.get("tokens_per_round") or {}).items()) or "-"
@@ -356,8 +398,11 @@ def markdown(summary: list[dict]) -> str:
             lossless = "-"
         speed = f"{r['speedup_vs_ar']}x" if r["speedup_vs_ar"] is not None else "-"
         method = r["method"] + (f" (tuned: {r['tuned']})" if r.get("tuned") else "")
+        vs_ref = ""
+        if reference:
+            vs_ref = f"{r['speedup_vs_reference']}x | " if r.get("speedup_vs_reference") is not None else "- | "
         lines.append(f"| {r['context_length']} | {r['temperature']} | {method} | {_dash(r['ms_per_token'])} | "
-                     f"{speed} | {lossless} | {acc} | {tpr} | {cost} | {r.get('floor_ms') or '-'} |")
+                     f"{speed} | {vs_ref}{lossless} | {acc} | {tpr} | {cost} | {r.get('floor_ms') or '-'} |")
     return "\n".join(lines) + "\n" + peers_markdown(summary)
 
 
@@ -472,6 +517,7 @@ def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: di
 def main(args, config, draft_path: str | None, stacks=()) -> int:
     """`triforce bench` (the CLI has parsed and checked the speculation options into config, and
     --stacks into StackSpecs)."""
+    from ..config import kv_dtype_name
     from ..loading import configure_device, load_model, resolve_dtype
     from . import peers as peer_mod
     from .hardware import measure_bandwidth
@@ -497,10 +543,17 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     if "transformers-assisted" in peers and draft_model is None:
         raise TriforceError("--peers transformers-assisted needs --draft PATH: a small model sharing the target's "
                             "tokenizer (no such model for SmolLM2 ships on PyPI)")
+    reference_kv = getattr(args, "reference_kv_dtype", None)
+    if reference_kv == "int8" and loaded.model.windows is not None:
+        raise TriforceError(f"--reference-kv-dtype int8 is not supported for models with sliding-window layers "
+                            f"({loaded.config.arch}): use fp32, bf16 or fp16")
+    if reference_kv is not None and reference_kv == kv_dtype_name(loaded.model.kv_dtype):
+        raise TriforceError(f"--reference-kv-dtype {reference_kv} is this run's own KV dtype: name another one to "
+                            f"compare with (e.g. --kv-dtype int8 --reference-kv-dtype fp32)")
     bandwidth = measure_bandwidth()
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
-            "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."),
+            "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."), "reference_kv_dtype": reference_kv,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     out_dir = Path(args.out)
     rows = run_bench(loaded, [int(x) for x in args.context_lengths.split(",")], args.methods.split(",") + list(stacks),
@@ -509,7 +562,8 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
                      log=log, bandwidth=bandwidth, peers=peers, prompt_files=args.prompt_file or (),
                      draft_dir=draft_model.hf_dir if draft_model else None,
                      on_row=lambda rs: write_outputs(out_dir, rs, summarize(rs), meta),
-                     tuned=lambda m, n, t: tuned_run(loaded, m, config, n, t, log) if tuned_allowed(args, m) else None)
+                     tuned=lambda m, n, t: tuned_run(loaded, m, config, n, t, log) if tuned_allowed(args, m) else None,
+                     reference_kv=reference_kv)
     summary = summarize(rows)
     write_outputs(out_dir, rows, summary, meta)
     print(markdown(summary))

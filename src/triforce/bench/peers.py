@@ -101,10 +101,18 @@ def gguf_path_of(loaded) -> Path:
     return Path(loaded.gguf_path)
 
 
+def llama_kv_type(kv_dtype) -> str:
+    """llama.cpp's KV cache type for a run of ours with this --kv-dtype: q8_0 (8-bit codes in blocks of 32, the
+    closest to our int8 cache) for int8, else f16 (its default; bf16 and fp32 caches are compared with it)."""
+    return "q8_0" if str(kv_dtype).removeprefix("torch.") == "int8" else "f16"
+
+
 class LlamaCppPeer:
     """llama.cpp on the GGUF file our model was loaded from, computing the same model as ours: the
     same RoPE base (the embedded profile raises it to 4e5) and a context of the prompt + new tokens +
-    slack, f16 KV cache (llama.cpp's default), torch's thread count for prefill and decode.
+    slack, an f16 KV cache (llama.cpp's default) or q8_0 for our int8 runs (`kv_type`; llama.cpp quantizes
+    its V cache only with flash attention, so q8_0 runs flash attention on only), torch's thread count for
+    prefill and decode.
 
     prefill() fills the KV cache with a prompt but its last token, once per (prompt, flash setting);
     each decode() cuts the cache back to the prompt (llama_memory_seq_rm, through Llama.eval), so
@@ -119,7 +127,9 @@ class LlamaCppPeer:
     SLACK = 16  # context cells past prompt + new tokens
 
     def __init__(self, gguf_path, rope_theta: float | None, threads: int | None = None,
-                 progress: bool = True, log=print):
+                 progress: bool = True, log=print, kv_type: str = "f16"):
+        if kv_type not in ("f16", "q8_0"):
+            raise ValueError(f"llama.cpp KV type {kv_type!r}: f16 or q8_0")
         self.llama_cpp = import_llama_cpp()
         self.system_info = self.llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
         if "AMX_INT8 = 1" in self.system_info and os.environ.get(ALLOW_AMX) != "1":
@@ -128,7 +138,7 @@ class LlamaCppPeer:
                 "(0.3.16) or crashed (0.3.36) on a Xeon with AMX and this model's Q4_1 weights: rebuild it "
                 f"without AMX with {LLAMA_CPP_INSTALL} (or set {ALLOW_AMX}=1 to run it anyway)")
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's own log lines
-        self.path, self.rope_theta = Path(gguf_path), rope_theta
+        self.path, self.rope_theta, self.kv_type = Path(gguf_path), rope_theta, kv_type
         self.threads = threads or torch.get_num_threads()
         self.progress, self.log = progress, log
         self.llm, self._key, self._prompt = None, None, None
@@ -139,22 +149,30 @@ class LlamaCppPeer:
         """The peer of a LoadedModel: its GGUF file and RoPE base (LlamaCppUnavailable if none, or if
         llama-cpp-python is missing: that is said first)."""
         import_llama_cpp()
-        return cls(gguf_path_of(loaded), loaded.model.cfg.rope.theta, **kw)
+        return cls(gguf_path_of(loaded), loaded.model.cfg.rope.theta, kv_type=llama_kv_type(loaded.model.kv_dtype),
+                   **kw)
 
     def settings(self, flash: bool) -> dict:
         return {"gguf": self.path.name, "llama_cpp_python": getattr(self.llama_cpp, "__version__", "?"),
                 "flash_attn": flash, "n_threads": self.threads, "n_batch": self.N_BATCH, "n_ubatch": self.N_UBATCH,
-                "kv_type": "f16", "rope_freq_base": self.rope_theta}
+                "kv_type": self.kv_type, "rope_freq_base": self.rope_theta}
 
     def _context(self, n_ctx: int, flash: bool):
         """A llama.cpp context of n_ctx cells (a new one when the size or flash setting changes)."""
         if self._key != (n_ctx, flash):
             self.close()
+            kv = {}
+            if self.kv_type == "q8_0":
+                if not flash:
+                    raise LlamaCppUnavailable("not run: llama.cpp quantizes its V cache (q8_0, as our int8 cache) "
+                                              "only with flash attention on")
+                q8 = getattr(self.llama_cpp, "GGML_TYPE_Q8_0", 8)
+                kv = {"type_k": q8, "type_v": q8}
             try:
                 self.llm = self.llama_cpp.Llama(
                     str(self.path), n_ctx=n_ctx, n_batch=min(self.N_BATCH, n_ctx), n_ubatch=self.N_UBATCH,
                     n_threads=self.threads, n_threads_batch=self.threads, flash_attn=flash,
-                    rope_freq_base=self.rope_theta or 0.0, seed=0, verbose=False)
+                    rope_freq_base=self.rope_theta or 0.0, seed=0, verbose=False, **kv)
             except Exception as e:  # noqa: BLE001 - llama-cpp-python raises ValueError/RuntimeError
                 raise LlamaCppUnavailable(f"llama.cpp cannot load {self.path.name} "
                                           f"({type(e).__name__}: {e})") from e
