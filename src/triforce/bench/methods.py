@@ -544,12 +544,14 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
         raise TriforceError("--peers transformers-assisted needs --draft PATH: a small model sharing the target's "
                             "tokenizer (no such model for SmolLM2 ships on PyPI)")
     reference_kv = getattr(args, "reference_kv_dtype", None)
-    if reference_kv == "int8" and loaded.model.windows is not None:
-        raise TriforceError(f"--reference-kv-dtype int8 is not supported for models with sliding-window layers "
-                            f"({loaded.config.arch}): use fp32, bf16 or fp16")
-    if reference_kv is not None and reference_kv == kv_dtype_name(loaded.model.kv_dtype):
-        raise TriforceError(f"--reference-kv-dtype {reference_kv} is this run's own KV dtype: name another one to "
-                            f"compare with (e.g. --kv-dtype int8 --reference-kv-dtype fp32)")
+    if reference_kv is not None:
+        if reference_kv == kv_dtype_name(loaded.model.kv_dtype):
+            raise TriforceError(f"--reference-kv-dtype {reference_kv} is this run's own KV dtype: name another one to "
+                                f"compare with (e.g. --kv-dtype int8 --reference-kv-dtype fp32)")
+        try:  # a tiny cache of that dtype now: the model's own refusals (int8 with sliding-window layers) come
+            loaded.model.new_cache(1, dtype=reference_kv)  # before any method has run, not after
+        except TriforceError as e:
+            raise TriforceError(f"--reference-kv-dtype {reference_kv}: {e}") from e
     bandwidth = measure_bandwidth()
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import kv_dtype_name
 from .decode_step import load_transformers, time_transformers
 
 LLAMA_CPP_PEERS = ("llama.cpp", "llama.cpp-fa", "llama.cpp-nofa")
@@ -104,7 +105,7 @@ def gguf_path_of(loaded) -> Path:
 def llama_kv_type(kv_dtype) -> str:
     """llama.cpp's KV cache type for a run of ours with this --kv-dtype: q8_0 (8-bit codes in blocks of 32, the
     closest to our int8 cache) for int8, else f16 (its default; bf16 and fp32 caches are compared with it)."""
-    return "q8_0" if str(kv_dtype).removeprefix("torch.") == "int8" else "f16"
+    return "q8_0" if kv_dtype_name(kv_dtype) == "int8" else "f16"
 
 
 class LlamaCppPeer:
