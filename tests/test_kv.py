@@ -252,3 +252,29 @@ def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
         vals = torch.cat([full.v[0, 0, kv, idx], v_new[0, kv]])
         w = torch.softmax(q[0, h, 0] @ keys.T / c.head_dim ** 0.5, -1)
         torch.testing.assert_close(got[0, h, 0], w @ vals, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_decode_slot_says_where_the_one_call_writes_and_what_it_hides():
+    """KVCache.fused_decode_slot: a full cache's chain -> its slot and no gap; a draft tree (TokenBlock) -> None (the
+    layers run one by one); a StreamingLLM cache past its window -> its slot and each new token's gap."""
+    from triforce.caches.base import TokenBlock
+
+    full = FullCache(2, 1, 8, 64)
+    full.length = 10
+    full.prepare(3)
+    assert full.fused_decode_slot() == (10, None)
+    tree = TokenBlock(torch.tensor([0, 1, 1]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+    full.prepare(3, tree)
+    assert full.fused_decode_slot() is None
+
+    stream = StreamingCache(2, 1, 8, sink=2, window=4)
+    k = torch.randn(1, 1, 20, 8)
+    stream.prepare(20)
+    for layer in range(2):
+        stream.update(layer, None, k, k)
+    stream.commit(20)
+    stream.prepare(2)
+    slot, gap = stream.fused_decode_slot()
+    assert slot == stream._slot(20)
+    # hidden from new token t: slots gap[0] .. gap[1 + t] - 1, past the 2 sinks up to its window of 4
+    assert gap.tolist() == [2, 2 + 17 - stream.start, 2 + 18 - stream.start]

@@ -598,15 +598,11 @@ class Transformer(nn.Module):
         if quantized:  # its attention kernel takes any length (the buffer's keys by the per-row path)
             if not hasattr(ops, "decode_layers_quant") or x.device.type != "cpu":
                 return None
-        elif isinstance(getattr(cache, "_mask", None), WindowGap) and cache._mask.block is None:
-            # a StreamingLLM cache: its slots up to the new ones, less each token's gap (caches/streaming.py)
-            gap, slot = cache._mask.gap, cache._slot(cache.length)
-        elif not (cache.SLOT_CAUSAL if cache.FUSED_DECODE is None else cache.FUSED_DECODE):
-            return None
-        else:
-            slot = cache._slot(cache.length)
-            if not (cache._mask is None or isinstance(cache._mask, str)):
+        else:  # a slot-causal cache, or a StreamingLLM one less each token's gap (KVCache.fused_decode_slot)
+            fused = cache.fused_decode_slot()
+            if fused is None:
                 return None
+            slot, gap = fused
         stack = self._layer_stack(ops)
         if stack is None:
             return None

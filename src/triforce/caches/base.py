@@ -77,9 +77,26 @@ class KVCache:
     # None, as SLOT_CAUSAL says; a cache whose forwards are slot-causal but which keeps CUDA graphs away for
     # another reason says True.
     FUSED_DECODE: bool | None = None
+    # The mask of the forward prepare() set up, as update() returns it (caches that keep one).
+    _mask: TokenBlock | WindowGap | str | torch.Tensor | None = None
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         raise NotImplementedError
+
+    def fused_decode_slot(self) -> tuple[int, torch.Tensor | None] | None:
+        """How the CPU's one call through every layer (model.Transformer._decode_layers, decode_layers in
+        kernels/decode_layer.cpp) reads this cache for the forward prepare() set up: (the storage slot of the first
+        new token, a StreamingLLM window's gap [T + 1] or None), or None where that call cannot (the layers then run
+        one by one). It can where the new tokens see every older slot and each other causally, in a cache that says
+        so (SLOT_CAUSAL, or FUSED_DECODE where set), or where a WindowGap (and no draft tree) says what each hides."""
+        mask = self._mask
+        if isinstance(mask, WindowGap):
+            return (self._slot(self.length), mask.gap) if mask.block is None else None
+        if not (self.SLOT_CAUSAL if self.FUSED_DECODE is None else self.FUSED_DECODE):
+            return None
+        if not (mask is None or isinstance(mask, str)):
+            return None
+        return self._slot(self.length), None
 
     def update(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
