@@ -91,13 +91,22 @@ ALWAYS_INLINE IV times254(IV a) { return _mm512_mullo_epi32(a, _mm512_set1_epi32
 ALWAYS_INLINE IV bit_select(IV a, IV b, IV m) { return _mm512_ternarylogic_epi32(a, b, m, 0xE4); }
 #if defined(__AVX512VNNI__)  // (kernels/__init__.py adds -mavx512vnni where the CPU has it)
 constexpr bool VNNI = true;
+// The VNNI dot products in inline assembly, accumulating in place: through the intrinsics GCC 12 copied every
+// accumulator to a second register in each iteration of the attention's tile loops (vmovdqa64 beside each
+// vpdpwssd: 138 moves in group_pv, 76 after). 15 rows of int8 attention at 32K, Zen 5: 5-9% faster.
 // acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
-ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
 // 4-bit codes: the same into a block accumulator that nibble_sum turns into int32 lanes (here it already is)
-ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+ALWAYS_INLINE IV dot_nibbles(IV acc, IV u, IV s) { return dot_us(acc, u, s); }
 ALWAYS_INLINE IV nibble_sum(IV acc) { return acc; }
 // acc + per lane sum of 2 products of signed 16-bit words (exact)
-ALWAYS_INLINE IV dot_words(IV acc, IV a, IV b) { return _mm512_dpwssd_epi32(acc, a, b); }
+ALWAYS_INLINE IV dot_words(IV acc, IV a, IV b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
 #else
 constexpr bool VNNI = false;
 ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {

@@ -1,0 +1,158 @@
+"""A/B builds of the compiled CPU kernels, one process per measurement.
+
+Python keeps an extension module by its name: a second build of `triforce_cpu_avx512` loaded into a process that
+already holds one (importlib's ExtensionFileLoader, then `kernels.override`) comes back as the FIRST module object,
+so an A/B inside one process times one build twice and finds its outputs "bit-identical" (found in session 18; see
+docs/performance.md). This script runs every measurement in a fresh process that loads exactly one build, the
+builds in turn (A B A B ...), and reports per build the median and spread of the rounds and whether each build's
+output equals the first build's bit for bit (same random inputs: seeded).
+
+Builds are the `.so` files the kernel cache holds (~/.cache/triforce/kernels/triforce_cpu_<isa>-<key>/); copy the
+one you want to keep before changing the source.
+
+    python scripts/kernel_ab.py OLD.so NEW.so                       # quant_attention, 3 and 15 rows, int8, 32K
+    python scripts/kernel_ab.py OLD.so NEW.so --what step --kv int8   # embedded model: decode step, 5-token verification
+    python scripts/kernel_ab.py OLD.so NEW.so --bits 4 --rows 3 --rounds 8
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def load_build(path: str):
+    """The kernel module in `path` (this process must not hold another build of the same name)."""
+    import torch  # noqa: F401  (the build links against libtorch's libraries, which torch loads)
+
+    # the module's own name, from its PyInit_<name> export (a copied file may be called anything)
+    found = re.search(rb"PyInit_([A-Za-z0-9_]+)", Path(path).read_bytes())
+    if found is None:
+        raise SystemExit(f"kernel_ab: {path} is not a Python extension module")
+    name = found.group(1).decode()
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    if Path(module.__file__).resolve() != Path(path).resolve():
+        raise SystemExit(f"kernel_ab: {path} came back as {module.__file__}: one build per process")
+    return module
+
+
+def digest(t) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).numpy().tobytes()).hexdigest()[:16]
+
+
+def quant_attention_child(ops, args) -> dict:
+    """ms per layer of quant_attention over `layers` layers of random planes (more than a cache holds) per row count."""
+    import torch
+
+    torch.manual_seed(0)
+    H, D, g, S, L, QB = args.heads, args.head_dim, args.group, args.context // 64 * 64, args.layers, 64
+
+    def planes():
+        return torch.randint(0, 256, (H, S, D // 2), dtype=torch.uint8)
+
+    data = [(planes(), planes() if args.bits == 8 else torch.empty(0, dtype=torch.uint8),
+             (torch.rand(H, S // QB, D) * 0.05).half(), torch.randn(H, S // QB, D).half(),
+             planes(), planes() if args.bits == 8 else torch.empty(0, dtype=torch.uint8),
+             (torch.rand(H, S, D // 32) * 0.05).half(), torch.randn(H, S, D // 32).half()) for _ in range(L)]
+    fk, fv = torch.randn(H, 100, D).half(), torch.randn(H, 100, D).half()
+    out = {}
+    for rows in args.rows:
+        T = rows // g
+        q, lim = torch.randn(H, rows, D), torch.full((rows,), S, dtype=torch.long)
+        fmask = torch.ones(T, 100, dtype=torch.bool)
+        times = []
+        for _ in range(args.loops):
+            t = time.perf_counter()
+            for k_hi, k_lo, ks, kz, v_hi, v_lo, vs, vz in data:
+                o = ops.quant_attention(q, k_hi, k_lo, ks, kz, v_hi, v_lo, vs, vz, lim, fk, fv, fmask, T, D ** -0.5)
+            times.append((time.perf_counter() - t) / L * 1e3)
+        out[f"{rows} rows ms/layer"] = (statistics.median(times), digest(o))
+    return out
+
+
+def step_child(ops, args) -> dict:
+    """The embedded model's decode step and k-token verification over a random cache, kernels from `ops`."""
+    import torch
+
+    from triforce import kernels
+    from triforce.bench.decode_step import random_cache, time_forwards
+    from triforce.loading import load_model
+
+    with kernels.override(ops):
+        torch.manual_seed(0)
+        model = load_model(None, progress=False, kv_dtype=args.kv).model
+        out = {}
+        for k in (1, args.verify_tokens):
+            cache = random_cache(model, args.context, k)
+            ms = time_forwards(model, cache, args.context, k, 10, warmup=2) * 1e3
+            with torch.inference_mode():
+                cache.rollback(args.context)
+                logits = model(torch.full((1, k), 42), cache)
+            out[f"{k}-token forward ms"] = (ms, digest(logits.float()))
+            del cache
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap.add_argument("builds", nargs="+", help="kernel .so files, the first the reference")
+    ap.add_argument("--what", choices=("quant-attention", "step"), default="quant-attention")
+    ap.add_argument("--rounds", type=int, default=6, help="processes per build (default 6)")
+    ap.add_argument("--rows", default="3,15", help="quant-attention: row counts (3: a decode step of 3 query heads per "
+                                                 "KV head; 15: a 5-token verification)")
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=8, help="quant-attention: the int8 or the 4-bit reading")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--loops", type=int, default=5, help="quant-attention: passes over the layers per process (median)")
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
+    ap.add_argument("--kv", default="int8", help="step: the KV dtype")
+    ap.add_argument("--verify-tokens", type=int, default=5)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.rows = [int(r) for r in str(args.rows).split(",")]
+    if args.child:
+        ops = load_build(args.builds[0])
+        run = quant_attention_child if args.what == "quant-attention" else step_child
+        print(json.dumps(run(ops, args)))
+        return
+    if missing := [b for b in args.builds if not Path(b).is_file()]:
+        ap.error(f"no such build: {', '.join(missing)}")
+    child = [sys.executable, __file__, "--child", "--what", args.what, "--rows", ",".join(map(str, args.rows)),
+             "--bits", str(args.bits), "--context", str(args.context), "--layers", str(args.layers), "--loops",
+             str(args.loops), "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--group", str(args.group),
+             "--kv", args.kv, "--verify-tokens", str(args.verify_tokens)]
+    results: dict[str, list[dict]] = {b: [] for b in args.builds}
+    for r in range(args.rounds):
+        for b in args.builds:
+            p = subprocess.run([*child[:2], b, *child[2:]], capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SystemExit(f"kernel_ab: {b} failed:\n{p.stderr[-2000:]}")
+            results[b].append(json.loads(p.stdout.strip().splitlines()[-1]))
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    ref = args.builds[0]
+    for key in results[ref][0]:
+        base = statistics.median(x[key][0] for x in results[ref])
+        print(f"\n{key} ({args.what}, {args.context} context; median, min-max of {args.rounds} processes)")
+        for b in args.builds:
+            v = [x[key][0] for x in results[b]]
+            same = all(x[key][1] == results[ref][0][key][1] for x in results[b])
+            print(f"  {Path(b).name:28s} {statistics.median(v):8.3f}  ({min(v):.3f}-{max(v):.3f})  "
+                  f"x{statistics.median(v) / base:.3f}  {'bit-identical' if same else 'OUTPUT DIFFERS'}")
+
+
+if __name__ == "__main__":
+    main()
