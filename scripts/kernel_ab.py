@@ -55,16 +55,15 @@ def quant_attention_child(ops, args) -> dict:
     """ms per layer of quant_attention over `layers` layers of random planes (more than a cache holds) per row count."""
     import torch
 
+    from triforce.bench.decode_step import random_quant_layers
+    from triforce.caches.quantized import GROUP_K
+
     torch.manual_seed(0)
-    H, D, g, S, L, QB = args.heads, args.head_dim, args.group, args.context // 64 * 64, args.layers, 64
-
-    def planes():
-        return torch.randint(0, 256, (H, S, D // 2), dtype=torch.uint8)
-
-    data = [(planes(), planes() if args.bits == 8 else torch.empty(0, dtype=torch.uint8),
-             (torch.rand(H, S // QB, D) * 0.05).half(), torch.randn(H, S // QB, D).half(),
-             planes(), planes() if args.bits == 8 else torch.empty(0, dtype=torch.uint8),
-             (torch.rand(H, S, D // 32) * 0.05).half(), torch.randn(H, S, D // 32).half()) for _ in range(L)]
+    H, D, g, S, L = args.heads, args.head_dim, args.group, args.context // GROUP_K * GROUP_K, args.layers
+    data = random_quant_layers(H, S, D, L)
+    if args.bits == 4:  # the 4-bit reading: no lower planes
+        none = torch.empty(0, dtype=torch.uint8)
+        data = [(k_hi, none, ks, kz, v_hi, none, vs, vz) for k_hi, _, ks, kz, v_hi, _, vs, vz in data]
     fk, fv = torch.randn(H, 100, D).half(), torch.randn(H, 100, D).half()
     out = {}
     for rows in args.rows:

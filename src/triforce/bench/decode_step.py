@@ -192,6 +192,20 @@ def linear_formats(kern, bandwidth: float, rounds: int = 4, n: int = 4096, k: in
                       f"{nbytes / best / 1e9:.1f} ({nbytes / best / bandwidth:.0%}) |", flush=True)
 
 
+def random_quant_layers(H: int, S: int, D: int, layers: int) -> list[tuple[torch.Tensor, ...]]:
+    """`layers` layers of random int8-cache planes as quant_attention takes them, S (a multiple of GROUP_K) tokens
+    of H KV heads: (k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero) each (the 4-bit reading passes
+    empty lower planes instead)."""
+    from ..caches.quantized import GROUP_K
+
+    def planes():
+        return torch.randint(0, 256, (H, S, D // 2), dtype=torch.uint8)
+
+    return [(planes(), planes(), (torch.rand(H, S // GROUP_K, D) * 0.05).half(), torch.randn(H, S // GROUP_K, D).half(),
+             planes(), planes(), (torch.rand(H, S, D // 32) * 0.05).half(), torch.randn(H, S, D // 32).half())
+            for _ in range(layers)]
+
+
 def quant_attention_alone(model, contexts: list[int], bandwidth: float, layers: int = 40, rounds: int = 4) -> None:
     """The compiled quant_attention alone, the model's KV heads and head dim, over `layers` layers' worth of
     random planes in turn (more than an L3 cache holds: the planes come from memory, as in a step), for a
@@ -209,13 +223,7 @@ def quant_attention_alone(model, contexts: list[int], bandwidth: float, layers: 
     print("|---|---|---|---|---|---|")
     for S in contexts:
         S = S // GROUP_K * GROUP_K
-
-        def planes():
-            return torch.randint(0, 256, (H, S, D // 2), dtype=torch.uint8)
-
-        data = [(planes(), planes(), (torch.rand(H, S // GROUP_K, D) * 0.05).half(), torch.randn(H, S // GROUP_K, D).half(),
-                 planes(), planes(), (torch.rand(H, S, D // 32) * 0.05).half(), torch.randn(H, S, D // 32).half())
-                for _ in range(layers)]
+        data = random_quant_layers(H, S, D, layers)
         fk, fv, none = torch.randn(H, 100, D).half(), torch.randn(H, 100, D).half(), torch.empty(0, dtype=torch.uint8)
         for T in (1, 5):
             q, lim = torch.randn(H, g * T, D), torch.full((g * T,), S, dtype=torch.long)
