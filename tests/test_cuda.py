@@ -261,3 +261,11 @@ def test_cli_generate_on_cuda(tmp_path):
             assert out["token_ids"]  # another dtype: another model, its own text
         else:
             assert out["token_ids"] == ar["token_ids"], extra
+
+
+def test_bench_floors_use_the_gpu_bandwidth():
+    """`triforce bench --device cuda` prices its floors with the GPU's memory, not the host's (the first H200
+    run of the embedded model printed a 32K floor of 11.9 ms from host bandwidth beside 3.6 ms forwards)."""
+    from triforce.bench.hardware import measure_bandwidth
+
+    assert measure_bandwidth(device="cuda") > 5 * measure_bandwidth()

@@ -6,14 +6,19 @@ import time
 import torch
 
 
-def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Memory read bandwidth in bytes/s: a sum over a `gib` GiB fp32 tensor, best of `repeats`."""
-    x = torch.ones(int(gib * 2**30 / 4))
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Memory read bandwidth in bytes/s of `device`: a sum over a `gib` GiB fp32 tensor there (4 GiB
+    on a GPU, so that the timer's resolution is small beside it), best of `repeats`."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.ones(int((4.0 if device.type == "cuda" else gib) * 2**30 / 4), device=device)
     x.sum()
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         x.sum()
+        sync()
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best
 

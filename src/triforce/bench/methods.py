@@ -552,7 +552,7 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
             loaded.model.new_cache(1, dtype=reference_kv)  # before any method has run, not after
         except TriforceError as e:
             raise TriforceError(f"--reference-kv-dtype {reference_kv}: {e}") from e
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(device=loaded.model.device)  # floors on a GPU are its HBM's
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
             "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."), "reference_kv_dtype": reference_kv,
