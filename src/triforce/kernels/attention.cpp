@@ -1307,13 +1307,10 @@ inline void group_softmax(float* s, int64_t R, float* m_b, float* l_b) {
 }
 
 template <int64_t D, typename KV>
-torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const torch::Tensor& k_lo,
-                        const torch::Tensor& k_scale, const torch::Tensor& k_zero, const torch::Tensor& v_hi,
-                        const torch::Tensor& v_lo, const torch::Tensor& v_scale, const torch::Tensor& v_zero,
-                        const torch::Tensor& lim, const torch::Tensor& fk, const torch::Tensor& fv,
+torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch::Tensor& lim,
                         const torch::Tensor& fmask, int64_t T, double scale) {
   constexpr int64_t NB = D / 32;
-  const int64_t H = q.size(0), R = q.size(1), Sq = k_hi.size(1), F = fk.size(1);
+  const int64_t H = q.size(0), R = q.size(1), Sq = L.Sq, F = L.F;
   const int64_t nq = Sq / QB, nf = (F + QB - 1) / QB, nb = nq + nf;
   const auto qs = scaled_queries(q, scale, false, R);
   const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
@@ -1323,20 +1320,20 @@ torch::Tensor run_quant(const torch::Tensor& q, const torch::Tensor& k_hi, const
   const float* qp = qs.data_ptr<float>();
   const int64_t* limp = lim.data_ptr<int64_t>();
   const bool* maskp = fmask.data_ptr<bool>();
-  const bool eight_bit = k_lo.numel() > 0;
-  const auto* khp = k_hi.data_ptr<uint8_t>();
-  const auto* vhp = v_hi.data_ptr<uint8_t>();
-  const uint8_t* klp = eight_bit ? k_lo.data_ptr<uint8_t>() : nullptr;
-  const uint8_t* vlp = eight_bit ? v_lo.data_ptr<uint8_t>() : nullptr;
-  const auto* ksp = k_scale.data_ptr<c10::Half>();
-  const auto* kzp = k_zero.data_ptr<c10::Half>();
-  const auto* vsp = v_scale.data_ptr<c10::Half>();
-  const auto* vzp = v_zero.data_ptr<c10::Half>();
-  const KV* fkp = reinterpret_cast<const KV*>(fk.data_ptr());
-  const KV* fvp = reinterpret_cast<const KV*>(fv.data_ptr());
-  const int64_t plane_s = k_hi.stride(0), lo_s = eight_bit ? k_lo.stride(0) : 0, ks_s = k_scale.stride(0),
-                vs_s = v_scale.stride(0), fk_s = fk.stride(0), fv_s = fv.stride(0);
-  const int64_t vplane_s = v_hi.stride(0), vlo_s = eight_bit ? v_lo.stride(0) : 0;
+  const bool eight_bit = L.k_lo != nullptr;
+  const uint8_t* khp = L.k_hi;
+  const uint8_t* vhp = L.v_hi;
+  const uint8_t* klp = L.k_lo;
+  const uint8_t* vlp = L.v_lo;
+  const c10::Half* ksp = L.k_scale;
+  const c10::Half* kzp = L.k_zero;
+  const c10::Half* vsp = L.v_scale;
+  const c10::Half* vzp = L.v_zero;
+  const KV* fkp = static_cast<const KV*>(L.fk);
+  const KV* fvp = static_cast<const KV*>(L.fv);
+  const int64_t plane_s = L.k_hi_s, lo_s = L.k_lo_s, ks_s = L.k_scale_s, vs_s = L.v_scale_s, fk_s = L.fk_s,
+                fv_s = L.fv_s;
+  const int64_t vplane_s = L.v_hi_s, vlo_s = L.v_lo_s;
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> s(MAX_ROWS * QB), a(MAX_ROWS), bias(MAX_ROWS), vsf(NB * QB), vzf(NB * QB),
         sigma(MAX_ROWS * NB), zsum(MAX_ROWS * NB);
@@ -1543,15 +1540,39 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k_hi, torch::Tensor
   TORCH_CHECK(fmask.scalar_type() == torch::kBool && fmask.dim() == 2 && fmask.size(0) == T && fmask.size(1) == F &&
                   fmask.is_contiguous(),
               "quant_attention: fmask [T, F] bool, contiguous");
+  QuantLayer L{};
+  L.k_hi = k_hi.data_ptr<uint8_t>();
+  L.v_hi = v_hi.data_ptr<uint8_t>();
+  L.k_lo = eight ? k_lo.data_ptr<uint8_t>() : nullptr;
+  L.v_lo = eight ? v_lo.data_ptr<uint8_t>() : nullptr;
+  L.k_scale = k_scale.data_ptr<c10::Half>();
+  L.k_zero = k_zero.data_ptr<c10::Half>();
+  L.v_scale = v_scale.data_ptr<c10::Half>();
+  L.v_zero = v_zero.data_ptr<c10::Half>();
+  L.k_hi_s = k_hi.stride(0), L.v_hi_s = v_hi.stride(0);
+  L.k_lo_s = eight ? k_lo.stride(0) : 0, L.v_lo_s = eight ? v_lo.stride(0) : 0;
+  L.k_scale_s = k_scale.stride(0), L.v_scale_s = v_scale.stride(0);
+  L.Sq = Sq;
+  L.fk = fk.data_ptr(), L.fv = fv.data_ptr();
+  L.fk_s = fk.stride(0), L.fv_s = fv.stride(0), L.F = F;
+  L.kv = fk.scalar_type();
+  return quant_attention_layer(q, L, lim, fmask, T, scale);
+}
+
+// The kernel itself over one layer's raw planes (checked by the caller: quant_attention above, or
+// decode_layers_quant once for all layers).
+torch::Tensor quant_attention_layer(const torch::Tensor& q, const QuantLayer& L, const torch::Tensor& lim,
+                                    const torch::Tensor& fmask, int64_t T, double scale) {
+  const int64_t D = q.size(2);
   auto run = [&](auto kv_tag) {
     using KV = decltype(kv_tag);
     switch (D) {
-      case 64: return run_quant<64, KV>(q, k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, lim, fk, fv, fmask, T, scale);
-      case 128: return run_quant<128, KV>(q, k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, lim, fk, fv, fmask, T, scale);
-      default: return run_quant<256, KV>(q, k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, lim, fk, fv, fmask, T, scale);
+      case 64: return run_quant<64, KV>(q, L, lim, fmask, T, scale);
+      case 128: return run_quant<128, KV>(q, L, lim, fmask, T, scale);
+      default: return run_quant<256, KV>(q, L, lim, fmask, T, scale);
     }
   };
-  switch (fk.scalar_type()) {
+  switch (L.kv) {
     case torch::kFloat: return run(float{});
     case torch::kBFloat16: return run(c10::BFloat16{});
     case torch::kHalf: return run(c10::Half{});

@@ -83,22 +83,63 @@ std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack
                                                torch::Tensor fk, torch::Tensor fv, int64_t slot, torch::Tensor fmask,
                                                bool queries) {
   const int64_t L = static_cast<int64_t>(stack.layers.size());
-  TORCH_CHECK(planes.size() == 8 && fk.dim() == 5 && fk.size(0) == L && fv.sizes() == fk.sizes(),
+  TORCH_CHECK(planes.size() == 8 && fk.dim() == 5 && fk.size(0) == L && fk.size(1) == 1 && fv.sizes() == fk.sizes() &&
+                  fk.strides() == fv.strides(),
               "decode_layers_quant: 8 plane tensors [n_layers, 1, Hkv, ...], buffer [n_layers, 1, Hkv, slots, D]");
   constexpr int64_t G = 64;  // caches/quantized.py GROUP_K
+  const int64_t H = fk.size(2), D = fk.size(4), T = x.size(1), F = slot + T;
+  TORCH_CHECK(q_end % G == 0 && F <= fk.size(3) && fk.stride(4) == 1 && fk.stride(3) == D,
+              "decode_layers_quant: q_end a multiple of 64, the buffer's rows contiguous and holding slot + T");
+  TORCH_CHECK((D == 64 || D == 128 || D == 256) && H == n_kv_heads && n_heads % n_kv_heads == 0 &&
+                  (n_heads / n_kv_heads) * T <= 64 && lim.numel() == (n_heads / n_kv_heads) * T,
+              "decode_layers_quant: head dim 64, 128 or 256, the buffer's Hkv heads, at most 64 query rows per KV "
+              "head, one lim per row");
+  TORCH_CHECK(fmask.scalar_type() == torch::kBool && fmask.dim() == 2 && fmask.size(0) == T && fmask.size(1) == F &&
+                  fmask.is_contiguous() && lim.scalar_type() == torch::kLong && lim.is_contiguous(),
+              "decode_layers_quant: fmask [T, slot + T] bool, lim int64, both contiguous");
+  // Each layer's planes by pointer arithmetic (QuantLayer), the whole tensors checked here once: plane j is
+  // [L, 1, H, rows, cols] with contiguous rows of `cols` elements and at least `rows` rows.
+  const bool eight = planes[1].numel() > 0;
+  TORCH_CHECK(eight == (planes[5].numel() > 0), "decode_layers_quant: both lower planes or neither");
+  const auto check = [&](int j, int64_t rows, int64_t cols, c10::ScalarType dtype) {
+    const auto& t = planes[j];
+    TORCH_CHECK(t.dim() == 5 && t.size(0) == L && t.size(1) == 1 && t.size(2) == H && t.size(3) >= rows &&
+                    t.size(4) == cols && t.stride(4) == 1 && t.stride(3) == cols && t.scalar_type() == dtype,
+                "decode_layers_quant: plane ", j, " must be [n_layers, 1, Hkv, >= ", rows, ", ", cols,
+                "] with contiguous rows of ", c10::toString(dtype));
+  };
+  for (int j : {0, 4}) check(j, q_end, D / 2, torch::kUInt8);
+  if (eight)
+    for (int j : {1, 5}) check(j, q_end, D / 2, torch::kUInt8);
+  for (int j : {2, 3}) check(j, q_end / G, D, torch::kHalf);
+  for (int j : {6, 7}) check(j, q_end, D / 32, torch::kHalf);
+  TORCH_CHECK(planes[3].strides() == planes[2].strides() && planes[7].strides() == planes[6].strides(),
+              "decode_layers_quant: zeros laid out as their scales");
+  const auto at = [&](int j, int64_t i) { return static_cast<const char*>(planes[j].data_ptr()) +
+                                                 i * planes[j].stride(0) * planes[j].element_size(); };
   std::vector<torch::Tensor> out{x};
   for (int64_t i = 0; i < L; ++i) {
     const auto kc = fk.select(0, i), vc = fv.select(0, i);
     const double scale = stack.layers[i].scale;
-    const auto layer = [&](int j, int64_t rows) {  // plane tensor j of this layer, its first `rows` rows
-      const auto t = planes[j];
-      return t.numel() == 0 ? t : t.select(0, i).select(0, 0).narrow(1, 0, rows);
-    };
+    QuantLayer ql{};
+    ql.k_hi = reinterpret_cast<const uint8_t*>(at(0, i));
+    ql.v_hi = reinterpret_cast<const uint8_t*>(at(4, i));
+    ql.k_lo = eight ? reinterpret_cast<const uint8_t*>(at(1, i)) : nullptr;
+    ql.v_lo = eight ? reinterpret_cast<const uint8_t*>(at(5, i)) : nullptr;
+    ql.k_scale = reinterpret_cast<const c10::Half*>(at(2, i));
+    ql.k_zero = reinterpret_cast<const c10::Half*>(at(3, i));
+    ql.v_scale = reinterpret_cast<const c10::Half*>(at(6, i));
+    ql.v_zero = reinterpret_cast<const c10::Half*>(at(7, i));
+    ql.k_hi_s = planes[0].stride(2), ql.v_hi_s = planes[4].stride(2);
+    ql.k_lo_s = eight ? planes[1].stride(2) : 0, ql.v_lo_s = eight ? planes[5].stride(2) : 0;
+    ql.k_scale_s = planes[2].stride(2), ql.v_scale_s = planes[6].stride(2);
+    ql.Sq = q_end;
+    ql.fk = static_cast<const char*>(fk.data_ptr()) + i * fk.stride(0) * fk.element_size();
+    ql.fv = static_cast<const char*>(fv.data_ptr()) + i * fv.stride(0) * fv.element_size();
+    ql.fk_s = fk.stride(2), ql.fv_s = fv.stride(2), ql.F = F;
+    ql.kv = fk.scalar_type();
     const auto attend = [&](const torch::Tensor& q, int64_t T) {
-      return quant_attention(q, layer(0, q_end), layer(1, q_end), layer(2, q_end / G), layer(3, q_end / G),
-                             layer(4, q_end), layer(5, q_end), layer(6, q_end), layer(7, q_end), lim,
-                             kc.select(0, 0).narrow(1, 0, slot + T), vc.select(0, 0).narrow(1, 0, slot + T), fmask, T,
-                             scale);
+      return quant_attention_layer(q, ql, lim, fmask, T, scale);
     };
     auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, kc, vc, slot, attend);
     out[0] = xq[0];

@@ -31,6 +31,24 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k_hi, torch::Tensor
                               torch::Tensor v_zero, torch::Tensor lim, torch::Tensor fk, torch::Tensor fv,
                               torch::Tensor fmask, int64_t T, double scale);
 
+// One layer of a quantized cache as quant_attention's kernel reads it: raw pointers, strides between KV heads in
+// elements, rows contiguous (a key group's 64 rows hold [D, 32] channel-major bytes; see quant_attention). Made from
+// checked tensors by quant_attention, or by decode_layers_quant for each layer by pointer arithmetic on the whole
+// cache's tensors, checked once per call: views cost about 0.4 us each, and the 24 per layer that made them were
+// 0.3 ms of a 3.5 ms decode step.
+struct QuantLayer {
+  const uint8_t *k_hi, *k_lo, *v_hi, *v_lo;  // [H, Sq, D / 2]; k_lo / v_lo null for the 4-bit reading
+  const c10::Half *k_scale, *k_zero;        // [H, Sq / 64, D]
+  const c10::Half *v_scale, *v_zero;        // [H, Sq, D / 32]
+  int64_t k_hi_s, k_lo_s, v_hi_s, v_lo_s, k_scale_s, v_scale_s;
+  int64_t Sq;               // quantized positions below which rows may read (a multiple of 64)
+  const void *fk, *fv;      // the full-precision buffer [H, F, D] of dtype kv
+  int64_t fk_s, fv_s, F;
+  c10::ScalarType kv;
+};
+torch::Tensor quant_attention_layer(const torch::Tensor& q, const QuantLayer& L, const torch::Tensor& lim,
+                                    const torch::Tensor& fmask, int64_t T, double scale);
+
 // layer_ops.cpp: the small per-layer operations of a decoder layer, fused.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads,
