@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -145,6 +146,15 @@ def test_bench_writes_results(tmp_path):
             assert 0 <= x["shortcut"]["rounds_direct"] <= x["shortcut"]["rounds"]
         elif x["method"] == "ngram":
             assert x["shortcut"] is None and set(x["tokens_per_round"]) == {"full"}
+    # ar is timed before and after the other methods; the mean is the baseline of every speedup in its group
+    for t in (0.0, 0.6):
+        ar = next(x for x in rows if x["method"] == "ar" and x["temperature"] == t)
+        assert ar["speedup_vs_ar"] == 1.0 and any("before and after the other methods" in n for n in ar["notes"])
+        first, second = map(float, re.search(r"methods: ([0-9.]+) and ([0-9.]+)", " ".join(ar["notes"])).groups())
+        assert abs(ar["ms_per_token"] - (first + second) / 2) <= 0.01
+        for x in rows:
+            if x["temperature"] == t and x["method"] in ("triforce", "ngram"):
+                assert x["speedup_vs_ar"] == round(ar["ms_per_token"] / x["ms_per_token"], 3)
     md = (tmp_path / "results.md").read_text()
     assert "| 700 | 0.0 | triforce |" in md and "tokens per round (per level)" in md and "rounds direct)" in md
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
