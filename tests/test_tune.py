@@ -77,3 +77,24 @@ def test_two_level_prediction():
     # a draft step as dear as the target's never pays; a cheap one with high acceptance does
     assert predict_two_level_ms(cost_full, 105.0, 0.9, 4) > cost_full[1]
     assert predict_two_level_ms(cost_full, 20.0, 0.9, 4) < cost_full[1]
+
+
+def test_interleaved_forward_timing_takes_turns_and_leaves_the_cache_as_found(monkeypatch):
+    """decode_step's step / verification ratio: the two sizes alternate on one cache (k1, k2, k1, k2, ...), each
+    forward after a rollback to the context, and the cache ends at that length."""
+    from conftest import hf_tiny, ours_from_hf
+    from triforce.bench import decode_step
+
+    model = ours_from_hf(hf_tiny("llama", seed=1))
+    cache = decode_step.random_cache(model, 40, 5)
+    seen = []
+    forward = type(model).forward
+
+    def spy(self, tokens, c, *a, **k):
+        seen.append((tokens.shape[1], c.length))
+        return forward(self, tokens, c, *a, **k)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    times = decode_step.time_forwards_interleaved(model, cache, 40, (1, 5), repeats=3, warmup=1)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert seen == [(1, 40), (5, 40)] * 4 and cache.length == 40

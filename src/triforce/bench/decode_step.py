@@ -37,6 +37,25 @@ def time_forwards(model, cache, length: int, k: int, repeats: int, warmup: int =
     return statistics.median(times)
 
 
+def time_forwards_interleaved(model, cache, length: int, ks: tuple[int, ...], repeats: int,
+                              warmup: int = 2) -> list[float]:
+    """Median seconds of a k-token forward for each k of `ks`, the sizes taking turns (k1, k2, k1, k2, ...) on one
+    cache rolled back to `length` before each forward: their ratio (a verification against a decode step) then
+    comes from the same minutes of a host whose speed drifts, not from two stretches one after the other."""
+    toks = {k: torch.full((1, k), 42, device=model.device) for k in ks}
+    times = {k: [] for k in ks}
+    with torch.inference_mode():
+        for i in range(warmup + repeats):
+            for k in ks:
+                cache.rollback(length)
+                t = time.perf_counter()
+                model(toks[k], cache)
+                if i >= warmup:
+                    times[k].append(time.perf_counter() - t)
+    cache.rollback(length)
+    return [statistics.median(times[k]) for k in ks]
+
+
 def random_cache(model, n_ctx: int, tokens: int):
     """The model's cache holding n_ctx tokens of random keys and values, with room for `tokens` more. An int8
     cache (caches/quantized.py) gets random codes, scales and zeros for the positions a query at n_ctx reads
@@ -437,8 +456,7 @@ def main(argv=None) -> None:
         if not args.no_transformers and loaded is not None and hf_model is None:
             hf_model = load_transformers(loaded.hf_dir, model.cfg.rope.theta)
         for n in [int(x) for x in args.contexts.split(",")]:
-            ours = time_ours(model, n, args.steps)
-            verify = time_ours(model, n, args.steps, tokens=k)
+            ours, verify = time_forwards_interleaved(model, random_cache(model, n, k), n, (1, k), args.steps)
             floor = floor_seconds(model, n, bw)
             # attention's FLOPs over the whole verification forward's time: a lower bound on the rate the
             # attention kernel reached (its FLOPs dominate the forward at long context)
