@@ -24,17 +24,7 @@ import torch
 def time_forwards(model, cache, length: int, k: int, repeats: int, warmup: int = 1) -> float:
     """Median seconds of a k-token forward on `cache` rolled back to `length` before each one
     (and after the last); the first `warmup` forwards are not timed."""
-    tok = torch.full((1, k), 42, device=model.device)
-    times = []
-    with torch.inference_mode():
-        for i in range(warmup + repeats):
-            cache.rollback(length)
-            t = time.perf_counter()
-            model(tok, cache)
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-    cache.rollback(length)
-    return statistics.median(times)
+    return time_forwards_interleaved(model, cache, length, (k,), repeats, warmup)[0]
 
 
 def time_forwards_interleaved(model, cache, length: int, ks: tuple[int, ...], repeats: int,

@@ -6,12 +6,13 @@ import time
 import torch
 
 
-def measure_bandwidth(gib: float = 1.0, repeats: int = 5, device: torch.device | str = "cpu") -> float:
-    """Memory read bandwidth in bytes/s of `device`: a sum over a `gib` GiB fp32 tensor there (4 GiB
-    on a GPU, so that the timer's resolution is small beside it), best of `repeats`."""
+def measure_bandwidth(gib: float | None = None, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Memory read bandwidth in bytes/s of `device`: a sum over a `gib` GiB fp32 tensor there (default 1 GiB,
+    4 on a GPU, so that the timer's resolution is small beside it), best of `repeats`."""
     device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    x = torch.ones(int((4.0 if device.type == "cuda" else gib) * 2**30 / 4), device=device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    x = torch.ones(int((gib or (4.0 if cuda else 1.0)) * 2**30 / 4), device=device)
     x.sum()
     sync()
     best = float("inf")
