@@ -5,10 +5,13 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import embedded_available
+
+from triforce.speculation.config import SpecConfig
 
 
 def run(*args, input=None):
@@ -167,16 +170,22 @@ def test_bench_writes_results(tmp_path):
 @needs_model
 def test_tune_predicts_and_checks(tmp_path):
     r = run("tune", "--context-length", "700", "--budgets", "128,256", "--max-gamma", "3", "--max-gamma-draft", "2",
-            "--tokens", "8", "--recent", "32", "--check", "--json", "--quiet")
+            "--tokens", "8", "--recent", "32", "--json", "--quiet")  # --check is on by default
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out["acceptance"]) == {"128", "256"} and len(out["top"]) > 1
     assert out["best"]["predicted_ms_per_token"] == min(x["predicted_ms_per_token"] for x in out["top"])
     assert 1 <= out["best"]["gamma"] <= 3 and 1 <= out["best"]["gamma_draft"] <= 2
     assert out["check"]["tuned"]["triforce_ms_per_token"] > 0
-    # recorded as this machine's default for triforce (in the tests' own file: conftest), unless --check ran it slower
+    # recorded as this machine's default for triforce (in the tests' own file: conftest): the prediction, or the
+    # defaults where --check ran them faster (replacing what an earlier run recorded for this context and temperature)
     slower = out["check"]["tuned"]["triforce_ms_per_token"] > out["check"]["default"]["triforce_ms_per_token"]
-    assert (out["saved"] is None) == slower
+    defaults = {"budget": SpecConfig().budget, "gamma": SpecConfig().gamma, "gamma_draft": SpecConfig().gamma_draft}
+    entries = [e for e in json.loads(Path(out["saved"]).read_text())["entries"]
+               if e["kind"] == "chain" and e["context_length"] == 700 and e["temperature"] == 0.0]
+    assert len(entries) == 1
+    assert entries[0]["flags"] == (defaults if slower else {k: out["best"][k] for k in defaults})
+    assert ("kept_defaults" in out) == slower
     bad = run("tune", "--context-length", "700", "--budgets", "1024", "--quiet")
     assert bad.returncode == 2 and "budget" in bad.stderr
 

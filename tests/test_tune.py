@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from triforce.bench.tune import expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms
+from triforce.bench.tune import chosen_flags, expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms
 
 
 @pytest.mark.parametrize("a", [0.0, 0.3, 0.7, 0.95])
@@ -98,3 +98,17 @@ def test_interleaved_forward_timing_takes_turns_and_leaves_the_cache_as_found(mo
     times = decode_step.time_forwards_interleaved(model, cache, 40, (1, 5), repeats=3, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times)
     assert seen == [(1, 40), (5, 40)] * 4 and cache.length == 40
+
+
+def test_tune_records_the_defaults_where_they_ran_faster_than_the_prediction():
+    from triforce.speculation.config import SpecConfig
+
+    best = {"budget": 8192, "gamma": 4, "gamma_draft": 1, "predicted_ms_per_token": 14.25}
+    config = SpecConfig(budget=4096, gamma=4, gamma_draft=3)
+
+    def check(tuned, default):
+        return {"tuned": {"triforce_ms_per_token": tuned}, "default": {"triforce_ms_per_token": default}}
+
+    assert chosen_flags(best, config, None) == ({"budget": 8192, "gamma": 4, "gamma_draft": 1}, False)  # --no-check
+    assert chosen_flags(best, config, check(12.0, 15.1)) == ({"budget": 8192, "gamma": 4, "gamma_draft": 1}, False)
+    assert chosen_flags(best, config, check(16.3, 15.1)) == ({"budget": 4096, "gamma": 4, "gamma_draft": 3}, True)
