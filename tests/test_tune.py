@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from triforce.bench.tune import chosen_flags, expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms
+from triforce.bench.tune import (chosen_flags, expected_tokens, per_token_acceptance, pooled_mean_accepted,
+                                 predict_ms, predict_two_level_ms, probe_seeds)
 
 
 @pytest.mark.parametrize("a", [0.0, 0.3, 0.7, 0.95])
@@ -112,3 +113,12 @@ def test_tune_records_the_defaults_where_they_ran_faster_than_the_prediction():
     assert chosen_flags(best, config, None) == ({"budget": 8192, "gamma": 4, "gamma_draft": 1}, False)  # --no-check
     assert chosen_flags(best, config, check(12.0, 15.1)) == ({"budget": 8192, "gamma": 4, "gamma_draft": 1}, False)
     assert chosen_flags(best, config, check(16.3, 15.1)) == ({"budget": 4096, "gamma": 4, "gamma_draft": 3}, True)
+
+
+def test_sampled_probes_pool_several_seeds():
+    assert probe_seeds(0.0, 7) == [7] and probe_seeds(0.6, 7) == [7, 8, 9, 10]
+    run = lambda full, retr: [{"level": "ngram", "role": "draft"},  # noqa: E731
+                              {"level": "retrieval", "role": "verify", "accepted": retr[0], "rounds": retr[1]},
+                              {"level": "full", "role": "verify", "accepted": full[0], "rounds": full[1]}]
+    pooled = pooled_mean_accepted([run((30, 10), (5, 10)), run((10, 10), (0, 0)), run((20, 5), (15, 10))])
+    assert pooled == {"full": 60 / 25, "retrieval": 20 / 20}  # accepted over rounds, not a mean of means
