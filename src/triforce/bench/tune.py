@@ -253,6 +253,9 @@ def main(args, config) -> int:
         print(f"context {args.context_length}, temperature {args.temperature}: ar ~{out['predicted_ar_ms_per_token']} ms/token; best predicted "
               f"{best['predicted_ms_per_token']} ms/token (x{out['predicted_ar_ms_per_token'] / best['predicted_ms_per_token']:.2f})")
         print(f"  flags: --budget {best['budget']} --gamma {best['gamma']} --gamma-draft {best['gamma_draft']}")
+        if kept_defaults:
+            print(f"  but the defaults ran faster in the check: --budget {flags['budget']} --gamma {flags['gamma']} "
+                  f"--gamma-draft {flags['gamma_draft']} (these are recorded)")
         if "quantspec" in out:
             qs = out["quantspec"]
             print(f"  quantspec (kv4,full; kv4 acceptance {qs['acceptance']}): best predicted "
