@@ -101,18 +101,20 @@ def test_interleaved_forward_timing_takes_turns_and_leaves_the_cache_as_found(mo
     assert seen == [(1, 40), (5, 40)] * 4 and cache.length == 40
 
 
-def test_tune_records_the_defaults_where_they_ran_faster_than_the_prediction():
+def test_tune_records_the_fastest_checked_setting_or_the_defaults():
     from triforce.speculation.config import SpecConfig
 
-    best = {"budget": 8192, "gamma": 4, "gamma_draft": 1, "predicted_ms_per_token": 14.25}
+    best = {"budget": 2048, "gamma": 4, "gamma_draft": 3, "predicted_ms_per_token": 7.3}
     config = SpecConfig(budget=4096, gamma=4, gamma_draft=3)
 
-    def check(tuned, default):
-        return {"tuned": {"triforce_ms_per_token": tuned}, "default": {"triforce_ms_per_token": default}}
+    def check(tuned, default, flags):
+        return {"tuned": {"flags": flags, "triforce_ms_per_token": tuned}, "default": {"triforce_ms_per_token": default}}
 
-    assert chosen_flags(best, config, None) == ({"budget": 8192, "gamma": 4, "gamma_draft": 1}, False)  # --no-check
-    assert chosen_flags(best, config, check(12.0, 15.1)) == ({"budget": 8192, "gamma": 4, "gamma_draft": 1}, False)
-    assert chosen_flags(best, config, check(16.3, 15.1)) == ({"budget": 4096, "gamma": 4, "gamma_draft": 3}, True)
+    assert chosen_flags(best, config, None) == ({"budget": 2048, "gamma": 4, "gamma_draft": 3}, False)  # --no-check
+    # the check ran another predicted setting fastest (budget 1024): that one, not the prediction's best
+    one = {"budget": 1024, "gamma": 4, "gamma_draft": 3}
+    assert chosen_flags(best, config, check(7.8, 8.3, one)) == (one, False)
+    assert chosen_flags(best, config, check(8.4, 8.3, one)) == ({"budget": 4096, "gamma": 4, "gamma_draft": 3}, True)
 
 
 def test_sampled_probes_pool_several_seeds():

@@ -253,9 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "this machine's default for --method triforce (with --trees: the tree of --method "
                                    "sequoia), with this model and KV dtype, for runs at contexts within 2x of "
                                    "--context-length and the same kind of temperature (greedy or sampled); generate "
-                                   "and bench take them unless given --no-tuned or the flags themselves. The best is "
-                                   "first run against the defaults (--check): where the defaults run faster, they "
-                                   "are what is recorded.")
+                                   "and bench take them unless given --no-tuned or the flags themselves. The best few "
+                                   "predicted settings are first run for real against the defaults (--check): the "
+                                   "fastest is what is recorded.")
     t.add_argument("--context-length", type=_positive_int, default=16384, metavar="N",
                    help="prompt length to tune for (default 16384)")
     t.add_argument("--budgets", default="1024,2048,4096", metavar="N,N", help="retrieval budgets to try")
@@ -269,9 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the best flags, depend on it")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the predicted best and the default settings for real (and ar), alternating; sampled: "
-                        "over 4 seeds. Where the defaults run faster they are recorded instead (default: on; "
-                        "--no-check records the prediction unchecked)")
+                   help="run the 4 best predicted settings and the defaults for real (and ar), alternating; "
+                        "sampled: over 4 seeds; the fastest is recorded (default: on; --no-check records the "
+                        "prediction unchecked)")
     t.add_argument("--trees", action="store_true",
                    help="tune Sequoia trees instead (streaming,full --tree): measure the acceptance of each child "
                         "rank and the forward costs, predict every widths-per-depth tree, print the best")

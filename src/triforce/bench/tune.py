@@ -11,7 +11,7 @@ Measures, on one real prompt of the given length (prefilled once):
 Then predicts ms/token for every (gamma, gamma-draft, budget) with the i.i.d. acceptance model of
 speculative decoding (a round of gamma drafts yields (1 - a^(gamma+1)) / (1 - a) tokens) and
 prints the best settings as flags. The prediction is a model, not a promise: `--check` (on by default) runs
-the best and the default settings for real, prints both and records whichever ran faster.
+the best few predicted settings and the defaults for real and records whichever ran fastest.
 """
 from __future__ import annotations
 
@@ -184,9 +184,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
 
 def main(args, config) -> int:
     """`triforce tune` (the CLI has parsed and checked the speculation options into config)."""
-    from ..generate import generate
     from ..loading import configure_device, load_model, resolve_dtype
-    from .methods import sampling_params
 
     try:
         asked = [int(x) for x in args.budgets.split(",")]
@@ -216,36 +214,16 @@ def main(args, config) -> int:
     shared, prompt = out.pop("shared"), out.pop("prompt")
     best = out["best"]
     if args.check:
-        # Sampled runs: one run's text, and so its acceptance, is one draw (on AMD Zen 4 at 32K and T = 0.6 one
-        # 96-token check put the tuned flags at 1.02x `ar` and the defaults at 1.17x, while 256-token runs at 8K
-        # had them at 1.15x and 0.93x): CHECK_SEEDS seeds, `ar`, default and tuned alternating within each (the
-        # machine drifts), totals compared. Greedy runs are one draw of nothing: one seed.
-        tuned_cfg = replace(config, budget=best["budget"], gamma=best["gamma"], gamma_draft=best["gamma_draft"])
-        seeds = probe_seeds(args.temperature, args.seed)
-        secs, toks = {"ar": 0.0, "default": 0.0, "tuned": 0.0}, {"ar": 0, "default": 0, "tuned": 0}
-        for seed in seeds:
-            for name, method, cfg in (("ar", "ar", config), ("default", "triforce", config),
-                                      ("tuned", "triforce", tuned_cfg)):
-                res = generate(loaded.model, prompt, args.tokens, sampling_params(args.temperature), method=method,
-                               config=cfg, prefilled=shared, seed=seed)
-                secs[name] += res.decode_seconds
-                toks[name] += len(res.tokens)
-        ms = {k: secs[k] / toks[k] * 1e3 for k in secs}
-        checked = {}
-        for name in ("default", "tuned"):
-            checked[name] = {"triforce_ms_per_token": round(ms[name], 2), "ar_ms_per_token": round(ms["ar"], 2),
-                             "speedup_vs_ar": round(ms["ar"] / ms[name], 3), "seeds": len(seeds)}
-            log(f"check {name}: triforce {ms[name]:.1f} ms/token, ar {ms['ar']:.1f}, x{ms['ar'] / ms[name]:.2f} "
-                f"({len(seeds)} run{'s' if len(seeds) > 1 else ''} each)")
-        out["check"] = checked
+        out["check"] = check_candidates(loaded.model, prompt, shared, config, out["top"], args, log)
     measured = {"predicted_ms_per_token": best["predicted_ms_per_token"],
                 "predicted_ar_ms_per_token": out["predicted_ar_ms_per_token"], **out.get("check", {})}
     flags, kept_defaults = chosen_flags(best, config, out.get("check"))
     if kept_defaults:
         measured["kept_defaults"] = True
         out["kept_defaults"] = flags
-        log(f"the defaults ran faster than the predicted best ({checked['default']['triforce_ms_per_token']} vs "
-            f"{checked['tuned']['triforce_ms_per_token']} ms/token): they are recorded instead")
+        log(f"the defaults ran faster than every predicted setting checked ({out['check']['default']['triforce_ms_per_token']}"
+            f" vs {out['check']['tuned']['triforce_ms_per_token']} ms/token at best): they are recorded instead")
+    out["recorded"] = flags
     out["saved"] = _save(loaded, "chain", args, flags, measured, log=log)
     if args.json:
         print(json.dumps(out, indent=1))
@@ -253,9 +231,10 @@ def main(args, config) -> int:
         print(f"context {args.context_length}, temperature {args.temperature}: ar ~{out['predicted_ar_ms_per_token']} ms/token; best predicted "
               f"{best['predicted_ms_per_token']} ms/token (x{out['predicted_ar_ms_per_token'] / best['predicted_ms_per_token']:.2f})")
         print(f"  flags: --budget {best['budget']} --gamma {best['gamma']} --gamma-draft {best['gamma_draft']}")
-        if kept_defaults:
-            print(f"  but the defaults ran faster in the check: --budget {flags['budget']} --gamma {flags['gamma']} "
-                  f"--gamma-draft {flags['gamma_draft']} (these are recorded)")
+        if flags != {k: best[k] for k in flags}:
+            why = "the defaults ran faster in the check" if kept_defaults else "the check ran these fastest"
+            print(f"  {why}: --budget {flags['budget']} --gamma {flags['gamma']} --gamma-draft {flags['gamma_draft']} "
+                  f"(these are recorded)")
         if "quantspec" in out:
             qs = out["quantspec"]
             print(f"  quantspec (kv4,full; kv4 acceptance {qs['acceptance']}): best predicted "
@@ -263,14 +242,70 @@ def main(args, config) -> int:
     return 0
 
 
+FLAGS = ("budget", "gamma", "gamma_draft")
+CHECK_CANDIDATES = 4  # predicted settings, best first, that --check runs for real beside the defaults
+
+
+def check_candidates(model, prompt, shared, config, top: list[dict], args, log) -> dict:
+    """--check: `ar`, the defaults and the CHECK_CANDIDATES best predicted settings (other than the defaults) run for
+    real, taking turns within each seed (the machine drifts), totals compared -> {"default": ..., "tuned": the fastest
+    candidate (its flags, prediction and timing), "candidates": every candidate's}. The prediction narrows the grid
+    and the clock decides: its i.i.d. model misses what a run adds (at 32K, AMD Zen 5, greedy: predicted best budget
+    2048 ran at 2.59x `ar` where budget 1024, second by the prediction, ran at 2.65x; at T = 0.6 a prediction of 1.43x
+    ran at 1.21x against the defaults' 1.31x). Sampled runs: CHECK_SEEDS seeds (one run's text, and so its
+    acceptance, is one draw); greedy: one."""
+    from ..generate import generate
+    from .methods import sampling_params
+
+    defaults = tuple(getattr(config, k) for k in FLAGS)
+    picks: list[dict] = []
+    for row in top:
+        if tuple(row[k] for k in FLAGS) != defaults:
+            picks.append(row)
+        if len(picks) == CHECK_CANDIDATES:
+            break
+    runs = [("ar", "ar", config, None), ("default", "triforce", config, None)]
+    runs += [(f"candidate {i}", "triforce", replace(config, **{k: row[k] for k in FLAGS}), row)
+             for i, row in enumerate(picks)]
+    seeds = probe_seeds(args.temperature, args.seed)
+    secs, toks = {name: 0.0 for name, *_ in runs}, {name: 0 for name, *_ in runs}
+    for seed in seeds:
+        for name, method, cfg, _ in runs:
+            res = generate(model, prompt, args.tokens, sampling_params(args.temperature), method=method, config=cfg,
+                           prefilled=shared, seed=seed)
+            secs[name] += res.decode_seconds
+            toks[name] += len(res.tokens)
+    ms = {name: secs[name] / toks[name] * 1e3 for name in secs}
+
+    def timing(name: str) -> dict:
+        return {"triforce_ms_per_token": round(ms[name], 2), "ar_ms_per_token": round(ms["ar"], 2),
+                "speedup_vs_ar": round(ms["ar"] / ms[name], 3), "seeds": len(seeds)}
+
+    each = "" if len(seeds) == 1 else f" ({len(seeds)} runs each)"
+    log(f"check default (--budget {defaults[0]} --gamma {defaults[1]} --gamma-draft {defaults[2]}): "
+        f"{ms['default']:.1f} ms/token, ar {ms['ar']:.1f}, x{ms['ar'] / ms['default']:.2f}{each}")
+    candidates = []
+    for name, _, _, row in runs[2:]:
+        candidates.append({**{k: row[k] for k in FLAGS}, "predicted_ms_per_token": row["predicted_ms_per_token"],
+                           **timing(name)})
+        log(f"check --budget {row['budget']} --gamma {row['gamma']} --gamma-draft {row['gamma_draft']} (predicted "
+            f"{row['predicted_ms_per_token']}): {ms[name]:.1f} ms/token, x{ms['ar'] / ms[name]:.2f}{each}")
+    fastest = min(candidates, key=lambda c: c["triforce_ms_per_token"]) if candidates else None
+    tuned = ({"flags": {k: fastest[k] for k in FLAGS}, **{k: v for k, v in fastest.items() if k not in FLAGS}}
+             if fastest is not None else {"flags": dict(zip(FLAGS, defaults)), **timing("default")})
+    return {"default": timing("default"), "tuned": tuned, "candidates": candidates}
+
+
 def chosen_flags(best: dict, config, checked: dict | None) -> tuple[dict, bool]:
-    """The chain flags a tune run records -> (flags, whether they are the defaults): the predicted best, unless
-    --check ran the defaults (config's flags) faster. Then the defaults, so that they, and not an earlier unchecked
-    entry of this context and temperature, are what generate and bench take (on AMD Zen 5 at 32K and T = 0.6 a
-    prediction of 1.43x ran at 1.21x against the defaults' 1.31x, 4 seeds alternating)."""
-    if checked is not None and checked["tuned"]["triforce_ms_per_token"] > checked["default"]["triforce_ms_per_token"]:
-        return {"budget": config.budget, "gamma": config.gamma, "gamma_draft": config.gamma_draft}, True
-    return {k: best[k] for k in ("budget", "gamma", "gamma_draft")}, False
+    """The chain flags a tune run records -> (flags, whether they are the defaults): unchecked, the predicted best;
+    checked, the fastest predicted setting the check ran, unless the defaults (config's flags) ran faster. Then the
+    defaults, so that they, and not an earlier entry of this context and temperature, are what generate and bench
+    take."""
+    if checked is None:
+        return {k: best[k] for k in FLAGS}, False
+    if checked["tuned"]["triforce_ms_per_token"] > checked["default"]["triforce_ms_per_token"]:
+        return {k: getattr(config, k) for k in FLAGS}, True
+    return dict(checked["tuned"]["flags"]), False
 
 
 def _save(loaded, kind: str, args, flags: dict, measured: dict, log) -> str | None:
