@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from triforce.bench.tune import expected_tokens
+from triforce.bench.tune import predict_two_level_ms
 
 
 def speedup(ar_ms: float, verify_ms: dict[int, float], draft_ms: float, a: float, gamma: int) -> float:
     """ar ms/token over a two-level chain's: gamma drafts at draft_ms each, one verification of gamma + 1."""
-    return ar_ms * expected_tokens(a, gamma) / (gamma * draft_ms + verify_ms[gamma + 1])
+    return ar_ms / predict_two_level_ms(verify_ms, draft_ms, a, gamma)
 
 
 def best(ar_ms, verify_ms, draft_ms, a) -> tuple[float, int]:

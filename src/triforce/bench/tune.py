@@ -54,7 +54,7 @@ def probe_seeds(temperature: float, seed: int) -> list[int]:
     return [seed] if temperature <= 0 else [seed + i for i in range(CHECK_SEEDS)]
 
 
-def pooled_mean_accepted(runs: list[dict]) -> dict[str, float]:
+def pooled_mean_accepted(runs: list[list[dict]]) -> dict[str, float]:
     """Per verifying level, accepted drafts per round over several runs' stats (res.stats["levels"] each)."""
     acc: dict[str, list[int]] = {}
     for levels in runs:
@@ -286,13 +286,12 @@ def check_candidates(model, prompt, shared, config, top: list[dict], args, log) 
         f"{ms['default']:.1f} ms/token, ar {ms['ar']:.1f}, x{ms['ar'] / ms['default']:.2f}{each}")
     candidates = []
     for name, _, _, row in runs[2:]:
-        candidates.append({**{k: row[k] for k in FLAGS}, "predicted_ms_per_token": row["predicted_ms_per_token"],
+        candidates.append({"flags": {k: row[k] for k in FLAGS}, "predicted_ms_per_token": row["predicted_ms_per_token"],
                            **timing(name)})
         log(f"check --budget {row['budget']} --gamma {row['gamma']} --gamma-draft {row['gamma_draft']} (predicted "
             f"{row['predicted_ms_per_token']}): {ms[name]:.1f} ms/token, x{ms['ar'] / ms[name]:.2f}{each}")
-    fastest = min(candidates, key=lambda c: c["triforce_ms_per_token"]) if candidates else None
-    tuned = ({"flags": {k: fastest[k] for k in FLAGS}, **{k: v for k, v in fastest.items() if k not in FLAGS}}
-             if fastest is not None else {"flags": dict(zip(FLAGS, defaults)), **timing("default")})
+    tuned = min(candidates, key=lambda c: c["triforce_ms_per_token"], default=None) or \
+        {"flags": dict(zip(FLAGS, defaults)), **timing("default")}
     return {"default": timing("default"), "tuned": tuned, "candidates": candidates}
 
 
