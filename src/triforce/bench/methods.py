@@ -102,17 +102,20 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
 
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
               progress=True, draft_model=None, log=print, bandwidth=None, peers=(), draft_dir=None,
-              prompt_files=(), on_row=None, tuned=None, reference_kv: str | None = None) -> list[dict]:
+              prompt_files=(), on_row=None, tuned=None, reference_kv: str | None = None,
+              genres: tuple[str, ...] = ("dialogue",)) -> list[dict]:
     """-> one row per (context, prompt, temperature, method); `methods` are method names or StackSpecs
     (a row's method is then the stack's text). `on_row(rows)` is called after each new row (the CLI
     writes the results so far, so an interrupted run keeps its finished rows). `tuned(method, context,
     temperature)` -> (stack, config, entry) or None: a named method's run with this machine's tuned flags
     (bench/profile.tuned_run; the row's notes say which). `reference_kv` (a KV dtype name): also `ar` over a
     cache of that dtype, with its own prefill of each prompt (row "ar (<dtype> KV)", marked `reference`), so
-    that summarize() gives every method's speedup over it too: the end-to-end gain of the run's --kv-dtype."""
+    that summarize() gives every method's speedup over it too: the end-to-end gain of the run's --kv-dtype.
+    Without prompt files, `n_prompts` prompts of each of `genres` (corpus.GENRES), from different stretches of
+    its text."""
     from tqdm.auto import tqdm
 
-    from ..corpus import demo_tokens
+    from ..corpus import genre_tokens
     from ..generate import generate
     from ..speculation.decoder import full_capacity
     from ..speculation.stack import StackSpec, method_stack
@@ -159,7 +162,8 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
 
     methods = ["ar"] + [m for m in methods if m != "ar"]  # ar first: the baseline of every row after it
     runs = {str(m) if isinstance(m, StackSpec) else m:
-            m if isinstance(m, StackSpec) else method_stack(m, config.gamma, config.gamma_draft, config.draft)
+            m if isinstance(m, StackSpec) else method_stack(m, config.gamma, config.gamma_draft, config.draft,
+                                                                  adaptive=config.adapt)
             for m in methods}  # name -> stack
     tuned_runs = {}  # (method, context, temperature) -> (stack, config, entry)
     if tuned is not None:
@@ -184,21 +188,22 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     warmed = False
     for n_ctx in fitting:
         floor_ms = level_floor_ms(model, n_ctx, config, bandwidth, "full")
-        if not file_tokens:  # verse and prose from the plays, a different stretch per prompt
-            prompts = [demo_tokens(tok, n_ctx, offset_chars=pi * 200_000) for pi in range(n_prompts)]
+        if not file_tokens:  # each genre's text, a different stretch per prompt
+            named = [(genre if n_prompts == 1 else f"{genre} {i}", genre_tokens(tok, genre, n_ctx, i * 200_000))
+                     for genre in genres for i in range(n_prompts)]
         else:
-            prompts = []
+            named = []
             for name, ids in file_tokens:
                 if len(ids) >= n_ctx:
-                    prompts.append(ids[:n_ctx])
+                    named.append((Path(name).name, ids[:n_ctx]))
                 else:
                     log(f"skip {name} at context {n_ctx}: it has only {len(ids)} tokens")
-        for pi, prompt in enumerate(prompts):
+        for pi, (prompt_name, prompt) in enumerate(named):
             t = time.perf_counter()
             shared = PrefilledPrompt(model, prompt, max(full_capacity(n_ctx, max_new_tokens, st) for st in stacks),
                                      config.prefill_chunk, progress)
             prefill_s = time.perf_counter() - t
-            log(f"context {n_ctx}, prompt {pi}: prefill {prefill_s:.1f} s")
+            log(f"context {n_ctx}, prompt {pi} ({prompt_name}): prefill {prefill_s:.1f} s")
             if not warmed:  # first calls of every code path (kernels, oneDNN, allocator) stay untimed
                 for stack in stacks:
                     generate(model, prompt, 4, sampling_params(0.0), stack=stack, config=config,
@@ -227,6 +232,9 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
                                notes=tuned_note + res.stats.get("notes", []))
                     row["tuned"] = None if entry is None else profile.flags_text(entry)
+                    row["prompt_name"] = prompt_name
+                    if "adaptive" in res.stats:
+                        row["adaptive"] = res.stats["adaptive"]
                     add(row)
                     log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {row['acceptance']}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
@@ -432,6 +440,32 @@ def markdown(summary: list[dict]) -> str:
     return "\n".join(lines) + "\n" + peers_markdown(summary)
 
 
+def cells_markdown(rows: list[dict]) -> str:
+    """Per (context, prompt, temperature) cell: every method's speedup over the cell's bracketed `ar`, and the
+    adaptive stack's ms/token against the cell's best fixed stack (every other row of ours, `ar` included)."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("ms_per_token") and not r.get("reference") and "prefill_tokens_per_s" not in r:
+            cells.setdefault((r["context_length"], r.get("prompt_name", r["prompt"]), r["temperature"]), []).append(r)
+    if not any("adaptive" in r for rs in cells.values() for r in rs):
+        return ""
+    lines = ["", "Per prompt (speedups over the bracketed `ar` of the same cell; the adaptive stack against the "
+             "fastest fixed stack of the cell, `ar` included):", "",
+             "| context | prompt | T | speedup per method | adaptive: x ar | best fixed | adaptive / best fixed | routes run "
+             "(rounds) |", "|---|---|---|---|---|---|---|---|"]
+    for (n, name, temp), rs in cells.items():
+        adaptive = [r for r in rs if "adaptive" in r]
+        fixed = [r for r in rs if "adaptive" not in r]
+        each = ", ".join(f"{r['method']} {r['speedup_vs_ar']}x" for r in rs)
+        for a in adaptive:
+            best = min(fixed, key=lambda r: r["ms_per_token"]) if fixed else None
+            vs = f"{round(best['ms_per_token'] / a['ms_per_token'], 3)}" if best else "-"
+            routes = ", ".join(f"{k} ({v})" for k, v in a["adaptive"]["routes"].items())
+            lines.append(f"| {n} | {name} | {temp} | {each} | {a['speedup_vs_ar']}x | "
+                         f"{best['method'] if best else '-'} | {vs} | {routes} |")
+    return "\n".join(lines) + "\n"
+
+
 def _dash(value) -> str:
     return "-" if value is None else str(value)
 
@@ -533,7 +567,7 @@ def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: di
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out_dir)
         atomic_write(out_dir / "results.json", json.dumps({"meta": meta, "rows": summary, "runs": rows}, indent=1))
-        atomic_write(out_dir / "results.md", markdown(summary))
+        atomic_write(out_dir / "results.md", markdown(summary) + cells_markdown(rows))
         with atomic_file(out_dir / "speedup.png") as tmp:
             plot(summary, tmp)
     except OSError as e:
@@ -584,15 +618,20 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
             "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."), "reference_kv_dtype": reference_kv,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     out_dir = Path(args.out)
+    from ..corpus import GENRES
+
+    genres = tuple(g for g in args.genres.split(",") if g)
+    if not genres or set(genres) - set(GENRES):
+        raise TriforceError(f"--genres {args.genres!r}: choose from {', '.join(GENRES)}")
     rows = run_bench(loaded, [int(x) for x in args.context_lengths.split(",")], args.methods.split(",") + list(stacks),
                      [float(x) for x in args.temperatures.split(",")], args.prompts, args.max_new_tokens, config,
                      seed=args.seed, progress=not args.quiet, draft_model=draft_model.model if draft_model else None,
                      log=log, bandwidth=bandwidth, peers=peers, prompt_files=args.prompt_file or (),
                      draft_dir=draft_model.hf_dir if draft_model else None,
-                     on_row=lambda rs: write_outputs(out_dir, rs, summarize(rs), meta),
+                     on_row=lambda rs: write_outputs(out_dir, rs, summarize(rs), meta), genres=genres,
                      tuned=lambda m, n, t: tuned_run(loaded, m, config, n, t, log) if tuned_allowed(args, m) else None,
                      reference_kv=reference_kv)
     summary = summarize(rows)
     write_outputs(out_dir, rows, summary, meta)
-    print(markdown(summary))
+    print(markdown(summary) + cells_markdown(rows))
     return 0

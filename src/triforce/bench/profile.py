@@ -165,7 +165,8 @@ def tuned_run(loaded, method: str, config, context_length: int, temperature: flo
     if kind == "chain":
         config = replace(config, budget=int(f["budget"]), gamma=int(f["gamma"]), gamma_draft=int(f["gamma_draft"]))
         config.validate()
-        return method_stack(method, config.gamma, config.gamma_draft, config.draft), config, entry
+        return (method_stack(method, config.gamma, config.gamma_draft, config.draft, adaptive=config.adapt), config,
+                entry)
     named = method_stack(method, config.gamma, config.gamma_draft, config.draft)
     return StackSpec.parse(named.levels_text, named.gammas, config.gamma, str(f["tree"])), config, entry
 

@@ -23,28 +23,11 @@ from dataclasses import replace
 import torch
 
 from ..errors import TriforceError
+# the one cost model (shared with the adaptive planner); tune prices its grid with it
+from ..speculation.cost_model import expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms  # noqa: F401
 
 
 CHECK_SEEDS = 4  # sampled runs per acceptance probe and per setting in --check (greedy: one)
-
-
-def expected_tokens(a: float, gamma: int) -> float:
-    """Tokens per verification of `gamma` drafts when each is accepted with probability a (i.i.d.)."""
-    if a >= 1.0:
-        return gamma + 1.0
-    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
-
-
-def per_token_acceptance(mean_accepted: float, gamma: int) -> float:
-    """Invert mean accepted drafts per round, a (1 - a^gamma) / (1 - a), for a (bisection)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if expected_tokens(mid, gamma) - 1.0 < mean_accepted:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def probe_seeds(temperature: float, seed: int) -> list[int]:
@@ -64,22 +47,6 @@ def pooled_mean_accepted(runs: list[list[dict]]) -> dict[str, float]:
                 a[0] += x["accepted"]
                 a[1] += x["rounds"]
     return {name: accepted / rounds for name, (accepted, rounds) in acc.items()}
-
-
-def predict_ms(cost_full, cost_retr, a_full: float, a_retr: float, gamma: int, gamma_draft: int) -> float:
-    """ms/token of triforce: each top round verifies gamma tokens from the retrieval level (which
-    makes them in rounds of gamma_draft n-gram drafts), costing cost_full[gamma + 1] plus
-    ceil-free gamma / E_retr middle rounds of cost_retr[gamma_draft + 1] each."""
-    e_top = expected_tokens(a_full, gamma)
-    e_mid = expected_tokens(a_retr, gamma_draft)
-    round_ms = cost_full[gamma + 1] + (gamma / e_mid) * cost_retr[gamma_draft + 1]
-    return round_ms / e_top
-
-
-def predict_two_level_ms(cost_full, cost_draft_step: float, a: float, gamma: int) -> float:
-    """ms/token of a two-level stack (quantspec: kv4,full): each round drafts gamma tokens one forward at a
-    time (cost_draft_step each) and verifies them in one full forward of gamma + 1 tokens."""
-    return (cost_full[gamma + 1] + gamma * cost_draft_step) / expected_tokens(a, gamma)
 
 
 def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tokens: int, repeats: int,
@@ -124,6 +91,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from .decode_step import time_forwards
     from .methods import sampling_params
 
+    config = replace(config, adapt=False)  # fixed stacks are what is measured
     model = loaded.model
     prompt = demo_tokens(loaded.tokenizer, n_ctx)
     capacity = n_ctx + tokens + max(max_gamma, max_gamma_draft) + 8
@@ -184,6 +152,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
 
 def main(args, config) -> int:
     """`triforce tune` (the CLI has parsed and checked the speculation options into config)."""
+    config = replace(config, adapt=False)  # tune measures fixed stacks; the adaptive planner re-plans from them
     from ..loading import configure_device, load_model, resolve_dtype
 
     try:

@@ -32,6 +32,9 @@ class SpecConfig:
     # 0: never. Chosen on the 32K bench (docs/benchmarks.md, session 16)
     ngram_shortcut: float = 0.6
     prefill_chunk: int = 512
+    # the named triforce stack adapts its route and gammas to what it measures while it runs (planner.py);
+    # False (--no-adapt): the stack runs as given
+    adapt: bool = True
     draft_weights: str = "bf16"  # weights of the target when it drafts (retrieval / streaming levels): bf16 or fp32
     # KV cache dtype of the drafting levels (retrieval, streaming, a small draft model; a kv4 level's
     # full-precision buffer): fp32, bf16 or fp16.

@@ -17,9 +17,10 @@ from ..errors import TriforceError
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
-from .drafters import ModelDrafter
+from .drafters import ModelDrafter, NGramDrafter
 from .kinds import KINDS, BuildContext, rebuild
 from .level import Level
+from .planner import CATCH_UP, AdaptiveTop, Route
 from .stack import REBUILT, ROLLBACK_SLACK, StackSpec
 from .state import ModelState, PrefilledPrompt
 from .tree import fixed_tree
@@ -41,11 +42,14 @@ def max_rollback(stack: StackSpec) -> int:
 
 class Decoder:
     """Builds a stack's levels and runs its prefill and the retrieval rebuild policy. `top` is the
-    proposer whose step() makes each round's tokens."""
+    proposer whose step() makes each round's tokens: the stack's top level, or for an adaptive stack
+    (StackSpec.adaptive) a planner.AdaptiveTop choosing each round's route through the levels (`force_route`:
+    a function of the round index giving the route to run, or None to let the planner choose; for tests)."""
 
     def __init__(self, stack: StackSpec, model: Transformer, params: SamplingParams, config: SpecConfig,
                  generator: torch.Generator, prompt_len: int, max_new_tokens: int,
-                 draft_model: Transformer | None = None, prefilled: PrefilledPrompt | None = None):
+                 draft_model: Transformer | None = None, prefilled: PrefilledPrompt | None = None,
+                 force_route=None):
         config.validate()
         stack.check()
         stack.check_budgets(model.cfg.max_context, {"retrieval": config.budget, "h2o": config.budget,
@@ -83,6 +87,19 @@ class Decoder:
         bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
         proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
                     else KINDS[bottom_spec.kind].drafter(ctx, bottom_spec))
+        self.adaptive = None
+        if self.stack.adaptive and len(self.stack.levels) > 1 and not self.stack.tree:
+            if model.device.type == "cpu":
+                names = [s.name if s is not None else lvl.kind for s, lvl in zip(self.states, self.stack.levels)]
+                kinds = [lvl.kind for lvl in self.stack.levels]
+                n = len(kinds) - 1
+                start = Route(tuple(range(n + 1)), self.stack.gammas)
+                self.adaptive = AdaptiveTop(kinds, names, self.states,
+                                            proposer if isinstance(proposer, NGramDrafter) else None, start, generator,
+                                            self.catch_up, force=force_route)
+                self.top = self.adaptive
+                return
+            self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")
         tree = fixed_tree(self.stack.tree) if self.stack.tree else None  # drafted by the bottom level only
         # the top level's n-gram shortcut past the levels between (Level.shortcut)
         shortcut = (proposer if bottom_spec.kind == "ngram" and len(self.stack.levels) > 2 and config.ngram_shortcut > 0
@@ -132,8 +149,9 @@ class Decoder:
         tokens, when a cache runs out of room, or when the top level's acceptance falls below
         `rebuild_below`."""
         synced = False
-        for lvl, state in zip(self.stack.levels, self.states):
-            if lvl.kind not in REBUILT:
+        in_use = self.adaptive.levels_in_use if self.adaptive is not None else range(len(self.states))
+        for i, (lvl, state) in enumerate(zip(self.stack.levels, self.states)):
+            if lvl.kind not in REBUILT or i not in in_use:  # a level sitting out is caught up when it runs again
                 continue
             cache = state.cache
             since = committed - cache.built_at
@@ -150,14 +168,33 @@ class Decoder:
                 self.rebuilds += 1
                 self.rebuild_seconds += time.perf_counter() - t
 
+    def catch_up(self, i: int, seq: list[int], committed: int) -> None:
+        """Before level i of an adaptive stack runs again: a retrieval or H2O level that sat out CATCH_UP or more
+        committed tokens, or whose cache has too little room left, is rebuilt from the full cache (re-feeding it
+        everything it missed would cost a long forward)."""
+        lvl, state = self.stack.levels[i], self.states[i]
+        if lvl.kind not in REBUILT:
+            return
+        if committed - state.stable >= CATCH_UP or state.cache.room(committed) < 2 * max_rollback(self.stack):
+            t = time.perf_counter()
+            self.full._sync(seq, committed)
+            rebuild(state, self.full)
+            self.rebuilds += 1
+            self.rebuild_seconds += time.perf_counter() - t
+
     def stats(self) -> dict:
-        levels = []
-        node = self.top
-        while node is not None:
-            levels.append(node.stats())
-            node = getattr(node, "drafter", None)
+        if self.adaptive is not None:
+            levels = self.adaptive.level_stats()
+        else:
+            levels = []
+            node = self.top
+            while node is not None:
+                levels.append(node.stats())
+                node = getattr(node, "drafter", None)
         out = {"stack": self.stack.levels_text, "gammas": list(self.stack.gammas), "levels": levels,
                "config": asdict(self.config)}
+        if self.adaptive is not None:
+            out["adaptive"] = self.adaptive.stats()
         if any(lvl.kind in REBUILT for lvl in self.stack.levels):
             out["retrieval_rebuilds"] = self.rebuilds
             out["retrieval_rebuild_seconds"] = round(self.rebuild_seconds, 4)

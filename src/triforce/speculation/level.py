@@ -134,7 +134,8 @@ class Level:
     SHORTCUT_MIN_HISTORY = 4  # fewer: the rate is unknown and the round goes through the middle
 
     def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator,
-                 tree: tuple[int, ...] | None = None, shortcut=None, shortcut_above: float = 1.0):
+                 tree: tuple[int, ...] | None = None, shortcut=None, shortcut_above: float = 1.0, on_round=None):
+        self.on_round = on_round  # called with (asked, drafted, accepted) after each round (the adaptive planner)
         self.name, self.drafter, self.verifier, self.gamma, self.generator = name, drafter, verifier, gamma, generator
         self.tree = tree if tree and hasattr(drafter, "propose_tree") else None
         self.shortcut = shortcut if self.tree is None else None
@@ -202,6 +203,8 @@ class Level:
         self.accepted += j
         if len(tree):
             self.recent = (self.recent + [j / len(tree)])[-8:]
+        if self.on_round is not None:
+            self.on_round(k, len(tree), j)
         if self.tree is not None:
             self._count_ranks(tree, path)
         tokens = [tree.tokens[i] for i in path] + [nxt]  # a tree may give more than k + 1: callers cut

@@ -77,11 +77,16 @@ class StackSpec:
     levels: tuple[LevelSpec, ...]
     gammas: tuple[int, ...]
     tree: tuple[int, ...] = ()  # widths per depth of the bottom level's draft tree (empty: chains)
+    # adaptive: the levels and gammas are where a run starts; its planner (planner.py) then chooses, round by
+    # round, which of the levels run and with which gammas, from the costs and acceptances it measures
+    adaptive: bool = False
 
     def __str__(self) -> str:
         text = ",".join(map(str, self.levels))
         text += f" --gammas {','.join(map(str, self.gammas))}" if self.gammas else ""
-        return text + (f" --tree {','.join(map(str, self.tree))}" if self.tree else "")
+        text += f" --tree {','.join(map(str, self.tree))}" if self.tree else ""
+        return text + (" (adaptive: levels and gammas re-planned as it runs; --no-adapt to fix them)"
+                       if self.adaptive else "")
 
     @property
     def tree_nodes(self) -> int:
@@ -196,9 +201,10 @@ SEQUOIA_TREE = (2, 2, 1)
 
 
 def method_stack(method: str, gamma: int = 4, gamma_draft: int = 3, bottom: str = "ngram",
-                 budget: int | None = None) -> StackSpec:
+                 budget: int | None = None, adaptive: bool = False) -> StackSpec:
     """The stack of a named method (see METHOD_DOC); `bottom` is triforce's bottom drafter (ngram,
-    streaming or draft), `budget` an explicit retrieval budget (default: SpecConfig.budget)."""
+    streaming or draft), `budget` an explicit retrieval budget (default: SpecConfig.budget); `adaptive`: the
+    triforce stack re-planned as it runs (StackSpec.adaptive; the other methods are fixed stacks)."""
     r = f"retrieval:{budget}" if budget else "retrieval"
     stacks = {
         "ar": ("full", ()),
@@ -213,7 +219,8 @@ def method_stack(method: str, gamma: int = 4, gamma_draft: int = 3, bottom: str 
     if method not in stacks:
         raise TriforceError(f"unknown method {method!r}: choose one of {', '.join(stacks)}, or give --levels")
     levels, gammas = stacks[method]
-    return StackSpec.parse(levels, gammas or None, gamma, SEQUOIA_TREE if method == "sequoia" else None)
+    stack = StackSpec.parse(levels, gammas or None, gamma, SEQUOIA_TREE if method == "sequoia" else None)
+    return replace(stack, adaptive=True) if adaptive and method == "triforce" else stack
 
 
 METHOD_DOC = {

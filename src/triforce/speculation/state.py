@@ -55,6 +55,7 @@ class ModelState:
         self.forwards = 0
         self.seconds = 0.0
         self._tree: tuple[int, int, DraftTree] | None = None  # (start, pending tokens, tree) until keep_path
+        self.on_forward = None  # called with (tokens fed, seconds) after each forward (the adaptive planner's costs)
 
     def _sync(self, ctx: list[int], committed: int) -> int:
         """Roll back to the longest prefix of `fed` matching ctx, keeping at least one ctx token to
@@ -93,8 +94,11 @@ class ModelState:
         else:
             logits = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(tokens) + 1,
                                 block=block)[0]
-        self.seconds += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.seconds += dt
         self.forwards += 1
+        if self.on_forward is not None:
+            self.on_forward(len(feed), dt)
         self.fed.extend(feed)
         if self.params.greedy:
             return logits if ranked else logits.argmax(-1)

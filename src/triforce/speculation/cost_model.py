@@ -1,0 +1,98 @@
+"""The cost model of a speculation stack: predicted ms per generated token from each level's forward cost and
+each boundary's acceptance. `triforce tune` prices its grid with it before a run; the adaptive planner
+(planner.py) re-prices its candidate routes with it while a run goes on. One model, two users.
+
+Terms:
+- a *round* at level i: the level below drafts gamma tokens, level i scores them in one forward of
+  1 + drafted tokens (the context's last token, then the drafts), accepts a prefix and adds one token of its
+  own (the residual sample or the bonus token);
+- *tokens per round*: accepted + 1; with each draft accepted with probability a, independently (the i.i.d.
+  model of speculative decoding), (1 - a^(gamma + 1)) / (1 - a);
+- a level's *ms per token*: what one of its output tokens costs, drafting below included. The bottom level
+  drafts autoregressively (one forward per token) or, for n-gram lookup, for free.
+
+Worked example (the default stack, ngram -> retrieval -> full, gammas 3, 4): a retrieval forward of 4 tokens
+costs 6 ms and its rounds yield 1.5 tokens (n-gram drafts mostly rejected): 4 ms per retrieval token. A full
+verification of 5 tokens costs 25 ms; the full level accepts 0.8 per draft: 3.36 tokens per round. One round
+costs 25 + 4 x 4 = 41 ms: 12.2 ms per token, against an `ar` step of 20 ms: 1.64x.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence, Union
+
+# A level's forward cost in ms by tokens fed: a table {k: ms} (tune's measurements) or a function of k, which
+# may be fractional (a mean number of drafted tokens: the planner's interpolated costs)
+Costs = Union[Mapping[int, float], Callable[[float], float]]
+
+
+def expected_tokens(a: float, gamma: int) -> float:
+    """Tokens per verification of `gamma` drafts when each is accepted with probability a (i.i.d.)."""
+    if a >= 1.0:
+        return gamma + 1.0
+    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+def per_token_acceptance(mean_accepted: float, gamma: int) -> float:
+    """Invert mean accepted drafts per round, a (1 - a^gamma) / (1 - a), for a (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, gamma) - 1.0 < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def cost_at(costs: Costs, k: float) -> float:
+    return costs(k) if callable(costs) else costs[int(k)]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What one level's verification of the level below yields at a given gamma.
+
+    tokens(gamma): expected tokens per round (accepted + 1);
+    drafted(gamma): expected drafted tokens per round: gamma for a model below, fewer for n-gram lookup,
+    whose proposals stop where its match does (and are empty without one)."""
+
+    tokens: Callable[[int], float]
+    drafted: Callable[[int], float]
+
+    @classmethod
+    def iid(cls, a: float) -> Boundary:
+        """Each of gamma drafts accepted with probability a, independently; always gamma drafted."""
+        return cls(lambda g: expected_tokens(a, g), float)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One verifying level of a route: its forward costs, its boundary with the level below, its gamma."""
+
+    costs: Costs
+    boundary: Boundary
+    gamma: int
+
+
+def ms_per_token(bottom_ms: float, steps: Sequence[Step]) -> float:
+    """Predicted ms per token at the top of a stack: `bottom_ms` is what one drafted token of the bottom level
+    costs (a model: one forward of 1 token; n-gram lookup: 0), `steps` the verifying levels, bottom first. Each
+    round of a level costs its forward of 1 + drafted tokens plus gamma tokens of the level below, and yields
+    tokens(gamma) tokens."""
+    ms = bottom_ms
+    for s in steps:
+        round_ms = cost_at(s.costs, 1 + s.boundary.drafted(s.gamma)) + s.gamma * ms
+        ms = round_ms / s.boundary.tokens(s.gamma)
+    return ms
+
+
+def predict_ms(cost_full: Costs, cost_retr: Costs, a_full: float, a_retr: float, gamma: int, gamma_draft: int) -> float:
+    """ms/token of triforce (ngram -> retrieval -> full) under the i.i.d. model, n-gram proposals always full."""
+    return ms_per_token(0.0, [Step(cost_retr, Boundary.iid(a_retr), gamma_draft),
+                              Step(cost_full, Boundary.iid(a_full), gamma)])
+
+
+def predict_two_level_ms(cost_full: Costs, cost_draft_step: float, a: float, gamma: int) -> float:
+    """ms/token of a two-level stack whose bottom model drafts one forward (cost_draft_step) per token."""
+    return ms_per_token(cost_draft_step, [Step(cost_full, Boundary.iid(a), gamma)])

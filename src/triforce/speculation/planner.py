@@ -1,0 +1,438 @@
+"""The adaptive stack: each round runs a *route* through the built levels, chosen from what the run has measured.
+
+A stack's levels are built once (decoder.Decoder). A route is the sub-stack one round runs: some of the levels
+below the top, in order, and the top (`full`), with a gamma per boundary. For the default stack
+ngram -> retrieval -> full the routes are
+
+    full                       plain decoding (`ar`): one forward of one token
+    ngram,full       @g        prompt lookup verified directly
+    retrieval,full   @g        the retrieval level drafting by itself
+    ngram,retrieval,full @d,g  the whole stack
+
+Any route gives exactly the target's output (the top level verifies whatever is drafted), and the route of a round
+is chosen before the round from earlier rounds only, so switching keeps greedy output identical to `ar` and
+sampled output distributed as the target's. What is measured, cheaply (no extra host synchronisation):
+- each model level's forward cost in ms by tokens fed (ModelState.on_forward): medians of the last few per count,
+  interpolated between counts (LevelCosts);
+- each boundary's per-token acceptance (Level.on_round), the geometric model's estimate over recent rounds
+  (Acceptance); a draft that ran out (an n-gram proposal shorter than asked) counts as a rejection there;
+- n-gram lookup against the full level for every round whatever its route (NGramWindow): the lookup is a dict
+  read, and the tokens a round emitted are the full level's, so how many of the proposal it would have accepted
+  is known (in distribution when sampling) without running it.
+
+Every PLAN_EVERY generated tokens the planner prices every route with the cost model that `triforce tune` uses
+(cost_model.ms_per_token) and moves to the cheapest when it beats the current route by SWITCH_GAIN (hysteresis:
+timings are noisy). Routes through a model level below the top are only measured by running them, so one of them
+is probed for a round now and then (every PROBE_FIRST rounds, doubling to PROBE_MAX while probes do not win):
+the run comes back to the stack when the text becomes predictable again.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Callable
+
+import torch
+
+from .cost_model import Boundary, Step, expected_tokens, ms_per_token
+from .drafters import ModelDrafter, NGramDrafter
+from .level import Level
+from .state import ModelState
+
+PLAN_EVERY = 12  # generated tokens between re-plans
+SWITCH_GAIN = 0.05  # a route must be predicted this much cheaper than the current one to replace it
+PROBE_FIRST, PROBE_MAX = 8, 64  # rounds between probes of an unmeasured or stale route family
+MAX_GAMMA_TOP = 6  # gammas the planner considers at the top boundary (n-gram lookup: MAX_GAMMA_NGRAM)
+MAX_GAMMA_NGRAM = 8
+MAX_GAMMA_BELOW = 4  # ... and at the boundaries below
+CATCH_UP = 32  # a rebuilt level (retrieval, h2o) that sat out this many committed tokens is rebuilt, not re-fed
+PRIOR_SLOPE = 0.1  # with one measured token count, a forward's cost grows this fraction of it per extra token
+
+
+@dataclass(frozen=True)
+class Route:
+    """levels: indices into the stack's levels, bottom to top, ending with the top; gammas: one per boundary."""
+
+    levels: tuple[int, ...]
+    gammas: tuple[int, ...]
+
+    def text(self, names: list[str]) -> str:
+        out = ",".join(names[i] for i in self.levels)
+        return out + (f"@{','.join(map(str, self.gammas))}" if self.gammas else "")
+
+
+class LevelCosts:
+    """One model level's recent forward costs by tokens fed: medians of the last KEEP per count. The first
+    forward of a count runs code paths for the first time (kernel set-up, allocations: the first decode step of a
+    run took 60x a later one), so it is provisional: dropped when a second arrives, and used only while no count
+    has two."""
+
+    KEEP = 8
+
+    def __init__(self):
+        self.samples: dict[int, deque] = {}
+        self._provisional: set[int] = set()
+
+    def add(self, k: int, seconds: float) -> None:
+        d = self.samples.get(k)
+        if d is None:
+            d = self.samples[k] = deque(maxlen=self.KEEP)
+            self._provisional.add(k)
+        elif k in self._provisional:
+            d.clear()
+            self._provisional.discard(k)
+        d.append(seconds * 1e3)
+
+    def curve(self) -> Callable[[float], float] | None:
+        """ms of a forward of k tokens (k may be fractional): linear between measured counts, the nearest
+        segment's slope beyond them (with one count, PRIOR_SLOPE); None before any forward."""
+        settled = [(k, d) for k, d in self.samples.items() if k not in self._provisional]
+        pts = sorted((k, statistics.median(d)) for k, d in (settled or self.samples.items()))
+        if not pts:
+            return None
+        if len(pts) == 1:
+            k0, c0 = pts[0]
+            return lambda k: max(c0 * (1.0 + PRIOR_SLOPE * (k - k0)), 0.0)
+        ks = [p[0] for p in pts]
+        cs = [p[1] for p in pts]
+
+        def cost(k: float) -> float:
+            i = 1
+            while i < len(ks) - 1 and ks[i] < k:
+                i += 1
+            k0, k1, c0, c1 = ks[i - 1], ks[i], cs[i - 1], cs[i]
+            return max(c0 + (c1 - c0) * (k - k0) / (k1 - k0), 0.0)
+        return cost
+
+
+class Acceptance:
+    """Per-token acceptance at one boundary: accepted / (accepted + rounds that stopped short), the geometric
+    model's estimate, over recent rounds (older rounds weigh DECAY less per round)."""
+
+    DECAY = 0.93
+
+    def __init__(self):
+        self.accepted = self.stopped = 0.0
+        self.rounds = 0
+
+    def add(self, accepted: int, stopped: bool) -> None:
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.stopped = self.stopped * self.DECAY + stopped
+        self.rounds += 1
+
+    @property
+    def alpha(self) -> float:
+        total = self.accepted + self.stopped
+        return self.accepted / total if total > 0 else 0.0
+
+
+class NGramWindow:
+    """n-gram lookup against the top level, from every round: per round, the proposal's length and how many of
+    it matched the tokens the round emitted (what a direct verification accepts: exactly at temperature 0, in
+    distribution when sampling, as the emitted tokens are the top level's either way). Where the whole of a
+    round's emitted tokens matched (a plain decoding round emits one), the rest of the proposal is unjudged: its
+    continuation is priced with the per-token rate of the judged rounds (matched / (matched + misses))."""
+
+    KEEP = 16
+
+    def __init__(self):
+        self.rounds: deque = deque(maxlen=self.KEEP)  # (proposal length, matched, unjudged rest)
+
+    def add(self, proposal: list[int], emitted: list[int]) -> None:
+        m = 0
+        while m < min(len(proposal), len(emitted)) and proposal[m] == emitted[m]:
+            m += 1
+        self.rounds.append((len(proposal), m, m == len(emitted) and m < len(proposal)))
+
+    def boundary(self) -> Boundary | None:
+        if not self.rounds:
+            return None
+        n = len(self.rounds)
+        matched = sum(m for _, m, _ in self.rounds)
+        misses = sum(1 for d, m, open_ in self.rounds if not open_ and m < d)
+        rate = (matched + 1.0) / (matched + misses + 2.0)
+        tokens, drafted = [], []
+        for g in range(MAX_GAMMA_NGRAM + 1):
+            total = 0.0
+            for d, m, open_ in self.rounds:
+                total += min(m, g)
+                if open_ and m < g:  # the unjudged rest of the proposal, at the judged rate
+                    total += expected_tokens(rate, min(d, g) - m) - 1.0
+            tokens.append(total / n + 1.0)
+            drafted.append(sum(min(d, g) for d, _, _ in self.rounds) / n)
+        return Boundary(tokens.__getitem__, drafted.__getitem__)
+
+
+class Planner:
+    """Chooses each round's route from the measurements (see the module docstring). `kinds` are the stack's level
+    kinds bottom to top, `start` the route of the stack as given (its gammas)."""
+
+    def __init__(self, kinds: list[str], start: Route, force: Callable[[int], Route | None] | None = None):
+        self.kinds, self.start, self.force = kinds, start, force
+        self.top = len(kinds) - 1
+        self.ngram = kinds[0] == "ngram"
+        self.costs = {i: LevelCosts() for i, k in enumerate(kinds) if k != "ngram"}
+        self.acceptance: dict[tuple[int, int], Acceptance] = {}
+        self.ngram_top = NGramWindow() if self.ngram else None
+        self.families = self._families()
+        self.route = Route((self.top,), ())  # the first round: a plain step (measures it, risks nothing)
+        self.round = 0
+        self.seen: dict[tuple[int, int], int] = {}  # boundary -> the last round that measured it
+        self.probe_gap = PROBE_FIRST
+        self.probing: tuple[int, ...] | None = None
+        self.predicted: dict[str, float] = {}  # route text -> ms/token at the last plan
+        self.plans = 0
+        self.planned_at = -PLAN_EVERY  # tokens generated at the last plan
+        self._ngram_boundary: Boundary | None = None
+
+    def _families(self) -> list[tuple[int, ...]]:
+        """Every sub-stack: any levels below the top, in order (n-gram lookup only at the bottom), then the top."""
+        below = range(self.top)
+        out = []
+        for r in range(len(below) + 1):
+            for c in combinations(below, r):
+                if all(self.kinds[i] != "ngram" or i == c[0] for i in c):
+                    out.append(c + (self.top,))
+        return out
+
+    # -- measurements ------------------------------------------------------------------------------------------
+    def observe(self, below: int, above: int, asked: int, drafted: int, accepted: int) -> None:
+        if self.ngram and below == 0 and above == self.top:
+            return  # measured for every round by NGramWindow
+        a = self.acceptance.get((below, above))
+        if a is None:
+            a = self.acceptance[below, above] = Acceptance()
+        a.add(accepted, accepted < asked)
+        self.seen[below, above] = self.round - 1
+
+    def _boundary(self, below: int, above: int) -> Boundary | None:
+        if self.ngram and below == 0 and above == self.top:
+            return self._ngram_boundary
+        a = self.acceptance.get((below, above))
+        if a is None or a.rounds == 0:
+            return None
+        alpha = a.alpha
+        if self.ngram and self._ngram_boundary is not None and below == 0:  # proposals stop where the match does
+            return Boundary(lambda g: expected_tokens(alpha, g), self._ngram_boundary.drafted)
+        return Boundary.iid(alpha)
+
+    # -- pricing -----------------------------------------------------------------------------------------------
+    def _gamma_grid(self, family: tuple[int, ...]) -> list[tuple[int, ...]]:
+        grids = []
+        for below, above in zip(family, family[1:]):
+            top = above == self.top
+            hi = (MAX_GAMMA_NGRAM if self.kinds[below] == "ngram" else MAX_GAMMA_TOP) if top else MAX_GAMMA_BELOW
+            grids.append(range(1, hi + 1))
+        out = [()]
+        for g in grids:
+            out = [x + (v,) for x in out for v in g]
+        return out
+
+    def _measured(self) -> dict:
+        """The cost curves of the model levels, and the n-gram window's boundary, as of now (for price())."""
+        self._ngram_boundary = self.ngram_top.boundary() if self.ngram else None
+        return {i: c.curve() for i, c in self.costs.items()}
+
+    def price(self, family: tuple[int, ...], curves: dict) -> tuple[float, Route] | None:
+        """The family's cheapest gammas and their predicted ms/token; None while something it needs is unmeasured.
+        `curves`: from _measured()."""
+        bottom = family[0]
+        if self.kinds[bottom] == "ngram":
+            bottom_ms = 0.0
+        elif len(family) == 1:
+            return (curves[bottom](1), Route(family, ())) if curves.get(bottom) else None
+        else:
+            if curves.get(bottom) is None:
+                return None
+            bottom_ms = curves[bottom](1)
+        steps = []
+        for below, above in zip(family, family[1:]):
+            b = self._boundary(below, above)
+            if b is None or curves.get(above) is None:
+                return None
+            steps.append((curves[above], b))
+        best = None
+        for gammas in self._gamma_grid(family):
+            ms = ms_per_token(bottom_ms, [Step(c, b, g) for (c, b), g in zip(steps, gammas)])
+            if best is None or ms < best[0]:
+                best = (ms, Route(family, gammas))
+        return best
+
+    def _stale(self, family: tuple[int, ...]) -> bool:
+        """Whether a boundary of the family went unmeasured for probe_gap rounds: only running a route through a
+        level measures the acceptance of its drafts (n-gram lookup against the top excepted: NGramWindow)."""
+        return any(self.round - self.seen.get(b, -10 ** 9) > self.probe_gap
+                   for b in zip(family, family[1:]) if not (self.ngram and b == (0, self.top)))
+
+    def plan(self) -> None:
+        self.plans += 1
+        curves = self._measured()
+        priced = {f: self.price(f, curves) for f in self.families}
+        names = self.kinds
+        self.predicted = {p[1].text(names): round(p[0], 3) for p in priced.values() if p is not None}
+        current = priced.get(self.route.levels)
+        best = min((p for p in priced.values() if p is not None), key=lambda p: p[0], default=None)
+        if best is None:
+            return
+        if current is None or best[0] < (1.0 - SWITCH_GAIN) * current[0]:
+            self.route = best[1]
+        elif current[1].gammas != self.route.gammas:
+            self.route = current[1]  # the same levels, re-tuned gammas
+        # a probe that did not win: probe less often
+        if self.probing is not None:
+            if self.route.levels == self.probing:
+                self.probe_gap = PROBE_FIRST
+            else:
+                self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
+            self.probing = None
+
+    def _probe(self) -> Route | None:
+        """A family that only running measures, unrun for probe_gap rounds: one round of its best-priced route."""
+        stale = [f for f in self.families if f != self.route.levels and self._stale(f)]
+        if not stale:
+            return None
+        curves = self._measured()
+        options = []
+        for f in stale:
+            p = self.price(f, curves)
+            options.append((p[0] if p is not None else 0.0, f, p[1] if p is not None else self._start_of(f)))
+        options.sort(key=lambda o: o[0])
+        self.probing = options[0][1]
+        return options[0][2]
+
+    def _start_of(self, family: tuple[int, ...]) -> Route:
+        """An unmeasured family's first gammas: the given stack's at the boundaries they share, else its top gamma."""
+        given = dict(zip(zip(self.start.levels, self.start.levels[1:]), self.start.gammas))
+        top_gamma = self.start.gammas[-1] if self.start.gammas else 1
+        return Route(family, tuple(given.get(b, top_gamma) for b in zip(family, family[1:])))
+
+    def next_route(self, tokens: int) -> Route:
+        """The route of the round about to run, `tokens` having been generated (chosen from earlier rounds only)."""
+        r = self.round
+        route = self.route
+        if self.force is not None and (forced := self.force(r)) is not None:
+            route = forced
+        elif r == 1 and self.start.levels != self.route.levels:
+            route = self.route = self.start  # the stack as given, measured once
+        elif r >= 2 and (tokens - self.planned_at >= PLAN_EVERY or self.probing is not None):
+            self.plan()
+            self.planned_at = tokens
+            route = self._probe() or self.route
+        self.round += 1
+        return route
+
+
+class AdaptiveTop:
+    """The top of an adaptive stack: runs each round through the route its planner chooses, over the decoder's
+    level states (shared by every route: a state rolls itself back to each round's context). `catch_up(i, ctx,
+    committed)` rebuilds a retrieval or H2O level that sat out too long (decoder.Decoder.catch_up)."""
+
+    SWITCH_LOG = 64  # route changes kept in the stats
+
+    def __init__(self, kinds: list[str], names: list[str], states: list[ModelState | None], ngram: NGramDrafter | None,
+                 start: Route, generator: torch.Generator, catch_up, force=None):
+        self.kinds, self.names, self.states, self.ngram = kinds, names, states, ngram
+        self.generator, self.catch_up = generator, catch_up
+        self.planner = Planner(kinds, start, force)
+        for i, state in enumerate(states):
+            if state is not None:
+                state.on_forward = self.planner.costs[i].add
+        self._chains: dict[tuple[int, ...], object] = {}
+        self._drafters: dict[int, ModelDrafter] = {}
+        self.rounds_by_route: dict[str, int] = {}
+        self.switches: list[dict] = []
+        self.n_switches = 0
+        self.planner_seconds = 0.0
+        self.tokens = 0
+        self._last: str | None = None
+        self._texts: dict[Route, str] = {}
+
+    def _chain(self, route: Route):
+        chain = self._chains.get(route.levels)
+        if chain is None:
+            fam = route.levels
+            b = fam[0]
+            if self.kinds[b] == "ngram":
+                chain = self.ngram
+            else:
+                chain = self._drafters.setdefault(b, ModelDrafter(self.states[b], self.generator))
+            for below, above in zip(fam, fam[1:]):
+                chain = Level(self.names[above], chain, self.states[above], 1, self.generator,
+                              on_round=lambda asked, drafted, accepted, b=below, a=above:
+                              self.planner.observe(b, a, asked, drafted, accepted))
+            self._chains[fam] = chain
+        node = chain
+        for g in reversed(route.gammas):  # top boundary first
+            node.gamma = g
+            node = node.drafter
+        return chain
+
+    @property
+    def levels_in_use(self) -> tuple[int, ...]:
+        return self.planner.route.levels
+
+    def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
+        t = time.perf_counter()
+        route = self.planner.next_route(self.tokens)
+        text = self._texts.get(route)
+        if text is None:
+            text = self._texts[route] = route.text(self.names)
+        if text != self._last:
+            self.n_switches += self._last is not None
+            if len(self.switches) < self.SWITCH_LOG:
+                self.switches.append({"round": self.planner.round - 1, "token": self.tokens, "route": text})
+            self._last = text
+        self.rounds_by_route[text] = self.rounds_by_route.get(text, 0) + 1
+        proposal = self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)[0] if self.ngram is not None else None
+        chain = self._chain(route)
+        self.planner_seconds += time.perf_counter() - t
+        for i in route.levels[:-1]:
+            self.catch_up(i, ctx, committed)
+        tokens = chain.step(ctx, committed, limit)
+        t = time.perf_counter()
+        if proposal is not None:
+            self.planner.ngram_top.add(proposal, tokens)
+        self.tokens += len(tokens)
+        self.planner_seconds += time.perf_counter() - t
+        return tokens
+
+    def level_stats(self) -> list[dict]:
+        """Per verifying level, its rounds over every route summed (top first); then the drafters."""
+        verify: dict[str, dict] = {}
+        drafters: dict[str, dict] = {}
+        for chain in self._chains.values():
+            node = chain
+            while node is not None:
+                s = node.stats()
+                if s["role"] == "verify":
+                    v = verify.setdefault(s["level"], {"level": s["level"], "role": "verify", "rounds": 0,
+                                                       "proposed": 0, "accepted": 0, "seconds": 0.0,
+                                                       "host_syncs": 0})
+                    for k in ("rounds", "proposed", "accepted", "seconds", "host_syncs"):
+                        v[k] += s[k]
+                    v["forwards"] = s["forwards"]  # the state's, shared by every route
+                else:
+                    drafters.setdefault(s["level"], s)
+                node = getattr(node, "drafter", None)
+        out = []
+        for i in reversed(range(len(self.names))):
+            v = verify.get(self.names[i])
+            if v is None:
+                continue
+            r, p, a = v["rounds"], v["proposed"], v["accepted"]
+            v.update(acceptance_rate=round(a / p, 4) if p else None, mean_accepted=round(a / r, 3) if r else None,
+                     tokens_per_round=round((a + r) / r, 3) if r else None, seconds=round(v["seconds"], 4))
+            out.append(v)
+        return out + list(drafters.values())
+
+    def stats(self) -> dict:
+        p = self.planner
+        return {"routes": dict(self.rounds_by_route), "route_changes": self.n_switches, "switches": self.switches,
+                "final_route": p.route.text(self.names), "plans": p.plans,
+                "planner_seconds": round(self.planner_seconds, 6),
+                "acceptance": {f"{self.names[b]}->{self.names[a]}": round(x.alpha, 4)
+                               for (b, a), x in p.acceptance.items()},
+                "predicted_ms_per_token": p.predicted}

@@ -1,0 +1,259 @@
+"""The adaptive stack: the planner picks each round's route from what it measured, and switching keeps the output
+exact (greedy: ar's tokens; sampled: the target's distribution, with a wrong switching rule caught)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import triforce.speculation.decoder as decoder_mod
+from conftest import hf_tiny, ours_from_hf
+from test_speculation_distribution import ALPHA, POSITIONS, V, exact_marginals, p_values
+from triforce.generate import generate
+from triforce.sampling import SamplingParams
+from triforce.speculation.config import SpecConfig
+from triforce.speculation.cost_model import expected_tokens
+from triforce.speculation.planner import PROBE_MAX, AdaptiveTop, Planner, Route
+from triforce.speculation.stack import StackSpec, method_stack
+
+CFG = SpecConfig(gamma=3, gamma_draft=2, budget=20, chunk_size=4, recent=4, rebuild_every=8, sink=2, window=6,
+                 ngram=2, prefill_chunk=64)
+# the default stack's routes (levels: 0 ngram, 1 retrieval, 2 full)
+AR, NGRAM, RETRIEVAL, STACK = (2,), (0, 2), (1, 2), (0, 1, 2)
+
+
+def cycling(round_index: int) -> Route:
+    """A forced schedule through every route and several gammas, independent of what the rounds give."""
+    routes = [Route(AR, ()), Route(NGRAM, (2,)), Route(RETRIEVAL, (1,)), Route(STACK, (1, 2)), Route(STACK, (2, 3)),
+              Route(NGRAM, (4,)), Route(RETRIEVAL, (3,))]
+    return routes[round_index % len(routes)]
+
+
+def seeded(round_index: int) -> Route:
+    """Routes and gammas drawn per round from the round index alone."""
+    rng = random.Random(round_index * 7919)
+    fam = rng.choice([AR, NGRAM, RETRIEVAL, STACK])
+    return Route(fam, tuple(rng.randint(1, 4) for _ in fam[1:]))
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = ours_from_hf(hf_tiny("llama", seed=21, vocab_size=V, initializer_range=0.5, max_position_embeddings=256))
+    return target
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    base = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    return (base * 4)[:48]
+
+
+def test_the_named_triforce_stack_is_adaptive_and_fixed_flags_fix_it():
+    assert method_stack("triforce", adaptive=True).adaptive
+    assert not method_stack("triforce").adaptive
+    assert not method_stack("ngram", adaptive=True).adaptive  # only triforce re-plans
+    assert not StackSpec.parse("ngram,retrieval,full", "3,4").adaptive
+    assert "adaptive" in str(method_stack("triforce", adaptive=True))
+
+
+@pytest.mark.parametrize("force", [None, cycling, seeded], ids=["planner", "cycling", "seeded"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_switching_routes_keeps_greedy_output_identical_to_ar(force, arch):
+    model = ours_from_hf(hf_tiny(arch, seed=3, vocab_size=48, max_position_embeddings=512))
+    base = torch.randint(0, 48, (25,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = (base * 6)[:140] + torch.randint(0, 48, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    ar = generate(model, prompt, 70, method="ar", config=CFG)
+    res = generate(model, prompt, 70, method="triforce", config=CFG, force_route=force)
+    assert res.tokens == ar.tokens
+    stats = res.stats["adaptive"]
+    levels = res.stats["levels"]
+    full_rounds = sum(x["rounds"] for x in levels if x["level"] == "full" and x["role"] == "verify")
+    ar_steps = sum(x["tokens"] for x in levels if x["level"] == "full" and x["role"] == "draft")
+    assert sum(stats["routes"].values()) == full_rounds + ar_steps  # every round ran one of the routes
+    if force is not None:
+        assert len(stats["routes"]) >= 4  # the schedule ran every family
+        assert stats["route_changes"] > 10
+
+
+def test_streaming_bottom_and_a_prompt_within_the_budget_adapt_too():
+    model = ours_from_hf(hf_tiny("llama", seed=5, vocab_size=40, max_position_embeddings=512))
+    prompt = torch.randint(0, 40, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    ar = generate(model, prompt, 40, method="ar", config=CFG)
+    cfg = SpecConfig(**{**CFG.__dict__, "draft": "streaming"})
+    res = generate(model, prompt, 40, method="triforce", config=cfg, force_route=cycling)
+    assert res.tokens == ar.tokens and "adaptive" in res.stats
+    small = generate(model, prompt[:16], 40, method="triforce", config=CFG)  # retrieval skipped: ngram,full
+    assert small.tokens == generate(model, prompt[:16], 40, method="ar", config=CFG).tokens
+    assert set(small.stats["adaptive"]["routes"]) <= {"full"} | {f"ngram,full@{g}" for g in range(1, 9)}
+
+
+def test_no_adapt_runs_the_stack_as_given(models, prompt):
+    res = generate(models, prompt, 20, method="triforce", config=SpecConfig(**{**CFG.__dict__, "adapt": False}))
+    assert "adaptive" not in res.stats
+    assert [lvl["level"] for lvl in res.stats["levels"]][:2] == ["full", "retrieval"]
+
+
+@pytest.mark.parametrize("force", [cycling, seeded], ids=["cycling", "seeded"])
+def test_sampled_tokens_follow_the_target_distribution_while_routes_switch(models, prompt, force):
+    params = SamplingParams(temperature=1.0)
+    exact = exact_marginals(models, prompt, params)
+    counts = torch.zeros(POSITIONS, V)
+    for seed in range(1000):
+        res = generate(models, prompt, POSITIONS, params, method="triforce", config=CFG, seed=seed, force_route=force)
+        for i, t in enumerate(res.tokens):
+            counts[i, t] += 1
+    pv = p_values(counts, exact)
+    assert min(pv) > ALPHA, f"chi-square p-values {pv}"
+
+
+class OutcomeSwitchingTop(AdaptiveTop):
+    """A wrong planner: it looks at a round's outcome before keeping it, and when the full level rejected the n-gram
+    proposal's first token it throws the round away and runs plain decoding instead. The route then depends on the
+    round's own draws: the output leans towards the proposal."""
+
+    def step(self, ctx, committed, limit):
+        proposal = self.ngram.lookup(ctx, committed, 1)[0]
+        tokens = super().step(ctx, committed, limit)
+        if proposal and tokens[0] != proposal[0]:
+            self.planner.force = lambda r: Route(AR, ())
+            tokens = super().step(ctx, committed, limit)
+            self.planner.force = lambda r: Route(NGRAM, (2,))
+        return tokens
+
+
+def test_the_distribution_check_catches_a_switch_that_depends_on_the_round(models, prompt, monkeypatch):
+    monkeypatch.setattr(decoder_mod, "AdaptiveTop", OutcomeSwitchingTop)
+    params = SamplingParams(temperature=1.0)
+    exact = exact_marginals(models, prompt, params)
+    counts = torch.zeros(POSITIONS, V)
+    for seed in range(1000):
+        res = generate(models, prompt, POSITIONS, params, method="triforce", config=CFG, seed=seed,
+                       force_route=lambda r: Route(NGRAM, (2,)))
+        for i, t in enumerate(res.tokens):
+            counts[i, t] += 1
+    assert min(p_values(counts, exact)) < ALPHA
+
+
+# -- the planner alone, against a simulated machine and text ------------------------------------------------------
+
+class Machine:
+    """Forward costs (ms) by level and tokens, and per-token acceptances by boundary that change with the round."""
+
+    def __init__(self, full=(20.0, 2.0), retrieval=(5.0, 0.5), accept=None, ngram_match=None, seed=0):
+        self.full, self.retrieval = full, retrieval
+        self.accept = accept or (lambda r, boundary: 0.0)
+        self.ngram_match = ngram_match or (lambda r: 0)
+        self.rng = random.Random(seed)
+
+    def cost(self, level: int, k: float) -> float:
+        base, per = self.full if level == 2 else self.retrieval
+        return base + per * (k - 1)
+
+    def run(self, planner: Planner, rounds: int, start_round: int = 0, tokens: int = 0) -> tuple[list[Route], float, int]:
+        routes, ms = [], 0.0
+        for r in range(start_round, start_round + rounds):
+            route = planner.next_route(tokens)
+            routes.append(route)
+            emitted = self._round(planner, route, r)
+            ms += self._ms
+            match = self.ngram_match(r)
+            same = min(match, emitted)  # the text repeats for `match` tokens: so much of the proposal is emitted
+            planner.ngram_top.add(list(range(100, 108)), list(range(100, 100 + same)) + [0] * (emitted - same))
+            tokens += emitted
+        return routes, ms, tokens
+
+    def _draft(self, planner, route, pos, k, r) -> int:
+        """Level route.levels[pos] makes k tokens for the level above (drafted by the levels below it)."""
+        level = route.levels[pos]
+        if pos == 0:
+            if level != 0:  # a model drafting one forward per token
+                for _ in range(k):
+                    planner.costs[level].add(1, self.cost(level, 1) / 1e3)
+                    self._ms += self.cost(level, 1)
+            return k
+        made = 0
+        while made < k:
+            made += self._verify(planner, route, pos, min(route.gammas[pos - 1], k - made), r)
+        return k
+
+    def _verify(self, planner, route, pos, g, r) -> int:
+        below, level = route.levels[pos - 1], route.levels[pos]
+        self._draft(planner, route, pos - 1, g, r)
+        if (below, level) == (0, 2):  # n-gram lookup verified directly: the text repeats for ngram_match tokens
+            j = min(g, self.ngram_match(r))
+        else:
+            j = 0
+            while j < g and self.rng.random() < self.accept(r, (below, level)):
+                j += 1
+        planner.costs[level].add(g + 1, self.cost(level, g + 1) / 1e3)
+        self._ms += self.cost(level, g + 1)
+        planner.observe(below, level, g, g, j)
+        return j + 1
+
+    def _round(self, planner, route, r) -> int:
+        self._ms = 0.0
+        if len(route.levels) == 1:
+            planner.costs[2].add(1, self.cost(2, 1) / 1e3)
+            self._ms = self.cost(2, 1)
+            return 1
+        return self._verify(planner, route, len(route.levels) - 1, route.gammas[-1], r)
+
+
+def new_planner() -> Planner:
+    return Planner(["ngram", "retrieval", "full"], Route(STACK, (3, 4)))
+
+
+def test_planner_falls_back_to_plain_decoding_when_nothing_is_accepted():
+    p = new_planner()
+    routes, ms, tokens = Machine().run(p, 200)
+    assert p.route.levels == AR
+    assert ms / tokens < 1.05 * 20.0  # within 5% of ar's 20 ms/token, probes included
+    assert sum(r.levels != AR for r in routes[50:]) <= 5  # probes back off
+
+
+def test_planner_keeps_the_whole_stack_when_it_pays():
+    machine = Machine(accept=lambda r, b: {(0, 1): 0.7, (1, 2): 0.9}[b])
+    p = new_planner()
+    routes, ms, tokens = machine.run(p, 150)
+    assert p.route.levels in (STACK, RETRIEVAL)
+    assert ms / tokens < 0.6 * 20.0
+
+
+def test_planner_comes_back_when_the_text_becomes_predictable_again():
+    hard = lambda r, b: 0.0  # noqa: E731
+    easy = lambda r, b: {(0, 1): 0.8, (1, 2): 0.95}[b]  # noqa: E731
+    p = new_planner()
+    Machine(accept=lambda r, b: hard(r, b) if r < 150 else easy(r, b)).run(p, 150)
+    assert p.route.levels == AR
+    routes, ms, _ = Machine(accept=lambda r, b: easy(r, b)).run(p, 2 * PROBE_MAX + 20, start_round=150, tokens=150)
+    assert p.route.levels in (STACK, RETRIEVAL)
+
+
+def test_planner_takes_ngram_lookup_without_probing_when_the_text_repeats():
+    p = new_planner()
+    Machine(ngram_match=lambda r: 0).run(p, 60)
+    assert p.route.levels == AR
+    routes, _, _ = Machine(ngram_match=lambda r: 8).run(p, 20, start_round=60, tokens=60)
+    assert p.route.levels == NGRAM and p.route.gammas[0] >= 4
+    assert sum(r.levels == NGRAM for r in routes) >= 10  # learnt from the plain steps' own tokens
+
+
+def test_planner_does_not_flip_on_near_ties():
+    machine = Machine(full=(20.0, 0.0), accept=lambda r, b: 0.0, ngram_match=lambda r: 0)
+    p = new_planner()
+    routes, _, _ = machine.run(p, 100)
+    changes = sum(a != b for a, b in zip(routes[30:], routes[31:]))
+    assert changes <= 4  # probes (out and back) only
+
+
+def test_expected_tokens_of_the_ngram_window_counts_what_matched():
+    p = new_planner()
+    for _ in range(4):
+        p.ngram_top.add([1, 2, 3, 4], [1, 2, 9, 9, 9])
+    b = p.ngram_top.boundary()
+    assert b.tokens(4) == pytest.approx(3.0) and b.drafted(4) == pytest.approx(4.0) and b.drafted(1) == 1.0
+    p.ngram_top.add([1, 2, 3, 4], [1])  # a plain step emits one token: the rest of the proposal is unjudged
+    rate = (8 + 1 + 1) / (9 + 4 + 2)
+    assert p.ngram_top.boundary().tokens(4) == pytest.approx((4 * 3 + 1 + expected_tokens(rate, 3)) / 5)
+    assert expected_tokens(0.0, 3) == 1.0
