@@ -72,7 +72,11 @@ def test_invalid_stack_is_one_line_exit_2_before_loading(levels, gammas, words):
 
 def test_print_stack_shows_what_a_method_expands_to():
     r = run("generate", "--method", "triforce", "--gamma", "5", "--gamma-draft", "2", "--print-stack")
-    assert r.returncode == 0 and r.stdout.strip() == "ngram,retrieval,full --gammas 2,5"
+    assert r.returncode == 0 and r.stdout.strip() == "ngram,retrieval,full --gammas 2,5"  # gammas given: fixed
+    r = run("generate", "--print-stack")  # the default: adaptive, from the default gammas
+    assert r.returncode == 0 and r.stdout.strip().startswith("ngram,retrieval,full --gammas 3,4 (adaptive")
+    r = run("generate", "--no-adapt", "--print-stack")
+    assert r.stdout.strip() == "ngram,retrieval,full --gammas 3,4"
     r = run("generate", "--levels", "ngram,streaming:600,retrieval:1024,full", "--gammas", "3", "--print-stack")
     assert r.stdout.strip() == "ngram,streaming:600,retrieval:1024,full --gammas 3,3,3"
     r = run("generate", "--method", "quantspec", "--gamma", "6", "--print-stack")
@@ -129,7 +133,8 @@ def test_generate_json_on_embedded_model(tmp_path):
 def test_bench_writes_results(tmp_path):
     r = run("bench", "--context-lengths", "700", "--methods", "triforce,ngram", "--temperatures", "0,0.6",
             "--max-new-tokens", "8", "--budget", "256", "--recent", "32", "--out", str(tmp_path), "--quiet",
-            "--peers", "transformers,transformers-lookup", "--kv-dtype", "fp32")  # the peers' cache is fp32
+            "--peers", "transformers,transformers-lookup", "--kv-dtype", "fp32",  # the peers' cache is fp32
+            "--genres", "dialogue")
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert {(x["method"], x["temperature"]) for x in rows} == {
@@ -144,9 +149,8 @@ def test_bench_writes_results(tmp_path):
             assert set(x["level_cost"]) == {"full", "retrieval"}
             assert x["level_cost"]["retrieval"]["floor_ms"] < x["level_cost"]["full"]["floor_ms"]
             assert all(c["ms_per_forward"] > 0 for c in x["level_cost"].values())
-            # tokens per round per level, and the n-gram shortcut's rounds (issue 13's table)
+            # tokens per round per level (the adaptive stack's: its rounds over every route it ran)
             assert set(x["tokens_per_round"]) == {"full", "retrieval"} and x["tokens_per_round"]["full"] >= 1
-            assert 0 <= x["shortcut"]["rounds_direct"] <= x["shortcut"]["rounds"]
         elif x["method"] == "ngram":
             assert x["shortcut"] is None and set(x["tokens_per_round"]) == {"full"}
     # ar is timed before and after the other methods; the mean is the baseline of every speedup in its group
@@ -159,7 +163,10 @@ def test_bench_writes_results(tmp_path):
             if x["temperature"] == t and x["method"] in ("triforce", "ngram"):
                 assert x["speedup_vs_ar"] == round(ar["ms_per_token"] / x["ms_per_token"], 3)
     md = (tmp_path / "results.md").read_text()
-    assert "| 700 | 0.0 | triforce |" in md and "tokens per round (per level)" in md and "rounds direct)" in md
+    assert "| 700 | 0.0 | triforce |" in md and "tokens per round (per level)" in md
+    assert "| 700 | dialogue | 0.6 |" in md and "adaptive / best fixed" in md  # the per-prompt table
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert all(sum(x["adaptive"]["routes"].values()) >= 1 for x in runs if x["method"] == "triforce")
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     bad = run("bench", "--methods", "ar,medusa", "--quiet")
     assert bad.returncode == 2 and "unknown method" in bad.stderr

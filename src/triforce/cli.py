@@ -477,6 +477,10 @@ def cmd_generate(args, config: SpecConfig, draft_path: str | None) -> int:
                           f"{lvl['seconds']:.2f} s" + (f"; {lvl['shortcut_rounds']} of {lvl['rounds']} rounds verified the "
                                                       f"n-gram drafts directly" if lvl.get("shortcut_rounds") else ""),
                           file=sys.stderr)
+            if (ad := res.stats.get("adaptive")) is not None:
+                ran = ", ".join(f"{k} ({v})" for k, v in ad["routes"].items())
+                print(f"  adaptive: rounds by route {ran}; {ad['route_changes']} changes, ending on {ad['final_route']} "
+                      f"(--no-adapt runs the stack as given)", file=sys.stderr)
             for note in res.stats.get("notes", []):
                 print(f"  note: {note}", file=sys.stderr)
             ran = f"{res.stats['stack']}" + (f" --gammas {','.join(map(str, res.stats['gammas']))}" if res.stats['gammas'] else "")
