@@ -257,3 +257,16 @@ def test_expected_tokens_of_the_ngram_window_counts_what_matched():
     rate = (8 + 1 + 1) / (9 + 4 + 2)
     assert p.ngram_top.boundary().tokens(4) == pytest.approx((4 * 3 + 1 + expected_tokens(rate, 3)) / 5)
     assert expected_tokens(0.0, 3) == 1.0
+
+
+def test_the_server_metrics_count_the_adaptive_routes(models, prompt):
+    pytest.importorskip("prometheus_client")
+    from triforce.serving.metrics import ServerMetrics
+
+    res = generate(models, prompt, 30, method="triforce", config=CFG, force_route=cycling)
+    m = ServerMetrics()
+    m.speculation(res.stats)
+    text = m.render()[0].decode()
+    for route, rounds in res.stats["adaptive"]["routes"].items():
+        assert f'triforce:spec_decode_route_rounds_total{{route="{route}"}} {float(rounds)}' in text
+    assert f"triforce:spec_decode_route_changes_total {float(res.stats['adaptive']['route_changes'])}" in text

@@ -65,6 +65,13 @@ class ServerMetrics:
                                     ["level"], registry=r)
         self.accepted_tokens = Counter(NS + "spec_decode_num_accepted_tokens", "Drafted tokens a level accepted",
                                        ["level"], registry=r)
+        self.route_rounds = Counter(NS + "spec_decode_route_rounds", "Rounds the adaptive stack ran, by route (its "
+                                    "levels and gammas, e.g. ngram,full@4; full: plain decoding)", ["route"],
+                                    registry=r)
+        self.route_changes = Counter(NS + "spec_decode_route_changes", "Times the adaptive stack changed route",
+                                     registry=r)
+        self.planner_seconds = Counter(NS + "spec_decode_planner_seconds", "Time the adaptive stack spent planning",
+                                       registry=r)
         self.waiting = Gauge(NS + "num_requests_waiting", "Requests in the queue", registry=r)
         self.running = Gauge(NS + "num_requests_running", "Requests being generated (0 or 1)", registry=r)
 
@@ -84,6 +91,11 @@ class ServerMetrics:
                 self.num_drafts.labels(name).inc(lvl.get("rounds", 0))
                 self.draft_tokens.labels(name).inc(lvl.get("proposed", 0))
                 self.accepted_tokens.labels(name).inc(lvl.get("accepted", 0))
+        if (ad := stats.get("adaptive")) is not None:
+            for route, rounds in ad["routes"].items():
+                self.route_rounds.labels(route).inc(rounds)
+            self.route_changes.inc(ad["route_changes"])
+            self.planner_seconds.inc(ad["planner_seconds"])
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
