@@ -158,8 +158,7 @@ class Machine:
             emitted = self._round(planner, route, r)
             ms += self._ms
             match = self.ngram_match(r)
-            same = min(match, emitted)  # the text repeats for `match` tokens: so much of the proposal is emitted
-            planner.ngram_top.add(list(range(100, 108)), list(range(100, 100 + same)) + [0] * (emitted - same))
+            planner.ngram_top.rounds.append((8, match))  # the text repeats for `match` tokens
             tokens += emitted
         return routes, ms, tokens
 
@@ -247,15 +246,23 @@ def test_planner_does_not_flip_on_near_ties():
     assert changes <= 4  # probes (out and back) only
 
 
-def test_expected_tokens_of_the_ngram_window_counts_what_matched():
+def test_the_ngram_window_judges_each_proposal_against_the_text_that_followed():
     p = new_planner()
-    for _ in range(4):
-        p.ngram_top.add([1, 2, 3, 4], [1, 2, 9, 9, 9])
-    b = p.ngram_top.boundary()
-    assert b.tokens(4) == pytest.approx(3.0) and b.drafted(4) == pytest.approx(4.0) and b.drafted(1) == 1.0
-    p.ngram_top.add([1, 2, 3, 4], [1])  # a plain step emits one token: the rest of the proposal is unjudged
-    rate = (8 + 1 + 1) / (9 + 4 + 2)
-    assert p.ngram_top.boundary().tokens(4) == pytest.approx((4 * 3 + 1 + expected_tokens(rate, 3)) / 5)
+    w = p.ngram_top
+    seq = [5, 6, 7]
+    w.propose(3, [1, 2, 3, 4])  # made before a round at position 3
+    w.judge(seq + [1, 2])  # still matching where the text ends: undecided
+    assert not w.rounds
+    w.judge(seq + [1, 2, 9])
+    assert list(w.rounds) == [(4, 2)]
+    w.propose(6, [1, 2])
+    w.judge(seq + [1, 2, 9, 1, 2])  # all of it matched: decided
+    w.propose(8, [])  # no match to propose from
+    assert list(w.rounds) == [(4, 2), (2, 2), (0, 0)]
+    b = w.boundary()
+    assert b.tokens(1) == pytest.approx(1 + 2 / 3) and b.tokens(4) == pytest.approx(1 + 4 / 3)
+    assert b.drafted(4) == pytest.approx(2.0) and b.drafted(1) == pytest.approx(2 / 3)
+    assert expected_tokens(0.0, 3) == 1.0
     assert expected_tokens(0.0, 3) == 1.0
 
 

@@ -17,8 +17,8 @@ sampled output distributed as the target's. What is measured, cheaply (no extra 
 - each boundary's per-token acceptance (Level.on_round), the geometric model's estimate over recent rounds
   (Acceptance); a draft that ran out (an n-gram proposal shorter than asked) counts as a rejection there;
 - n-gram lookup against the full level for every round whatever its route (NGramWindow): the lookup is a dict
-  read, and the tokens a round emitted are the full level's, so how many of the proposal it would have accepted
-  is known (in distribution when sampling) without running it.
+  read, and the committed text that follows is the full level's, so how many of the proposal a direct
+  verification would have accepted is known (in distribution when sampling) without running it.
 
 Every PLAN_EVERY generated tokens the planner prices every route with the cost model that `triforce tune` uses
 (cost_model.ms_per_token) and moves to the cheapest when it beats the current route by SWITCH_GAIN (hysteresis:
@@ -130,39 +130,42 @@ class Acceptance:
 
 
 class NGramWindow:
-    """n-gram lookup against the top level, from every round: per round, the proposal's length and how many of
-    it matched the tokens the round emitted (what a direct verification accepts: exactly at temperature 0, in
-    distribution when sampling, as the emitted tokens are the top level's either way). Where the whole of a
-    round's emitted tokens matched (a plain decoding round emits one), the rest of the proposal is unjudged: its
-    continuation is priced with the per-token rate of the judged rounds (matched / (matched + misses))."""
+    """n-gram lookup against the top level, judged for every round whatever its route: each round's proposal is
+    compared with the committed text that follows it, once that is known (a round or two later). The match
+    length is what a direct verification of the proposal accepts: at temperature 0 exactly; when sampling, in
+    distribution, since a one-hot draft x is accepted exactly when the verifier's token is x, and the committed
+    text is distributed as the verifier's output whatever the route."""
 
-    KEEP = 16
+    KEEP = 24
 
     def __init__(self):
-        self.rounds: deque = deque(maxlen=self.KEEP)  # (proposal length, matched, unjudged rest)
+        self.rounds: deque = deque(maxlen=self.KEEP)  # (proposal length, matched)
+        self.pending: deque = deque()  # (position, proposal) not yet judged
 
-    def add(self, proposal: list[int], emitted: list[int]) -> None:
-        m = 0
-        while m < min(len(proposal), len(emitted)) and proposal[m] == emitted[m]:
-            m += 1
-        self.rounds.append((len(proposal), m, m == len(emitted) and m < len(proposal)))
+    def propose(self, position: int, proposal: list[int]) -> None:
+        if proposal:
+            self.pending.append((position, proposal))
+        else:
+            self.rounds.append((0, 0))
+
+    def judge(self, seq: list[int]) -> None:
+        """Judge the pending proposals that the committed sequence `seq` now decides."""
+        while self.pending:
+            pos, proposal = self.pending[0]
+            m = 0
+            while m < len(proposal) and pos + m < len(seq) and seq[pos + m] == proposal[m]:
+                m += 1
+            if m < len(proposal) and pos + m >= len(seq):
+                return  # still matching where the sequence ends: later rounds decide
+            self.pending.popleft()
+            self.rounds.append((len(proposal), m))
 
     def boundary(self) -> Boundary | None:
         if not self.rounds:
             return None
         n = len(self.rounds)
-        matched = sum(m for _, m, _ in self.rounds)
-        misses = sum(1 for d, m, open_ in self.rounds if not open_ and m < d)
-        rate = (matched + 1.0) / (matched + misses + 2.0)
-        tokens, drafted = [], []
-        for g in range(MAX_GAMMA_NGRAM + 1):
-            total = 0.0
-            for d, m, open_ in self.rounds:
-                total += min(m, g)
-                if open_ and m < g:  # the unjudged rest of the proposal, at the judged rate
-                    total += expected_tokens(rate, min(d, g) - m) - 1.0
-            tokens.append(total / n + 1.0)
-            drafted.append(sum(min(d, g) for d, _, _ in self.rounds) / n)
+        tokens = [sum(min(m, g) for _, m in self.rounds) / n + 1.0 for g in range(MAX_GAMMA_NGRAM + 1)]
+        drafted = [sum(min(d, g) for d, _ in self.rounds) / n for g in range(MAX_GAMMA_NGRAM + 1)]
         return Boundary(tokens.__getitem__, drafted.__getitem__)
 
 
@@ -386,17 +389,16 @@ class AdaptiveTop:
                 self.switches.append({"round": self.planner.round - 1, "token": self.tokens, "route": text})
             self._last = text
         self.rounds_by_route[text] = self.rounds_by_route.get(text, 0) + 1
-        proposal = self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)[0] if self.ngram is not None else None
+        if self.ngram is not None:
+            window = self.planner.ngram_top
+            window.judge(ctx)
+            window.propose(len(ctx), self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)[0])
         chain = self._chain(route)
         self.planner_seconds += time.perf_counter() - t
         for i in route.levels[:-1]:
             self.catch_up(i, ctx, committed)
         tokens = chain.step(ctx, committed, limit)
-        t = time.perf_counter()
-        if proposal is not None:
-            self.planner.ngram_top.add(proposal, tokens)
         self.tokens += len(tokens)
-        self.planner_seconds += time.perf_counter() - t
         return tokens
 
     def level_stats(self) -> list[dict]:
