@@ -48,6 +48,7 @@ PROBE_FIRST, PROBE_MAX = 8, 64  # rounds between probes of an unmeasured or stal
 MAX_GAMMA_TOP = 6  # gammas the planner considers at the top boundary (n-gram lookup: MAX_GAMMA_NGRAM)
 MAX_GAMMA_NGRAM = 8
 MAX_GAMMA_BELOW = 4  # ... and at the boundaries below
+START_GAMMA = 2  # the second round runs the given stack with gammas of at most this
 CATCH_UP = 32  # a rebuilt level (retrieval, h2o) that sat out this many committed tokens is rebuilt, not re-fed
 PRIOR_SLOPE = 0.1  # with one measured token count, a forward's cost grows this fraction of it per extra token
 
@@ -319,7 +320,9 @@ class Planner:
         if self.force is not None and (forced := self.force(r)) is not None:
             route = forced
         elif r == 1 and self.start.levels != self.route.levels:
-            route = self.route = self.start  # the stack as given, measured once
+            # the stack as given, measured once, with short drafts: a round of poor drafts costs little, and
+            # acceptance is measured per token whatever the gamma
+            route = self.route = Route(self.start.levels, tuple(min(g, START_GAMMA) for g in self.start.gammas))
         elif r >= 2 and (tokens - self.planned_at >= PLAN_EVERY or self.probing is not None):
             self.plan()
             self.planned_at = tokens
