@@ -12,8 +12,8 @@ from .errors import TriforceError
 # estimate exceeds what is available minus this.
 HEADROOM = 256 << 20
 # What a whole run holds beside its weights and KV cache: Python, PyTorch (about 220 MiB once imported), the
-# tokenizer, the compiled kernels and the activations. Measured with the embedded model (peak RSS, Zen 5,
-# session 17): 495 MiB for a 100-token run (92 MiB of it weights), and 32K runs 400-480 MiB above weights + KV
+# tokenizer, the compiled kernels and the activations. Measured with the embedded model (peak RSS, AMD Zen 5):
+# 495 MiB for a 100-token run (92 MiB of it weights), and 32K runs 400-480 MiB above weights + KV
 # (bf16 1,250 MiB, int8 957 MiB, fp32 1,923 MiB). `triforce info` adds it to what a context needs.
 RUNTIME = 448 << 20
 

@@ -94,7 +94,7 @@ constexpr bool VNNI = true;
 // The VNNI dot products in inline assembly, accumulating in place: through the intrinsics GCC 12 copied every
 // accumulator to a second register in each iteration of the attention's tile loops (vmovdqa64 beside each
 // vpdpwssd: 138 moves in group_pv, 76 after). Zen 5, int8 cache at 32K: 15 attention rows 5-12% faster, a 5-token
-// verification forward 9% (docs/performance.md, session 18).
+// verification forward 9% (docs/performance.md).
 // acc + per lane sum of 4 products: unsigned bytes of u times signed bytes of s
 ALWAYS_INLINE IV dot_us(IV acc, IV u, IV s) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
