@@ -10,6 +10,20 @@ from triforce import kernels
 from triforce.config import ModelConfig
 from triforce.loading import build_model
 
+# Hypothesis (the tests/test_fuzz_*.py property tests): one fixed profile, so that CI runs the same examples
+# every time (derandomized, no example database) and a bounded number of them; no per-example deadline
+# (a loaded host would break it). HYPOTHESIS_PROFILE=thorough runs ten times as many.
+if importlib.util.find_spec("hypothesis") is not None:
+    import os as _os
+
+    from hypothesis import HealthCheck, settings
+
+    _common = dict(derandomize=True, database=None, deadline=None, print_blob=True,
+                   suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("ci", max_examples=200, **_common)
+    settings.register_profile("thorough", max_examples=2000, **_common)
+    settings.load_profile(_os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 # Tiny models run fastest on one thread (and a second busy process cannot stall them);
 # tests that time nothing lose nothing by it. The embedded-model tests raise it again.
 torch.set_num_threads(1)
