@@ -114,7 +114,9 @@ def gguf_architecture(path: Path) -> str:
                     f.seek(room(_SCALAR_BYTES[vtype]), 1)
                 elif vtype == _STRING:
                     f.seek(room(u64()), 1)
-                elif vtype == _ARRAY and depth == 0:  # (GGUF writers nest no arrays)
+                elif vtype == _ARRAY:
+                    if depth >= 4:  # (writers nest none; a damaged file could nest them until the stack overflows)
+                        raise ValueError("arrays nested more than 4 deep")
                     etype, count = u32(), u64()
                     if etype in _SCALAR_BYTES:
                         f.seek(room(_SCALAR_BYTES[etype] * count), 1)
