@@ -10,6 +10,52 @@ from triforce import kernels
 from triforce.config import ModelConfig
 from triforce.loading import build_model
 
+# Hypothesis (the tests/test_fuzz_*.py property tests): one fixed profile, so that CI runs the same examples
+# every time (derandomized, no example database) and a bounded number of them; no per-example deadline
+# (a loaded host would break it). HYPOTHESIS_PROFILE=thorough runs ten times as many.
+if importlib.util.find_spec("hypothesis") is not None:
+    import os as _os
+
+    from hypothesis import HealthCheck, settings
+
+    _common = dict(derandomize=True, database=None, deadline=None, print_blob=True,
+                   suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("ci", max_examples=200, **_common)
+    settings.register_profile("thorough", max_examples=2000, **_common)
+    settings.load_profile(_os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The `slow` marker (the fast inner-loop subset is `python -m pytest -m "not slow"`; the default run and CI
+# include them): every test that loads the embedded model (the `smollm` fixture, or a skip when it is not
+# installed: the CLI runs) or compiles or exercises the CPU kernels (the `kern` fixture, a `kernels` parameter,
+# SLOW_TESTS). Marked here, by what a test uses, rather than test by test.
+SLOW_FIXTURES = {"smollm", "smollm_torch", "kern", "reference"}
+# tests that compile a kernel variant of their own or compare the compiled kernels with PyTorch (the kernels
+# themselves are built once per machine and source, by the first model any test builds, and cached)
+SLOW_TESTS = {
+    "test_kernel_without_vnni_computes_the_same_integers",  # compiles a variant without VNNI: about 2 minutes
+    "test_kernel_build_after_a_killed_build_and_under_a_live_one",
+    "test_gguf_matches_transformers", "test_hf_directory_matches_transformers",
+    "test_llama_gguf_matches_transformers", "test_qwen2_gguf_matches_transformers", "test_qwen3_matches_transformers",
+    "test_linear_panels_match_linear", "test_model_forward_same_with_and_without_kernels",
+    "test_streaming_cache_on_the_kernels_equals_the_mask", "test_greedy_equals_ar_on_the_attention_kernel",
+    "test_real_kernel_with_half_kv", "test_fused_decode_layer_is_the_layer_bit_for_bit",
+    "test_fused_decode_layers_over_a_quantized_cache", "test_q4_k_m_file_is_the_model_of_its_dequantized_weights",
+    "test_quant_linear_equals_dequantized_linear", "test_tree_forward_on_the_attention_kernel",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            continue
+        fixtures = set(getattr(item, "fixturenames", ()))
+        needs_model = any("embedded model" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+        if (fixtures & SLOW_FIXTURES or needs_model
+                or item.originalname in SLOW_TESTS or getattr(item, "callspec", None) is not None
+                and "kernels" in item.callspec.id.split("-")):
+            item.add_marker(pytest.mark.slow)
+
+
 # Tiny models run fastest on one thread (and a second busy process cannot stall them);
 # tests that time nothing lose nothing by it. The embedded-model tests raise it again.
 torch.set_num_threads(1)

@@ -217,6 +217,18 @@ def test_tune_trees(tmp_path):
     assert out["best"]["predicted_ms_per_token"] == min(x["predicted_ms_per_token"] for x in out["top"])
     assert all(x["nodes"] <= 6 for x in out["top"])
     assert StackSpec.parse("streaming,full", 4, tree=out["best"]["tree"]).tree_nodes == out["best"]["nodes"]
+    # --check (the default) ran the tree, the chain defaults and ar: the tree is recorded only if it beat the defaults
+    check = out["check"]
+    assert all(check[k] > 0 for k in ("tuned_ms_per_token", "default_ms_per_token", "ar_ms_per_token"))
+    if check["tuned_ms_per_token"] < check["default_ms_per_token"]:
+        assert out["saved"] and out["recorded"] == {"tree": out["best"]["tree"]}
+    else:
+        assert out["saved"] is None and out["recorded"] is None and out["kept_defaults"]
+        r = run("tune", "--trees", "--no-check", "--context-length", "600", "--tokens", "16", "--json", "--quiet",
+                "--sink", "4", "--window", "64", "--max-tree-nodes", "6")  # unchecked: the prediction is recorded
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert "check" not in out
     # recorded: sequoia takes that tree by default at a context near 600 (greedy), not with --no-tuned or --tree
     assert out["saved"]
     gen = ("generate", "--method", "sequoia", "--demo-tokens", "500", "--max-new-tokens", "8", "--json", "--sink", "4",

@@ -161,7 +161,8 @@ def test_lock_of_a_killed_holder_is_free_at_once(tmp_path):
     t = time.monotonic()
     with storage.exclusive(lock, "testing", wait_seconds=60):
         pass
-    assert time.monotonic() - t < 1.0
+    # milliseconds when free; a lock still held would wait the full 60 s. 10 s tells the two apart on any host
+    assert time.monotonic() - t < 10
     TABLE.append(("SIGKILL", "holding a lock", "took the lock over at once", time.monotonic() - t))
 
 
@@ -174,7 +175,8 @@ def test_lock_of_a_live_holder_is_waited_for_with_a_bound(tmp_path):
         with pytest.raises(storage.LockTimeout, match=f"PID {holder.pid}"):
             with storage.exclusive(lock, "testing", wait_seconds=1.0, log=messages.append):
                 pass
-        assert 0.9 < time.monotonic() - t < 5
+        # the 1 s bound, then the error: generous above (a loaded host), as an unbounded wait never returns
+        assert 0.9 < time.monotonic() - t < 30
         assert len(messages) == 1 and f"PID {holder.pid}" in messages[0] and str(lock) in messages[0]
     finally:
         holder.kill()
@@ -202,7 +204,11 @@ def _real_kernel_library():
     module = kernels.cpu()
     if module is None:
         pytest.skip("the CPU kernels are not available here")
-    return Path(module.__file__)
+    so = Path(module.__file__)
+    if not so.exists():  # built by this process (a fresh cache, as in CI): loaded from the build's temporary
+        # folder, since renamed into place
+        so = next((storage.cache_root() / "kernels").glob(f"*/{so.name}"))
+    return so
 
 
 def test_kernel_build_after_a_killed_build_and_under_a_live_one(tmp_path, monkeypatch):
@@ -275,12 +281,17 @@ def test_ctrl_c_during_generation_keeps_the_text_and_exits_130(tmp_path):
     complete(["generate", "--prompt", "hi", "--max-new-tokens", "1", "--quiet"], env)  # convert once
     r = Run(["generate", "--demo-tokens", "300", "--max-new-tokens", "2000", "--method", "ar"], env)
     r.wait_for(lambda: len(r.out.strip()) > 20)
+    printed = bytes(r.out)
     t = r.signal(signal.SIGINT)
-    assert r.finish(30) == 130
+    assert r.finish(60) == 130, r.stderr
     took = time.monotonic() - t
-    assert took < 1.5, took
+    # About 0.6 s on an idle machine (the watcher exits within half a second, then the interpreter's exit);
+    # 1.7 s was seen on an idle AVX2 machine and more on a loaded 2-core one. The run left alone would
+    # generate 2000 tokens (a minute or more), so 15 s still tells "stopped by Ctrl-C" from "ran on".
+    assert took < 15, took
     no_traceback(r)
-    assert "interrupted" in r.stderr and len(r.stdout.strip()) > 20
+    assert "interrupted" in r.stderr
+    assert r.out.startswith(printed) and len(r.stdout.strip()) > 20  # the text printed before Ctrl-C is kept
     TABLE.append(("SIGINT", "generation (CLI)", "exit 130, printed text kept", took))
 
 
@@ -292,9 +303,13 @@ def test_ctrl_c_during_prefill_stops_within_a_second(tmp_path):
     r.wait_for(lambda: b"prefill" in r.err)
     time.sleep(0.5)
     t = r.signal(signal.SIGINT)
-    assert r.finish(30) == 130
+    assert r.finish(60) == 130, r.stderr
     took = time.monotonic() - t
-    assert took < 1.5, took
+    # About 0.6 s idle. A chunk of 2048 tokens takes about 5 s on an idle 2-core machine and longer on a
+    # loaded one, so a stop that waited for the end of the chunk would show in the progress bar: the first
+    # chunk never finished, whatever the load. The time bound itself is generous (a loaded host).
+    assert "2048/" not in r.stderr, r.stderr
+    assert took < 15, took
     no_traceback(r)
     TABLE.append(("SIGINT", "prefill (2048-token chunks)", "exit 130", took))
 
@@ -400,7 +415,8 @@ def test_killed_kernel_build_then_a_normal_run(tmp_path, sig, reference):
     t = r.signal(sig, group=sig == signal.SIGKILL)  # SIGKILL: as a closed terminal kills the whole job
     code = r.finish(60)
     if sig == signal.SIGINT:
-        assert code == 130 and time.monotonic() - t < 5
+        # a few seconds at most; the build left alone runs for a minute or more, so 30 s allows a loaded host
+        assert code == 130 and time.monotonic() - t < 30
         no_traceback(r)
         assert leftovers(cache) == []
     again = complete(GEN + ["--json"], env)

@@ -71,13 +71,52 @@ def test_embedded_model_matches_transformers_at_2k(smollm, all_threads):
     assert ours == ref
 
 
-def test_sliding_window_caps_the_context():
-    """Sliding-window attention is not implemented: the context stops at the window, so that a longer
-    prompt is refused with a clear error instead of silently diverging from the model."""
+def test_sliding_window_configs_run_as_sliding_window_models():
+    """Mistral v0.1 (sliding_window 4096 in config.json: every layer) and Qwen2 with use_sliding_window (the layers
+    from max_window_layers on) run with their windows, through the ring cache Gemma 3's sliding layers use; the
+    context is not cut to the window."""
     from triforce.config import ModelConfig
 
     base = dict(hf_tiny("mistral").config.to_dict())
-    assert ModelConfig.from_hf({**base, "sliding_window": 128}).max_context == 128
-    assert ModelConfig.from_hf({**base, "sliding_window": None}).max_context == base["max_position_embeddings"]
-    assert ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 128,
-                                "use_sliding_window": False}).max_context == base["max_position_embeddings"]
+    cfg = ModelConfig.from_hf({**base, "sliding_window": 128})
+    assert cfg.max_context == base["max_position_embeddings"] and cfg.layer_windows == (128, 128)
+    assert cfg.rope_local is None  # the sliding layers use the model's one RoPE
+    cfg = ModelConfig.from_hf({**base, "sliding_window": None})
+    assert cfg.max_context == base["max_position_embeddings"] and cfg.layer_windows is None
+    qwen = {**base, "model_type": "qwen2", "sliding_window": 128, "num_hidden_layers": 4, "layer_types": None}
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": False}).layer_windows is None
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 2}).layer_windows == \
+        (None, None, 128, 128)
+    assert ModelConfig.from_hf({**base, "sliding_window": 1024}).layer_windows is None  # a window past the context
+
+
+@torch.no_grad()
+def test_mistral_with_a_sliding_window_matches_transformers_past_the_window(tmp_path):
+    """A tiny random Mistral with a 16-token window, saved as a Hugging Face directory and loaded back: logits
+    equal transformers' at 120 positions (past the window, where full attention would differ), greedy decoding
+    and chain stacks give transformers' tokens; draft trees are refused with a clear error."""
+    from triforce.errors import TriforceError
+    from triforce.generate import generate
+    from triforce.loading import build_model
+    from triforce.loading.hf import load_hf_checkpoint
+    from triforce.speculation.config import SpecConfig
+    from triforce.speculation.stack import StackSpec
+
+    hf = hf_tiny("mistral", sliding_window=16)
+    hf.save_pretrained(str(tmp_path))
+    cfg, sd, _ = load_hf_checkpoint(tmp_path)
+    assert cfg.layer_windows == (16, 16) and cfg.max_context == 512
+    ours = build_model(cfg, sd)
+    ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(ids, ours.new_cache(120)), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    prompt = ids[0, :90].tolist()
+    want = hf.generate(ids[:, :90], attention_mask=torch.ones(1, 90, dtype=torch.long), max_new_tokens=30,
+                       min_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 90:].tolist()
+    assert generate_ar(ours, prompt, 30, SamplingParams()).tokens == want
+    small = SpecConfig(budget=48, recent=8, sink=4, window=24, rebuild_every=16, prefill_chunk=32)
+    for levels in ("ngram,retrieval:48,full", "streaming:28,full", "h2o:48,full", "kv4,full"):
+        got = generate(ours, prompt, 30, SamplingParams(), stack=StackSpec.parse(levels, 3), config=small).tokens
+        assert got == want, levels
+    with pytest.raises(TriforceError, match="sliding-window"):
+        generate(ours, prompt, 8, SamplingParams(), stack=StackSpec.parse("streaming:28,full", 3, tree="2,1"),
+                 config=small)

@@ -117,6 +117,18 @@ def test_tune_records_the_fastest_checked_setting_or_the_defaults():
     assert chosen_flags(best, config, check(8.4, 8.3, one)) == ({"budget": 4096, "gamma": 4, "gamma_draft": 3}, True)
 
 
+def test_tune_trees_records_a_tree_only_if_it_beat_the_chain_defaults():
+    from triforce.bench.tune import tree_to_record
+
+    def check(tuned, default):
+        return {"tuned_ms_per_token": tuned, "default_ms_per_token": default, "ar_ms_per_token": 20.0}
+
+    assert tree_to_record("2,2,1", None) == {"tree": "2,2,1"}  # --no-check: the prediction
+    assert tree_to_record("2,2,1", check(7.9, 8.3)) == {"tree": "2,2,1"}
+    assert tree_to_record("2,2,1", check(8.4, 8.3)) is None  # slower than the chain defaults: nothing recorded
+    assert tree_to_record("2,2,1", check(8.3, 8.3)) is None  # not faster
+
+
 def test_sampled_probes_pool_several_seeds():
     assert probe_seeds(0.0, 7) == [7] and probe_seeds(0.6, 7) == [7, 8, 9, 10]
     run = lambda full, retr: [{"level": "ngram", "role": "draft"},  # noqa: E731

@@ -286,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "prediction unchecked)")
     t.add_argument("--trees", action="store_true",
                    help="tune Sequoia trees instead (streaming,full --tree): measure the acceptance of each child "
-                        "rank and the forward costs, predict every widths-per-depth tree, print the best")
+                        "rank and the forward costs, predict every widths-per-depth tree, print the best; "
+                        "with --check, it is recorded only if it ran faster than the chain defaults")
     t.add_argument("--max-tree-nodes", type=_positive_int, default=32, metavar="N",
                    help="--trees: largest tree considered (default 32)")
     t.add_argument("--kv4", action="store_true",

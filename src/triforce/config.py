@@ -178,11 +178,13 @@ class ModelConfig:
                 rp = dict(rp.get("full_attention") or {})
         rope = _rope_config(rp, default_theta, head_dim)
         max_context = int(hf.get("max_position_embeddings", 4096))
-        # Sliding-window attention of Mistral v0.1 and some Qwen2 configs is not implemented: within
-        # the window it equals full attention, so the usable context is capped at the window.
+        # Sliding-window attention of Mistral v0.1 (every layer) and of Qwen2 configs with use_sliding_window (the
+        # layers from max_window_layers on, or as layer_types says): run as Gemma 3's sliding layers are, each
+        # within its window through the ring cache (caches/sliding.py), with the model's one RoPE; the context stays
+        # max_position_embeddings.
         window = hf.get("sliding_window")
         if window and not spec.gemma and (arch == "mistral" or hf.get("use_sliding_window")) and window < max_context:
-            max_context = int(window)
+            gemma = _sliding_window_fields(hf, int(window))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -207,6 +209,25 @@ class ModelConfig:
 
 
 _ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def _sliding_window_fields(hf: dict[str, Any], window: int) -> dict[str, Any]:
+    """The sliding-window layers of a Mistral or Qwen2 config (not Gemma 3's, which _gemma3_fields reads): as
+    `layer_types` lists them, else every layer (Mistral) or those from `max_window_layers` on (Qwen2, as
+    transformers' Qwen2Config builds its layer_types)."""
+    n_layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types:
+        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise TriforceError(f"unsupported layer_types {types}: one of sliding_attention or full_attention per layer")
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif hf.get("model_type") == "qwen2" and hf.get("max_window_layers") is not None:
+        sliding = tuple(range(int(hf["max_window_layers"]), n_layers))
+    else:
+        sliding = tuple(range(n_layers))
+    if window < 1:
+        raise TriforceError(f"sliding_window must be >= 1, got {window}")
+    return dict(sliding_window=window, sliding_layers=sliding) if sliding else {}
 
 
 def _rope_config(rp: dict, default_theta: float, head_dim: int) -> RopeConfig:

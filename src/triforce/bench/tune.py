@@ -295,12 +295,43 @@ def _save(loaded, kind: str, args, flags: dict, measured: dict, log) -> str | No
     return str(path)
 
 
-def _main_trees(args, config, loaded, log) -> int:
-    from ..corpus import demo_tokens
+def check_tree(model, prompt, shared, config, tree: str, args, log) -> dict:
+    """--check of `tune --trees`: `ar`, the chain defaults (--method triforce with config's flags: what runs
+    without a tree) and `streaming,full --tree TREE` run for real, taking turns within each seed as the chain
+    check does -> their ms/token ("tuned": the tree's, "default": the chain defaults')."""
     from ..generate import generate
     from ..speculation.stack import StackSpec
-    from ..speculation.state import PrefilledPrompt
     from .methods import sampling_params
+
+    runs = [("ar", dict(method="ar")), ("default", dict(method="triforce")),
+            ("tuned", dict(stack=StackSpec.parse("streaming,full", config.gamma, tree=tree)))]
+    seeds = probe_seeds(args.temperature, args.seed)
+    secs, toks = {name: 0.0 for name, _ in runs}, {name: 0 for name, _ in runs}
+    for seed in seeds:
+        for name, how in runs:
+            res = generate(model, prompt, args.tokens, sampling_params(args.temperature), config=config,
+                           prefilled=shared, seed=seed, **how)
+            secs[name] += res.decode_seconds
+            toks[name] += len(res.tokens)
+    ms = {name: secs[name] / toks[name] * 1e3 for name in secs}
+    log(f"check: streaming,full --tree {tree} {ms['tuned']:.1f} ms/token, chain defaults {ms['default']:.1f}, "
+        f"ar {ms['ar']:.1f}" + ("" if len(seeds) == 1 else f" ({len(seeds)} runs each)"))
+    return {"tuned_ms_per_token": round(ms["tuned"], 2), "default_ms_per_token": round(ms["default"], 2),
+            "ar_ms_per_token": round(ms["ar"], 2), "speedup_vs_ar": round(ms["ar"] / ms["tuned"], 3),
+            "default_speedup_vs_ar": round(ms["ar"] / ms["default"], 3), "seeds": len(seeds)}
+
+
+def tree_to_record(tree: str, checked: dict | None) -> dict | None:
+    """The tree flags a `tune --trees` run records: unchecked (--no-check), the predicted best; checked, that tree
+    only if it ran faster than the chain defaults, else None (nothing is recorded: the tree would slow runs down)."""
+    if checked is not None and checked["tuned_ms_per_token"] >= checked["default_ms_per_token"]:
+        return None
+    return {"tree": tree}
+
+
+def _main_trees(args, config, loaded, log) -> int:
+    from ..corpus import demo_tokens
+    from ..speculation.state import PrefilledPrompt
 
     prompt = demo_tokens(loaded.tokenizer, args.context_length)
     t = time.perf_counter()
@@ -311,19 +342,19 @@ def _main_trees(args, config, loaded, log) -> int:
                      max_nodes=args.max_tree_nodes, log=log)
     best = out["best"]
     if args.check:
-        runs = {}
-        for name, stack in (("ar", StackSpec.parse("full")), ("tuned", StackSpec.parse("streaming,full", config.gamma,
-                                                                                      tree=best["tree"]))):
-            res = generate(loaded.model, prompt, args.tokens, sampling_params(args.temperature), stack=stack,
-                           config=config, prefilled=shared, seed=args.seed)
-            runs[name] = res.decode_seconds / len(res.tokens) * 1e3
-        out["check"] = {"tuned_ms_per_token": round(runs["tuned"], 2), "ar_ms_per_token": round(runs["ar"], 2),
-                        "speedup_vs_ar": round(runs["ar"] / runs["tuned"], 3)}
-        log(f"check: streaming,full --tree {best['tree']} {runs['tuned']:.1f} ms/token, ar {runs['ar']:.1f}")
-    out["saved"] = _save(loaded, "tree", args, {"tree": best["tree"]},
-                         {"predicted_ms_per_token": best["predicted_ms_per_token"],
-                          "predicted_ar_ms_per_token": out["predicted_ar_ms_per_token"], **out.get("check", {})},
-                         log=log)
+        out["check"] = check_tree(loaded.model, prompt, shared, config, best["tree"], args, log)
+    flags = tree_to_record(best["tree"], out.get("check"))
+    out["recorded"] = flags
+    if flags is None:  # the chain defaults ran faster: no tree is recorded
+        out["kept_defaults"] = True
+        out["saved"] = None
+        log(f"not recorded: the chain defaults ran faster than --tree {best['tree']} in the check "
+            f"({out['check']['default_ms_per_token']} vs {out['check']['tuned_ms_per_token']} ms/token)")
+    else:
+        out["saved"] = _save(loaded, "tree", args, flags,
+                             {"predicted_ms_per_token": best["predicted_ms_per_token"],
+                              "predicted_ar_ms_per_token": out["predicted_ar_ms_per_token"], **out.get("check", {})},
+                             log=log)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -332,6 +363,8 @@ def _main_trees(args, config, loaded, log) -> int:
               f"(x{out['predicted_ar_ms_per_token'] / best['predicted_ms_per_token']:.2f}, "
               f"{best['expected_tokens']} tokens per round)")
         print(f"  flags: --levels streaming,full --tree {best['tree']}")
+        if flags is None:
+            print("  the chain defaults ran faster in the check: no tree is recorded")
     return 0
 
 

@@ -77,6 +77,10 @@ class RetrievalCache(KVCache):
             raise ValueError(f"a retrieval cache of {self.n_layers} layers is built from a full cache of as many "
                              f"(got {type(full).__name__} of {full.n_layers})")
         n = full.length
+        if self.n_layers == 0:  # a model whose every layer slides (Mistral v0.1): the ring holds all it attends to
+            self.indices = []
+            self.base, self.built_at, self.length = 0, n, n
+            return
         query_index = n - 1 - full.query_start
         if full.queries is None or full.queries[0] is None or not 0 <= query_index < full.queries[0].shape[2]:
             raise ValueError("the full cache holds no recorded query for its last token: create it with "

@@ -131,7 +131,10 @@ def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool) -> No
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from e
     del sd
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as e:  # its tokenizer keys (a damaged file)
+        raise TriforceError(f"cannot read the tokenizer of GGUF file {gguf_path}: {type(e).__name__}: {e}") from e
     tok.save_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file()}

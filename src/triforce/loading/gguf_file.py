@@ -19,6 +19,7 @@ tensor name) raises a TriforceError naming it: nothing is skipped silently.
 """
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -76,8 +77,17 @@ def gguf_architecture(path: Path) -> str:
     """
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+
+            def room(n: int) -> int:
+                """`n` (a length read from the header) if that many bytes are left in the file."""
+                if n > size - f.tell():
+                    raise ValueError(f"the header is truncated or damaged (a length of {n} bytes at offset "
+                                     f"{f.tell()} runs past the end of the {size}-byte file)")
+                return n
+
             def take(n: int) -> bytes:
-                b = f.read(n)
+                b = f.read(room(n))  # never allocate more than the file holds
                 if len(b) != n:
                     raise ValueError("the header is truncated")
                 return b
@@ -99,21 +109,25 @@ def gguf_architecture(path: Path) -> str:
 
             _n_tensors, n_kv = u64(), u64()
 
-            def skip(vtype: int) -> None:
+            def skip(vtype: int, depth: int = 0) -> None:
                 if vtype in _SCALAR_BYTES:
-                    f.seek(_SCALAR_BYTES[vtype], 1)
+                    f.seek(room(_SCALAR_BYTES[vtype]), 1)
                 elif vtype == _STRING:
-                    f.seek(u64(), 1)
+                    f.seek(room(u64()), 1)
                 elif vtype == _ARRAY:
+                    if depth >= 4:  # (writers nest none; a damaged file could nest them until the stack overflows)
+                        raise ValueError("arrays nested more than 4 deep")
                     etype, count = u32(), u64()
                     if etype in _SCALAR_BYTES:
-                        f.seek(_SCALAR_BYTES[etype] * count, 1)
+                        f.seek(room(_SCALAR_BYTES[etype] * count), 1)
                     else:
+                        room(8 * count)  # each element takes 8 bytes at least (a string's length)
                         for _ in range(count):
-                            skip(etype)
+                            skip(etype, depth + 1)
                 else:
                     raise ValueError(f"unknown value type {vtype}")
 
+            room(n_kv * 12)  # each key-value pair takes 12 bytes at least (key length, type)
             for _ in range(n_kv):
                 key = take(u64()).decode("utf-8", "replace")
                 vtype = u32()
@@ -151,6 +165,15 @@ class _Metadata:
         self.read.add(self.name(key))
         f = self.fields.get(self.name(key))
         return default if f is None else f.contents()
+
+    def required(self, key: str) -> int:
+        """`get(key)` as a positive integer; a TriforceError naming the key if it is missing or not one."""
+        value = self.get(key)
+        if value is None:
+            raise TriforceError(f"{self.path} has no {self.name(key)}: not a complete GGUF model file")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise TriforceError(f"{self.name(key)} = {value!r} in {self.path}: a positive integer is needed")
+        return int(value)
 
     def get(self, key: str, default=None):
         """`raw(key)`, where per-layer arrays whose values are all equal (llama.cpp's model saver may
@@ -269,8 +292,26 @@ def open_reader(path: Path):
         module.np = saved
 
 
+# What a damaged header's values raise where they are used (a string where a number belongs, a tensor
+# of the wrong size, a type code gguf does not know): read_gguf turns these into one TriforceError.
+_DAMAGED = (TypeError, ValueError, KeyError, IndexError, OverflowError, ZeroDivisionError, AttributeError,
+            struct.error)
+
+
 def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
               check_tokenizer: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
+    """_read_gguf, where a value of the file that cannot be used (a damaged or hand-made file) is a
+    TriforceError naming the file, never another exception."""
+    try:
+        return _read_gguf(path, progress, keep_quantized, check_tokenizer)
+    except TriforceError:
+        raise
+    except _DAMAGED as e:
+        raise TriforceError(f"cannot read GGUF file {path}: a damaged value ({type(e).__name__}: {e})") from e
+
+
+def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
+               check_tokenizer: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
     """-> (HF config dict, HF-named state dict). The config round-trips through JSON.
 
     The state dict holds fp32 tensors, or with `keep_quantized` the 2-D weights (projections,
@@ -297,13 +338,15 @@ def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
                             f"transformers reads only Gemma's own SentencePiece tokenizer ('llama') correctly "
                             f"for this architecture, so its text would be tokenized wrongly")
     tensors = {t.name: t for t in reader.tensors}
-    n_layers = int(meta.get("block_count"))
+    n_layers = meta.required("block_count")
+    if n_layers > len(tensors):  # every layer holds tensors: a damaged count is refused before anything is sized by it
+        raise TriforceError(f"{path} declares {n_layers} layers but holds {len(tensors)} tensors: a damaged file")
     qkv_bias = SUPPORTED_ARCHITECTURES[model_type].qkv_bias or "blk.0.attn_q.bias" in tensors
     block_names = _block_names(model_type)
     _check_tensor_names(set(tensors), block_names, n_layers, qkv_bias, arch, path)
-    n_head = int(meta.get("attention.head_count"))
+    n_head = meta.required("attention.head_count")
     n_kv = int(meta.get("attention.head_count_kv", n_head))
-    hidden = int(meta.get("embedding_length"))
+    hidden = meta.required("embedding_length")
     head_dim = int(meta.get("attention.key_length", hidden // n_head))
     if int(meta.get("attention.value_length", head_dim)) != head_dim:
         raise TriforceError(f"{path} has keys and values of different head sizes: not supported")
@@ -320,7 +363,7 @@ def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "intermediate_size": int(meta.get("feed_forward_length")),
+        "intermediate_size": meta.required("feed_forward_length"),
         "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": context,
         "rope_parameters": rope_parameters,
@@ -330,6 +373,7 @@ def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    _check_tensor_shapes(tensors, hf, block_names, path)
     gemma = SUPPORTED_ARCHITECTURES[model_type].gemma
     if gemma:
         hf.update(_gemma3_config(meta, rope_parameters, n_layers, hidden, n_head, head_dim))
@@ -406,6 +450,28 @@ def _check_tensor_names(names: set[str], block_names: dict[str, str], n_layers: 
     missing = [n for n in needed if n not in names]
     if missing:
         raise TriforceError(f"{path} lacks the tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def _check_tensor_shapes(tensors: dict, hf: dict, block_names: dict[str, str], path: Path) -> None:
+    """Every tensor has the shape the config gives it (rows, columns in numpy order; GGUF lists them
+    reversed): a file whose sizes disagree is refused before any is read or allocated."""
+    hidden, inter, hd = hf["hidden_size"], hf["intermediate_size"], hf["head_dim"]
+    q, kv, vocab = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd, hf["vocab_size"]
+    want = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+            "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
+            "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.weight": (hidden, q),
+            "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter),
+            "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)}
+    for name, t in tensors.items():
+        if name == _ROPE_FREQS:
+            continue  # checked against head_dim where it is read
+        part = name if name in _TOP_NAMES else name.split(".", 2)[2]
+        expected = want.get(part, (hidden,) if part.endswith("norm.weight") and part in block_names else None)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if expected is not None and shape != expected:
+            raise TriforceError(f"{path}: tensor {name} has shape {shape}, {expected} expected from its settings "
+                                f"(hidden {hidden}, heads {hf['num_attention_heads']}/{hf['num_key_value_heads']} of "
+                                f"{hd}, feed-forward {inter}, vocabulary {vocab}): a damaged or inconsistent file")
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
