@@ -235,7 +235,7 @@ def test_planner_takes_ngram_lookup_without_probing_when_the_text_repeats():
     assert p.route.levels == AR
     routes, _, _ = Machine(ngram_match=lambda r: 8).run(p, 20, start_round=60, tokens=60)
     assert p.route.levels == NGRAM and p.route.gammas[0] >= 4
-    assert sum(r.levels == NGRAM for r in routes) >= 10  # learnt from the plain steps' own tokens
+    assert sum(r.levels == NGRAM for r in routes) >= 6  # learnt from the plain steps' own tokens, at the next plan
 
 
 def test_planner_does_not_flip_on_near_ties():

@@ -43,6 +43,8 @@ from .level import Level
 from .state import ModelState
 
 PLAN_EVERY = 12  # generated tokens between re-plans
+EARLY_PLANS = 8  # ... but the first plans come every round: the early measurements change fast
+MIN_ROUNDS = 3  # a boundary's acceptance is priced from this many measured rounds on
 SWITCH_GAIN = 0.05  # a route must be predicted this much cheaper than the current one to replace it
 PROBE_FIRST, PROBE_MAX = 8, 64  # rounds between probes of an unmeasured or stale route family
 MAX_GAMMA_TOP = 6  # gammas the planner considers at the top boundary (n-gram lookup: MAX_GAMMA_NGRAM)
@@ -162,7 +164,7 @@ class NGramWindow:
             self.rounds.append((len(proposal), m))
 
     def boundary(self) -> Boundary | None:
-        if not self.rounds:
+        if len(self.rounds) < MIN_ROUNDS:
             return None
         n = len(self.rounds)
         tokens = [sum(min(m, g) for _, m in self.rounds) / n + 1.0 for g in range(MAX_GAMMA_NGRAM + 1)]
@@ -216,7 +218,7 @@ class Planner:
         if self.ngram and below == 0 and above == self.top:
             return self._ngram_boundary
         a = self.acceptance.get((below, above))
-        if a is None or a.rounds == 0:
+        if a is None or a.rounds < MIN_ROUNDS:
             return None
         alpha = a.alpha
         if self.ngram and self._ngram_boundary is not None and below == 0:  # proposals stop where the match does
@@ -240,9 +242,10 @@ class Planner:
         self._ngram_boundary = self.ngram_top.boundary() if self.ngram else None
         return {i: c.curve() for i, c in self.costs.items()}
 
-    def price(self, family: tuple[int, ...], curves: dict) -> tuple[float, Route] | None:
+    def price(self, family: tuple[int, ...], curves: dict, optimistic: bool = False) -> tuple[float, Route] | None:
         """The family's cheapest gammas and their predicted ms/token; None while something it needs is unmeasured.
-        `curves`: from _measured()."""
+        `curves`: from _measured(). `optimistic`: its best case, every draft of a model level accepted and n-gram
+        drafts taken as the full level takes them (a bound for _probe)."""
         bottom = family[0]
         if self.kinds[bottom] == "ngram":
             bottom_ms = 0.0
@@ -254,7 +257,12 @@ class Planner:
             bottom_ms = curves[bottom](1)
         steps = []
         for below, above in zip(family, family[1:]):
-            b = self._boundary(below, above)
+            if optimistic and self.kinds[below] != "ngram":
+                b = Boundary.iid(1.0)
+            elif optimistic:  # a model level takes n-gram drafts about as the full level does
+                b = self._ngram_boundary or Boundary.iid(1.0)
+            else:
+                b = self._boundary(below, above)
             if b is None or curves.get(above) is None:
                 return None
             steps.append((curves[above], b))
@@ -294,15 +302,24 @@ class Planner:
             self.probing = None
 
     def _probe(self) -> Route | None:
-        """A family that only running measures, unrun for probe_gap rounds: one round of its best-priced route."""
+        """A family that only running measures, unmeasured for probe_gap rounds, and that could still win: one round
+        of its best-priced route. "Could win": priced with every draft of a model level accepted (and n-gram drafts
+        for a model level as the full level takes them), it beats the current route; a family that cannot is not
+        worth the round, nor the rebuild of a retrieval level that sat out."""
         stale = [f for f in self.families if f != self.route.levels and self._stale(f)]
         if not stale:
             return None
         curves = self._measured()
+        current = self.price(self.route.levels, curves)
         options = []
         for f in stale:
+            best_case = self.price(f, curves, optimistic=True)
+            if current is not None and best_case is not None and best_case[0] >= (1.0 - SWITCH_GAIN) * current[0]:
+                continue
             p = self.price(f, curves)
             options.append((p[0] if p is not None else 0.0, f, p[1] if p is not None else self._start_of(f)))
+        if not options:
+            return None
         options.sort(key=lambda o: o[0])
         self.probing = options[0][1]
         return options[0][2]
@@ -323,7 +340,8 @@ class Planner:
             # the stack as given, measured once, with short drafts: a round of poor drafts costs little, and
             # acceptance is measured per token whatever the gamma
             route = self.route = Route(self.start.levels, tuple(min(g, START_GAMMA) for g in self.start.gammas))
-        elif r >= 2 and (tokens - self.planned_at >= PLAN_EVERY or self.probing is not None):
+        elif r >= 2 and (tokens - self.planned_at >= PLAN_EVERY or self.probing is not None
+                         or self.plans < EARLY_PLANS):
             self.plan()
             self.planned_at = tokens
             route = self._probe() or self.route
