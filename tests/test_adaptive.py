@@ -277,3 +277,13 @@ def test_the_server_metrics_count_the_adaptive_routes(models, prompt):
     for route, rounds in res.stats["adaptive"]["routes"].items():
         assert f'triforce:spec_decode_route_rounds_total{{route="{route}"}} {float(rounds)}' in text
     assert f"triforce:spec_decode_route_changes_total {float(res.stats['adaptive']['route_changes'])}" in text
+
+
+def test_an_undecided_proposal_counts_with_what_it_matched_so_far():
+    w = new_planner().ngram_top
+    for pos in (0, 1, 2):
+        w.propose(pos, [7] * 8)
+    w.judge([7, 7, 7, 7])  # every proposal still matches where the text ends: none decided
+    assert not w.rounds and [m for _, m in w.open] == [4, 3, 2]
+    b = w.boundary()
+    assert b is not None and b.tokens(8) > b.tokens(4) > b.tokens(1) > 1.9  # long matches so far: long gammas pay

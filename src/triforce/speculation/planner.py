@@ -144,6 +144,7 @@ class NGramWindow:
     def __init__(self):
         self.rounds: deque = deque(maxlen=self.KEEP)  # (proposal length, matched)
         self.pending: deque = deque()  # (position, proposal) not yet judged
+        self.open: list[tuple[int, int]] = []  # the pending ones as of the last judge(): (length, matched so far)
 
     def propose(self, position: int, proposal: list[int]) -> None:
         if proposal:
@@ -152,23 +153,37 @@ class NGramWindow:
             self.rounds.append((0, 0))
 
     def judge(self, seq: list[int]) -> None:
-        """Judge the pending proposals that the committed sequence `seq` now decides."""
-        while self.pending:
-            pos, proposal = self.pending[0]
+        """Judge the pending proposals that the committed sequence `seq` now decides; the others keep how far
+        they match so far (`open`)."""
+        self.open = []
+        for pos, proposal in list(self.pending):
             m = 0
             while m < len(proposal) and pos + m < len(seq) and seq[pos + m] == proposal[m]:
                 m += 1
             if m < len(proposal) and pos + m >= len(seq):
-                return  # still matching where the sequence ends: later rounds decide
-            self.pending.popleft()
+                self.open.append((len(proposal), m))  # still matching where the sequence ends
+                continue
+            self.pending.remove((pos, proposal))
             self.rounds.append((len(proposal), m))
 
     def boundary(self) -> Boundary | None:
-        if len(self.rounds) < MIN_ROUNDS:
+        """Tokens per round and drafted tokens by gamma. An undecided proposal counts with what it matched so far,
+        its undecided rest at the judged rate (matched / (matched + misses)): on repeating text most proposals
+        stay undecided for several rounds, and waiting for them would keep the run on a slower route."""
+        rounds = list(self.rounds)
+        if len(rounds) + len(self.open) < MIN_ROUNDS:
             return None
-        n = len(self.rounds)
-        tokens = [sum(min(m, g) for _, m in self.rounds) / n + 1.0 for g in range(MAX_GAMMA_NGRAM + 1)]
-        drafted = [sum(min(d, g) for d, _ in self.rounds) / n for g in range(MAX_GAMMA_NGRAM + 1)]
+        n = len(rounds) + len(self.open)
+        matched = sum(m for _, m in rounds) + sum(m for _, m in self.open)
+        misses = sum(1 for d, m in rounds if m < d)
+        rate = (matched + 1.0) / (matched + misses + 2.0)
+        tokens, drafted = [], []
+        for g in range(MAX_GAMMA_NGRAM + 1):
+            total = sum(min(m, g) for _, m in rounds)
+            for d, m in self.open:
+                total += min(m, g) + (expected_tokens(rate, min(d, g) - m) - 1.0 if m < min(d, g) else 0.0)
+            tokens.append(total / n + 1.0)
+            drafted.append((sum(min(d, g) for d, _ in rounds) + sum(min(d, g) for d, _ in self.open)) / n)
         return Boundary(tokens.__getitem__, drafted.__getitem__)
 
 
@@ -400,6 +415,8 @@ class AdaptiveTop:
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
         t = time.perf_counter()
+        if self.ngram is not None:
+            self.planner.ngram_top.judge(ctx)
         route = self.planner.next_route(self.tokens)
         text = self._texts.get(route)
         if text is None:
@@ -411,9 +428,7 @@ class AdaptiveTop:
             self._last = text
         self.rounds_by_route[text] = self.rounds_by_route.get(text, 0) + 1
         if self.ngram is not None:
-            window = self.planner.ngram_top
-            window.judge(ctx)
-            window.propose(len(ctx), self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)[0])
+            self.planner.ngram_top.propose(len(ctx), self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)[0])
         chain = self._chain(route)
         self.planner_seconds += time.perf_counter() - t
         for i in route.levels[:-1]:
