@@ -80,10 +80,15 @@ def ms_per_token(bottom_ms: float, steps: Sequence[Step]) -> float:
     costs (a model: one forward of 1 token; n-gram lookup: 0), `steps` the verifying levels, bottom first. Each
     round of a level costs its forward of 1 + drafted tokens plus gamma tokens of the level below, and yields
     tokens(gamma) tokens."""
+    return chain_ms(bottom_ms, [(s.gamma, cost_at(s.costs, 1 + s.boundary.drafted(s.gamma)), s.boundary.tokens(s.gamma))
+                                for s in steps])
+
+
+def chain_ms(bottom_ms: float, rounds: Sequence[tuple[int, float, float]]) -> float:
+    """ms_per_token's arithmetic, from each level's (gamma, ms of its round's forward, tokens per round)."""
     ms = bottom_ms
-    for s in steps:
-        round_ms = cost_at(s.costs, 1 + s.boundary.drafted(s.gamma)) + s.gamma * ms
-        ms = round_ms / s.boundary.tokens(s.gamma)
+    for gamma, forward_ms, tokens in rounds:
+        ms = (forward_ms + gamma * ms) / tokens
     return ms
 
 

@@ -21,7 +21,7 @@ sampled output distributed as the target's. What is measured, cheaply (no extra 
   verification would have accepted is known (in distribution when sampling) without running it.
 
 Every PLAN_EVERY generated tokens the planner prices every route with the cost model that `triforce tune` uses
-(cost_model.ms_per_token) and moves to the cheapest when it beats the current route by SWITCH_GAIN (hysteresis:
+(cost_model.chain_ms, the arithmetic of cost_model.ms_per_token) and moves to the cheapest when it beats the current route by SWITCH_GAIN (hysteresis:
 timings are noisy). Routes through a model level below the top are only measured by running them, so one of them
 is probed for a round now and then (every PROBE_FIRST rounds, doubling to PROBE_MAX while probes do not win):
 the run comes back to the stack when the text becomes predictable again.
@@ -32,12 +32,12 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import combinations, product
 from typing import Callable
 
 import torch
 
-from .cost_model import Boundary, Step, expected_tokens, ms_per_token
+from .cost_model import Boundary, chain_ms, expected_tokens
 from .drafters import ModelDrafter, NGramDrafter
 from .level import Level
 from .state import ModelState
@@ -241,16 +241,14 @@ class Planner:
         return Boundary.iid(alpha)
 
     # -- pricing -----------------------------------------------------------------------------------------------
-    def _gamma_grid(self, family: tuple[int, ...]) -> list[tuple[int, ...]]:
+    def _gamma_grids(self, family: tuple[int, ...]) -> list[range]:
+        """The gammas considered at each boundary of the family, bottom first."""
         grids = []
         for below, above in zip(family, family[1:]):
             top = above == self.top
             hi = (MAX_GAMMA_NGRAM if self.kinds[below] == "ngram" else MAX_GAMMA_TOP) if top else MAX_GAMMA_BELOW
             grids.append(range(1, hi + 1))
-        out = [()]
-        for g in grids:
-            out = [x + (v,) for x in out for v in g]
-        return out
+        return grids
 
     def _measured(self) -> dict:
         """The cost curves of the model levels, and the n-gram window's boundary, as of now (for price())."""
@@ -281,12 +279,16 @@ class Planner:
             if b is None or curves.get(above) is None:
                 return None
             steps.append((curves[above], b))
+        # per boundary and gamma: (gamma, ms of the verifying forward, tokens per round), computed once
+        tables = []
+        for (cost, b), grid in zip(steps, self._gamma_grids(family)):
+            tables.append([(g, cost(1 + b.drafted(g)), b.tokens(g)) for g in grid])
         best = None
-        for gammas in self._gamma_grid(family):
-            ms = ms_per_token(bottom_ms, [Step(c, b, g) for (c, b), g in zip(steps, gammas)])
+        for combo in product(*tables):
+            ms = chain_ms(bottom_ms, combo)
             if best is None or ms < best[0]:
-                best = (ms, Route(family, gammas))
-        return best
+                best = (ms, combo)
+        return best[0], Route(family, tuple(g for g, _, _ in best[1]))
 
     def _stale(self, family: tuple[int, ...]) -> bool:
         """Whether a boundary of the family went unmeasured for probe_gap rounds: only running a route through a
