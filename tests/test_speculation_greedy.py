@@ -53,9 +53,9 @@ def test_greedy_equals_ar(target, small_draft, method, drafter, n_prompt, seed):
 
 
 def test_hierarchy_levels_and_rebuilds(target):
-    """TriForce has three levels; the retrieval cache is rebuilt as generation goes on."""
+    """TriForce as given (--no-adapt) has three levels; the retrieval cache is rebuilt as generation goes on."""
     prompt = _prompt(300, 3)
-    res = generate(target, prompt, 80, method="triforce", config=TINY_SPEC)
+    res = generate(target, prompt, 80, method="triforce", config=replace(TINY_SPEC, adapt=False))
     names = [lvl["level"] for lvl in res.stats["levels"]]
     assert names == ["full", "retrieval", "ngram"]
     assert res.stats["retrieval_rebuilds"] >= 1 + 80 // TINY_SPEC.rebuild_every - 1
@@ -70,7 +70,7 @@ def test_ngram_shortcut_keeps_greedy_exact(smollm, all_threads):
     model = smollm.model
     passage = demo_tokens(smollm.tokenizer, 400)
     prompt = passage + passage[:40]
-    cfg = SpecConfig(budget=256, recent=32, rebuild_every=32)
+    cfg = SpecConfig(budget=256, recent=32, rebuild_every=32, adapt=False)  # the stack as given: its shortcut
     ref = generate(model, prompt, 64, method="ar").tokens
     on = generate(model, prompt, 64, method="triforce", config=cfg)
     off = generate(model, prompt, 64, method="triforce", config=replace(cfg, ngram_shortcut=0.0))
@@ -127,7 +127,7 @@ def test_ngram_shortcut_alternating_routes_keep_greedy_exact(target, monkeypatch
 
 def test_short_prompt_degrades_to_full_cache(target):
     prompt = _prompt(30, 4)
-    res = generate(target, prompt, 20, method="triforce", config=TINY_SPEC)
+    res = generate(target, prompt, 20, method="triforce", config=replace(TINY_SPEC, adapt=False))
     assert res.tokens == generate_ar(target, prompt, 20).tokens
     assert "fits in the retrieval budget" in res.stats["notes"][0]
     assert [lvl["level"] for lvl in res.stats["levels"]] == ["full", "ngram"]
