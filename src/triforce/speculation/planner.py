@@ -156,15 +156,17 @@ class NGramWindow:
         """Judge the pending proposals that the committed sequence `seq` now decides; the others keep how far
         they match so far (`open`)."""
         self.open = []
-        for pos, proposal in list(self.pending):
+        undecided = deque()
+        for pos, proposal in self.pending:
             m = 0
             while m < len(proposal) and pos + m < len(seq) and seq[pos + m] == proposal[m]:
                 m += 1
             if m < len(proposal) and pos + m >= len(seq):
                 self.open.append((len(proposal), m))  # still matching where the sequence ends
-                continue
-            self.pending.remove((pos, proposal))
-            self.rounds.append((len(proposal), m))
+                undecided.append((pos, proposal))
+            else:
+                self.rounds.append((len(proposal), m))
+        self.pending = undecided
 
     def boundary(self) -> Boundary | None:
         """Tokens per round and drafted tokens by gamma. An undecided proposal counts with what it matched so far,
@@ -296,7 +298,8 @@ class Planner:
         return any(self.round - self.seen.get(b, -10 ** 9) > self.probe_gap
                    for b in zip(family, family[1:]) if not (self.ngram and b == (0, self.top)))
 
-    def plan(self) -> None:
+    def plan(self) -> tuple[dict, dict]:
+        """Re-choose the route -> (the cost curves, every family's price) it was chosen from, for _probe."""
         self.plans += 1
         curves = self._measured()
         priced = {f: self.price(f, curves) for f in self.families}
@@ -305,7 +308,7 @@ class Planner:
         current = priced.get(self.route.levels)
         best = min((p for p in priced.values() if p is not None), key=lambda p: p[0], default=None)
         if best is None:
-            return
+            return curves, priced
         if current is None or best[0] < (1.0 - SWITCH_GAIN) * current[0]:
             self.route = best[1]
         elif current[1].gammas != self.route.gammas:
@@ -317,23 +320,23 @@ class Planner:
             else:
                 self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
             self.probing = None
+        return curves, priced
 
-    def _probe(self) -> Route | None:
+    def _probe(self, curves: dict, priced: dict) -> Route | None:
         """A family that only running measures, unmeasured for probe_gap rounds, and that could still win: one round
         of its best-priced route. "Could win": priced with every draft of a model level accepted (and n-gram drafts
         for a model level as the full level takes them), it beats the current route; a family that cannot is not
-        worth the round, nor the rebuild of a retrieval level that sat out."""
+        worth the round, nor the rebuild of a retrieval level that sat out. `curves`, `priced`: from plan()."""
         stale = [f for f in self.families if f != self.route.levels and self._stale(f)]
         if not stale:
             return None
-        curves = self._measured()
-        current = self.price(self.route.levels, curves)
+        current = priced[self.route.levels]
         options = []
         for f in stale:
             best_case = self.price(f, curves, optimistic=True)
             if current is not None and best_case is not None and best_case[0] >= (1.0 - SWITCH_GAIN) * current[0]:
                 continue
-            p = self.price(f, curves)
+            p = priced[f]
             options.append((p[0] if p is not None else 0.0, f, p[1] if p is not None else self._start_of(f)))
         if not options:
             return None
@@ -359,9 +362,9 @@ class Planner:
             route = self.route = Route(self.start.levels, tuple(min(g, START_GAMMA) for g in self.start.gammas))
         elif r >= 2 and (tokens - self.planned_at >= PLAN_EVERY or self.probing is not None
                          or self.plans < EARLY_PLANS):
-            self.plan()
+            curves, priced = self.plan()
             self.planned_at = tokens
-            route = self._probe() or self.route
+            route = self._probe(curves, priced) or self.route
         self.round += 1
         return route
 
