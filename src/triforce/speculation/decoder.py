@@ -148,7 +148,6 @@ class Decoder:
         """Rebuild policy of the retrieval and H2O caches, run between rounds: after `rebuild_every` new
         tokens, when a cache runs out of room, or when the top level's acceptance falls below
         `rebuild_below`."""
-        synced = False
         in_use = self.adaptive.levels_in_use if self.adaptive is not None else range(len(self.states))
         for i, (lvl, state) in enumerate(zip(self.stack.levels, self.states)):
             if lvl.kind not in REBUILT or i not in in_use:  # a level sitting out is caught up when it runs again
@@ -160,13 +159,15 @@ class Decoder:
             low = (self.config.rebuild_below > 0 and isinstance(top, Level) and len(top.recent) >= 4
                    and sum(top.recent[-4:]) / 4 < self.config.rebuild_below and since >= 32)
             if since >= self.config.rebuild_every or room < 2 * max_rollback(self.stack) or low:
-                t = time.perf_counter()
-                if not synced:
-                    self.full._sync(seq, committed)  # drop rejected drafts; keeps all but the newest token
-                    synced = True
-                rebuild(state, self.full)
-                self.rebuilds += 1
-                self.rebuild_seconds += time.perf_counter() - t
+                self._rebuild(state, seq, committed)
+
+    def _rebuild(self, state: ModelState, seq: list[int], committed: int) -> None:
+        """Rebuild a retrieval or H2O level's cache from the full cache, counted in the stats."""
+        t = time.perf_counter()
+        self.full._sync(seq, committed)  # drop rejected drafts (a no-op when synced already); keeps all but the newest
+        rebuild(state, self.full)
+        self.rebuilds += 1
+        self.rebuild_seconds += time.perf_counter() - t
 
     def catch_up(self, i: int, seq: list[int], committed: int) -> None:
         """Before level i of an adaptive stack runs again: a retrieval or H2O level that sat out CATCH_UP or more
@@ -176,11 +177,7 @@ class Decoder:
         if lvl.kind not in REBUILT:
             return
         if committed - state.stable >= CATCH_UP or state.cache.room(committed) < 2 * max_rollback(self.stack):
-            t = time.perf_counter()
-            self.full._sync(seq, committed)
-            rebuild(state, self.full)
-            self.rebuilds += 1
-            self.rebuild_seconds += time.perf_counter() - t
+            self._rebuild(state, seq, committed)
 
     def stats(self) -> dict:
         if self.adaptive is not None:
