@@ -77,6 +77,9 @@ def _add_spec_args(p: argparse.ArgumentParser, tuned: bool = True) -> None:
                    help="bottom drafter of triforce: ngram (default), streaming (the target with a StreamingLLM "
                         "cache), or PATH of a small model sharing the target's tokenizer; also the model of a "
                         "'draft' level")
+    g.add_argument("--head", metavar="DIR", default="",
+                   help="the draft head of a 'head' level: a directory made by `triforce train-drafter`, or an "
+                        "EAGLE checkpoint (default: the head that ships for the embedded model)")
     g.add_argument("--budget", type=_positive_int, default=None, metavar="N",
                    help=f"retrieval (and H2O) cache budget in tokens per layer and KV head, for a retrieval or h2o level "
                         f"without :BUDGET (default {d.budget}, or the tuned value for triforce)")
@@ -120,7 +123,7 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                         + ". Default triforce. All give the target's exact output.")
     g.add_argument("--levels", metavar="KIND[:BUDGET],...,full",
                    help="your own stack, bottom to top, instead of --method, e.g. ngram,streaming,retrieval:1024,full. "
-                        "Kinds: ngram (bottom only), streaming[:BUDGET] (the target with a StreamingLLM cache of "
+                        "Kinds: ngram (bottom only), head (bottom only: a trained draft head, --head DIR), streaming[:BUDGET] (the target with a StreamingLLM cache of "
                         "BUDGET = sink + window tokens), retrieval[:BUDGET] (the target with a retrieval cache of "
                         "BUDGET tokens), h2o[:BUDGET] (the target with an H2O cache: the positions its last queries attended to most, "
                         "plus the recent ones), kv4 (the target reading its cache at 4 bits), draft (a small model, --draft PATH), full (the target with its full cache: "
@@ -166,7 +169,8 @@ def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
                      sink=args.sink, window=args.window, prefill_chunk=args.prefill_chunk,
                      ngram_shortcut=args.ngram_shortcut,
                      adapt=getattr(args, "adapt", True) and args.gamma is None and args.gamma_draft is None,
-                     draft_weights=args.draft_weights, draft_kv_dtype=args.draft_kv_dtype or _default_draft_kv(args))
+                     draft_weights=args.draft_weights, draft_kv_dtype=args.draft_kv_dtype or _default_draft_kv(args),
+                     head=getattr(args, "head", "") or "")
     cfg.validate()
     return cfg, path
 
@@ -327,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.quantize import add_arguments as quantize_arguments
 
     quantize_arguments(qz)
+    from .drafthead import command as train_drafter
+
+    train_drafter.add_arguments(sub.add_parser(train_drafter.NAME, help=train_drafter.HELP,
+                                               description=train_drafter.DESCRIPTION))
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                         description="Serve the model over HTTP with the OpenAI API (POST /v1/completions and "
                                     "/v1/chat/completions, streamed or not; GET /v1/models, /health and /metrics) "
@@ -543,6 +551,10 @@ def _run(args) -> int:
         from .bench.quantize import run as quantize_run
 
         return quantize_run(args)
+    if args.command == "train-drafter":
+        from .drafthead.command import run as train_drafter_run
+
+        return train_drafter_run(args)
     config, draft_path = spec_config_from_args(args)
     if args.command == "bench":
         from .bench.methods import main as bench_main

@@ -554,11 +554,13 @@ class Transformer(nn.Module):
         return out
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | None = None,
-                block: TokenBlock | None = None) -> torch.Tensor:
+                block: TokenBlock | None = None, hidden: bool = False):
         """tokens [B, T] at positions cache.length .. cache.length + T - 1, a causal chain (or, with a
         TokenBlock, at positions cache.length + block.offsets, each seeing the tokens block.visible
         says: a draft tree) -> fp32 logits [B, T, V] (only the last `last` positions if given). The
-        tokens are committed to the cache (a tree: until cache.keep() keeps its accepted path)."""
+        tokens are committed to the cache (a tree: until cache.keep() keeps its accepted path).
+        `hidden`: -> (logits, features [B, T, hidden]), the final norm's output at every position (what
+        the LM head reads; a trained draft head drafts from it, drafthead/)."""
         if cache.windows != self.windows:
             raise TriforceError(f"{type(cache).__name__} does not implement the sliding-window layers of this "
                                 f"{self.cfg.arch} model: use a SlidingWindowCache (any cache can hold its "
@@ -577,6 +579,9 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 x = layer(x, *(rope_local if layer.sliding else rope), cache)
         cache.commit(T)
+        if hidden:
+            features = self.norm(x)
+            return self._head_logits(features if last is None else features[:, -last:]), features
         if last is not None:
             x = x[:, -last:]
         return self._logits(x)
@@ -639,7 +644,11 @@ class Transformer(nn.Module):
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm, the LM head and Gemma's softcap -> fp32 logits."""
-        logits = self.lm_head(self.norm(x))
+        return self._head_logits(self.norm(x))
+
+    def _head_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The LM head and Gemma's softcap over the final norm's output -> fp32 logits."""
+        logits = self.lm_head(features)
         if (cap := self.cfg.final_logit_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -37,6 +37,7 @@ class StreamingCache(KVCache):
         self.v = kv_buffer(shape, dtype, device)
         self.pos = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
         self.n_layers, self.length, self.start = n_layers, 0, sink
+        self.skipped_to = sink  # skip_to's position: the region's start until a compaction moves it
         self._mask: torch.Tensor | None = None
         self._write_slot = 0
         self._n_new = 0
@@ -95,11 +96,14 @@ class StreamingCache(KVCache):
         anyway): a draft can read the sinks and the prompt's tail instead of the whole prompt. The
         keys it then stores differ from a full streaming prefill, which is harmless for a draft."""
         assert position >= self.length and position >= self.sink, (position, self.length)
-        self.start = self.length = position
+        self.start = self.length = self.skipped_to = position
 
     def rollback(self, length: int) -> None:
+        """Back to `length`: past the sinks, as far as the region's start, and, once a compaction dropped
+        tokens, no farther than keeps every remaining token's window whole (max_rollback)."""
         assert 0 <= length <= self.length, (length, self.length)
-        if self.start > self.sink and length - self.window + 1 < self.start:
+        if self.start > self.sink and length < self.start or (
+                self.start > self.skipped_to and length - self.window + 1 < self.start):
             raise ValueError(
                 f"streaming cache cannot roll back {self.length - length} tokens (max_rollback={self.max_rollback})"
             )

@@ -40,6 +40,7 @@ class SpecConfig:
     # full-precision buffer): fp32, bf16 or fp16.
     # The target's own cache (full level, ar) has the model's kv_dtype (--kv-dtype).
     draft_kv_dtype: str = DEFAULT_DRAFT_KV_DTYPE
+    head: str = ""  # a `head` level's draft head directory (--head); "": the one shipped for the embedded model
 
     def validate(self) -> None:
         for name in ("gamma", "gamma_draft", "chunk_size", "rebuild_every", "window", "ngram", "prefill_chunk"):

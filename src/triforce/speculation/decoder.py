@@ -17,7 +17,7 @@ from ..errors import TriforceError
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
-from .drafters import ModelDrafter, NGramDrafter
+from .drafters import ModelDrafter
 from .kinds import KINDS, BuildContext, rebuild
 from .level import Level
 from .planner import CATCH_UP, AdaptiveTop, Route
@@ -79,7 +79,8 @@ class Decoder:
         else:  # made here, before the levels: a kv4 level reads an int8 target's planes
             full_cache = model.new_cache(capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
                                                                         for lvl in self.stack.levels))
-        ctx = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache)
+        ctx = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
+                           generator)
 
         # level names in the stats: the kind, or kind:budget where the stack names a budget
         self.states: list[ModelState | None] = [KINDS[lvl.kind].state(ctx, lvl, str(lvl)) for lvl in self.stack.levels]
@@ -87,6 +88,10 @@ class Decoder:
         bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
         proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
                     else KINDS[bottom_spec.kind].drafter(ctx, bottom_spec))
+        if hasattr(proposer, "sources"):  # a draft head reads the features of the levels above, nearest first
+            proposer.sources = [s for s in self.states[1:] if s is not None]
+            for s in proposer.sources:
+                s.record_features()
         self.adaptive = None
         if self.stack.adaptive and len(self.stack.levels) > 1 and not self.stack.tree:
             if model.device.type == "cpu":
@@ -95,7 +100,7 @@ class Decoder:
                 n = len(kinds) - 1
                 start = Route(tuple(range(n + 1)), self.stack.gammas)
                 self.adaptive = AdaptiveTop(kinds, names, self.states,
-                                            proposer if isinstance(proposer, NGramDrafter) else None, start, generator,
+                                            proposer if bottom_state is None else None, start, generator,
                                             self.catch_up, force=force_route)
                 self.top = self.adaptive
                 return
@@ -133,6 +138,8 @@ class Decoder:
         if self.prefilled is not None:
             self.prefilled.restore(prompt)
             self.full.fed, self.full.stable = list(head), len(head)
+            if self.full.features is not None and self.prefilled.features is not None:
+                self.full._store_features(len(head) - len(self.prefilled.features), self.prefilled.features)
         else:
             self.full.prefill(head, self.config.prefill_chunk, progress)
         for lvl, state in zip(self.stack.levels[:-1], self.states[:-1]):

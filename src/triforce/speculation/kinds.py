@@ -52,6 +52,7 @@ class BuildContext:
     max_rollback: int  # tokens past the committed sequence a bounded cache must be able to drop
     draft_model: Transformer | None = None
     full_cache: object = None  # the full level's cache (given, e.g. prefilled, or made here)
+    generator: torch.Generator | None = None  # the generation's (drafters that sample)
 
 
 class Kind:
@@ -196,6 +197,24 @@ class KV4(Kind):
         state.fed, state.stable = list(full.fed), len(full.fed)
 
 
+class Head(Kind):
+    """A trained draft head (drafthead/: EAGLE's design) reading the features of the levels above: --head DIR,
+    or the head that ships for the embedded model. Model-less from the stack's view (no ModelState)."""
+
+    name = "head"
+
+    def state(self, ctx, spec, name):
+        return None
+
+    def drafter(self, ctx, spec):
+        from ..drafthead.drafter import HeadDrafter
+        from ..drafthead.head import head_for
+
+        head = head_for(ctx.model, ctx.config.head)
+        return HeadDrafter(head, ctx.model, ctx.params, ctx.generator, ctx.max_rollback,
+                           kv_dtype(ctx.config.draft_kv_dtype))
+
+
 def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
     """A drafting level's cache (config.draft_kv_dtype): make(n_layers, n_kv_heads=, head_dim=, dtype=,
     device=) over every layer, or, for a model with sliding-window layers (Gemma 3), over its global
@@ -217,4 +236,4 @@ def rebuild(state: ModelState, full: ModelState) -> None:
     state.stable = len(full.fed)
 
 
-KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), H2O(), KV4())}
+KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), H2O(), KV4(), Head())}

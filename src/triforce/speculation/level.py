@@ -150,6 +150,9 @@ class Level:
         # accepted path (Sequoia's positional acceptance vector: accepted / tried, `triforce tune --trees`)
         self.rank_tried: list[int] = []
         self.rank_accepted: list[int] = []
+        # chains: per draft position, how often it was verified (every earlier one accepted) / accepted
+        self.position_tried: list[int] = []
+        self.position_accepted: list[int] = []
 
     def shortcut_rate(self, n: int) -> float | None:
         """Accepted / drafted over the remembered proposals from n-gram matches of length n (None: too few)."""
@@ -207,6 +210,8 @@ class Level:
             self.on_round(k, len(tree), j)
         if self.tree is not None:
             self._count_ranks(tree, path)
+        else:
+            self._count_positions(len(tree), j)
         tokens = [tree.tokens[i] for i in path] + [nxt]  # a tree may give more than k + 1: callers cut
         if self.shortcut is not None:
             self._remember_lookahead(tokens)
@@ -228,6 +233,19 @@ class Level:
                 self.rank_tried[r] += 1
             if accepted is not None:
                 self.rank_accepted[accepted] += 1
+
+    def _count_positions(self, drafted: int, accepted: int) -> None:
+        while len(self.position_tried) < drafted:
+            self.position_tried.append(0)
+            self.position_accepted.append(0)
+        for i in range(min(accepted + 1, drafted)):
+            self.position_tried[i] += 1
+        for i in range(accepted):
+            self.position_accepted[i] += 1
+
+    def acceptance_by_position(self) -> list[float]:
+        """Per draft position of the chains: accepted / verified (P(accepted | every earlier one accepted))."""
+        return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
 
     def acceptance_by_rank(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.rank_accepted, self.rank_tried)]
@@ -261,6 +279,8 @@ class Level:
                 "shortcut_rate_by_match": {str(n): round(r, 3) for n in sorted(self._shortcut_history)
                                            if (r := self.shortcut_rate(n)) is not None}}
                if self.shortcut is not None else {}),
+            **({"acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position()],
+                "verified_by_position": list(self.position_tried)} if self.tree is None and self.position_tried else {}),
             **({"tree_nodes": len(self.tree), "acceptance_by_rank": [round(a, 4) for a in self.acceptance_by_rank()],
                 "tried_by_rank": list(self.rank_tried)} if self.tree is not None else {}),
         }

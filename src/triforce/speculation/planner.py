@@ -378,12 +378,17 @@ class AdaptiveTop:
 
     def __init__(self, kinds: list[str], names: list[str], states: list[ModelState | None], ngram: NGramDrafter | None,
                  start: Route, generator: torch.Generator, catch_up, force=None):
-        self.kinds, self.names, self.states, self.ngram = kinds, names, states, ngram
+        # a model-less bottom drafter: n-gram lookup, or a draft head (timed per drafted token as a level's forward)
+        self.ngram = ngram if kinds[0] == "ngram" else None
+        self.head = ngram if kinds[0] == "head" else None
+        self.kinds, self.names, self.states = kinds, names, states
         self.generator, self.catch_up = generator, catch_up
         self.planner = Planner(kinds, start, force)
         for i, state in enumerate(states):
             if state is not None:
                 state.on_forward = self.planner.costs[i].add
+        if self.head is not None:
+            self.head.on_forward = self.planner.costs[0].add
         self._chains: dict[tuple[int, ...], object] = {}
         self._drafters: dict[int, ModelDrafter] = {}
         self.rounds_by_route: dict[str, int] = {}
@@ -399,8 +404,8 @@ class AdaptiveTop:
         if chain is None:
             fam = route.levels
             b = fam[0]
-            if self.kinds[b] == "ngram":
-                chain = self.ngram
+            if self.kinds[b] in ("ngram", "head"):
+                chain = self.ngram or self.head
             else:
                 chain = self._drafters.setdefault(b, ModelDrafter(self.states[b], self.generator))
             for below, above in zip(fam, fam[1:]):

@@ -5,6 +5,8 @@
 - `full` is the target with its full KV cache: it verifies, so the output is exactly the target's;
   it is last, exactly once. `full` alone is autoregressive decoding.
 - `ngram` is prompt lookup: it can only draft, so it is the bottom level, if present.
+- `head` is a trained draft head (drafthead/, EAGLE's design) reading the features the levels above
+  computed: it can only draft, at the bottom (`--head DIR`, default the head shipped for the embedded model).
 - `streaming[:BUDGET]` (the target with a StreamingLLM cache of BUDGET = sink + window tokens),
   `retrieval[:BUDGET]` (the target with a retrieval cache keeping BUDGET tokens per layer and KV
   head), `kv4` (the target reading its KV cache at 4 bits, QuantSpec's draft: caches/quantized.py) and
@@ -25,12 +27,12 @@ from dataclasses import dataclass, replace
 
 from ..errors import TriforceError
 
-KINDS = ("ngram", "streaming", "retrieval", "h2o", "kv4", "draft", "full")
-DRAFT_ONLY = ("ngram",)  # kinds that cannot verify (no model)
+KINDS = ("ngram", "head", "streaming", "retrieval", "h2o", "kv4", "draft", "full")
+DRAFT_ONLY = ("ngram", "head")  # kinds that cannot verify (no model of their own over the sequence)
 BUDGETED = ("streaming", "retrieval", "h2o")
 REBUILT = ("retrieval", "h2o")  # built from the full cache, rebuilt by the decoder's policy
 MIN_LEVELS, MAX_LEVELS = 1, 5
-GRAMMAR = ("valid stacks: KIND[:BUDGET],...,full, bottom to top, 1 to 5 levels; kinds ngram (bottom only), "
+GRAMMAR = ("valid stacks: KIND[:BUDGET],...,full, bottom to top, 1 to 5 levels; kinds ngram (bottom only), head (bottom only: a trained draft head, --head DIR), "
            "streaming[:BUDGET], retrieval[:BUDGET], h2o[:BUDGET], kv4, draft (needs --draft PATH), and full (last, exactly once); "
            "--gammas N or one value per boundary; e.g. --levels ngram,retrieval:4096,full --gammas 3,4 or "
            "--levels ngram,kv4,full")

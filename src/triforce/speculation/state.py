@@ -14,9 +14,10 @@ from .tree import DraftTree
 
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: int = 512,
-            progress: bool = False) -> torch.Tensor | None:
+            progress: bool = False, features: list | None = None) -> torch.Tensor | None:
     """Feed ids [B, N] in chunks (bounded attention memory); -> fp32 logits of the last token [B, V]
-    (None when N == 0: a one-token prompt leaves nothing to prefill before the first draft)."""
+    (None when N == 0: a one-token prompt leaves nothing to prefill before the first draft). `features`: a
+    list that receives the features of the last chunk's tokens ([chunk, hidden], B = 1; Transformer.forward)."""
     from tqdm.auto import tqdm
 
     n = ids.shape[1]
@@ -24,7 +25,11 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
     with tqdm(total=n, desc="prefill", unit="tok", disable=not progress or n <= chunk_size, leave=False) as bar:
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits = model(ids[:, start:end], cache, last=1)
+            if features is not None and end == n:
+                logits, hidden = model(ids[:, start:end], cache, last=1, hidden=True)
+                features[:] = [hidden[0]]
+            else:
+                logits = model(ids[:, start:end], cache, last=1)
             bar.update(end - start)
     return None if logits is None else logits[:, -1]
 
@@ -50,12 +55,44 @@ class ModelState:
 
     def __init__(self, name: str, model: Transformer, cache: KVCache, params: SamplingParams):
         self.name, self.model, self.cache, self.params = name, model, cache, params
-        self.fed: list[int] = []
+        self._fed: list[int] = []
+        # the final norm's output at each fed position, for a trained draft head below (record_features());
+        # rows [features_from, len(fed)) are valid
+        self.features: torch.Tensor | None = None
+        self.features_from = 0
         self.stable = 0  # fed[:stable] is known to be committed
         self.forwards = 0
         self.seconds = 0.0
         self._tree: tuple[int, int, DraftTree] | None = None  # (start, pending tokens, tree) until keep_path
         self.on_forward = None  # called with (tokens fed, seconds) after each forward (the adaptive planner's costs)
+
+    @property
+    def fed(self) -> list[int]:
+        return self._fed
+
+    @fed.setter
+    def fed(self, tokens: list[int]) -> None:
+        """Set from outside (a prefill, a rebuild from the full cache): no features for these tokens."""
+        self._fed = tokens
+        self.features_from = len(tokens)
+
+    def record_features(self) -> None:
+        """From now on, keep the final norm's output of every token this state feeds (drafthead.HeadDrafter
+        drafts from them); forwards then run eagerly (not as CUDA graphs)."""
+        if self.features is None:
+            self.features = torch.zeros(0, self.model.cfg.hidden_size, device=self.model.device)
+            self.features_from = len(self._fed)
+
+    def _store_features(self, start: int, rows: torch.Tensor) -> None:
+        """rows [n, hidden] are the features of fed[start:start + n]."""
+        end = start + rows.shape[0]
+        if end > self.features.shape[0]:
+            grown = torch.zeros(max(end, 2 * self.features.shape[0], 1024), rows.shape[1], device=rows.device)
+            grown[:self.features.shape[0]] = self.features
+            self.features = grown
+        self.features[start:end] = rows
+        if start < self.features_from:
+            self.features_from = start
 
     def _sync(self, ctx: list[int], committed: int) -> int:
         """Roll back to the longest prefix of `fed` matching ctx, keeping at least one ctx token to
@@ -89,7 +126,12 @@ class ModelState:
         feed = pending + tokens
         t = time.perf_counter()
         graphs = self.model.graphs
-        if graphs is not None and graphs.usable(self.cache, block, len(feed)):
+        if self.features is not None:
+            logits, hidden = self.model(torch.tensor([feed], device=self.model.device), self.cache,
+                                        last=len(tokens) + 1, block=block, hidden=True)
+            logits = logits[0]
+            self._store_features(n, hidden[0])
+        elif graphs is not None and graphs.usable(self.cache, block, len(feed)):
             logits = graphs.forward(feed, self.cache, last=len(tokens) + 1)
         else:
             logits = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(tokens) + 1,
@@ -113,15 +155,22 @@ class ModelState:
         start, m, tree = self._tree
         self._tree = None
         self.cache.keep(start, list(range(m)) + [m + i for i in path])
+        if self.features is not None and path:
+            kept = torch.tensor([start + m + i for i in path], device=self.features.device)
+            self.features[start + m:start + m + len(path)] = self.features[kept]
         del self.fed[start + m:]
         self.fed.extend(tree.tokens[i] for i in path)
 
     def prefill(self, tokens: list[int], chunk_size: int = 512, progress: bool = False) -> None:
-        """Feed `tokens` (from an empty cache) in chunks."""
+        """Feed `tokens` (from an empty cache) in chunks (recording features, keeping those of the last chunk)."""
         assert not self.fed
-        prefill(self.model, self.cache, torch.tensor([tokens], device=self.model.device), chunk_size, progress)
+        tail = [] if self.features is not None else None
+        prefill(self.model, self.cache, torch.tensor([tokens], device=self.model.device), chunk_size, progress,
+                features=tail)
         self.fed = list(tokens)
         self.stable = len(tokens)
+        if tail:
+            self._store_features(len(tokens) - tail[0].shape[0], tail[0])
 
 
 class PrefilledPrompt:
@@ -134,7 +183,9 @@ class PrefilledPrompt:
         self.model = model
         self.head = list(prompt[:-1])  # every state reads the prompt but its last token
         self.cache = model.new_cache(capacity, record_queries=True)
-        prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress)
+        tail: list = []
+        prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress, features=tail)
+        self.features = tail[0] if tail else None  # the last chunk's (a draft head's stack reads them)
         self.queries = [q[:, :, -1:].clone() if q is not None else None for q in self.cache.queries]
         self.point = self.cache.checkpoint()  # a sliding-window ring, an int8 cache's buffer: saved
 

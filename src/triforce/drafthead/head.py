@@ -1,0 +1,211 @@
+"""A trained draft head (EAGLE's design): one transformer layer over the target's own features.
+
+At position i the head reads the pair (f[i-1], x[i]): the target's feature after token i - 1 (the final
+norm's output, what its LM head reads) and the embedding of token i, mixes them with a linear layer, runs
+one decoder layer (its own small KV cache over a window of positions), and predicts f[i]. The target's LM
+head turns the prediction into next-token logits, whose distribution is the q the verifier checks the drafted token against. To draft further it feeds its own
+prediction as the next step's feature.
+
+    f[n-2], x[n-1] -> f^[n-1] -> x[n] ~ q      (f[n-2]: the verifier computed it; x[n-1]: its last token)
+    f^[n-1], x[n]  -> f^[n]   -> x[n+1] ~ q    (its own prediction, after the first drafted token)
+
+The head owns its layer and mixing weights only; the embedding and the LM head are the target's, read at
+load time (so a head is a few MB). On disk: a directory with config.json and head.safetensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import TriforceError
+from ..model import Block, Linear, QuantLinear, Transformer
+from ..quantized import dequantize
+from ..rope import Rotary
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "head.safetensors"
+FORMAT = "triforce-draft-head/1"
+
+
+def target_fingerprint(model: Transformer) -> str:
+    """What a head must match in its target: the architecture and the shapes of what it reads (the features,
+    the layers' RoPE, the LM head). The weights' format may differ (a head trained over the Q4_1 file also
+    drafts for its bf16 or fp32 copy)."""
+    c = model.cfg
+    return f"{c.arch}-hidden{c.hidden_size}-layers{c.n_layers}-heads{c.n_heads}x{c.head_dim}-vocab{c.vocab_size}"
+
+
+def embed_tokens(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """The target's input embeddings of tokens [...] -> fp32 [..., hidden] (no gradient)."""
+    with torch.no_grad():
+        return model._embed(tokens).float()
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's
+    target: str  # target_fingerprint of the model it was trained for
+    window: int = 1024  # positions the head's own KV cache keeps (its attention window)
+    format: str = FORMAT
+    trained: dict = field(default_factory=dict)  # how it was made: command, seed, data, losses, acceptance
+
+    @classmethod
+    def for_target(cls, model: Transformer, **kw) -> HeadConfig:
+        c = model.cfg
+        return cls(c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps,
+                   c.vocab_size, target_fingerprint(model), **kw)
+
+    def layer_config(self, target: ModelConfig) -> ModelConfig:
+        """The ModelConfig of the head's one Llama-style layer (RoPE as the target's)."""
+        return replace(target, n_layers=1, hidden_size=self.hidden_size, n_heads=self.n_heads,
+                       n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+                       qkv_bias=False, qk_norm=False, sandwich_norms=False, activation="silu",
+                       query_pre_attn_scalar=None, sliding_window=None, sliding_layers=(), rope_local=None)
+
+
+class _Causal:
+    """The cache interface for a forward over whole sequences with no cache (training): each position sees
+    itself and the positions before it."""
+
+    def update(self, layer, q, k, v):
+        return k, v, "causal"
+
+
+class DraftHead(nn.Module):
+    """The head's weights: `fc` mixes [embedding, feature] (2 * hidden -> hidden), `layer` is one decoder layer."""
+
+    def __init__(self, cfg: HeadConfig, target_cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layer = Block(cfg.layer_config(target_cfg), 0)
+        self.rotary = Rotary(target_cfg.rope, cfg.head_dim, target_cfg.max_context)
+
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, cache=None
+                ) -> torch.Tensor:
+        """features [B, T, hidden] (f[i-1]), embeddings [B, T, hidden] (of x[i]) at positions [T] -> the
+        predicted features f^[i] [B, T, hidden]. cache None: a causal forward over the T positions (training);
+        else a KV cache of one layer, whose prepare()/commit() the caller runs."""
+        x = self.fc(torch.cat([embeddings, features], dim=-1))
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        return self.layer(x, cos, sin, _Causal() if cache is None else cache)
+
+    def init_from(self, model: Transformer, layer: int | None = None) -> None:
+        """Start the layer from one of the target's (default its last), its output projections zeroed, and fc as
+        [0 | I]: the head starts as the identity (predicting the feature it reads) and learns from there."""
+        src = model.layers[model.cfg.n_layers - 1 if layer is None else layer]
+        with torch.no_grad():
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                lin = getattr(src, name)
+                w = (torch.cat([dequantize(p, lin.backend.ops) for p in lin.parts]) if isinstance(lin, QuantLinear)
+                     else lin.weight.detach())
+                getattr(self.layer, name).weight.copy_(w.float())
+            for name in ("attn_norm", "mlp_norm"):
+                getattr(self.layer, name).weight.copy_(getattr(src, name).weight.float())
+            self.layer.wo.weight.zero_()
+            self.layer.w_down.weight.zero_()
+            h = self.cfg.hidden_size
+            self.fc.weight.zero_()
+            self.fc.weight[:, h:] = torch.eye(h)
+            self.fc.bias.zero_()
+
+    def state_for_disk(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write config.json and head.safetensors atomically (each to a temporary name, then renamed; the
+        weights first, so a directory with a config always has its weights)."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / (WEIGHTS_FILE + ".tmp")
+        save_file(self.state_for_disk(), str(tmp), metadata={"format": FORMAT})
+        os.replace(tmp, d / WEIGHTS_FILE)
+        tmp = d / (CONFIG_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self.cfg), indent=1) + "\n")
+        os.replace(tmp, d / CONFIG_FILE)
+
+
+def load_head(directory: str | os.PathLike, model: Transformer) -> DraftHead:
+    """A head saved by DraftHead.save (or converted from a published layout: drafthead.eagle) for `model`;
+    TriforceError naming the problem when it is missing, damaged or made for another model."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    if (d / CONFIG_FILE).is_file() and not (d / WEIGHTS_FILE).is_file():
+        from .eagle import load_eagle  # a published EAGLE checkpoint (its own config.json and weight names)
+
+        return load_eagle(d, model)
+    if not (d / CONFIG_FILE).is_file():
+        raise TriforceError(f"no draft head in {d}: expected {CONFIG_FILE} and {WEIGHTS_FILE} (made by "
+                            f"`triforce train-drafter`) or an EAGLE checkpoint directory")
+    try:
+        raw = json.loads((d / CONFIG_FILE).read_text())
+        if raw.get("format") != FORMAT:
+            from .eagle import load_eagle
+
+            return load_eagle(d, model)
+        cfg = HeadConfig(**raw)
+        sd = load_file(str(d / WEIGHTS_FILE))
+    except TriforceError:
+        raise
+    except Exception as e:
+        raise TriforceError(f"cannot read the draft head in {d}: {e}") from e
+    check_compatible(cfg, model, d)
+    head = DraftHead(cfg, model.cfg)
+    try:
+        head.load_state_dict(sd)
+    except RuntimeError as e:
+        raise TriforceError(f"the draft head in {d} is damaged or of another shape: {e}") from e
+    return head.eval()
+
+
+def check_compatible(cfg: HeadConfig, model: Transformer, where) -> None:
+    c = model.cfg
+    if cfg.hidden_size != c.hidden_size or cfg.vocab_size != c.vocab_size:
+        raise TriforceError(f"the draft head in {where} was made for a model with hidden size {cfg.hidden_size} and "
+                            f"vocabulary {cfg.vocab_size}, not this {c.arch} model ({c.hidden_size}, {c.vocab_size}): "
+                            f"train one for it with `triforce train-drafter --model ...`")
+    if cfg.target != target_fingerprint(model):
+        raise TriforceError(f"the draft head in {where} was trained for another model ({cfg.target}; this one is "
+                            f"{target_fingerprint(model)}): train one for this model with "
+                            f"`triforce train-drafter --model ...`")
+
+
+SHIPPED = Path(__file__).parent / "heads"  # heads trained for the embedded model (one directory each)
+EMBEDDED_HEAD = SHIPPED / "smollm2-135m-instruct"
+_LOADED: dict[tuple[int, str], DraftHead] = {}
+
+
+def head_for(model: Transformer, path: str | os.PathLike | None) -> DraftHead:
+    """The draft head at `path`, or ("" / None) the one shipped for the embedded model; loaded once per model."""
+    key = (id(model), str(path or ""))
+    head = _LOADED.get(key)
+    if head is None or head._model_ref() is not model:
+        if path:
+            head = load_head(path, model)
+        elif (EMBEDDED_HEAD / CONFIG_FILE).is_file() and target_fingerprint(model) == json.loads(
+                (EMBEDDED_HEAD / CONFIG_FILE).read_text()).get("target"):
+            head = load_head(EMBEDDED_HEAD, model)
+        else:
+            raise TriforceError(f"a 'head' level needs a draft head for this {model.cfg.arch} model: train one with "
+                                f"`triforce train-drafter --model PATH --out DIR` and pass --head DIR (a head ships "
+                                f"only for the embedded SmolLM2-135M-Instruct)")
+        import weakref
+
+        head._model_ref = weakref.ref(model)
+        _LOADED[key] = head
+    return head
