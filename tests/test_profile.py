@@ -99,6 +99,6 @@ def test_flags_the_user_set_win():
     assert not tuned_allowed(parse("--tree", "2,1"), "sequoia") and tuned_allowed(parse("--gamma", "3"), "sequoia")
     assert not tuned_allowed(parse(), "ngram")
     args = parse()
-    from triforce.cli import spec_config_from_args
+    from triforce.commands.common import spec_config_from_args
 
     assert spec_config_from_args(args)[0] == SpecConfig(draft_kv_dtype=spec_config_from_args(args)[0].draft_kv_dtype)
