@@ -17,13 +17,7 @@ import torch
 
 from ..errors import TriforceError
 from ..storage import atomic_file, atomic_write, remove_stale_temporaries
-
-
-def sampling_params(temperature: float):
-    """The benchmarks' sampling: greedy at T = 0, else temperature T with top-p 0.9."""
-    from ..sampling import SamplingParams
-
-    return SamplingParams(temperature=temperature, top_p=0.9 if temperature > 0 else 1.0)
+from ..tuning.measure import sampling_params
 
 
 def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: str) -> float | None:
@@ -108,7 +102,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     (a row's method is then the stack's text). `on_row(rows)` is called after each new row (the CLI
     writes the results so far, so an interrupted run keeps its finished rows). `tuned(method, context,
     temperature)` -> (stack, config, entry) or None: a named method's run with this machine's tuned flags
-    (bench/profile.tuned_run; the row's notes say which). `reference_kv` (a KV dtype name): also `ar` over a
+    (tuning/flags.tuned_run; the row's notes say which). `reference_kv` (a KV dtype name): also `ar` over a
     cache of that dtype, with its own prefill of each prompt (row "ar (<dtype> KV)", marked `reference`), so
     that summarize() gives every method's speedup over it too: the end-to-end gain of the run's --kv-dtype.
     Without prompt files, `n_prompts` prompts of each of `genres` (corpus.GENRES), from different stretches of
@@ -121,7 +115,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     from ..speculation.stack import StackSpec, method_stack
     from ..speculation.state import PrefilledPrompt
     from . import peers as peer_mod
-    from . import profile
+    from ..tuning import flags as tuned_flags
 
     model, tok = loaded.model, loaded.tokenizer
     rows = []
@@ -228,10 +222,10 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                         if lvl.get("role") == "verify" and lvl.get("forwards"):
                             lvl["ms_per_forward"] = round(lvl["seconds"] / lvl["forwards"] * 1e3, 2)
                             lvl["floor_ms"] = level_floor_ms(model, n_ctx, cfg, bandwidth, lvl["level"])
-                    tuned_note = [] if entry is None else [f"tuned flags (triforce tune): {profile.describe(entry)}"]
+                    tuned_note = [] if entry is None else [f"tuned flags (triforce tune): {tuned_flags.describe(entry)}"]
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
                                notes=tuned_note + res.stats.get("notes", []))
-                    row["tuned"] = None if entry is None else profile.flags_text(entry)
+                    row["tuned"] = None if entry is None else tuned_flags.flags_text(entry)
                     row["prompt_name"] = prompt_name
                     if "adaptive" in res.stats:
                         row["adaptive"] = res.stats["adaptive"]
@@ -581,7 +575,7 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     from ..loading import configure_device, load_model, resolve_dtype
     from . import peers as peer_mod
     from .hardware import measure_bandwidth
-    from .profile import tuned_allowed, tuned_run
+    from ..tuning.flags import tuned_allowed, tuned_run
 
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(peer_mod.PEERS)

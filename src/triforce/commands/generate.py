@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     configure_device(loaded.model, args)
     prompt = read_prompt(args, loaded.tokenizer)
     check_request(len(prompt), args.max_new_tokens, loaded.config.max_context)
-    from ..bench.profile import describe, tuned_allowed, tuned_run
+    from ..tuning.flags import describe, tuned_allowed, tuned_run
     from ..memory import check_kv_fits
 
     check_kv_fits(loaded.model, len(prompt) + args.max_new_tokens)  # refused now, not OOM-killed mid-prefill

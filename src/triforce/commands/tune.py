@@ -54,6 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config, _ = spec_config_from_args(args)
-    from ..bench.tune import main as tune_main
+    from ..tuning.tune import main as tune_main
 
     return tune_main(args, config)
