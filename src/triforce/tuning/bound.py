@@ -1,7 +1,7 @@
 """What speedup can a drafter give here, and what would it need for a target speedup?
 
     triforce tune --context-length 32000 --temperature 0.6 --kv4 --json > tune.json
-    python scripts/speedup_bound.py tune.json [--target 2] [--drafter ngram:0:0.178 ...]
+    python -m triforce.tuning.bound tune.json [--target 2] [--drafter ngram:0:0.178 ...]
 
 Reads `triforce tune --json`'s measurements on this machine (the full cache's forward of k tokens, each
 drafting level's forward and the full level's per-token acceptance of its drafts) and, with the i.i.d.
