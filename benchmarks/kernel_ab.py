@@ -3,7 +3,7 @@
 Python keeps an extension module by its name: a second build of `triforce_cpu_avx512` loaded into a process that
 already holds one (importlib's ExtensionFileLoader, then `kernels.override`) comes back as the FIRST module object,
 so an A/B inside one process times one build twice and finds its outputs "bit-identical" (see
-docs/performance.md). This script runs every measurement in a fresh process that loads exactly one build, the
+docs/journal.md). This script runs every measurement in a fresh process that loads exactly one build, the
 builds in turn (A B A B ...), and reports per build the median and spread of the rounds and whether each build's
 output equals the first build's bit for bit (same random inputs: seeded).
 
