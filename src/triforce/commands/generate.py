@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..config import kv_dtype_name
 from ..errors import TriforceError
-from .common import add_model_args, add_spec_args, add_stack_args, positive_int, spec_config_from_args, stack_from_args
+from .common import (add_model_args, add_spec_args, add_stack_args, positive_int, spec_config_from_args,
+                     stack_from_args)
 
 NAME = "generate"
 HELP = "generate text from a prompt"

@@ -1,5 +1,5 @@
-"""`triforce perplexity`: teacher-forced perplexity of a model on a text, by position band. Its options and run live beside its code (bench/perplexity.py), which
-`python -m triforce.bench.perplexity` also runs."""
+"""`triforce perplexity`: teacher-forced perplexity of a model on a text, by position band. Its options and run
+live beside its code (bench/perplexity.py), which `python -m triforce.bench.perplexity` also runs."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,5 @@
-"""`triforce quantize`: a real quantized GGUF of a model, made by llama.cpp's quantizer. Its options and run live beside its code (bench/quantize.py), which
-`python -m triforce.bench.quantize` also runs."""
+"""`triforce quantize`: a real quantized GGUF of a model, made by llama.cpp's quantizer. Its options and run
+live beside its code (bench/quantize.py)."""
 from __future__ import annotations
 
 import argparse

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_model_args, add_spec_args, add_stack_args, byte_size, positive_int, spec_config_from_args, stack_from_args
+from .common import (add_model_args, add_spec_args, add_stack_args, byte_size, positive_int, spec_config_from_args,
+                     stack_from_args)
 
 NAME = "serve"
 HELP = "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)"

@@ -61,8 +61,8 @@ def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tok
     from ..speculation.stack import LevelSpec
 
     full = shared.restore(prompt)
-    ctx = BuildContext(model, sampling_params(temperature), config, full.capacity, 64, full_cache=full)
-    state = KINDS["kv4"].state(ctx, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
+    build_context = BuildContext(model, sampling_params(temperature), config, full.capacity, 64, full_cache=full)
+    state = KINDS["kv4"].state(build_context, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
     with torch.inference_mode():
         state.cache.build(full)
     step = time_forwards(state.model, state.cache, state.cache.length, 1, repeats) * 1e3
@@ -413,8 +413,8 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     length = shared.restore(prompt).length
     sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_nodes + 3)) | {max_nodes + 2})
     cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3 for k in sizes}
-    ctx = BuildContext(model, sampling_params(temperature), config, length + 256, max_rollback(probe))
-    state = KINDS["streaming"].state(ctx, probe.levels[0], "streaming")
+    build_context = BuildContext(model, sampling_params(temperature), config, length + 256, max_rollback(probe))
+    state = KINDS["streaming"].state(build_context, probe.levels[0], "streaming")
     KINDS["streaming"].prefill(state, prompt[:-1], None, config)
     cost_stream = {k: time_forwards(state.model, state.cache, state.cache.length, k, repeats) * 1e3 for k in sizes}
     shared.restore(prompt)
