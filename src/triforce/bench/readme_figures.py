@@ -60,7 +60,7 @@ def adaptive(rel: str, n_ctx: int) -> str:
             f"and one code prompt, {data['meta']['max_new_tokens']} tokens): `ar` {_span(ar)} ms per token; `triforce` "
             f"{_span(ours[0.0])}x `ar` at temperature 0 and {_span(ours[0.6])}x at 0.6, where the fixed stacks beside it "
             f"ran {_span(fixed)}x; {_span(vs_best)} of the fastest fixed stack of each prompt. "
-            + _source(rel, _command(data["meta"])))
+           )
 
 
 def three_prompts(rel: str) -> str:
@@ -76,7 +76,7 @@ def three_prompts(rel: str) -> str:
     return (f"**The fixed stack on three Shakespeare prompts at 32K** ({ZEN5}, bf16 KV; `triforce` as it ran before "
             f"the adaptive default, `ngram,retrieval,full --gammas 3,4`, today's `--no-adapt`; {n} tokens; medians of "
             f"the per-prompt ratios): {said('triforce', 0.0)} `ar` at temperature 0 and {said('triforce', 0.6)} at 0.6; "
-            f"the n-gram drafter alone {said('ngram', 0.0)} and {said('ngram', 0.6)}. " + _source(rel, _command(data["meta"])))
+            f"the n-gram drafter alone {said('ngram', 0.0)} and {said('ngram', 0.6)}.")
 
 
 def llama_cpp(rel: str, n_ctx: int) -> str:
@@ -90,17 +90,17 @@ def llama_cpp(rel: str, n_ctx: int) -> str:
     return (f"**llama.cpp on the same GGUF file at {n_ctx} tokens** ({ZEN5}, one prompt, "
             f"{data['meta']['max_new_tokens']} tokens): llama.cpp {_span(peer, 1)} ms per token (flash attention on or "
             f"off) against our `ar`'s {_span([ms('ar', 0.0), ms('ar', 0.6)], 1)} and `triforce`'s {ms('triforce', 0.0):.1f} "
-            f"/ {ms('triforce', 0.6):.1f} (T = 0 / 0.6). " + _source(rel, _command(data["meta"])))
+            f"/ {ms('triforce', 0.6):.1f} (T = 0 / 0.6).")
 
 
-def verification(rel: str, command: str) -> str:
+def verification(rel: str) -> str:
     """A decode step and the verifications of 2-5 tokens, as `triforce tune` timed them on one prefilled prompt."""
     data = _load(rel)
     cost = {int(k): v for k, v in data["cost_full_ms"].items()}
     steps = [cost[k] / cost[1] for k in range(2, 6)]
     return (f"**A verification at {data['context_length']} tokens** ({ZEN5}, bf16 KV, `triforce tune`'s forward "
             f"timings): a decode step {cost[1]:.1f} ms; a verification of 2 / 3 / 4 / 5 tokens "
-            + " / ".join(f"{s:.2f}" for s in steps) + " decode steps. " + _source(rel, command))
+            + " / ".join(f"{s:.2f}" for s in steps) + " decode steps.")
 
 
 def int8(rel: str) -> str:
@@ -114,23 +114,27 @@ def int8(rel: str) -> str:
     return (f"**The int8 KV cache at 32K** ({ZEN5}, one prompt, {data['meta']['max_new_tokens']} tokens; against `ar` "
             f"over an fp32 cache in the same run): int8 `ar` {vs_fp32('ar', 0.0)} / {vs_fp32('ar', 0.6)} (T = 0 / 0.6), "
             f"`triforce` over int8 {vs_fp32('triforce', 0.0)} / {vs_fp32('triforce', 0.6)}. "
-            + _source(rel, _command(data["meta"])))
+           )
 
 
 B = "docs/benchmarks/"
+# (the item, its results file, its arguments, the command that made the file where the file does not record it)
 ITEMS = (
-    lambda: adaptive(B + "2026-11-26-zen5-adaptive-32k/results.json", 32000),
-    lambda: adaptive(B + "2026-11-26-zen5-adaptive-8k/results.json", 8192),
-    lambda: three_prompts(B + "2026-11-26-zen5-three-prompts-32k/results.json"),
-    lambda: llama_cpp(B + "2026-11-26-zen5-llamacpp-8k-32k/results.json", 32000),
-    lambda: verification(B + "2026-11-26-zen5-s20-bounds/tune-bf16-t0.6.json",
-                         "triforce tune --context-length 32000 --temperature 0.6 --kv4 --budgets 2048,4096,8192 --json"),
-    lambda: int8(B + "2026-11-26-zen5-quantized-kv-32k/int8-vs-fp32/results.json"),
+    (adaptive, B + "2026-11-26-zen5-adaptive-32k/results.json", (32000,), None),
+    (adaptive, B + "2026-11-26-zen5-adaptive-8k/results.json", (8192,), None),
+    (three_prompts, B + "2026-11-26-zen5-three-prompts-32k/results.json", (), None),
+    (llama_cpp, B + "2026-11-26-zen5-llamacpp-8k-32k/results.json", (32000,), None),
+    (verification, B + "2026-11-26-zen5-s20-bounds/tune-bf16-t0.6.json", (),
+     "triforce tune --context-length 32000 --temperature 0.6 --kv4 --budgets 2048,4096,8192 --json"),
+    (int8, B + "2026-11-26-zen5-quantized-kv-32k/int8-vs-fp32/results.json", (), None),
 )
 
 
 def block() -> str:
-    return "\n".join([BEGIN, *(f"- {item()}" for item in ITEMS), END])
+    lines = []
+    for item, rel, extra, command in ITEMS:
+        lines.append(f"- {item(rel, *extra)} {_source(rel, command or _command(_load(rel)['meta']))}")
+    return "\n".join([BEGIN, *lines, END])
 
 
 def readme_block(text: str) -> str:

@@ -181,6 +181,17 @@ def stack_from_args(args, config: SpecConfig, draft_path: str | None) -> tuple[S
     return stack, name or stack.levels_text
 
 
+def planned_stack(args) -> tuple[SpecConfig, str | None, StackSpec, str] | None:
+    """The options of a command that runs a stack -> (config, draft path, stack, its name); None where
+    --print-stack asked only for the stack, which is then printed (the command is done)."""
+    config, draft_path = spec_config_from_args(args)
+    stack, name = stack_from_args(args, config, draft_path)
+    if args.print_stack:
+        print(stack)
+        return None
+    return config, draft_path, stack, name
+
+
 
 
 def byte_size(s: str) -> int:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from ..config import kv_dtype_name
 from ..errors import TriforceError
-from .common import (add_model_args, add_spec_args, add_stack_args, positive_int, spec_config_from_args,
-                     stack_from_args)
+from .common import add_model_args, add_spec_args, add_stack_args, planned_stack, positive_int
 
 NAME = "generate"
 HELP = "generate text from a prompt"
@@ -68,11 +67,9 @@ def read_prompt(args, tokenizer) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, draft_path = spec_config_from_args(args)
-    stack, name = stack_from_args(args, config, draft_path)
-    if args.print_stack:
-        print(stack)
+    if (planned := planned_stack(args)) is None:
         return 0
+    config, draft_path, stack, name = planned
     from ..generate import check_request, generate_stream
     from ..loading import configure_device, load_model, resolve_dtype
     from ..sampling import SamplingParams

@@ -2,22 +2,10 @@
 live beside its code (bench/perplexity.py), which `python -m triforce.bench.perplexity` also runs."""
 from __future__ import annotations
 
-import argparse
+from ..bench.perplexity import add_arguments, run  # noqa: F401 (the command's options and run live with its code)
 
 NAME = "perplexity"
 HELP = "perplexity of a model on a text, by position band"
 DESCRIPTION = ("Teacher-forced perplexity of the model on a text (BOS first where the model "
                "adds one, as llama.cpp's llama-perplexity does), overall and by position band; "
                "--rope-theta takes several bases to compare long-context profiles.")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..bench.perplexity import add_arguments as perplexity_arguments
-
-    perplexity_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..bench.perplexity import run as perplexity_run
-
-    return perplexity_run(args)

@@ -2,7 +2,7 @@
 live beside its code (bench/quantize.py)."""
 from __future__ import annotations
 
-import argparse
+from ..bench.quantize import add_arguments, run  # noqa: F401 (the command's options and run live with its code)
 
 NAME = "quantize"
 HELP = "a real quantized GGUF (Q4_K_M, ...) of a model, by llama.cpp's quantizer"
@@ -11,15 +11,3 @@ DESCRIPTION = ("Export a GGUF model to F16 and quantize it with llama.cpp's own 
                "people download. The embedded model keeps its long-context profile (RoPE base "
                "4e5, 32K context) in the new file. Prints the new file's path; by default it is "
                "kept in the cache directory and reused.")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..bench.quantize import add_arguments as quantize_arguments
-
-    quantize_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..bench.quantize import run as quantize_run
-
-    return quantize_run(args)

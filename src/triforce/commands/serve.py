@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (add_model_args, add_spec_args, add_stack_args, byte_size, positive_int, spec_config_from_args,
-                     stack_from_args)
+from .common import add_model_args, add_spec_args, add_stack_args, byte_size, planned_stack, positive_int
 
 NAME = "serve"
 HELP = "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)"
@@ -52,11 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, draft_path = spec_config_from_args(args)
-    stack, name = stack_from_args(args, config, draft_path)
-    if args.print_stack:
-        print(stack)
+    if (planned := planned_stack(args)) is None:
         return 0
+    config, draft_path, stack, name = planned
     from ..serving.server import main as serve_main
 
     return serve_main(args, stack, name, config, draft_path)
