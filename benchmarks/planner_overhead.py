@@ -9,8 +9,8 @@ from triforce.corpus import genre_tokens, GENRES
 from triforce.generate import generate
 from triforce.speculation.state import PrefilledPrompt
 from triforce.speculation.config import SpecConfig
-from triforce.bench.methods import sampling_params
-from triforce.cli import _default_draft_kv
+from triforce.tuning.measure import sampling_params
+from triforce.commands.common import default_draft_kv as _default_draft_kv
 n = int(sys.argv[1])
 m = load_model(); model = m.model
 cfg = SpecConfig(draft_kv_dtype=_default_draft_kv(type("Args", (), {"device": "cpu"})))  # as the CLI sets it

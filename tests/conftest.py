@@ -64,10 +64,10 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session", autouse=True)
 def tuned_flags_apart(tmp_path_factory):
     """`triforce tune` runs in the tests record their flags here (subprocesses inherit the variable), not in
-    the user's cache, where generate and bench would take them by default (bench/profile.py)."""
+    the user's cache, where generate and bench would take them by default (tuning/flags.py)."""
     import os
 
-    from triforce.bench.profile import FILE_ENV
+    from triforce.tuning.flags import FILE_ENV
 
     before = os.environ.get(FILE_ENV)
     os.environ[FILE_ENV] = str(tmp_path_factory.mktemp("tuned") / "tuned.json")

@@ -368,7 +368,7 @@ def test_default_kv_dtype_follows_the_machine(monkeypatch):
 
     from triforce.loading import default_kv_dtype
 
-    from triforce.cli import _default_draft_kv
+    from triforce.commands.common import default_draft_kv as _default_draft_kv
 
     def built(module):  # the kernels as built in this process
         monkeypatch.setattr(kernels, "_state", {"cpu": module})

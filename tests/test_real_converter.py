@@ -7,7 +7,7 @@ sliding-window layers).
 Unlike tests/test_gguf_loading.py, which emulates the converter's layout with gguf-py's GGUFWriter, these
 run the converter itself (with its vendored gguf-py) as a user would. It is not a dependency: the tests
 skip unless it is found, at $TRIFORCE_LLAMA_CONVERTER (the path of convert_hf_to_gguf.py) or where
-`scripts/fetch_llama_converter.sh` unpacks it (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, under
+`tests/fetch_llama_converter.sh` unpacks it (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, under
 ${TRIFORCE_CACHE_DIR:-~/.cache/triforce}/llama-converter/). The converter needs `sentencepiece` importable
 (`pip install sentencepiece`) even for tokenizers without a tokenizer.model.
 
@@ -42,7 +42,7 @@ import torch
 from triforce.errors import TriforceError
 
 CONVERTER_ENV = "TRIFORCE_LLAMA_CONVERTER"
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist scripts/fetch_llama_converter.sh unpacks
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist tests/fetch_llama_converter.sh unpacks
 ORIGINAL_CONTEXT = 64  # the scaled RoPEs' original context: the comparisons run to position 449
 TOTAL, PROMPT = 450, 250  # logits over TOTAL positions; greedy: PROMPT tokens then TOTAL - PROMPT new ones
 ATOL = 1e-4
@@ -86,7 +86,7 @@ def find_converter() -> tuple[Path | None, str]:
         root = Path(os.environ.get("TRIFORCE_CACHE_DIR") or Path.home() / ".cache" / "triforce") / "llama-converter"
         found = sorted(glob.glob(str(root / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py")))
         if not found:
-            return None, (f"llama.cpp's convert_hf_to_gguf.py not found: run scripts/fetch_llama_converter.sh "
+            return None, (f"llama.cpp's convert_hf_to_gguf.py not found: run tests/fetch_llama_converter.sh "
                           f"(unpacks it under {root}) or set ${CONVERTER_ENV} to its path")
         path = Path(found[-1])
     if importlib.util.find_spec("sentencepiece") is None:

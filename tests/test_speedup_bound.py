@@ -1,16 +1,11 @@
-"""scripts/speedup_bound.py: what a drafter gives, and what it would need, under tune's acceptance model."""
+"""tuning/bound.py (`python -m triforce.tuning.bound`): what a drafter gives, and what it would need, under tune's acceptance model."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "speedup_bound.py"
-spec = importlib.util.spec_from_file_location("speedup_bound", SCRIPT)
-sb = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sb)
+from triforce.tuning import bound as sb
 
 AR = 20.0
 VERIFY = {1: 20.0, 2: 23.0, 3: 26.0, 4: 28.0, 5: 28.0, 6: 40.0}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from triforce.bench.tune import (chosen_flags, expected_tokens, per_token_acceptance, pooled_mean_accepted,
+from triforce.tuning.tune import (chosen_flags, expected_tokens, per_token_acceptance, pooled_mean_accepted,
                                  predict_ms, predict_two_level_ms, probe_seeds)
 
 
@@ -63,7 +63,7 @@ def test_tree_value_matches_simulated_rounds():
 
 
 def test_width_trees_enumerates_bounded_shapes():
-    from triforce.bench.tune import width_trees
+    from triforce.tuning.tune import width_trees
 
     trees = dict(width_trees(10, 3, max_width=3))
     assert (2, 2, 1) in trees and len(trees[(2, 2, 1)]) == 10 and (3, 3) not in trees  # 3 + 9 > 10
@@ -85,6 +85,7 @@ def test_interleaved_forward_timing_takes_turns_and_leaves_the_cache_as_found(mo
     forward after a rollback to the context, and the cache ends at that length."""
     from conftest import hf_tiny, ours_from_hf
     from triforce.bench import decode_step
+    from triforce.tuning import measure
 
     model = ours_from_hf(hf_tiny("llama", seed=1))
     cache = decode_step.random_cache(model, 40, 5)
@@ -96,7 +97,7 @@ def test_interleaved_forward_timing_takes_turns_and_leaves_the_cache_as_found(mo
         return forward(self, tokens, c, *a, **k)
 
     monkeypatch.setattr(type(model), "forward", spy)
-    times = decode_step.time_forwards_interleaved(model, cache, 40, (1, 5), repeats=3, warmup=1)
+    times = measure.time_forwards_interleaved(model, cache, 40, (1, 5), repeats=3, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times)
     assert seen == [(1, 40), (5, 40)] * 4 and cache.length == 40
 
@@ -118,7 +119,7 @@ def test_tune_records_the_fastest_checked_setting_or_the_defaults():
 
 
 def test_tune_trees_records_a_tree_only_if_it_beat_the_chain_defaults():
-    from triforce.bench.tune import tree_to_record
+    from triforce.tuning.tune import tree_to_record
 
     def check(tuned, default):
         return {"tuned_ms_per_token": tuned, "default_ms_per_token": default, "ar_ms_per_token": 20.0}

@@ -1,12 +1,9 @@
 """Time one decode step at long context: ours vs transformers' generate vs the physical floor.
 
     python -m triforce.bench.decode_step --contexts 8192,32768 [--no-transformers]
-    python -m triforce.bench.decode_step --kernel-ab     # compiled kernels vs PyTorch
-    python -m triforce.bench.decode_step --draft-ab      # fp32 vs bf16 draft weights, retrieval level
     python -m triforce.bench.decode_step --kv-dtype int8 # the quantized cache, and a kv4 draft step over it
-    python -m triforce.bench.decode_step --kv-ab         # fp16 vs int8 cache and kv4 draft, alternating
-    python -m triforce.bench.decode_step --quant-attention  # the int8 cache's attention kernel alone
-    python -m triforce.bench.decode_step --linear-formats   # each weight format's linear kernels, from DRAM
+
+(The lab's A/B comparisons of kernels, draft weights and KV dtypes: benchmarks/decode_step_ab.py.)
 
 Decode time does not depend on the cache's contents, so both engines get a KV cache of N tokens
 filled with random values instead of a multi-minute prefill: the work per step is exactly that of
@@ -15,35 +12,11 @@ a real step at context N (same shapes, same bytes read).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-
-def time_forwards(model, cache, length: int, k: int, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of a k-token forward on `cache` rolled back to `length` before each one
-    (and after the last); the first `warmup` forwards are not timed."""
-    return time_forwards_interleaved(model, cache, length, (k,), repeats, warmup)[0]
-
-
-def time_forwards_interleaved(model, cache, length: int, ks: tuple[int, ...], repeats: int,
-                              warmup: int = 2) -> list[float]:
-    """Median seconds of a k-token forward for each k of `ks`, the sizes taking turns (k1, k2, k1, k2, ...) on one
-    cache rolled back to `length` before each forward: their ratio (a verification against a decode step) then
-    comes from the same minutes of a host whose speed drifts, not from two stretches one after the other."""
-    toks = {k: torch.full((1, k), 42, device=model.device) for k in ks}
-    times = {k: [] for k in ks}
-    with torch.inference_mode():
-        for i in range(warmup + repeats):
-            for k in ks:
-                cache.rollback(length)
-                t = time.perf_counter()
-                model(toks[k], cache)
-                if i >= warmup:
-                    times[k].append(time.perf_counter() - t)
-    cache.rollback(length)
-    return [statistics.median(times[k]) for k in ks]
+from ..tuning.measure import time_forwards, time_forwards_interleaved
 
 
 def random_cache(model, n_ctx: int, tokens: int):
@@ -147,189 +120,6 @@ def time_transformers(hf, n_ctx: int, steps: int) -> float:
     return (many - one) / steps
 
 
-def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5, kv_dtype: torch.dtype = torch.float32) -> float:
-    """Seconds of model.attention over `cfg.n_layers` layers of an n_ctx-token cache (T query tokens,
-    causal over the new ones), cold caches as in a real step: every layer has its own K/V. Runs the
-    compiled kernel of kernels.cpu() (as overridden) where the model would, else PyTorch's."""
-    from .. import kernels
-    from ..caches.base import CAUSAL
-    from ..model import attention
-
-    L, Hkv, Hq, D = cfg.n_layers, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
-    K = torch.randn(L, 1, Hkv, n_ctx + 64, D).to(kv_dtype)
-    V = torch.randn(L, 1, Hkv, n_ctx + 64, D).to(kv_dtype)
-    q = torch.randn(1, Hq, T, D)
-    mask = CAUSAL if T > 1 else None
-    times = []
-    for i in range(repeats + 1):
-        t = time.perf_counter()
-        for layer in range(L):
-            attention(q, K[layer, :, :, :n_ctx], V[layer, :, :, :n_ctx], mask, ops=kernels.cpu())
-        if i:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def linear_formats(kern, bandwidth: float, rounds: int = 4, n: int = 4096, k: int = 8192, count: int = 6) -> None:
-    """Each weight format through the block kernel (linear_quant, fp32 arithmetic) and, where it applies, the
-    integer kernel (linear_packed, 16 rows interleaved): `count` random n x k matrices in turn (more bytes
-    than any cache holds, so read from DRAM), 1 and 5 rows of x, best of `rounds`."""
-    import numpy as np
-
-    from ..quantized import FORMATS, pack_rows, packable, random_blocks
-
-    rng = np.random.default_rng(0)
-    print(f"| format | kernel | rows of x | ms per {n} x {k} | G weights/s | GB/s (of {bandwidth / 1e9:.0f}) |")
-    print("|---|---|---|---|---|---|")
-    for qtype, (name, _, _) in FORMATS.items():
-        mats = [random_blocks(qtype, n, k, rng) for _ in range(count)]
-        packed = [pack_rows(m) for m in mats] if packable(mats[0]) else None
-        for rows in (1, 5):
-            x = torch.randn(rows, k)
-            runs = [("block", lambda m, i: kern.linear_quant(x, [m.raw], [qtype]))]
-            if packed is not None:
-                runs.append(("integer", lambda m, i: kern.linear_packed(x, [packed[i]], [qtype], [n])))
-            for label, fn in runs:
-                best = float("inf")
-                for _ in range(rounds):
-                    t = time.perf_counter()
-                    for i, m in enumerate(mats):
-                        fn(m, i)
-                    best = min(best, (time.perf_counter() - t) / count)
-                nbytes = mats[0].nbytes
-                print(f"| {name} | {label} | {rows} | {best * 1e3:.2f} | {n * k / best / 1e9:.1f} | "
-                      f"{nbytes / best / 1e9:.1f} ({nbytes / best / bandwidth:.0%}) |", flush=True)
-
-
-def random_quant_layers(H: int, S: int, D: int, layers: int) -> list[tuple[torch.Tensor, ...]]:
-    """`layers` layers of random int8-cache planes as quant_attention takes them, S (a multiple of GROUP_K) tokens
-    of H KV heads: (k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero) each (the 4-bit reading passes
-    empty lower planes instead)."""
-    from ..caches.quantized import GROUP_K
-
-    def planes():
-        return torch.randint(0, 256, (H, S, D // 2), dtype=torch.uint8)
-
-    return [(planes(), planes(), (torch.rand(H, S // GROUP_K, D) * 0.05).half(), torch.randn(H, S // GROUP_K, D).half(),
-             planes(), planes(), (torch.rand(H, S, D // 32) * 0.05).half(), torch.randn(H, S, D // 32).half())
-            for _ in range(layers)]
-
-
-def quant_attention_alone(model, contexts: list[int], bandwidth: float, layers: int = 40, rounds: int = 4) -> None:
-    """The compiled quant_attention alone, the model's KV heads and head dim, over `layers` layers' worth of
-    random planes in turn (more than an L3 cache holds: the planes come from memory, as in a step), for a
-    decode step (g rows) and a 5-token verification (5 g rows), 8-bit and 4-bit readings: ms per layer and the
-    bandwidth reached (fastest of `rounds` passes)."""
-    from ..caches.quantized import GROUP_K
-
-    ops = model.backend.ops
-    if ops is None or not hasattr(ops, "quant_attention"):
-        print("quant_attention: no compiled kernels on this machine")
-        return
-    c = model.cfg
-    H, D, g = c.n_kv_heads, c.head_dim, c.n_heads // c.n_kv_heads
-    print("| context | rows | reading | ms per layer | GB/s | bytes per layer |")
-    print("|---|---|---|---|---|---|")
-    for S in contexts:
-        S = S // GROUP_K * GROUP_K
-        data = random_quant_layers(H, S, D, layers)
-        fk, fv, none = torch.randn(H, 100, D).half(), torch.randn(H, 100, D).half(), torch.empty(0, dtype=torch.uint8)
-        for T in (1, 5):
-            q, lim = torch.randn(H, g * T, D), torch.full((g * T,), S, dtype=torch.long)
-            fmask = torch.ones(T, 100, dtype=torch.bool)
-            for bits in (8, 4):
-                best = float("inf")
-                for _ in range(rounds):
-                    t = time.perf_counter()
-                    for k_hi, k_lo, ks, kz, v_hi, v_lo, vs, vz in data:
-                        lo = (k_lo, v_lo) if bits == 8 else (none, none)
-                        ops.quant_attention(q, k_hi, lo[0], ks, kz, v_hi, lo[1], vs, vz, lim, fk, fv, fmask, T,
-                                            D ** -0.5)
-                    best = min(best, (time.perf_counter() - t) / layers)
-                nbytes = H * S * D * bits // 4 + H * (S // GROUP_K) * D * 4 + H * S * (D // 32) * 4
-                print(f"| {S} | {g * T} | int{bits} | {best * 1e3:.3f} | {nbytes / best / 1e9:.1f} "
-                      f"({nbytes / best / bandwidth:.0%} of {bandwidth / 1e9:.0f}) | {nbytes / 1e6:.1f} MB |", flush=True)
-        del data
-
-
-def kernel_ab(model, contexts: list[int], bandwidth: float, steps: int) -> None:
-    """The compiled CPU kernels against PyTorch's operations, alternating in one process: attention
-    alone (decode_attention vs PyTorch's flash kernel), and whole steps (all kernels vs none)."""
-    from .. import kernels
-    from .hardware import floor_seconds
-
-    kern = kernels.cpu()
-    if kern is None:
-        print("the compiled CPU kernels are not available here")
-        return
-    print("| context | T | attention, kernel ms | attention, PyTorch ms | step, kernels ms | step, PyTorch ms | floor ms |")
-    print("|---|---|---|---|---|---|---|")
-    for n in contexts:
-        for T in (1, 2, 3, 7):
-            att, step = {}, {}
-            for name, k in (("kernel", kern), ("torch", None), ("kernel2", kern), ("torch2", None)):
-                with kernels.override(k):
-                    att[name] = time_attention(n, T, model.cfg, kv_dtype=model.kv_dtype) * 1e3
-                    if T == 1:
-                        step[name] = time_ours(model, n, steps) * 1e3
-            s = (f"{min(step['kernel'], step['kernel2']):.1f} | {min(step['torch'], step['torch2']):.1f} | "
-                 f"{floor_seconds(model, n, bandwidth) * 1e3:.1f}") if T == 1 else "- | - | -"
-            print(f"| {n} | {T} | {min(att['kernel'], att['kernel2']):.1f} | {min(att['torch'], att['torch2']):.1f} "
-                  f"| {s} |", flush=True)
-
-
-def draft_weights_ab(model, contexts: list[int], budget: int, steps: int) -> None:
-    """Forwards of 1, 3, 5 tokens on a retrieval-sized cache (`budget` tokens kept of each context):
-    the fp32 weights against the bf16 draft copy (`--draft-weights`), alternating in one process."""
-    from ..caches import RetrievalCache
-    from ..speculation.kinds import draft_weights_model
-
-    draft = draft_weights_model(model)
-    if draft is model:
-        print("no bf16 draft copy for this model: its weights are kept quantized (fewer bytes than bf16 already; "
-              "--weights fp32 has one), or the compiled CPU kernels are not available here")
-        return
-    c = model.cfg
-    print("| context | budget | k | fp32 weights ms | bf16 draft weights ms | ratio |")
-    print("|---|---|---|---|---|---|")
-    for n in contexts:
-        cache = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=budget, max_new=64,
-                               dtype=model.kv_dtype, device=model.device)
-        cache.k.normal_()
-        cache.v.normal_()
-        cache.base, cache.built_at, cache.length = budget, n, n
-        for k in (1, 3, 5):
-            a = min(time_forwards(model, cache, n, k, steps), time_forwards(model, cache, n, k, steps))
-            b = min(time_forwards(draft, cache, n, k, steps), time_forwards(draft, cache, n, k, steps))
-            print(f"| {n} | {budget} | {k} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x |", flush=True)
-
-
-def kv_ab(model, contexts: list[int], steps: int, rounds: int = 3) -> None:
-    """The target's decode step and 5-token verification over an fp16 and an int8 cache, and a kv4 draft step
-    over the int8 cache's upper planes, alternating in one process (`rounds` times; the fastest median of
-    each is kept: on a shared machine the others' load only ever adds)."""
-    from .hardware import kv_bytes_per_token
-
-    print("| context | fp16 step ms | int8 step ms | fp16 5-token verify ms | int8 5-token verify ms | "
-          "kv4 draft step ms | KV bytes/token fp16 / int8 |")
-    print("|---|---|---|---|---|---|---|")
-    for n in contexts:
-        best: dict[str, float] = {}
-        for _ in range(rounds):
-            for kv in ("fp16", "int8"):
-                model.kv_dtype = kv
-                for name, t in ((f"{kv} step", time_ours(model, n, steps)), (f"{kv} verify", time_ours(model, n, steps, 5))):
-                    best[name] = min(best.get(name, float("inf")), t)
-            best["kv4"] = min(best.get("kv4", float("inf")), time_kv4(model, n, steps))
-        model.kv_dtype = "fp16"
-        b16 = kv_bytes_per_token(model)
-        model.kv_dtype = "int8"
-        b8 = kv_bytes_per_token(model)
-        ms = {k: f"{v * 1e3:.1f}" for k, v in best.items()}
-        print(f"| {n} | {ms['fp16 step']} | {ms['int8 step']} | {ms['fp16 verify']} | {ms['int8 verify']} | {ms['kv4']} "
-              f"| {b16} / {b8} |", flush=True)
-
-
 def arithmetic_peaks(kern) -> dict:
     """The arithmetic peaks the attention's rate is compared with, FLOP/s on all threads: the kernels' own
     register-resident loops (FMAs; AVX512-BF16 dot products, what a bf16 cache's verification runs on, 0 where the
@@ -366,23 +156,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per context (median)")
     ap.add_argument("--model", default=None, help="model (default: embedded SmolLM2-135M, long-context profile)")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
-    ap.add_argument("--kernel-ab", action="store_true",
-                    help="instead: the compiled CPU kernels vs PyTorch (attention alone for 1, 2, 3, 7 query "
-                         "tokens, and whole steps)")
-    ap.add_argument("--draft-ab", action="store_true",
-                    help="instead: retrieval-level forwards (1, 3, 5 tokens over --budget keys) with the fp32 "
-                         "weights vs the bf16 draft weights")
-    ap.add_argument("--kv-ab", action="store_true",
-                    help="instead: decode steps and verifications over an fp16 vs an int8 cache, and a kv4 draft step "
-                         "over the int8 cache, alternating in one process")
-    ap.add_argument("--quant-attention", action="store_true",
-                    help="instead: the compiled attention over the int8 cache's planes alone (8-bit and 4-bit "
-                         "readings, decode and 5-token verification rows), 40 layers' worth of planes in turn")
-    ap.add_argument("--linear-formats", action="store_true",
-                    help="instead: every weight format through the block kernel and the integer kernel (Q4_0, Q4_1, "
-                         "Q8_0, Q4_K, Q5_K, Q6_K), 1 and 5 rows of x, from DRAM")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
-    ap.add_argument("--budget", type=int, default=1024, help="retrieval budget for --draft-ab (default 1024)")
     ap.add_argument("--verify-tokens", type=int, default=5,
                     help="tokens of the verification forward compared with a decode step (default 5: 4 drafts "
                          "and the bonus position)")
@@ -426,23 +200,6 @@ def main(argv=None) -> None:
         print(f"{name}, --weights {mode}: weights {weight_bytes(model) / 1e6:.0f} MB read per step, KV "
               f"{kv_bytes_per_token(model) / 1e3:.1f} KB/token ({str(model.kv_dtype).removeprefix('torch.')})",
               flush=True)
-        if args.kernel_ab:
-            kernel_ab(model, [int(x) for x in args.contexts.split(",")], bw, args.steps)
-            return
-        if args.kv_ab:
-            kv_ab(model, [int(x) for x in args.contexts.split(",")], args.steps)
-            return
-        if args.quant_attention:
-            quant_attention_alone(model, [int(x) for x in args.contexts.split(",")], bw)
-            return
-        if args.linear_formats:
-            if kern is None:
-                ap.error("--linear-formats times the compiled kernels, and they are off here (TRIFORCE_ISA)")
-            linear_formats(kern, bw)
-            return
-        if args.draft_ab:
-            draft_weights_ab(model, [int(x) for x in args.contexts.split(",")], args.budget, args.steps)
-            return
         if not args.no_transformers and loaded is not None and hf_model is None:
             hf_model = load_transformers(loaded.hf_dir, model.cfg.rope.theta)
         for n in [int(x) for x in args.contexts.split(",")]:

@@ -7,7 +7,7 @@ on the weights' values) and K/V filled with random values up to the context leng
   once, over the measured copy bandwidth); a verification forward of gamma + 1 tokens; a retrieval
   level's forward (budget 4096) of 1 and gamma_draft + 1 tokens and its rebuild; with the cache
   offloaded (--offload-kv), a verification forward against the PCIe floor (K/V bytes / measured PCIe);
-- re-priced speedups: the i.i.d. acceptance model of `triforce tune` (bench.tune.predict_ms) with these
+- re-priced speedups: the i.i.d. acceptance model of `triforce tune` (speculation/cost_model.predict_ms) with these
   costs and per-token acceptances you pass (measured on the embedded model: --acceptance).
 Medians of repeated timings with CUDA events after warm-up.
 """
@@ -306,10 +306,10 @@ def measure_offloaded(model, row: dict, ctx: int, kv_bytes: int, gamma: int, pci
 
 def reprice(rows: list[dict], acceptance: dict, gamma: int, gamma_draft: int, host_ms: float = 0.0) -> list[dict]:
     """ms/token of ar and of triforce (ngram -> retrieval -> full; on-chip and offloaded) from the measured
-    costs and per-token acceptances {"T=0": (a_full, a_retr), ...}: bench.tune.predict_ms, the i.i.d.
+    costs and per-token acceptances {"T=0": (a_full, a_retr), ...}: cost_model.predict_ms, the i.i.d.
     acceptance model. `host_ms`: host time per forward outside the graph (sampling, the token's copy),
     added to every forward, ar's included. Rows without on-chip costs (offloaded only) are skipped."""
-    from .tune import predict_ms
+    from ..speculation.cost_model import predict_ms
 
     out = []
     for r in rows:

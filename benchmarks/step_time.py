@@ -1,6 +1,6 @@
 """Median time of one decode step of the embedded model over N random cached tokens (no prefill).
 
-    python scripts/step_time.py 1024 8192      # ms per step at each context, 2 threads
+    python benchmarks/step_time.py 1024 8192      # ms per step at each context, 2 threads
 """
 import sys
 import time

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How well would the target with some of its layers skipped draft for itself (issue 13, item 3)?
+"""How well would the target with some of its layers skipped draft for itself?
 
 Teacher forcing on the demo corpus: a prompt of N tokens, then the next NEW tokens of the same text in one
 forward; per position, the full model's next-token distribution p and a layer-skipped copy's q (the same
@@ -7,7 +7,7 @@ weights, the kept layers only, each over its own full cache: an upper bound on w
 over a StreamingLLM cache could reach). Reported per subset: alpha = sum(min(p, q)) at T = 0.6 (top-p 1),
 the expected acceptance of one sampled draft, and greedy agreement (same argmax).
 
-    python scripts/layer_skip_acceptance.py [N] [NEW]
+    python benchmarks/layer_skip_acceptance.py [N] [NEW]
 """
 import copy
 import statistics

@@ -3,8 +3,8 @@
 # gguf-py/) from the llama-cpp-python sdist on PyPI, for tests/test_real_converter.py, and install the one
 # module it imports that triforce does not need (sentencepiece).
 #
-#   scripts/fetch_llama_converter.sh            # llama-cpp-python 0.3.36 (the version install.sh builds)
-#   scripts/fetch_llama_converter.sh 0.3.36
+#   tests/fetch_llama_converter.sh            # llama-cpp-python 0.3.36 (the version install.sh builds)
+#   tests/fetch_llama_converter.sh 0.3.36
 #
 # Unpacks into ${TRIFORCE_CACHE_DIR:-~/.cache/triforce}/llama-converter/llama_cpp_python-VERSION/vendor/llama.cpp/,
 # where the tests look (or point $TRIFORCE_LLAMA_CONVERTER at any convert_hf_to_gguf.py). Then:

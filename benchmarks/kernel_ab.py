@@ -2,17 +2,17 @@
 
 Python keeps an extension module by its name: a second build of `triforce_cpu_avx512` loaded into a process that
 already holds one (importlib's ExtensionFileLoader, then `kernels.override`) comes back as the FIRST module object,
-so an A/B inside one process times one build twice and finds its outputs "bit-identical" (found in session 18; see
-docs/performance.md). This script runs every measurement in a fresh process that loads exactly one build, the
+so an A/B inside one process times one build twice and finds its outputs "bit-identical" (see
+docs/journal.md). This script runs every measurement in a fresh process that loads exactly one build, the
 builds in turn (A B A B ...), and reports per build the median and spread of the rounds and whether each build's
 output equals the first build's bit for bit (same random inputs: seeded).
 
 Builds are the `.so` files the kernel cache holds (~/.cache/triforce/kernels/triforce_cpu_<isa>-<key>/); copy the
 one you want to keep before changing the source.
 
-    python scripts/kernel_ab.py OLD.so NEW.so                       # quant_attention, 3 and 15 rows, int8, 32K
-    python scripts/kernel_ab.py OLD.so NEW.so --what step --kv int8   # embedded model: decode step, 5-token verification
-    python scripts/kernel_ab.py OLD.so NEW.so --bits 4 --rows 3 --rounds 8
+    python benchmarks/kernel_ab.py OLD.so NEW.so                       # quant_attention, 3 and 15 rows, int8, 32K
+    python benchmarks/kernel_ab.py OLD.so NEW.so --what step --kv int8   # embedded model: decode step, 5-token verification
+    python benchmarks/kernel_ab.py OLD.so NEW.so --bits 4 --rows 3 --rounds 8
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def quant_attention_child(ops, args) -> dict:
     """ms per layer of quant_attention over `layers` layers of random planes (more than a cache holds) per row count."""
     import torch
 
-    from triforce.bench.decode_step import random_quant_layers
+    from decode_step_ab import random_quant_layers
     from triforce.caches.quantized import GROUP_K
 
     torch.manual_seed(0)

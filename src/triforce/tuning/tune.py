@@ -25,6 +25,7 @@ import torch
 from ..errors import TriforceError
 # the one cost model (shared with the adaptive planner); tune prices its grid with it
 from ..speculation.cost_model import expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms  # noqa: F401
+from .measure import sampling_params, time_forwards
 
 
 CHECK_SEEDS = 4  # sampled runs per acceptance probe and per setting in --check (greedy: one)
@@ -58,12 +59,10 @@ def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tok
     from ..generate import generate
     from ..speculation.kinds import KINDS, BuildContext
     from ..speculation.stack import LevelSpec
-    from .decode_step import time_forwards
-    from .methods import sampling_params
 
     full = shared.restore(prompt)
-    ctx = BuildContext(model, sampling_params(temperature), config, full.capacity, 64, full_cache=full)
-    state = KINDS["kv4"].state(ctx, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
+    build_context = BuildContext(model, sampling_params(temperature), config, full.capacity, 64, full_cache=full)
+    state = KINDS["kv4"].state(build_context, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
     with torch.inference_mode():
         state.cache.build(full)
     step = time_forwards(state.model, state.cache, state.cache.length, 1, repeats) * 1e3
@@ -88,8 +87,6 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     from ..caches import RetrievalCache
     from ..speculation.kinds import drafting_cache, drafting_model
     from ..speculation.state import PrefilledPrompt
-    from .decode_step import time_forwards
-    from .methods import sampling_params
 
     config = replace(config, adapt=False)  # fixed stacks are what is measured
     model = loaded.model
@@ -224,7 +221,6 @@ def check_candidates(model, prompt, shared, config, top: list[dict], args, log) 
     ran at 1.21x against the defaults' 1.31x). Sampled runs: CHECK_SEEDS seeds (one run's text, and so its
     acceptance, is one draw); greedy: one."""
     from ..generate import generate
-    from .methods import sampling_params
 
     defaults = tuple(getattr(config, k) for k in FLAGS)
     picks: list[dict] = []
@@ -278,14 +274,14 @@ def chosen_flags(best: dict, config, checked: dict | None) -> tuple[dict, bool]:
 
 def _save(loaded, kind: str, args, flags: dict, measured: dict, log) -> str | None:
     """Record the chosen flags as this machine's default for --method triforce (chain) or sequoia (tree) near
-    this context and temperature (bench/profile.py) -> the file, or None where the cache cannot be written
+    this context and temperature (tuning/flags.py) -> the file, or None where the cache cannot be written
     (said, not fatal)."""
     from ..storage import CacheUnwritable
-    from . import profile
+    from . import flags as tuned_flags
 
     what = "--method triforce" if kind == "chain" else "--method sequoia"
     try:
-        path = profile.record(loaded, kind, args.context_length, args.temperature, flags, measured)
+        path = tuned_flags.record(loaded, kind, args.context_length, args.temperature, flags, measured)
     except CacheUnwritable as e:
         log(f"not recorded as this machine's default: {e}")
         return None
@@ -301,7 +297,6 @@ def check_tree(model, prompt, shared, config, tree: str, args, log) -> dict:
     check does -> their ms/token ("tuned": the tree's, "default": the chain defaults')."""
     from ..generate import generate
     from ..speculation.stack import StackSpec
-    from .methods import sampling_params
 
     runs = [("ar", dict(method="ar")), ("default", dict(method="triforce")),
             ("tuned", dict(stack=StackSpec.parse("streaming,full", config.gamma, tree=tree)))]
@@ -405,8 +400,6 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     from ..speculation.kinds import KINDS, BuildContext
     from ..speculation.stack import StackSpec
     from ..speculation.tree import best_tree, tree_value
-    from .decode_step import time_forwards
-    from .methods import sampling_params
 
     model = loaded.model
     probe = StackSpec.parse("streaming,full", config.gamma, tree=PROBE_TREE)
@@ -420,8 +413,8 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     length = shared.restore(prompt).length
     sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_nodes + 3)) | {max_nodes + 2})
     cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3 for k in sizes}
-    ctx = BuildContext(model, sampling_params(temperature), config, length + 256, max_rollback(probe))
-    state = KINDS["streaming"].state(ctx, probe.levels[0], "streaming")
+    build_context = BuildContext(model, sampling_params(temperature), config, length + 256, max_rollback(probe))
+    state = KINDS["streaming"].state(build_context, probe.levels[0], "streaming")
     KINDS["streaming"].prefill(state, prompt[:-1], None, config)
     cost_stream = {k: time_forwards(state.model, state.cache, state.cache.length, k, repeats) * 1e3 for k in sizes}
     shared.restore(prompt)

@@ -1,7 +1,6 @@
 """`triforce train-drafter`: train a draft head for a model on this CPU."""
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import shlex
@@ -9,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import TriforceError
+from .common import positive_int
 
 NAME = "train-drafter"
 HELP = "train a draft head (EAGLE's design) for a model, on this CPU"
@@ -20,15 +20,8 @@ DESCRIPTION = ("Train a draft head for a model: the model writes its own trainin
                "the head's acceptance on held-out text (the bench's prose, code and dialogue).")
 
 
-def _positive(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .train import TrainSettings
+    from ..drafthead.train import TrainSettings
 
     d = TrainSettings()
     p.add_argument("--model", metavar="PATH",
@@ -38,18 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(DIR/work: the generated data and the checkpoint; delete it when done)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the data, the weights and the batch order "
                                                              f"(default {d.seed})")
-    p.add_argument("--tokens", type=_positive, default=d.tokens,
+    p.add_argument("--tokens", type=positive_int, default=d.tokens,
                    help=f"tokens of training text the model writes (default {d.tokens}; about 300-600 per second "
                         f"for a 135M model on 2 cores)")
-    p.add_argument("--epochs", type=_positive, default=d.epochs, help=f"passes over the data (default {d.epochs})")
-    p.add_argument("--batch", type=_positive, default=d.batch, help=f"sequences per step (default {d.batch})")
+    p.add_argument("--epochs", type=positive_int, default=d.epochs, help=f"passes over the data (default {d.epochs})")
+    p.add_argument("--batch", type=positive_int, default=d.batch, help=f"sequences per step (default {d.batch})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--unroll", type=_positive, default=d.unroll,
+    p.add_argument("--unroll", type=positive_int, default=d.unroll,
                    help=f"steps the head is trained to draft in sequence, fed its own predictions (default "
                         f"{d.unroll}; 1: teacher forcing only)")
-    p.add_argument("--window", type=_positive, default=d.window,
+    p.add_argument("--window", type=positive_int, default=d.window,
                    help=f"positions the head attends to when it drafts (default {d.window})")
-    p.add_argument("--threads", type=_positive, help="CPU threads (default: one per core)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
     p.add_argument("--no-eval", dest="evaluate", action="store_false",
                    help="skip the acceptance report on held-out text at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -59,7 +52,7 @@ def run(args) -> int:
     import torch
 
     from ..loading import load_model
-    from .train import Trainer, TrainSettings, check_trainable
+    from ..drafthead.train import Trainer, TrainSettings, check_trainable
 
     settings = TrainSettings(tokens=args.tokens, epochs=args.epochs, batch=args.batch, lr=args.lr,
                              unroll=args.unroll, window=args.window, seed=args.seed)
@@ -76,7 +69,7 @@ def run(args) -> int:
     try:
         head = trainer.run()
         if args.evaluate:
-            from .evaluate import acceptance, table
+            from ..drafthead.evaluate import acceptance, table
 
             rows = acceptance(loaded.model, loaded.tokenizer, out, progress=not args.quiet)
             head.cfg.trained["held_out_acceptance"] = rows

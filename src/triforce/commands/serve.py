@@ -1,0 +1,59 @@
+"""`triforce serve`: an OpenAI-compatible HTTP server running any stack."""
+from __future__ import annotations
+
+import argparse
+
+from .common import add_model_args, add_spec_args, add_stack_args, byte_size, planned_stack, positive_int
+
+NAME = "serve"
+HELP = "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)"
+DESCRIPTION = ("Serve the model over HTTP with the OpenAI API (POST /v1/completions and "
+               "/v1/chat/completions, streamed or not; GET /v1/models, /health and /metrics) "
+               "with any speculation stack: the output equals `triforce generate`'s for the "
+               "same prompt, stack, settings and seed. One request runs at a time, in arrival "
+               "order; a request sharing a prompt prefix with an earlier one reuses its K/V "
+               "(the prefix cache) and skips that part of the prefill. Needs the serve extra. "
+               "Guide: docs/serving.md.")
+# uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), which the CLI's interrupt watcher would cut short
+HANDLES_SIGNALS = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    n = parser.add_argument_group("server")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
+                                                       "0.0.0.0 for every interface: there is no authentication)")
+    n.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    n.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
+                   help="requests that may wait while one runs; more get 429 with Retry-After (default 16)")
+    n.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="a request still unfinished this many seconds after it arrived (queue time included) "
+                        "is stopped with a 504 (default 600)")
+    n.add_argument("--default-max-tokens", type=positive_int, default=256, metavar="N",
+                   help="max_tokens of a request that gives none (default 256; never past the context)")
+    n.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id in /v1/models and responses (default: the model's file or folder name)")
+    n.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGINT/SIGTERM, how long running responses may finish before they are cut (default 30)")
+    n.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    n.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    c = parser.add_argument_group("prefix cache")
+    c.add_argument("--prefix-cache-bytes", type=byte_size, default=2 << 30, metavar="BYTES",
+                   help="memory for cached prompt-prefix K/V, least recently used out first; suffixes K, M, G "
+                        "(default 2G; 0 turns the cache off)")
+    c.add_argument("--kv-cache-dir", metavar="DIR",
+                   help="also keep the prefix cache in DIR, so that it survives a restart (files of another model "
+                        "or setting, or damaged ones, are refused with a log line)")
+    c.add_argument("--prefill-chunk", type=positive_int, default=512, metavar="N",
+                   help="prompt tokens per prefill forward, and the prefix cache's block size (default 512)")
+    add_model_args(parser)
+    add_stack_args(parser)
+    add_spec_args(parser, tuned=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (planned := planned_stack(args)) is None:
+        return 0
+    config, draft_path, stack, name = planned
+    from ..serving.server import main as serve_main
+
+    return serve_main(args, stack, name, config, draft_path)
