@@ -226,3 +226,32 @@ def test_an_interrupted_training_resumes_to_the_same_head(target, tmp_path, monk
 
     a, b = load_file(str(whole / "head.safetensors")), load_file(str(resumed / "head.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_adaptive_head_stack_switching_routes_keeps_greedy_output(tiny_llama, tmp_path, seed):
+    """The planner may run the head under the retrieval level, under the full level directly, or not at all: every
+    route (forced per round, with several gammas) gives ar's tokens, and the head is timed as the bottom level."""
+    import dataclasses
+    import random
+
+    from triforce.speculation.planner import Route
+    from triforce.speculation.stack import StackSpec
+
+    model = tiny_llama
+    prompt = torch.randint(0, model.cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+    config = SpecConfig(**{**CFG, "adapt": True}, head=str(make_head(model, tmp_path)))
+    stack = dataclasses.replace(StackSpec.parse("head,retrieval,full", "2,3"), adaptive=True)
+
+    def force(r):
+        rng = random.Random(r * 7919 + seed)
+        fam = rng.choice([(2,), (0, 2), (1, 2), (0, 1, 2)])
+        return Route(fam, tuple(rng.randint(1, 4) for _ in fam[1:]))
+
+    ar = generate(model, prompt, 48, SamplingParams(), method="ar")
+    res = generate(model, prompt, 48, SamplingParams(), stack=stack, config=config, force_route=force)
+    assert res.tokens == ar.tokens
+    assert {r.split("@")[0] for r in res.stats["adaptive"]["routes"]} == {"full", "head,full", "retrieval,full",
+                                                                           "head,retrieval,full"}
+    free = generate(model, prompt, 48, SamplingParams(), stack=stack, config=config)  # the planner's own choices
+    assert free.tokens == ar.tokens

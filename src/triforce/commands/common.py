@@ -68,8 +68,8 @@ def add_spec_args(p: argparse.ArgumentParser, tuned: bool = True) -> None:
                    help=f"triforce: tokens the bottom drafter proposes per retrieval-level verification (default "
                         f"{d.gamma_draft}, or the tuned value)")
     g.add_argument("--draft", default=d.draft, metavar="KIND",
-                   help="bottom drafter of triforce: ngram (default), streaming (the target with a StreamingLLM "
-                        "cache), or PATH of a small model sharing the target's tokenizer; also the model of a "
+                   help="bottom drafter of triforce: ngram (default), head (a trained draft head, --head), streaming "
+                        "(the target with a StreamingLLM cache), or PATH of a small model sharing the target's tokenizer; also the model of a "
                         "'draft' level")
     g.add_argument("--head", metavar="DIR", default="",
                    help="the draft head of a 'head' level: a directory made by `triforce train-drafter` (default: "
@@ -153,7 +153,7 @@ def default_draft_kv(args) -> str:
 def spec_config_from_args(args) -> tuple[SpecConfig, str | None]:
     """-> (config, path of a draft model or None)."""
     draft, path = args.draft, None
-    if draft not in ("ngram", "streaming"):
+    if draft not in ("ngram", "head", "streaming"):
         path, draft = draft, "draft"
     d = SpecConfig()
     cfg = SpecConfig(gamma=d.gamma if args.gamma is None else args.gamma,

@@ -18,7 +18,7 @@ class SpecConfig:
     # them, against 1.85x / 1.2x for the earlier 6 / 2 (docs/benchmarks.md); tune per machine and temperature
     gamma: int = 4  # named methods: tokens drafted per verification by the full target (top level)
     gamma_draft: int = 3  # named method triforce: tokens the bottom drafter proposes per retrieval verification
-    draft: str = "ngram"  # named method triforce: its bottom drafter, "ngram", "streaming" or "draft" (a model)
+    draft: str = "ngram"  # named method triforce: its bottom drafter, "ngram", "head", "streaming" or "draft" (a model)
     budget: int = 4096  # retrieval cache: tokens kept per layer and KV head (a level without :BUDGET)
     chunk_size: int = 8
     recent: int = 64  # newest tokens always kept by the retrieval cache
@@ -50,8 +50,8 @@ class SpecConfig:
             raise TriforceError(f"--ngram-shortcut must be between 0 (never) and 1, got {self.ngram_shortcut}")
         if self.sink < 0 or self.recent < 0:
             raise TriforceError("--sink and --recent must be >= 0")
-        if self.draft not in ("ngram", "streaming", "draft"):
-            raise TriforceError(f"unknown drafter {self.draft!r}: use ngram, streaming, or a draft model")
+        if self.draft not in ("ngram", "head", "streaming", "draft"):
+            raise TriforceError(f"unknown drafter {self.draft!r}: use ngram, head, streaming, or a draft model")
         if self.draft_weights not in ("bf16", "fp32"):
             raise TriforceError(f"--draft-weights must be bf16 or fp32, got {self.draft_weights!r}")
         kv_dtype_name(self.draft_kv_dtype, "--draft-kv-dtype", FLOAT_KV_DTYPES)

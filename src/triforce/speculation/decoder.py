@@ -106,9 +106,13 @@ class Decoder:
                 return
             self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")
         tree = fixed_tree(self.stack.tree) if self.stack.tree else None  # drafted by the bottom level only
-        # the top level's n-gram shortcut past the levels between (Level.shortcut)
-        shortcut = (proposer if bottom_spec.kind == "ngram" and len(self.stack.levels) > 2 and config.ngram_shortcut > 0
-                    else None)
+        # the top level's n-gram shortcut past the levels between (Level.shortcut); below a draft head, an n-gram
+        # drafter of its own: repeated text is then verified directly, new text drafted by the head
+        shortcut = None
+        if config.ngram_shortcut > 0 and bottom_spec.kind == "ngram" and len(self.stack.levels) > 2:
+            shortcut = proposer
+        elif config.ngram_shortcut > 0 and bottom_spec.kind == "head":
+            shortcut = KINDS["ngram"].drafter(ctx, bottom_spec)
         for i, (state, gamma) in enumerate(zip(self.states[1:], self.stack.gammas), start=2):
             top = i == len(self.stack.levels)
             proposer = Level(state.name, proposer, state, gamma, generator, tree=tree,

@@ -120,7 +120,7 @@ class Level:
     template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a model at the
     bottom: ModelDrafter.propose_tree), each round drafts that tree instead of a chain (Sequoia).
 
-    `shortcut` (an n-gram drafter at the bottom of the stack, below `drafter`): each round looks its proposal
+    `shortcut` (an n-gram drafter: the stack's bottom below `drafter`, or one of its own below a draft head): each round looks its proposal
     up first and verifies it directly, skipping the levels between, when proposals from matches of the same
     length have lately been accepted at least `shortcut_above` of the time (`shortcut_rate`). Repeated text then
     costs no middle-level forwards, and new text still goes through them. Every round counts for that rate: a

@@ -231,7 +231,7 @@ METHOD_DOC = {
     "streaming": "streaming,full: the target with a StreamingLLM cache (the paper's naive policy)",
     "draft": "draft,full: a small model (--draft PATH)",
     "retrieval": "retrieval,full: the target with a retrieval cache (TriForce without hierarchy)",
-    "triforce": "DRAFTER,retrieval,full: TriForce (DRAFTER from --draft: ngram, streaming or a model)",
+    "triforce": "DRAFTER,retrieval,full: TriForce (DRAFTER from --draft: ngram, head, streaming or a model)",
     "sequoia": "streaming,full --tree 2,2,1: token trees drafted by the target with a StreamingLLM cache",
     "quantspec": "kv4,full: QuantSpec, the target reading its KV cache at 4 bits (docs/quantized_kv.md)",
 }
