@@ -255,3 +255,64 @@ def test_an_adaptive_head_stack_switching_routes_keeps_greedy_output(tiny_llama,
                                                                            "head,retrieval,full"}
     free = generate(model, prompt, 48, SamplingParams(), stack=stack, config=config)  # the planner's own choices
     assert free.tokens == ar.tokens
+
+
+@pytest.mark.parametrize("levels,tree", [("head,full", "2,2,1"), ("head,retrieval,full", "3,1"),
+                                         ("head,kv4,full", "2,2")])
+def test_greedy_output_with_head_trees_is_ar_output(tiny_llama, tmp_path, levels, tree):
+    from triforce.speculation.stack import StackSpec
+
+    model = tiny_llama
+    prompt = torch.randint(0, model.cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    config = SpecConfig(**CFG, head=str(make_head(model, tmp_path)))
+    ar = generate(model, prompt, 40, SamplingParams(), method="ar")
+    res = generate(model, prompt, 40, SamplingParams(), stack=StackSpec.parse(levels, "2", tree=tree), config=config)
+    assert res.tokens == ar.tokens
+    assert res.stats["levels"][-2]["tree_nodes"] > 0
+
+
+def test_sampled_tokens_with_head_trees_follow_the_target_distribution(target, head_dir, prompt):
+    from triforce.speculation.stack import StackSpec
+
+    params = SamplingParams(temperature=1.0)
+    exact = exact_marginals(target, prompt, params)
+    config = SpecConfig(**CFG, head=str(head_dir))
+    stack = StackSpec.parse("head,full", "2", tree="3,2")
+    counts = torch.zeros(POSITIONS, V)
+    accepted = 0
+    for seed in range(1000):
+        res = generate(target, prompt, POSITIONS, params, stack=stack, config=config, seed=seed)
+        for i, t in enumerate(res.tokens):
+            counts[i, t] += 1
+        accepted += res.stats["levels"][0]["accepted"]
+    assert min(p_values(counts, exact)) > ALPHA
+    assert accepted > 100
+
+
+class FlatteningTreeHead(HeadDrafter):
+    """A wrong tree sampler: it draws the children from q but reports q flattened towards uniform."""
+
+    def propose_tree(self, ctx, committed, template):
+        tree, q = super().propose_tree(ctx, committed, template)
+        if q is not None:
+            live = q.sum(-1, keepdim=True) > 0
+            q = torch.where(live, 0.3 * q + 0.7 / q.shape[-1], q)
+        return tree, q
+
+
+def test_the_distribution_check_catches_a_tree_head_that_misreports_its_proposal(target, head_dir, prompt,
+                                                                                  monkeypatch):
+    import triforce.drafthead.drafter as drafter_mod
+    from triforce.speculation.stack import StackSpec
+
+    monkeypatch.setattr(drafter_mod, "HeadDrafter", FlatteningTreeHead)
+    params = SamplingParams(temperature=1.0)
+    exact = exact_marginals(target, prompt, params)
+    config = SpecConfig(**CFG, head=str(head_dir))
+    stack = StackSpec.parse("head,full", "2", tree="3,2")
+    counts = torch.zeros(POSITIONS, V)
+    for seed in range(1000):
+        res = generate(target, prompt, POSITIONS, params, stack=stack, config=config, seed=seed)
+        for i, t in enumerate(res.tokens):
+            counts[i, t] += 1
+    assert min(p_values(counts, exact)) < ALPHA

@@ -21,8 +21,10 @@ import time
 import torch
 
 from ..caches import StreamingCache
+from ..caches.base import TokenBlock
 from ..model import Transformer
 from ..sampling import SamplingParams, probs_from_logits, sample
+from ..speculation.tree import DraftTree
 from .head import DraftHead, embed_tokens
 
 def prepare_for_drafting(head: DraftHead, model: Transformer) -> None:
@@ -169,6 +171,75 @@ class HeadDrafter:
         self.tokens_drafted += len(tokens)
         self.seconds += time.perf_counter() - t
         return tokens, (torch.stack(rows) if rows else None)
+
+    def _row(self, prediction: torch.Tensor) -> torch.Tensor:
+        """A slot's row for sample_children: its logits when greedy (top-k), else its probabilities."""
+        logits = self._logits(prediction)
+        return logits if self.params.greedy else probs_from_logits(logits, self.params)
+
+    @torch.inference_mode()
+    def _feed_tree(self, features: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """The nodes of a draft tree after the cached positions, as one token block (each at position length +
+        depth, seeing the cached positions and its own ancestors): (features [N, hidden], the tree) -> predictions
+        [N, hidden]. The block is dropped again (the cache keeps real positions only)."""
+        cache, n = self.cache, self.cache.length
+        dev = self.model.device
+        offsets = torch.tensor(tree.depths, dtype=torch.long, device=dev)
+        cache.prepare(len(tree), TokenBlock(offsets, tree.ancestry().to(dev)))
+        emb = embed_tokens(self.model, torch.tensor([list(tree.tokens)], device=dev))
+        out = self.head(features[None].float(), emb, n + offsets, cache)[0]
+        cache.commit(len(tree))
+        cache.rollback(n)
+        self.forwards += 1
+        return out
+
+    def propose_tree(self, ctx: list[int], committed: int, template: tuple[int, ...]
+                     ) -> tuple[DraftTree, torch.Tensor | None]:
+        """A draft tree in the shape of `template` (parents; tree.fixed_tree), depth by depth: each slot's children
+        are drawn without replacement from the LM head over its prediction (sample_children), and every depth the
+        tree so far is fed as one token block, each node reading its parent's prediction as its feature. -> (the
+        tree, q [len + 1, V]: the row each slot's children came from, zeros at leaves; None when greedy)."""
+        from ..speculation.drafters import sample_children
+
+        t = time.perf_counter()
+        kids: list[list[int]] = [[] for _ in range(len(template) + 1)]
+        for node, parent in enumerate(template):
+            kids[parent + 1].append(node)
+        root = self._catch_up(ctx, committed)
+        if root is None:
+            return DraftTree((), ()), None
+        tokens: list[int] = []
+        parents: list[int] = []
+        preds: list[torch.Tensor] = []
+        rows = {0: self._row(root)}  # actual slot -> its row
+        frontier = [(-1, -1)]  # (template node, actual node) whose children come next
+        while True:
+            nxt = []
+            for t_node, a_node in frontier:
+                want = kids[t_node + 1]
+                for t_child, token in zip(want, sample_children(rows[a_node + 1], len(want), self.params.greedy,
+                                                                self.generator)):
+                    nxt.append((t_child, len(tokens)))
+                    tokens.append(token)
+                    parents.append(a_node)
+            self.syncs += 1
+            frontier = [(tc, ac) for tc, ac in nxt if kids[tc + 1]]
+            if not frontier:
+                break
+            tree = DraftTree(tuple(tokens), tuple(parents))
+            out = self._feed_tree(torch.stack([root if p < 0 else preds[p] for p in parents]), tree)
+            preds = list(out)
+            for _, ac in frontier:
+                rows[ac + 1] = self._row(preds[ac])
+        tree = DraftTree(tuple(tokens), tuple(parents))
+        q = None
+        if not self.params.greedy:
+            q = torch.zeros(len(tokens) + 1, rows[0].shape[-1], device=rows[0].device)
+            for slot, row in rows.items():
+                q[slot] = row
+        self.tokens_drafted += len(tokens)
+        self.seconds += time.perf_counter() - t
+        return tree, q
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
         raise NotImplementedError("a draft head drafts for a level above; it cannot be the top of a stack")

@@ -121,18 +121,17 @@ class DraftHead(nn.Module):
             self.fc.weight[:, h:] = torch.eye(h)
             self.fc.bias.zero_()
 
-    def state_for_disk(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-
-    def save(self, directory: str | os.PathLike) -> None:
+    def save(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         """Write config.json and head.safetensors atomically (each to a temporary name, then renamed; the
-        weights first, so a directory with a config always has its weights)."""
+        weights first, so a directory with a config always has its weights). `dtype`: the weights' on disk
+        (bf16 halves a shipped head; loading casts back to fp32); default as held."""
         from safetensors.torch import save_file
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / (WEIGHTS_FILE + ".tmp")
-        save_file(self.state_for_disk(), str(tmp), metadata={"format": FORMAT})
+        weights = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
+        save_file(weights, str(tmp), metadata={"format": FORMAT})
         os.replace(tmp, d / WEIGHTS_FILE)
         tmp = d / (CONFIG_FILE + ".tmp")
         tmp.write_text(json.dumps(asdict(self.cfg), indent=1) + "\n")

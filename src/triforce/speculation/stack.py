@@ -157,8 +157,8 @@ class StackSpec:
         if self.tree:
             if any(w < 1 for w in self.tree):
                 raise TriforceError(f"--tree widths must be >= 1, got {','.join(map(str, self.tree))}")
-            if len(kinds) < 2 or kinds[0] in DRAFT_ONLY:
-                raise TriforceError(f"--tree needs a model at the bottom of the stack to draft the tree (streaming, "
+            if len(kinds) < 2 or kinds[0] == "ngram":
+                raise TriforceError(f"--tree needs a model at the bottom of the stack to draft the tree (head, streaming, "
                                     f"retrieval, h2o or draft), not {self.levels_text}; e.g. --levels streaming,full --tree 3,2")
             if self.tree_nodes > MAX_TREE_NODES:
                 raise TriforceError(f"--tree {','.join(map(str, self.tree))} has {self.tree_nodes} nodes: at most "
