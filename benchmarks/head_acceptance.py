@@ -20,6 +20,7 @@ from triforce.drafthead.head import EMBEDDED_HEAD, head_for
 from triforce.generate import generate
 from triforce.loading import load_model
 from triforce.sampling import SamplingParams
+from triforce.speculation.state import PrefilledPrompt
 from triforce.corpus import genre_tokens
 
 BANDWIDTH_GBS = 46.0  # measured read rate of this 2-core Zen 5 (docs/performance.md); pass --bandwidth for another
@@ -53,8 +54,8 @@ def main() -> None:
     floor_ms = head_bytes(model, head) / (args.bandwidth * 1e9) * 1e3
     ar = {}
     for c in sorted({r["context"] for r in rows}):
-        prompt = genre_tokens(m.tokenizer, args.genres.split(",")[0], c)
-        res = generate(model, prompt, 32, SamplingParams(), method="ar")
+        prompt = genre_tokens(m.tokenizer, args.genres.split(",")[-1], c)  # an ar step over the same kind of text
+        res = generate(model, prompt, 32, SamplingParams(), method="ar", prefilled=PrefilledPrompt(model, prompt, c + 64))
         step = res.stats["levels"][0]  # ar: the full level decoding alone
         ar[c] = 1e3 * step["seconds"] / step["tokens"]
     print(table(rows))

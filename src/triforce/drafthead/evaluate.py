@@ -6,6 +6,7 @@ from ..corpus import genre_tokens
 from ..model import Transformer
 from ..sampling import SamplingParams
 from ..speculation.config import SpecConfig
+from ..speculation.state import PrefilledPrompt
 
 EVAL_GENRES = ("prose", "code", "dialogue")
 
@@ -19,13 +20,16 @@ def acceptance(model: Transformer, tokenizer, head_dir, *, contexts=(512, 4096),
 
     from ..generate import generate
 
-    config = SpecConfig(head=str(head_dir), adapt=False, ngram_shortcut=0.0)  # the head's drafts alone
+    config = SpecConfig(head=str(head_dir), adapt=False, ngram_shortcut=0.0, gamma=gamma)  # the head's drafts alone
     rows = []
     cells = [(g, c, t) for g in genres for c in contexts for t in temperatures]
+    prefilled = None
     for genre, context, temperature in tqdm(cells, desc="acceptance on held-out text", disable=not progress):
         prompt = genre_tokens(tokenizer, genre, context)
+        if prefilled is None or prefilled.head != prompt[:-1]:  # one prefill per prompt, for every temperature
+            prefilled = PrefilledPrompt(model, prompt, context + new_tokens + 2 * gamma + 16)
         res = generate(model, prompt, new_tokens, SamplingParams(temperature=temperature), stack="head,full",
-                       config=SpecConfig(**{**config.__dict__, "gamma": gamma}), seed=seed)
+                       config=config, seed=seed, prefilled=prefilled)
         full, head = res.stats["levels"][0], res.stats["levels"][-1]
         rows.append({"genre": genre, "context": context, "temperature": temperature,
                      "acceptance": full["acceptance_rate"], "by_position": full.get("acceptance_by_position"),
