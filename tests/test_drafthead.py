@@ -316,3 +316,18 @@ def test_the_distribution_check_catches_a_tree_head_that_misreports_its_proposal
         for i, t in enumerate(res.tokens):
             counts[i, t] += 1
     assert min(p_values(counts, exact)) < ALPHA
+
+
+def test_tune_prices_a_head_stack_from_its_measured_cost_and_acceptance(tiny_llama, tmp_path):
+    from triforce.speculation.state import PrefilledPrompt
+    from triforce.tuning.tune import tune_head
+
+    model = tiny_llama
+    prompt = torch.randint(0, model.cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    shared = PrefilledPrompt(model, prompt, 64 + 40)
+    cost_full = {k: 1.0 + 0.1 * k for k in range(1, 8)}
+    out = tune_head(model, shared, prompt, cost_full, 4, SpecConfig(**CFG, head=str(make_head(model, tmp_path))),
+                    16, 0.0, 0, log=lambda m: None)
+    assert 0.0 <= out["acceptance"] <= 1.0 and out["cost_head_ms_per_token"] > 0
+    assert [r["predicted_ms_per_token"] for r in out["top"]] == sorted(r["predicted_ms_per_token"] for r in out["top"])
+    assert tune_head(model, shared, prompt, cost_full, 4, SpecConfig(**CFG), 16, 0.0, 0) is None  # no head: no row

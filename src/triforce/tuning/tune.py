@@ -77,6 +77,31 @@ def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tok
     return {"acceptance": round(a, 4), "cost_kv4_ms": round(step, 2), "best": grid[0], "top": grid[:5]}
 
 
+def tune_head(model, shared, prompt, cost_full: dict, max_gamma: int, config, tokens: int, temperature: float,
+              seed: int, log=print) -> dict | None:
+    """A draft head under the full level (head,full): its time per drafted token and the full level's per-token
+    acceptance of its drafts from runs at gamma max_gamma (no n-gram shortcut: the head's drafts alone); the
+    predicted ms/token for every gamma, best first. None when no head is available for the model (--head)."""
+    from ..drafthead.head import head_for
+    from ..generate import generate
+    from ..speculation.stack import StackSpec
+
+    try:
+        head_for(model, config.head)
+    except TriforceError:
+        return None
+    cfg = replace(config, ngram_shortcut=0.0)
+    runs = [generate(model, prompt, tokens, sampling_params(temperature), stack=StackSpec.parse("head,full", max_gamma),
+                     config=cfg, prefilled=shared, seed=s).stats["levels"] for s in probe_seeds(temperature, seed)]
+    a = per_token_acceptance(pooled_mean_accepted(runs)["full"], max_gamma)
+    drafted = [lv[-1] for lv in runs]
+    step = 1e3 * sum(d["seconds"] for d in drafted) / max(1, sum(d["tokens"] for d in drafted))
+    log(f"head: per-token acceptance {a:.3f}; {step:.2f} ms per drafted token (full forward k=1 {cost_full[1]:.1f})")
+    grid = sorted(({"gamma": g, "predicted_ms_per_token": round(predict_two_level_ms(cost_full, step, a, g), 2)}
+                   for g in range(1, max_gamma + 1)), key=lambda r: r["predicted_ms_per_token"])
+    return {"acceptance": round(a, 4), "cost_head_ms_per_token": round(step, 3), "best": grid[0], "top": grid[:5]}
+
+
 def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft: int, config, tokens: int,
          repeats: int = 3, progress: bool = True, log=print, temperature: float = 0.0, seed: int = 0,
          kv4: bool = False) -> dict:
@@ -140,6 +165,9 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     grid.sort(key=lambda r: r["predicted_ms_per_token"])
     extra = {"quantspec": tune_kv4(model, shared, prompt, cost_full, max_gamma, config, tokens, repeats, temperature,
                                    seed, log)} if kv4 else {}
+    head = tune_head(model, shared, prompt, cost_full, max_gamma, config, tokens, temperature, seed, log)
+    if head is not None:
+        extra["head"] = head
     return {**extra, "context_length": n_ctx, "temperature": temperature, "cost_full_ms": {k: round(v, 2) for k, v in cost_full.items()},
             "cost_retrieval_ms": {b: {k: round(v, 2) for k, v in d.items()} for b, d in cost_retr.items()},
             "acceptance": {b: {"full": round(a, 4), "retrieval": round(r, 4)} for b, (a, r) in accept.items()},
@@ -201,6 +229,11 @@ def main(args, config) -> int:
             why = "the defaults ran faster in the check" if kept_defaults else "the check ran these fastest"
             print(f"  {why}: --budget {flags['budget']} --gamma {flags['gamma']} --gamma-draft {flags['gamma_draft']} "
                   f"(these are recorded)")
+        if "head" in out:
+            hd = out["head"]
+            print(f"  head,full (head acceptance {hd['acceptance']}, {hd['cost_head_ms_per_token']} ms per drafted token): "
+                  f"best predicted {hd['best']['predicted_ms_per_token']} ms/token with --levels head,full --gammas "
+                  f"{hd['best']['gamma']}")
         if "quantspec" in out:
             qs = out["quantspec"]
             print(f"  quantspec (kv4,full; kv4 acceptance {qs['acceptance']}): best predicted "
