@@ -117,6 +117,25 @@ def int8(rel: str) -> str:
            )
 
 
+def draft_head(rel: str, shipped: str) -> str:
+    """The shipped draft head: its training time and size (its config.json) and its acceptance on held-out text."""
+    data = _load(rel)
+    cfg = _load(shipped)["trained"]
+    size = sum(f.stat().st_size for f in (ROOT / shipped).parent.iterdir()) / 1e6
+    rows = data["rows"]
+
+    def acc(t: float) -> str:
+        return _span([r["acceptance"] for r in rows if r["temperature"] == t])
+
+    share = [r["draft_share_of_ar_step"] for r in rows if r["context"] == max(x["context"] for x in rows)]
+    return (f"**The shipped draft head** ({ZEN5}; `head,full`, held-out prose and code at "
+            f"{'/'.join(str(c) for c in sorted({r['context'] for r in rows}))} tokens): {size:.1f} MB, trained in "
+            f"{cfg['train_seconds'] / 60:.0f} minutes on {cfg['threads']} threads over "
+            f"{cfg['settings']['tokens'] // 1000}K generated tokens; accepted {acc(0.0)} per drafted token at "
+            f"temperature 0 and {acc(0.6)} at 0.6 (the target is 0.75); a drafted token costs {_span(share, 3)} of an "
+            f"`ar` step at 32K.")
+
+
 B = "docs/benchmarks/"
 # (the item, its results file, its arguments, the command that made the file where the file does not record it)
 ITEMS = (
@@ -127,6 +146,9 @@ ITEMS = (
     (verification, B + "2026-11-26-zen5-s20-bounds/tune-bf16-t0.6.json", (),
      "triforce tune --context-length 32000 --temperature 0.6 --kv4 --budgets 2048,4096,8192 --json"),
     (int8, B + "2026-11-26-zen5-quantized-kv-32k/int8-vs-fp32/results.json", (), None),
+    (draft_head, B + "2026-11-26-zen5-head/acceptance.json", ("src/triforce/drafthead/heads/smollm2-135m-instruct/config.json",),
+     "PYTHONPATH=src python benchmarks/head_acceptance.py --contexts 8192,32000 --json "
+     "docs/benchmarks/2026-11-26-zen5-head/acceptance.json"),
 )
 
 

@@ -185,7 +185,8 @@ class HeadDrafter:
         cache, n = self.cache, self.cache.length
         dev = self.model.device
         offsets = torch.tensor(tree.depths, dtype=torch.long, device=dev)
-        cache.prepare(len(tree), TokenBlock(offsets, tree.ancestry().to(dev)))
+        # a tree that is still a chain (one node per depth) goes as one: a causal forward, as the levels feed chains
+        cache.prepare(len(tree), None if tree.is_chain else TokenBlock(offsets, tree.ancestry().to(dev)))
         emb = embed_tokens(self.model, torch.tensor([list(tree.tokens)], device=dev))
         out = self.head(features[None].float(), emb, n + offsets, cache)[0]
         cache.commit(len(tree))
