@@ -108,18 +108,23 @@ def test_the_head_reads_features_of_every_position_it_feeds(tiny_llama, tmp_path
     assert len(resets) == 1
 
 
-@pytest.mark.parametrize("stack", ["head,full", "head,retrieval,full"])
-def test_sampled_tokens_with_a_head_follow_the_target_distribution(target, head_dir, prompt, stack):
-    params = SamplingParams(temperature=1.0)
-    exact = exact_marginals(target, prompt, params)
+def sampled(target, prompt, stack, head_dir, runs=1000):
+    """Token counts per position over `runs` seeds at temperature 1, and the drafts the head's verifier accepted."""
     config = SpecConfig(**CFG, head=str(head_dir))
     counts = torch.zeros(POSITIONS, V)
     accepted = 0
-    for seed in range(1000):
-        res = generate(target, prompt, POSITIONS, params, stack=stack, config=config, seed=seed)
+    for seed in range(runs):
+        res = generate(target, prompt, POSITIONS, SamplingParams(temperature=1.0), stack=stack, config=config, seed=seed)
         for i, t in enumerate(res.tokens):
             counts[i, t] += 1
         accepted += res.stats["levels"][-2]["accepted"]  # the head's verifier
+    return counts, accepted
+
+
+@pytest.mark.parametrize("stack", ["head,full", "head,retrieval,full"])
+def test_sampled_tokens_with_a_head_follow_the_target_distribution(target, head_dir, prompt, stack):
+    exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
+    counts, accepted = sampled(target, prompt, stack, head_dir)
     pv = p_values(counts, exact)
     assert min(pv) > ALPHA, f"chi-square p-values {pv}"
     assert accepted > 100  # the head's drafts were accepted often enough for the check to test them
@@ -142,14 +147,8 @@ def test_the_distribution_check_catches_a_head_that_misreports_its_proposal(targ
     import triforce.drafthead.drafter as drafter_mod
 
     monkeypatch.setattr(drafter_mod, "HeadDrafter", SharpeningHead)
-    params = SamplingParams(temperature=1.0)
-    exact = exact_marginals(target, prompt, params)
-    config = SpecConfig(**CFG, head=str(head_dir))
-    counts = torch.zeros(POSITIONS, V)
-    for seed in range(1000):
-        res = generate(target, prompt, POSITIONS, params, stack="head,full", config=config, seed=seed)
-        for i, t in enumerate(res.tokens):
-            counts[i, t] += 1
+    exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
+    counts, _ = sampled(target, prompt, "head,full", head_dir)
     assert min(p_values(counts, exact)) < ALPHA
 
 
@@ -274,17 +273,8 @@ def test_greedy_output_with_head_trees_is_ar_output(tiny_llama, tmp_path, levels
 def test_sampled_tokens_with_head_trees_follow_the_target_distribution(target, head_dir, prompt):
     from triforce.speculation.stack import StackSpec
 
-    params = SamplingParams(temperature=1.0)
-    exact = exact_marginals(target, prompt, params)
-    config = SpecConfig(**CFG, head=str(head_dir))
-    stack = StackSpec.parse("head,full", "2", tree="3,2")
-    counts = torch.zeros(POSITIONS, V)
-    accepted = 0
-    for seed in range(1000):
-        res = generate(target, prompt, POSITIONS, params, stack=stack, config=config, seed=seed)
-        for i, t in enumerate(res.tokens):
-            counts[i, t] += 1
-        accepted += res.stats["levels"][0]["accepted"]
+    exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
+    counts, accepted = sampled(target, prompt, StackSpec.parse("head,full", "2", tree="3,2"), head_dir)
     assert min(p_values(counts, exact)) > ALPHA
     assert accepted > 100
 
@@ -306,15 +296,8 @@ def test_the_distribution_check_catches_a_tree_head_that_misreports_its_proposal
     from triforce.speculation.stack import StackSpec
 
     monkeypatch.setattr(drafter_mod, "HeadDrafter", FlatteningTreeHead)
-    params = SamplingParams(temperature=1.0)
-    exact = exact_marginals(target, prompt, params)
-    config = SpecConfig(**CFG, head=str(head_dir))
-    stack = StackSpec.parse("head,full", "2", tree="3,2")
-    counts = torch.zeros(POSITIONS, V)
-    for seed in range(1000):
-        res = generate(target, prompt, POSITIONS, params, stack=stack, config=config, seed=seed)
-        for i, t in enumerate(res.tokens):
-            counts[i, t] += 1
+    exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
+    counts, _ = sampled(target, prompt, StackSpec.parse("head,full", "2", tree="3,2"), head_dir)
     assert min(p_values(counts, exact)) < ALPHA
 
 

@@ -196,49 +196,24 @@ class HeadDrafter:
 
     def propose_tree(self, ctx: list[int], committed: int, template: tuple[int, ...]
                      ) -> tuple[DraftTree, torch.Tensor | None]:
-        """A draft tree in the shape of `template` (parents; tree.fixed_tree), depth by depth: each slot's children
-        are drawn without replacement from the LM head over its prediction (sample_children), and every depth the
-        tree so far is fed as one token block, each node reading its parent's prediction as its feature. -> (the
-        tree, q [len + 1, V]: the row each slot's children came from, zeros at leaves; None when greedy)."""
-        from ..speculation.drafters import sample_children
+        """A draft tree in the shape of `template` (speculation.drafters.draft_tree): each depth the tree so far is
+        fed as one token block, each node reading its parent's prediction as its feature; a slot's children come
+        from the LM head over its prediction."""
+        from ..speculation.drafters import draft_tree
 
         t = time.perf_counter()
-        kids: list[list[int]] = [[] for _ in range(len(template) + 1)]
-        for node, parent in enumerate(template):
-            kids[parent + 1].append(node)
         root = self._catch_up(ctx, committed)
         if root is None:
             return DraftTree((), ()), None
-        tokens: list[int] = []
-        parents: list[int] = []
-        preds: list[torch.Tensor] = []
-        rows = {0: self._row(root)}  # actual slot -> its row
-        frontier = [(-1, -1)]  # (template node, actual node) whose children come next
-        while True:
-            nxt = []
-            for t_node, a_node in frontier:
-                want = kids[t_node + 1]
-                for t_child, token in zip(want, sample_children(rows[a_node + 1], len(want), self.params.greedy,
-                                                                self.generator)):
-                    nxt.append((t_child, len(tokens)))
-                    tokens.append(token)
-                    parents.append(a_node)
-            self.syncs += 1
-            frontier = [(tc, ac) for tc, ac in nxt if kids[tc + 1]]
-            if not frontier:
-                break
-            tree = DraftTree(tuple(tokens), tuple(parents))
-            out = self._feed_tree(torch.stack([root if p < 0 else preds[p] for p in parents]), tree)
-            preds = list(out)
-            for _, ac in frontier:
-                rows[ac + 1] = self._row(preds[ac])
-        tree = DraftTree(tuple(tokens), tuple(parents))
-        q = None
-        if not self.params.greedy:
-            q = torch.zeros(len(tokens) + 1, rows[0].shape[-1], device=rows[0].device)
-            for slot, row in rows.items():
-                q[slot] = row
-        self.tokens_drafted += len(tokens)
+        preds: list[torch.Tensor] = []  # of the tree's nodes as last fed
+
+        def rows_after(tree: DraftTree, nodes: list[int]) -> list[torch.Tensor]:
+            preds[:] = list(self._feed_tree(torch.stack([root if p < 0 else preds[p] for p in tree.parents]), tree))
+            return [self._row(preds[n]) for n in nodes]
+
+        tree, q, depths = draft_tree(template, self._row(root), rows_after, self.params.greedy, self.generator)
+        self.syncs += depths
+        self.tokens_drafted += len(tree)
         self.seconds += time.perf_counter() - t
         return tree, q
 

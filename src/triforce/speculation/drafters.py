@@ -29,6 +29,45 @@ def sample_children(row: torch.Tensor, m: int, greedy: bool, generator: torch.Ge
     return top.indices[top.values > float("-inf")].tolist()
 
 
+def draft_tree(template: tuple[int, ...], root_row: torch.Tensor, rows_after, greedy: bool,
+               generator: torch.Generator | None) -> tuple[DraftTree, torch.Tensor | None, int]:
+    """A draft tree in the shape of `template` (parents, tree.fixed_tree / best_tree), made depth by depth: each
+    slot's children are drawn from the row after it (sample_children: logits when greedy, else probabilities);
+    `rows_after(tree so far, nodes)` gives the rows after those nodes of the tree (a drafter's forward). A slot with
+    fewer possible children than the template asks drops the missing subtrees. -> (the tree, q [len + 1, V]: the row
+    each slot's children came from, zeros at leaves, None when greedy; the depths drafted)."""
+    kids: list[list[int]] = [[] for _ in range(len(template) + 1)]
+    for node, parent in enumerate(template):
+        kids[parent + 1].append(node)
+    tokens: list[int] = []
+    parents: list[int] = []
+    rows = {0: root_row}  # actual slot -> its row
+    frontier = [(-1, -1)]  # (template node, actual node) whose children come next
+    depths = 0
+    while True:
+        nxt = []
+        for t_node, a_node in frontier:
+            want = kids[t_node + 1]
+            if not want:
+                continue
+            for t_child, token in zip(want, sample_children(rows[a_node + 1], len(want), greedy, generator)):
+                nxt.append((t_child, len(tokens)))
+                tokens.append(token)
+                parents.append(a_node)
+        depths += 1
+        frontier = [(tc, ac) for tc, ac in nxt if kids[tc + 1]]
+        if not frontier:
+            break
+        for (_, ac), row in zip(frontier, rows_after(DraftTree(tuple(tokens), tuple(parents)), [ac for _, ac in frontier])):
+            rows[ac + 1] = row
+    q = None
+    if not greedy:
+        q = torch.zeros(len(tokens) + 1, root_row.shape[-1], device=root_row.device)
+        for slot, row in rows.items():
+            q[slot] = row
+    return DraftTree(tuple(tokens), tuple(parents)), q, depths
+
+
 class ModelDrafter:
     """Samples from a model state token by token; its q rows are that model's distributions.
     At the top of a stack (method `ar`) it is plain autoregressive decoding."""
@@ -59,46 +98,19 @@ class ModelDrafter:
 
     def propose_tree(self, ctx: list[int], committed: int, template: tuple[int, ...]
                      ) -> tuple[DraftTree, torch.Tensor | None]:
-        """A draft tree in the shape of `template` (parents, tree.fixed_tree / best_tree), made depth by
-        depth: one forward per depth feeds the tree so far as a token block (each node seeing its
-        ancestors), and each slot's children are drawn from the row after it (sample_children). A slot
-        with fewer possible children than the template asks drops the missing subtrees. -> (the tree,
-        q [len + 1, V]: the row each slot's children came from, zeros at leaves; None when greedy)."""
+        """A draft tree in the shape of `template` (draft_tree): one forward per depth feeds the tree so far as a
+        token block (each node seeing its ancestors), then keep_path([]) drops it again."""
         t = time.perf_counter()
-        greedy = self.state.params.greedy
-        kids: list[list[int]] = [[] for _ in range(len(template) + 1)]
-        for node, parent in enumerate(template):
-            kids[parent + 1].append(node)
-        tokens: list[int] = []
-        parents: list[int] = []
-        rows: dict[int, torch.Tensor] = {}  # actual slot -> its row
-        rows[0] = self.state.score(ctx, committed, [], ranked=True)[-1]
-        frontier = [(-1, -1)]  # (template node, actual node) whose children come next
-        while True:
-            nxt = []
-            for t_node, a_node in frontier:
-                want = kids[t_node + 1]
-                if not want:
-                    continue
-                for t_child, token in zip(want, sample_children(rows[a_node + 1], len(want), greedy, self.generator)):
-                    nxt.append((t_child, len(tokens)))
-                    tokens.append(token)
-                    parents.append(a_node)
-            self.syncs += 1
-            frontier = [(tc, ac) for tc, ac in nxt if kids[tc + 1]]
-            if not frontier:
-                break
-            out = self.state.score(ctx, committed, DraftTree(tuple(tokens), tuple(parents)), ranked=True)
+
+        def rows_after(tree: DraftTree, nodes: list[int]) -> list[torch.Tensor]:
+            out = self.state.score(ctx, committed, tree, ranked=True)
             self.state.keep_path([])  # the next forward feeds the whole tree again
-            for _, ac in frontier:
-                rows[ac + 1] = out[ac + 1]
-        tree = DraftTree(tuple(tokens), tuple(parents))
-        q = None
-        if not greedy:
-            q = torch.zeros(len(tokens) + 1, rows[0].shape[-1], device=rows[0].device)
-            for slot, row in rows.items():
-                q[slot] = row
-        self.tokens += len(tokens)
+            return [out[n + 1] for n in nodes]
+
+        root = self.state.score(ctx, committed, [], ranked=True)[-1]
+        tree, q, depths = draft_tree(template, root, rows_after, self.state.params.greedy, self.generator)
+        self.syncs += depths
+        self.tokens += len(tree)
         self.seconds += time.perf_counter() - t
         return tree, q
 

@@ -229,15 +229,12 @@ def main(args, config) -> int:
             why = "the defaults ran faster in the check" if kept_defaults else "the check ran these fastest"
             print(f"  {why}: --budget {flags['budget']} --gamma {flags['gamma']} --gamma-draft {flags['gamma_draft']} "
                   f"(these are recorded)")
-        if "head" in out:
-            hd = out["head"]
-            print(f"  head,full (head acceptance {hd['acceptance']}, {hd['cost_head_ms_per_token']} ms per drafted token): "
-                  f"best predicted {hd['best']['predicted_ms_per_token']} ms/token with --levels head,full --gammas "
-                  f"{hd['best']['gamma']}")
-        if "quantspec" in out:
-            qs = out["quantspec"]
-            print(f"  quantspec (kv4,full; kv4 acceptance {qs['acceptance']}): best predicted "
-                  f"{qs['best']['predicted_ms_per_token']} ms/token with --method quantspec --gamma {qs['best']['gamma']}")
+        for key, what, flag in (("head", "head,full; head", "--levels head,full --gammas"),
+                                ("quantspec", "kv4,full; kv4", "--method quantspec --gamma")):
+            if key in out:
+                x = out[key]
+                print(f"  {key} ({what} acceptance {x['acceptance']}): best predicted "
+                      f"{x['best']['predicted_ms_per_token']} ms/token with {flag} {x['best']['gamma']}")
     return 0
 
 
