@@ -213,24 +213,26 @@ def _agreement(got, want):
     return ((got - want).abs() <= 1e-6 + 4e-6 * want.abs()).all(-1).float().mean().item()
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
-def test_kernel_auto_path_follows_this_cpus_row_threshold(kern, kv_dtype):
-    """path 0 takes the per-row path below attention_lanes_min_rows (the crossover measured for this kind of
-    CPU: 8 rows on Intel, more on AMD Zen 4's AVX-512 build) and rows in lanes from it: bit for bit the forced
-    path's output on either side, and the two paths tell apart (their sums run in different orders)."""
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_rows_attention_does_not_depend_on_the_rows_beside_it(kern, kv_dtype):
+    """path 0 (the model's) gives each query row the same bits whatever rows come with it, at every row count up to
+    the kernel's 64: a verification's rows are then exactly the decode step's, and greedy output exactly ar's. (The
+    rows-in-lanes path, paths 2 and 3, sums in another order: asked for only, and told apart here.)"""
     dot = kv_dtype == torch.bfloat16 and kern.bf16_dot_attention()
     m = kern.attention_lanes_min_rows(dot)
-    assert 2 <= m <= 64
-    lanes = 3 if kv_dtype == torch.bfloat16 and kern.amx_attention() else 2
     torch.manual_seed(6)
     H, S, D = 2, 700, 64
     k, v = (torch.randn(H, S, D) * 2).to(kv_dtype), torch.randn(H, S, D).to(kv_dtype)
-    q = torch.randn(H, m, D)
-    below = kern.decode_attention(q[:, :m - 1], k, v, 1, False, D ** -0.5, 0)
-    assert torch.equal(below, kern.decode_attention(q[:, :m - 1], k, v, 1, False, D ** -0.5, 1))
-    at = kern.decode_attention(q, k, v, 1, False, D ** -0.5, 0)
-    assert torch.equal(at, kern.decode_attention(q, k, v, 1, False, D ** -0.5, lanes))
-    assert not torch.equal(at, kern.decode_attention(q, k, v, 1, False, D ** -0.5, 1))
+    q = torch.randn(H, 64, D)
+    alone = kern.decode_attention(q[:, :1], k, v, 1, False, D ** -0.5, 0)
+    for rows in (2, 3, m - 1, m, 9, 15, 24, 64):
+        out = kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 0)
+        assert torch.equal(out[:, :1], alone), rows
+        assert torch.equal(out, kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 1)), rows
+    if kv_dtype != torch.float32:
+        lanes = 3 if kv_dtype == torch.bfloat16 and kern.amx_attention() else 2
+        assert not torch.equal(kern.decode_attention(q[:, :m], k, v, 1, False, D ** -0.5, lanes),
+                               kern.decode_attention(q[:, :m], k, v, 1, False, D ** -0.5, 0))
 
 
 def test_vector_peak_is_this_builds_own(kern):

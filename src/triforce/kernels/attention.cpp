@@ -1440,7 +1440,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(path != 3 || (amx_usable() && k.scalar_type() == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
   const bool dot = k.scalar_type() == torch::kBFloat16 && bf16_dot_attention();
-  const bool lanes = path >= 2 || (path == 0 && R >= lanes_min_rows(dot));
+  // path 0 (what the model runs) is the per-row path at every row count: a row's sums then run in the same order
+  // whatever rows come with it, so a verification's rows are bit for bit the decode step's and greedy output stays
+  // exactly ar's. The rows-in-lanes path (faster from lanes_min_rows rows: a 5-token verification's attention at
+  // 32K) sums in another order, which flipped a near-tie (logits 0.02 apart) at 32K: it runs only when asked (2, 3).
+  (void)dot;
+  const bool lanes = path >= 2;
   const bool amx = path == 3 || (path == 0 && amx_usable());
   switch (k.scalar_type()) {
     case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, gp, scale, lanes, false);
