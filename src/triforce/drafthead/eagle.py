@@ -282,7 +282,7 @@ def _feature_layers(d: Path, config: dict, model: Transformer) -> tuple[int, ...
     n = model.cfg.n_layers
     ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
-    layers = tuple(sorted(int(i) for i in ids)) if ids else (2, n // 2, n - 3)
+    layers = tuple(sorted(int(i) for i in (ids or (2, n // 2, n - 3))))  # concatenated in layer order, as captured
     if len(set(layers)) != 3 or not all(0 <= i < n for i in layers):
         raise TriforceError(f"the {EAGLE3} head in {d} reads the inputs of target layers {list(layers)}, which this "
                             f"{n}-layer {model.cfg.arch} model does not have as three distinct layers: an EAGLE-3 head "
