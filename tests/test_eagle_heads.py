@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import hf_tiny, ours_from_hf
-from test_speculation_distribution import ALPHA, POSITIONS, V, exact_marginals, p_values
+from test_speculation_distribution import ALPHA, V, exact_marginals, p_values, sample_counts
 from triforce.drafthead.eagle import Eagle3Head
 from triforce.drafthead.head import DraftHead, load_head
 from triforce.errors import TriforceError
@@ -391,14 +391,10 @@ def test_sampled_tokens_with_an_eagle3_head_follow_the_target_distribution(sampl
                                                                            sampling_prompt):
     params = SamplingParams(temperature=1.0)
     exact = exact_marginals(sampling_target, sampling_prompt, params)
-    config = SpecConfig(**CFG, head=str(eagle3_dir))
-    counts = torch.zeros(POSITIONS, V)
-    accepted = 0
-    for seed in range(1000):
-        res = generate(sampling_target, sampling_prompt, POSITIONS, params, stack="head,full", config=config, seed=seed)
-        for i, t in enumerate(res.tokens):
-            counts[i, t] += 1
-        accepted += res.stats["levels"][-2]["accepted"]
+    tops: list[dict] = []  # the top level's stats per run: the head's verifier in head,full
+    counts = sample_counts((sampling_target, None), sampling_prompt, None, SpecConfig(**CFG, head=str(eagle3_dir)),
+                           params=params, stack="head,full", tops=tops)
+    accepted = sum(top["accepted"] for top in tops)
     pv = p_values(counts, exact)
     assert min(pv) > ALPHA, f"chi-square p-values {pv}"
     assert accepted > 100  # the head's drafts were accepted often enough for the check to test them
