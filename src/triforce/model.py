@@ -554,13 +554,16 @@ class Transformer(nn.Module):
         return out
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | None = None,
-                block: TokenBlock | None = None, hidden: bool = False):
+                block: TokenBlock | None = None, hidden: bool = False, layers: tuple[int, ...] | None = None):
         """tokens [B, T] at positions cache.length .. cache.length + T - 1, a causal chain (or, with a
         TokenBlock, at positions cache.length + block.offsets, each seeing the tokens block.visible
         says: a draft tree) -> fp32 logits [B, T, V] (only the last `last` positions if given). The
         tokens are committed to the cache (a tree: until cache.keep() keeps its accepted path).
         `hidden`: -> (logits, features [B, T, hidden]), the final norm's output at every position (what
-        the LM head reads; a trained draft head drafts from it, drafthead/)."""
+        the LM head reads; a trained draft head drafts from it, drafthead/). `layers` (with `hidden`): the
+        features are instead the residual stream entering each of these layers (ascending; layer i's input is
+        layer i - 1's output), concatenated [B, T, len(layers) * hidden]: what an EAGLE-3 head reads
+        (drafthead/eagle.py). The layers then run one by one (the fused decode call gives no intermediates)."""
         if cache.windows != self.windows:
             raise TriforceError(f"{type(cache).__name__} does not implement the sliding-window layers of this "
                                 f"{self.cfg.arch} model: use a SlidingWindowCache (any cache can hold its "
@@ -573,15 +576,19 @@ class Transformer(nn.Module):
         rope = self.rotary.cos_sin(positions, self.dtype)
         rope_local = rope if self.rotary_local is None else self.rotary_local.cos_sin(positions, self.dtype)
         x = self._embed(tokens)
-        if (fused := self._decode_layers(x, rope, cache)) is not None:
+        taps = []
+        if layers is None and (fused := self._decode_layers(x, rope, cache)) is not None:
             x = fused
         else:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
+                if layers is not None and i in layers:
+                    taps.append(x)
                 x = layer(x, *(rope_local if layer.sliding else rope), cache)
         cache.commit(T)
         if hidden:
             features = self.norm(x)
-            return self._head_logits(features if last is None else features[:, -last:]), features
+            logits = self._head_logits(features if last is None else features[:, -last:])
+            return logits, (features if layers is None else torch.cat(taps, dim=-1))
         if last is not None:
             x = x[:, -last:]
         return self._logits(x)

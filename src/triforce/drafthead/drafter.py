@@ -57,6 +57,7 @@ class HeadDrafter:
         prepare_for_drafting(head, model)
         self.window, self.max_rollback, self.kv_dtype = head.cfg.window, max_rollback + 8, kv_dtype
         self.sources: list = []
+        self.feature_layers = head.feature_layers  # the target layers whose inputs it reads (None: final norm's output)
         self.cache: StreamingCache | None = None
         self.start = 0  # the cache's first position
         self.tokens: list[int] = []  # x[p] at positions start ..
@@ -145,7 +146,7 @@ class HeadDrafter:
 
     def _logits(self, prediction: torch.Tensor) -> torch.Tensor:
         """The next-token logits [V] of a prediction [hidden]: the target's LM head (and softcap)."""
-        return self.lm_model._head_logits(prediction[None])[0]
+        return self.head.logits(prediction, self.lm_model)
 
     @torch.inference_mode()
     def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:

@@ -60,6 +60,10 @@ class HeadConfig:
     window: int = 1024  # positions the head's own KV cache keeps (its attention window)
     format: str = FORMAT
     trained: dict = field(default_factory=dict)  # how it was made: command, seed, data, losses, acceptance
+    # a published EAGLE-1 head's layer (drafthead/eagle.py): no RMSNorm on its input (the fc output), and
+    # q/k/v biases (EAGLE's Qwen2 heads); triforce's own heads keep the defaults
+    input_norm: bool = True
+    qkv_bias: bool = False
 
     @classmethod
     def for_target(cls, model: Transformer, **kw) -> HeadConfig:
@@ -71,7 +75,7 @@ class HeadConfig:
         """The ModelConfig of the head's one Llama-style layer (RoPE as the target's)."""
         return replace(target, n_layers=1, hidden_size=self.hidden_size, n_heads=self.n_heads,
                        n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-                       qkv_bias=False, qk_norm=False, sandwich_norms=False, activation="silu",
+                       qkv_bias=self.qkv_bias, qk_norm=False, sandwich_norms=False, activation="silu",
                        query_pre_attn_scalar=None, sliding_window=None, sliding_layers=(), rope_local=None)
 
 
@@ -86,11 +90,15 @@ class _Causal:
 class DraftHead(nn.Module):
     """The head's weights: `fc` mixes [embedding, feature] (2 * hidden -> hidden), `layer` is one decoder layer."""
 
+    feature_layers = None  # it reads the target's final-norm output (an EAGLE-3 head: the inputs of three layers)
+
     def __init__(self, cfg: HeadConfig, target_cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layer = Block(cfg.layer_config(target_cfg), 0)
+        if not cfg.input_norm:
+            self.layer.attn_norm = nn.Identity()
         self.rotary = Rotary(target_cfg.rope, cfg.head_dim, target_cfg.max_context)
 
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, cache=None
@@ -101,6 +109,10 @@ class DraftHead(nn.Module):
         x = self.fc(torch.cat([embeddings, features], dim=-1))
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         return self.layer(x, cos, sin, _Causal() if cache is None else cache)
+
+    def logits(self, prediction: torch.Tensor, lm_model: Transformer) -> torch.Tensor:
+        """The next-token logits [V] of a prediction [hidden]: the target's LM head (and softcap) over it."""
+        return lm_model._head_logits(prediction[None])[0]
 
     def init_from(self, model: Transformer, layer: int | None = None) -> None:
         """Start the layer from one of the target's (default its last), its output projections zeroed, and fc as

@@ -91,7 +91,7 @@ class Decoder:
         if hasattr(proposer, "sources"):  # a draft head reads the features of the levels above, nearest first
             proposer.sources = [s for s in self.states[1:] if s is not None]
             for s in proposer.sources:
-                s.record_features()
+                s.record_features(getattr(proposer, "feature_layers", None))
         self.adaptive = None
         if self.stack.adaptive and len(self.stack.levels) > 1 and not self.stack.tree:
             if model.device.type == "cpu":
@@ -142,7 +142,8 @@ class Decoder:
         if self.prefilled is not None:
             self.prefilled.restore(prompt)
             self.full.fed, self.full.stable = list(head), len(head)
-            if self.full.features is not None and self.prefilled.features is not None:
+            if (self.full.features is not None and self.prefilled.features is not None
+                    and self.full.feature_layers is None):  # (a prefilled prompt keeps final-norm features only)
                 self.full._store_features(len(head) - len(self.prefilled.features), self.prefilled.features)
         else:
             self.full.prefill(head, self.config.prefill_chunk, progress)

@@ -14,10 +14,12 @@ from .tree import DraftTree
 
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: int = 512,
-            progress: bool = False, features: list | None = None) -> torch.Tensor | None:
+            progress: bool = False, features: list | None = None,
+            layers: tuple[int, ...] | None = None) -> torch.Tensor | None:
     """Feed ids [B, N] in chunks (bounded attention memory); -> fp32 logits of the last token [B, V]
     (None when N == 0: a one-token prompt leaves nothing to prefill before the first draft). `features`: a
-    list that receives the features of the last chunk's tokens ([chunk, hidden], B = 1; Transformer.forward)."""
+    list that receives the features of the last chunk's tokens ([chunk, hidden], B = 1; Transformer.forward;
+    `layers`: those layers' inputs instead, [chunk, len(layers) * hidden])."""
     from tqdm.auto import tqdm
 
     n = ids.shape[1]
@@ -26,7 +28,7 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             if features is not None and end == n:
-                logits, hidden = model(ids[:, start:end], cache, last=1, hidden=True)
+                logits, hidden = model(ids[:, start:end], cache, last=1, hidden=True, layers=layers)
                 features[:] = [hidden[0]]
             else:
                 logits = model(ids[:, start:end], cache, last=1)
@@ -60,6 +62,7 @@ class ModelState:
         # rows [features_from, len(fed)) are valid
         self.features: torch.Tensor | None = None
         self.features_from = 0
+        self.feature_layers: tuple[int, ...] | None = None  # None: the final norm's output; else these layers' inputs
         self.stable = 0  # fed[:stable] is known to be committed
         self.forwards = 0
         self.seconds = 0.0
@@ -76,11 +79,14 @@ class ModelState:
         self._fed = tokens
         self.features_from = len(tokens)
 
-    def record_features(self) -> None:
+    def record_features(self, layers: tuple[int, ...] | None = None) -> None:
         """From now on, keep the final norm's output of every token this state feeds (drafthead.HeadDrafter
-        drafts from them); forwards then run eagerly (not as CUDA graphs)."""
+        drafts from them), or (`layers`, an EAGLE-3 head's) the inputs of those layers concatenated; forwards
+        then run eagerly (not as CUDA graphs)."""
         if self.features is None:
-            self.features = torch.zeros(0, self.model.cfg.hidden_size, device=self.model.device)
+            self.feature_layers = layers
+            width = self.model.cfg.hidden_size * (len(layers) if layers else 1)
+            self.features = torch.zeros(0, width, device=self.model.device)
             self.features_from = len(self._fed)
 
     def _store_features(self, start: int, rows: torch.Tensor) -> None:
@@ -128,7 +134,7 @@ class ModelState:
         graphs = self.model.graphs
         if self.features is not None:
             logits, hidden = self.model(torch.tensor([feed], device=self.model.device), self.cache,
-                                        last=len(tokens) + 1, block=block, hidden=True)
+                                        last=len(tokens) + 1, block=block, hidden=True, layers=self.feature_layers)
             logits = logits[0]
             self._store_features(n, hidden[0])
         elif graphs is not None and graphs.usable(self.cache, block, len(feed)):
@@ -166,7 +172,7 @@ class ModelState:
         assert not self.fed
         tail = [] if self.features is not None else None
         prefill(self.model, self.cache, torch.tensor([tokens], device=self.model.device), chunk_size, progress,
-                features=tail)
+                features=tail, layers=self.feature_layers)
         self.fed = list(tokens)
         self.stable = len(tokens)
         if tail:
