@@ -235,6 +235,25 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it(kern, kv_dtype):
                                kern.decode_attention(q[:, :m], k, v, 1, False, D ** -0.5, 0))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_each_row_of_a_verification_is_the_decode_step_over_its_own_keys(kern, kv_dtype):
+    """A causal forward of T tokens gives token t's rows exactly what a one-token forward over the keys up to t
+    gives, bit for bit, wherever the blocks of keys end (a block of the verification may run on past a row's last
+    key, masked, where the decode step's block ends at it): greedy speculation is then exactly ar."""
+    torch.manual_seed(7)
+    H, D, g = 3, 64, 3
+    for S in (1024, 1000, 517, 40):
+        k, v = (torch.randn(H, S, D) * 2).to(kv_dtype), torch.randn(H, S, D).to(kv_dtype)
+        for T in (2, 4, 7, 17):
+            q = torch.randn(H, g, T, D)
+            out = kern.decode_attention(q.reshape(H, g * T, D), k, v, T, True, D ** -0.5, 0).view(H, g, T, D)
+            for t in range(T):
+                n = S - T + t + 1
+                one = kern.decode_attention(q[:, :, t].contiguous(), k[:, :n].contiguous(), v[:, :n].contiguous(), 1,
+                                            False, D ** -0.5, 0)
+                assert torch.equal(out[:, :, t], one), (S, T, t)
+
+
 def test_vector_peak_is_this_builds_own(kern):
     """vector_peak_flops (decode_step's "of peak"): a rate for this build's FMAs, and for AVX512-BF16's dot products
     only where the build has them (0.0 on the others: never an illegal instruction)."""

@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <numeric>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -237,18 +238,18 @@ inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
       acc = acc + p;
     }
   }
-  float l = reduce_add(acc);
-  for (; j < n; ++j) {  // a block's last keys by the same vector code: a key's p does not depend on where it falls
-    float p = 0.f;
-    if (x[j] != NEG_INF) {
-      alignas(64) float t[W];
-      (B2 ? exp2(Vec(x[j]) * Vec(LOG2E) - mv) : exp(Vec(x[j]) - mv)).store(t);
-      p = t[0];
-    }
-    x[j] = B2 ? round_bf16(p) : p;
-    l += p;
+  if (j < n) {  // a block's last keys by the same vector code, each in its own lane: key j's p always lands in lane
+    // j % W, so l's sums run in one order whether the block ends at n or runs on with masked keys (p = 0): a
+    // verification's rows then equal the decode step's over exactly their keys
+    alignas(64) float t[W];
+    for (int64_t i = 0; i < W; ++i) t[i] = j + i < n ? x[j + i] : NEG_INF;
+    const Vec sv = Vec::loadu(t);
+    const Vec p = select(sv != neg, B2 ? exp2(sv * Vec(LOG2E) - mv) : exp(sv - mv));
+    (B2 ? round_bf16(p) : p).store(t);
+    for (int64_t i = 0; j + i < n; ++i) x[j + i] = t[i];
+    acc = acc + p;
   }
-  *l_out = l;
+  *l_out = reduce_add(acc);
   return acc;
 }
 
@@ -306,10 +307,10 @@ inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0, Pr
   }
 }
 
+// The scores of nw keys (a multiple of W) for R rows, W keys at a time.
 template <int64_t D, int64_t BS, typename KV>
-void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s, Prefetch& pf) {
+void scores_groups(const float* q, const KV* k, int64_t R, int64_t nw, float* s, Prefetch& pf) {
   constexpr int NC = D / W;
-  const int64_t nw = n - n % W;
   int64_t r0 = 0;
   while (R - r0 >= 2) {  // groups of 3, or of 2 where 2 or 4 rows are left
     if (R - r0 == 2 || R - r0 == 4) {
@@ -333,13 +334,22 @@ void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s, Pr
       hsum_lanes(t).store(sr + j);
     }
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = nw; j < n; ++j) {
-      const float* qr = q + r * D;
-      Vec a(0.f);
-      for (int c = 0; c < NC; ++c) a = fma(Vec::loadu(qr + c * W), load(k + j * D + c * W), a);
-      s[r * BS + j] = reduce_add(a);
-    }
+}
+
+template <int64_t D, int64_t BS, typename KV>
+void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s, Prefetch& pf) {
+  const int64_t nw = n - n % W;
+  scores_groups<D, BS>(q, k, R, nw, s, pf);
+  if (nw < n) {  // the block's last n % W keys by the same code as a full group, from a zero-padded copy: a key's
+    // score then does not depend on where the block ends (a verification's rows see masked keys past their own,
+    // the decode step's block ends at them), so a verification's rows equal the decode step's bit for bit
+    // (n < BS here, so the group's W scores fit the row's BS slots)
+    KV kt[W * D];
+    std::memset(static_cast<void*>(kt), 0, sizeof(kt));
+    std::memcpy(static_cast<void*>(kt), static_cast<const void*>(k + nw * D), (n - nw) * D * sizeof(KV));
+    Prefetch none(nullptr, nullptr, 0);
+    scores_groups<D, BS>(q, kt, R, W, s + nw, none);
+  }
 }
 
 // Per row of s [R, BS] (n scores, masked ones -inf): its max m_b[r], its numerators exp(s - m) in place
