@@ -222,11 +222,15 @@ void block_pv(const float* p, int64_t js, const KV* v, int64_t R, int64_t n, flo
 // B2 (a bf16 cache's arithmetic, run()): m is the block's reference in base 2, an integer, and p = 2^(s log2 e - m)
 // is stored rounded to bf16 (l sums the unrounded p).
 template <bool B2 = false>
-inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
+inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out, int64_t seen = -1) {
+  // seen: one past the row's last visible key (default n). The lanes sum the keys below it rounded down to W, the
+  // rest one by one, so that a row of a verification, whose block runs on past its last key (masked), sums its keys
+  // exactly as the decode step does, whose block ends there
   const Vec mv(m == NEG_INF ? 0.f : m), neg(NEG_INF);
   Vec acc(0.f);
   int64_t j = 0;
-  for (; j + W <= n; j += W) {
+  const int64_t lanes_end = (seen < 0 ? n : seen) / W * W;
+  for (; j + W <= lanes_end; j += W) {
     const Vec s = Vec::loadu(x + j);
     if constexpr (B2) {
       const Vec p = select(s != neg, exp2(s * Vec(LOG2E) - mv));
@@ -238,18 +242,18 @@ inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out) {
       acc = acc + p;
     }
   }
-  if (j < n) {  // a block's last keys by the same vector code, each in its own lane: key j's p always lands in lane
-    // j % W, so l's sums run in one order whether the block ends at n or runs on with masked keys (p = 0): a
-    // verification's rows then equal the decode step's over exactly their keys
-    alignas(64) float t[W];
-    for (int64_t i = 0; i < W; ++i) t[i] = j + i < n ? x[j + i] : NEG_INF;
-    const Vec sv = Vec::loadu(t);
-    const Vec p = select(sv != neg, B2 ? exp2(sv * Vec(LOG2E) - mv) : exp(sv - mv));
-    (B2 ? round_bf16(p) : p).store(t);
-    for (int64_t i = 0; j + i < n; ++i) x[j + i] = t[i];
-    acc = acc + p;
+  float l = reduce_add(acc);
+  for (; j < n; ++j) {  // a block's last keys by the same vector code: a key's p does not depend on where it falls
+    float p = 0.f;
+    if (x[j] != NEG_INF) {
+      alignas(64) float t[W];
+      (B2 ? exp2(Vec(x[j]) * Vec(LOG2E) - mv) : exp(Vec(x[j]) - mv)).store(t);
+      p = t[0];
+    }
+    x[j] = B2 ? round_bf16(p) : p;
+    l += p;
   }
-  *l_out = reduce_add(acc);
+  *l_out = l;
   return acc;
 }
 
@@ -365,7 +369,9 @@ void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
     for (; j < n; ++j) m = std::max(m, sr[j]);
     if constexpr (B2) m = base2_reference(m);
     m_b[r] = m;
-    softmax_numerators<B2>(sr, n, m, l_b + r);
+    int64_t seen = n;  // one past the row's last visible key
+    while (seen > 0 && sr[seen - 1] == NEG_INF) --seen;
+    softmax_numerators<B2>(sr, n, m, l_b + r, seen);
   }
 }
 
