@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import re
 import subprocess
 import sys
@@ -301,9 +302,15 @@ def test_bench_compares_with_a_reference_kv_dtype(tmp_path):
         assert ref["reference"] and ref["speedup_vs_reference"] == 1.0 and ref["lossless"] is None
         for m in ("ar", "ngram"):  # each method's speedup over the reference: its ms/token against the reference's
             x = rows[m, t]
-            assert not x["reference"] and x["speedup_vs_reference"] == round(ref["ms_per_token"] / x["ms_per_token"], 3)
+            # a median of per-run ratios of the reference's time over the method's (each timed run is noisy: the
+            # summary's ratio lies within the runs' own ratios, against any of the reference's runs)
+            runs = [y for y in result["runs"] if y["temperature"] == t]
+            refs = [y["ms_per_token"] for y in runs if y.get("reference")]
+            mine = [y["ms_per_token"] for y in runs if y["method"] == m and not y.get("reference")]
+            ratios = [a / b for a in refs for b in mine]
+            assert not x["reference"] and min(ratios) - 0.002 <= x["speedup_vs_reference"] <= max(ratios) + 0.002
         assert ar["speedup_vs_ar"] == 1.0 and rows["ngram", 0.0]["lossless"]
-    assert "| speedup vs ar (fp32 KV) |" in (tmp_path / "b" / "results.md").read_text()
+    assert "| speedup vs ar (fp32 KV)" in (tmp_path / "b" / "results.md").read_text()
     bad = run("bench", "--kv-dtype", "fp16", "--reference-kv-dtype", "fp16", "--quiet")
     assert bad.returncode == 2 and "this run's own KV dtype" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -377,16 +377,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     def cell(r) -> tuple:
         return r["context_length"], r.get("prompt"), r["temperature"]
 
-    def per_cell(keep) -> dict:
-        """Per prompt cell, the median ms/token of the rows `keep` selects (a baseline may run more than once)."""
-        cells: dict[tuple, list[float]] = {}
-        for r in rows:
-            if keep(r) and r["ms_per_token"]:
-                cells.setdefault(cell(r), []).append(r["ms_per_token"])
-        return {c: statistics.median(v) for c, v in cells.items()}
-
-    reference_ms = per_cell(lambda r: r.get("reference"))  # the reference ar, if run
-    ar_ms = per_cell(lambda r: r["method"] == "ar" and not r.get("reference"))
+    reference_ms = {cell(r): r["ms_per_token"] for r in rows if r.get("reference")}  # the reference ar, if run
+    ar_ms = {cell(r): r["ms_per_token"] for r in rows if r["method"] == "ar" and not r.get("reference")}
 
     def ratios(rs, num: dict | None = None, den: dict | None = None, digits: int = 3):
         """The median over rs of num / den, per prompt; a dict stands for that prompt's baseline's ms/token."""
