@@ -1,6 +1,7 @@
 """`triforce train-drafter`: train a draft head for a model on this CPU."""
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import shlex

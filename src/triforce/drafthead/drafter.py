@@ -18,6 +18,8 @@ accepts c, d and samples y: next round keeps positions up to b, catches up (f[b]
 from __future__ import annotations
 
 import time
+import weakref
+
 import torch
 
 from ..caches import StreamingCache
@@ -27,12 +29,14 @@ from ..sampling import SamplingParams, probs_from_logits, sample
 from ..speculation.tree import DraftTree
 from .head import DraftHead, embed_tokens
 
+
 def prepare_for_drafting(head: DraftHead, model: Transformer) -> None:
     """Once per head: its layer and linear layers run on the target's CPU kernels, the weights as bf16 panels
     (half the bytes; the head only drafts)."""
-    if getattr(head, "_prepared_for", None) is model:
+    prepared = getattr(head, "_prepared_for", None)
+    if prepared is not None and prepared() is model:
         return
-    head._prepared_for = model
+    head._prepared_for = weakref.ref(model)  # (the head outlives no model it was loaded for: head_for's cache)
     if model.device.type != "cpu":
         return
     head.to(model.device)
@@ -104,15 +108,20 @@ class HeadDrafter:
         return j, blocks[::-1]
 
     @torch.inference_mode()
+    def _forward(self, features: torch.Tensor, tokens: list[int], offsets: torch.Tensor, block=None) -> torch.Tensor:
+        """One forward of the head over `tokens` at the cache's length + offsets (a TokenBlock's visibility, or a
+        causal chain): (features [T, hidden], tokens [T]) -> predictions [T, hidden], committed to the cache."""
+        cache, dev = self.cache, self.model.device
+        cache.prepare(len(tokens), block)
+        emb = embed_tokens(self.model, torch.tensor([tokens], device=dev))
+        out = self.head(features[None].float(), emb, cache.length + offsets, cache)[0]
+        cache.commit(len(tokens))
+        self.forwards += 1
+        return out
+
     def _feed(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """Positions len .. len + T - 1 of the cache: (features [T, hidden], tokens [T]) -> predictions [T, hidden]."""
-        cache, T = self.cache, len(tokens)
-        cache.prepare(T)
-        positions = cache.length + torch.arange(T, device=self.model.device)
-        emb = embed_tokens(self.model, torch.tensor([tokens], device=self.model.device))
-        out = self.head(features[None].float(), emb, positions, cache)[0]
-        cache.commit(T)
-        self.forwards += 1
+        out = self._forward(features, tokens, torch.arange(len(tokens), device=self.model.device))
         self.tokens.extend(tokens)
         return out
 
@@ -156,13 +165,12 @@ class HeadDrafter:
         pred = self._catch_up(ctx, committed)
         for i in range(k if pred is not None else 0):
             t_token = time.perf_counter()
-            logits = self._logits(pred)
+            row = self._row(pred)
             if self.params.greedy:
-                x = int(logits.argmax())
+                x = int(row.argmax())
             else:
-                q = probs_from_logits(logits, self.params)
-                x = int(sample(q, self.generator))
-                rows.append(q)
+                x = int(sample(row, self.generator))
+                rows.append(row)
             tokens.append(x)
             self.syncs += 1
             if i + 1 < k:
@@ -183,16 +191,12 @@ class HeadDrafter:
         """The nodes of a draft tree after the cached positions, as one token block (each at position length +
         depth, seeing the cached positions and its own ancestors): (features [N, hidden], the tree) -> predictions
         [N, hidden]. The block is dropped again (the cache keeps real positions only)."""
-        cache, n = self.cache, self.cache.length
-        dev = self.model.device
+        n, dev = self.cache.length, self.model.device
         offsets = torch.tensor(tree.depths, dtype=torch.long, device=dev)
         # a tree that is still a chain (one node per depth) goes as one: a causal forward, as the levels feed chains
-        cache.prepare(len(tree), None if tree.is_chain else TokenBlock(offsets, tree.ancestry().to(dev)))
-        emb = embed_tokens(self.model, torch.tensor([list(tree.tokens)], device=dev))
-        out = self.head(features[None].float(), emb, n + offsets, cache)[0]
-        cache.commit(len(tree))
-        cache.rollback(n)
-        self.forwards += 1
+        out = self._forward(features, list(tree.tokens), offsets,
+                            None if tree.is_chain else TokenBlock(offsets, tree.ancestry().to(dev)))
+        self.cache.rollback(n)
         return out
 
     def propose_tree(self, ctx: list[int], committed: int, template: tuple[int, ...]

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -39,6 +39,13 @@ def target_fingerprint(model: Transformer) -> str:
     drafts for its bf16 or fp32 copy)."""
     c = model.cfg
     return f"{c.arch}-hidden{c.hidden_size}-layers{c.n_layers}-heads{c.n_heads}x{c.head_dim}-vocab{c.vocab_size}"
+
+
+def dense_weight(lin) -> torch.Tensor:
+    """A linear layer's weight as a dense fp32 matrix [out, in], whether held as a tensor or in GGML blocks."""
+    if isinstance(lin, QuantLinear):
+        return torch.cat([dequantize(p, lin.backend.ops) for p in lin.parts]).float()
+    return lin.weight.detach().float()
 
 
 def embed_tokens(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
@@ -120,10 +127,7 @@ class DraftHead(nn.Module):
         src = model.layers[model.cfg.n_layers - 1 if layer is None else layer]
         with torch.no_grad():
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                lin = getattr(src, name)
-                w = (torch.cat([dequantize(p, lin.backend.ops) for p in lin.parts]) if isinstance(lin, QuantLinear)
-                     else lin.weight.detach())
-                getattr(self.layer, name).weight.copy_(w.float())
+                getattr(self.layer, name).weight.copy_(dense_weight(getattr(src, name)))
             for name in ("attn_norm", "mlp_norm"):
                 getattr(self.layer, name).weight.copy_(getattr(src, name).weight.float())
             self.layer.wo.weight.zero_()
@@ -198,14 +202,14 @@ def check_compatible(cfg: HeadConfig, model: Transformer, where) -> None:
 
 SHIPPED = Path(__file__).parent / "heads"  # heads trained for the embedded model (one directory each)
 EMBEDDED_HEAD = SHIPPED / "smollm2-135m-instruct"
-_LOADED: dict[tuple[int, str], DraftHead] = {}
+_LOADED: weakref.WeakKeyDictionary[Transformer, dict[str, DraftHead]] = weakref.WeakKeyDictionary()
 
 
 def head_for(model: Transformer, path: str | os.PathLike | None) -> DraftHead:
     """The draft head at `path`, or ("" / None) the one shipped for the embedded model; loaded once per model."""
-    key = (id(model), str(path or ""))
-    head = _LOADED.get(key)
-    if head is None or head._model_ref() is not model:
+    loaded = _LOADED.setdefault(model, {})
+    head = loaded.get(str(path or ""))
+    if head is None:
         if path:
             head = load_head(path, model)
         elif (EMBEDDED_HEAD / CONFIG_FILE).is_file() and target_fingerprint(model) == json.loads(
@@ -215,8 +219,5 @@ def head_for(model: Transformer, path: str | os.PathLike | None) -> DraftHead:
             raise TriforceError(f"a 'head' level needs a draft head for this {model.cfg.arch} model: train one with "
                                 f"`triforce train-drafter --model PATH --out DIR` and pass --head DIR (a head ships "
                                 f"only for the embedded SmolLM2-135M-Instruct)")
-        import weakref
-
-        head._model_ref = weakref.ref(model)
-        _LOADED[key] = head
+        loaded[str(path or "")] = head
     return head

@@ -14,11 +14,8 @@ run with the same arguments resumes from it after Ctrl-C or kill -9. The LM head
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,10 +25,9 @@ import torch.nn.functional as F
 
 from ..errors import TriforceError
 from ..model import Transformer
-from ..quantized import dequantize
 from .data import (PromptSource, RANDOM_PROMPT_TOKENS, generate_shard, save_atomic, shard_kind,
                    shard_temperature)
-from .head import DraftHead, HeadConfig, embed_tokens
+from .head import DraftHead, HeadConfig, dense_weight, embed_tokens
 
 CLS_WEIGHT = 0.1
 METRIC_ROWS = 64  # rows of each step whose acceptance and top-1 agreement are logged
@@ -62,12 +58,7 @@ class TrainSettings:
 
 def dense_lm_head(model: Transformer) -> torch.Tensor:
     """The target's LM head as a dense bf16 matrix [V, hidden] (for the training products)."""
-    from ..model import QuantLinear
-
-    lin = model.lm_head
-    if isinstance(lin, QuantLinear):
-        return torch.cat([dequantize(p, lin.backend.ops) for p in lin.parts]).to(torch.bfloat16)
-    return lin.weight.detach().to(torch.bfloat16)
+    return dense_weight(model.lm_head).to(torch.bfloat16)
 
 
 def _logits(x: torch.Tensor, W: torch.Tensor, softcap: float | None) -> torch.Tensor:

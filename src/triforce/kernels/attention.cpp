@@ -1417,8 +1417,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch
 
 // q [H, R, D] fp32 (any layout; copied scaled), k/v [H, S, D] fp32, bf16 or fp16 (both the same)
 // with contiguous rows, D in {64, 128, 256}, T tokens per row group, causal over the last T keys if
-// `causal` -> out [H, R, D] fp32. path: 0 chooses by R (and AMX's tiles for bf16 K/V where usable), 1 forces
-// the per-row path, 2 the rows-in-lanes path on the vector units (bf16 K/V: vdpbf16ps where the build has AVX512-BF16, else FMAs), 3 rows in lanes on AMX (bf16 K/V; for tests and
+// `causal` -> out [H, R, D] fp32. path: 0 and 1 the per-row path (what the model runs: exact per row), 2 the rows-in-lanes path on the vector units (bf16 K/V: vdpbf16ps where the build has AVX512-BF16, else FMAs), 3 rows in lanes on AMX (bf16 K/V; for tests and
 // measurements). bf16 K/V: the bf16 arithmetic (run()).
 bool bf16_dot_attention() { return BF16_DOT || amx_usable(); }
 
@@ -1455,14 +1454,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(path >= 0 && path <= 3, "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX)");
   TORCH_CHECK(path != 3 || (amx_usable() && k.scalar_type() == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
-  const bool dot = k.scalar_type() == torch::kBFloat16 && bf16_dot_attention();
   // path 0 (what the model runs) is the per-row path at every row count: a row's sums then run in the same order
   // whatever rows come with it, so a verification's rows are bit for bit the decode step's and greedy output stays
   // exactly ar's. The rows-in-lanes path (faster from lanes_min_rows rows: a 5-token verification's attention at
   // 32K) sums in another order, which flipped a near-tie (logits 0.02 apart) at 32K: it runs only when asked (2, 3).
-  (void)dot;
   const bool lanes = path >= 2;
-  const bool amx = path == 3 || (path == 0 && amx_usable());
+  const bool amx = path == 3;
   switch (k.scalar_type()) {
     case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, gp, scale, lanes, false);
     case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, gp, scale, lanes, amx);

@@ -13,13 +13,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("T"), py::arg("causal"), py::arg("scale"),
         py::arg("path") = 0, py::arg("visible") = py::none(), py::arg("gap") = py::none());
   m.def("amx_attention", &triforce::amx_attention,
-        "whether decode_attention runs bf16 K/V's rows-in-lanes path (scores and p v) on AMX tiles in this process");
+        "whether decode_attention's path 3 (bf16 K/V's rows in lanes: scores and p v) runs on AMX tiles in this process");
   m.def("bf16_dot_attention", &triforce::bf16_dot_attention,
         "whether decode_attention's rows-in-lanes path over bf16 K/V runs on dot products in this process: AMX "
         "tiles (amx_attention) or AVX512-BF16's vdpbf16ps");
   m.def("attention_lanes_min_rows", &triforce::attention_lanes_min_rows,
-        "from how many query rows per KV head decode_attention's path 0 takes the rows-in-lanes path on this CPU "
-        "(bf16_dot: bf16 K/V on AVX512-BF16 or AMX dot products)", py::arg("bf16_dot"));
+        "from how many query rows per KV head the rows-in-lanes path (paths 2, 3) outruns the per-row one on this CPU "
+        "(bf16_dot: bf16 K/V on AVX512-BF16 or AMX dot products); path 0 keeps the per-row path, exact per row", py::arg("bf16_dot"));
   m.def("vector_peak_flops", &triforce::vector_peak_flops,
         "this build's vector arithmetic peak on all threads in FLOP/s: FMAs, or with dot AVX512-BF16's vdpbf16ps (0 "
         "where the build has none); register-resident chains, about 10 ms", py::arg("dot") = false);

@@ -132,16 +132,16 @@ class ModelState:
         feed = pending + tokens
         t = time.perf_counter()
         graphs = self.model.graphs
-        if self.features is not None:
-            logits, hidden = self.model(torch.tensor([feed], device=self.model.device), self.cache,
-                                        last=len(tokens) + 1, block=block, hidden=True, layers=self.feature_layers)
-            logits = logits[0]
-            self._store_features(n, hidden[0])
-        elif graphs is not None and graphs.usable(self.cache, block, len(feed)):
+        recording = self.features is not None  # (a forward recording features runs eagerly: hidden=True)
+        if not recording and graphs is not None and graphs.usable(self.cache, block, len(feed)):
             logits = graphs.forward(feed, self.cache, last=len(tokens) + 1)
         else:
-            logits = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(tokens) + 1,
-                                block=block)[0]
+            out = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(tokens) + 1,
+                             block=block, hidden=recording, layers=self.feature_layers)
+            if recording:
+                out, hidden = out
+                self._store_features(n, hidden[0])
+            logits = out[0]
         dt = time.perf_counter() - t
         self.seconds += dt
         self.forwards += 1
