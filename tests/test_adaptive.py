@@ -14,7 +14,7 @@ from triforce.generate import generate
 from triforce.sampling import SamplingParams
 from triforce.speculation.config import SpecConfig
 from triforce.speculation.cost_model import expected_tokens
-from triforce.speculation.planner import PROBE_MAX, AdaptiveTop, Planner, Route
+from triforce.speculation.planner import MIN_ROUNDS, PROBE_MAX, AdaptiveTop, Planner, Route
 from triforce.speculation.stack import StackSpec, method_stack
 
 CFG = SpecConfig(gamma=3, gamma_draft=2, budget=20, chunk_size=4, recent=4, rebuild_every=8, sink=2, window=6,
@@ -158,7 +158,7 @@ class Machine:
             emitted = self._round(planner, route, r)
             ms += self._ms
             match = self.ngram_match(r)
-            planner.ngram_top.rounds.append((8, match))  # the text repeats for `match` tokens
+            planner.ngram_top.rounds.append((3, 8, match))  # the text repeats for `match` tokens
             tokens += emitted
         return routes, ms, tokens
 
@@ -238,6 +238,25 @@ def test_planner_takes_ngram_lookup_without_probing_when_the_text_repeats():
     assert sum(r.levels == NGRAM for r in routes) >= 6  # learnt from the plain steps' own tokens, at the next plan
 
 
+def test_a_probe_runs_until_its_route_can_be_priced():
+    # a planner that starts on plain decoding learns the retrieval level's worth only by probing it: one round
+    # cannot price a boundary, so the probe goes on for MIN_ROUNDS rounds (not counted as lost after one)
+    machine = Machine(accept=lambda r, b: {(0, 1): 0.0, (1, 2): 0.9}[b])
+    p = Planner(["ngram", "retrieval", "full"], Route(AR, ()))
+    routes, ms, tokens = machine.run(p, 120)
+    first = next(i for i, r in enumerate(routes) if r.levels != AR)
+    assert all(r.levels == routes[first].levels for r in routes[first:first + MIN_ROUNDS])
+    assert p.route.levels in (RETRIEVAL, STACK)
+    assert ms / tokens < 0.7 * 20.0
+
+
+def test_the_first_rounds_measure_the_stack_as_given():
+    p = new_planner()
+    routes, _, _ = Machine().run(p, 10)
+    assert routes[0].levels == AR and all(r == Route(STACK, (2, 2)) for r in routes[1:1 + MIN_ROUNDS])
+    assert all(p._boundary(*b) is not None for b in ((0, 1), (1, 2)))  # priced from here on
+
+
 def test_planner_does_not_flip_on_near_ties():
     machine = Machine(full=(20.0, 0.0), accept=lambda r, b: 0.0, ngram_match=lambda r: 0)
     p = new_planner()
@@ -250,20 +269,39 @@ def test_the_ngram_window_judges_each_proposal_against_the_text_that_followed():
     p = new_planner()
     w = p.ngram_top
     seq = [5, 6, 7]
-    w.propose(3, [1, 2, 3, 4])  # made before a round at position 3
+    w.propose(3, [1, 2, 3, 4], 1)  # made before a round at position 3, from a 1-token match
     w.judge(seq + [1, 2])  # still matching where the text ends: undecided
     assert not w.rounds
     w.judge(seq + [1, 2, 9])
-    assert list(w.rounds) == [(4, 2)]
-    w.propose(6, [1, 2])
+    assert list(w.rounds) == [(1, 4, 2)]
+    w.propose(6, [1, 2], 2)
     w.judge(seq + [1, 2, 9, 1, 2])  # all of it matched: decided
     w.propose(8, [])  # no match to propose from
-    assert list(w.rounds) == [(4, 2), (2, 2), (0, 0)]
+    assert list(w.rounds) == [(1, 4, 2), (2, 2, 2), (0, 0, 0)]
     b = w.boundary()
     assert b.tokens(1) == pytest.approx(1 + 2 / 3) and b.tokens(4) == pytest.approx(1 + 4 / 3)
     assert b.drafted(4) == pytest.approx(2.0) and b.drafted(1) == pytest.approx(2 / 3)
+    assert w.boundary(2) is None  # one round of the class: too few to price it apart
     assert expected_tokens(0.0, 3) == 1.0
-    assert expected_tokens(0.0, 3) == 1.0
+
+
+def test_each_ngram_match_class_gets_its_own_route():
+    # long matches (class 3) repeat the text, short ones (class 1) never do: lookup verified directly pays for
+    # the first, plain decoding for the second; the rounds of each class take their own route
+    p = new_planner()
+    w = p.ngram_top
+    for i in range(12):
+        w.rounds.append((3, 8, 8))
+        w.rounds.append((1, 8, 0))
+    for k in (1, 2, 9):
+        for _ in range(3):
+            p.costs[2].add(k, (20.0 + 2.0 * (k - 1)) / 1e3)
+    p.round = 10
+    p.plan()
+    assert p.by_class[3].levels == NGRAM and p.by_class[3].gammas[0] >= 6
+    assert p.by_class[1].levels == AR
+    p.plans, p.planned_at = 100, 40  # between plans: each round takes its class's route
+    assert p.next_route(41, 3) == p.by_class[3] and p.next_route(42, 1).levels == AR
 
 
 def test_the_server_metrics_count_the_adaptive_routes(models, prompt):
@@ -284,6 +322,6 @@ def test_an_undecided_proposal_counts_with_what_it_matched_so_far():
     for pos in (0, 1, 2):
         w.propose(pos, [7] * 8)
     w.judge([7, 7, 7, 7])  # every proposal still matches where the text ends: none decided
-    assert not w.rounds and [m for _, m in w.open] == [4, 3, 2]
+    assert not w.rounds and [m for _, _, m in w.open] == [4, 3, 2]
     b = w.boundary()
     assert b is not None and b.tokens(8) > b.tokens(4) > b.tokens(1) > 1.9  # long matches so far: long gammas pay

@@ -50,7 +50,7 @@ PROBE_FIRST, PROBE_MAX = 8, 64  # rounds between probes of an unmeasured or stal
 MAX_GAMMA_TOP = 6  # gammas the planner considers at the top boundary (n-gram lookup: MAX_GAMMA_NGRAM)
 MAX_GAMMA_NGRAM = 8
 MAX_GAMMA_BELOW = 4  # ... and at the boundaries below
-START_GAMMA = 2  # the second round runs the given stack with gammas of at most this
+START_GAMMA = 2  # rounds 1 to MIN_ROUNDS run the given stack with gammas of at most this
 CATCH_UP = 32  # a rebuilt level (retrieval, h2o) that sat out this many committed tokens is rebuilt, not re-fed
 PRIOR_SLOPE = 0.1  # with one measured token count, a forward's cost grows this fraction of it per extra token
 
@@ -113,18 +113,23 @@ class LevelCosts:
 
 class Acceptance:
     """Per-token acceptance at one boundary: accepted / (accepted + rounds that stopped short), the geometric
-    model's estimate, over recent rounds (older rounds weigh DECAY less per round)."""
+    model's estimate, over recent rounds: a measurement weighs DECAY less per round of the run since it was made,
+    whether or not the boundary ran in between (text changes while a route sits out: a probe after a long pause
+    must not be outvoted by what the boundary met long ago)."""
 
     DECAY = 0.93
 
     def __init__(self):
         self.accepted = self.stopped = 0.0
         self.rounds = 0
+        self.last_round = 0
 
-    def add(self, accepted: int, stopped: bool) -> None:
-        self.accepted = self.accepted * self.DECAY + accepted
-        self.stopped = self.stopped * self.DECAY + stopped
+    def add(self, accepted: int, stopped: bool, round_index: int) -> None:
+        fade = self.DECAY ** max(round_index - self.last_round, 1)
+        self.accepted = self.accepted * fade + accepted
+        self.stopped = self.stopped * fade + stopped
         self.rounds += 1
+        self.last_round = round_index
 
     @property
     def alpha(self) -> float:
@@ -139,53 +144,59 @@ class NGramWindow:
     distribution, since a one-hot draft x is accepted exactly when the verifier's token is x, and the committed
     text is distributed as the verifier's output whatever the route."""
 
-    KEEP = 24
+    KEEP = 48
 
     def __init__(self):
-        self.rounds: deque = deque(maxlen=self.KEEP)  # (proposal length, matched)
-        self.pending: deque = deque()  # (position, proposal) not yet judged
-        self.open: list[tuple[int, int]] = []  # the pending ones as of the last judge(): (length, matched so far)
+        self.rounds: deque = deque(maxlen=self.KEEP)  # (match class, proposal length, matched)
+        self.pending: deque = deque()  # (position, proposal, match class) not yet judged
+        self.open: list[tuple[int, int, int]] = []  # the pending ones as of the last judge(): (class, length, matched so far)
 
-    def propose(self, position: int, proposal: list[int]) -> None:
+    def propose(self, position: int, proposal: list[int], cls: int = 0) -> None:
+        """A round's proposal; `cls`: its match class (the n-gram length that matched; 0: no proposal)."""
         if proposal:
-            self.pending.append((position, proposal))
+            self.pending.append((position, proposal, cls))
         else:
-            self.rounds.append((0, 0))
+            self.rounds.append((0, 0, 0))
 
     def judge(self, seq: list[int]) -> None:
         """Judge the pending proposals that the committed sequence `seq` now decides; the others keep how far
         they match so far (`open`)."""
         self.open = []
         undecided = deque()
-        for pos, proposal in self.pending:
+        for pos, proposal, cls in self.pending:
             m = 0
             while m < len(proposal) and pos + m < len(seq) and seq[pos + m] == proposal[m]:
                 m += 1
             if m < len(proposal) and pos + m >= len(seq):
-                self.open.append((len(proposal), m))  # still matching where the sequence ends
-                undecided.append((pos, proposal))
+                self.open.append((cls, len(proposal), m))  # still matching where the sequence ends
+                undecided.append((pos, proposal, cls))
             else:
-                self.rounds.append((len(proposal), m))
+                self.rounds.append((cls, len(proposal), m))
         self.pending = undecided
 
-    def boundary(self) -> Boundary | None:
-        """Tokens per round and drafted tokens by gamma. An undecided proposal counts with what it matched so far,
-        its undecided rest at the judged rate (matched / (matched + misses)): on repeating text most proposals
-        stay undecided for several rounds, and waiting for them would keep the run on a slower route."""
-        rounds = list(self.rounds)
-        if len(rounds) + len(self.open) < MIN_ROUNDS:
+    def classes(self) -> set[int]:
+        return {c for c, _, _ in self.rounds} | {c for c, _, _ in self.open}
+
+    def boundary(self, cls: int | None = None) -> Boundary | None:
+        """Tokens per round and drafted tokens by gamma, over the rounds of match class `cls` (None: all). An
+        undecided proposal counts with what it matched so far, its undecided rest at the judged rate (matched /
+        (matched + misses)): on repeating text most proposals stay undecided for several rounds, and waiting for
+        them would keep the run on a slower route."""
+        rounds = [(d, m) for c, d, m in self.rounds if cls is None or c == cls]
+        opened = [(d, m) for c, d, m in self.open if cls is None or c == cls]
+        n = len(rounds) + len(opened)
+        if n < MIN_ROUNDS:
             return None
-        n = len(rounds) + len(self.open)
-        matched = sum(m for _, m in rounds) + sum(m for _, m in self.open)
+        matched = sum(m for _, m in rounds) + sum(m for _, m in opened)
         misses = sum(1 for d, m in rounds if m < d)
         rate = (matched + 1.0) / (matched + misses + 2.0)
         tokens, drafted = [], []
         for g in range(MAX_GAMMA_NGRAM + 1):
             total = sum(min(m, g) for _, m in rounds)
-            for d, m in self.open:
+            for d, m in opened:
                 total += min(m, g) + (expected_tokens(rate, min(d, g) - m) - 1.0 if m < min(d, g) else 0.0)
             tokens.append(total / n + 1.0)
-            drafted.append((sum(min(d, g) for d, _ in rounds) + sum(min(d, g) for d, _ in self.open)) / n)
+            drafted.append((sum(min(d, g) for d, _ in rounds) + sum(min(d, g) for d, _ in opened)) / n)
         return Boundary(tokens.__getitem__, drafted.__getitem__)
 
 
@@ -206,10 +217,13 @@ class Planner:
         self.seen: dict[tuple[int, int], int] = {}  # boundary -> the last round that measured it
         self.probe_gap = PROBE_FIRST
         self.probing: tuple[int, ...] | None = None
+        self.probe_route: Route | None = None
+        self.probe_rounds = 0  # rounds the current probe has run
         self.predicted: dict[str, float] = {}  # route text -> ms/token at the last plan
         self.plans = 0
         self.planned_at = -PLAN_EVERY  # tokens generated at the last plan
         self._ngram_boundary: Boundary | None = None
+        self.by_class: dict[int, Route] = {}  # n-gram match class -> its route (plan())
 
     def _families(self) -> list[tuple[int, ...]]:
         """Every sub-stack: any levels below the top, in order (n-gram lookup only at the bottom), then the top."""
@@ -228,7 +242,7 @@ class Planner:
         a = self.acceptance.get((below, above))
         if a is None:
             a = self.acceptance[below, above] = Acceptance()
-        a.add(accepted, accepted < asked)
+        a.add(accepted, accepted < asked, self.round)
         self.seen[below, above] = self.round - 1
 
     def _boundary(self, below: int, above: int) -> Boundary | None:
@@ -239,7 +253,8 @@ class Planner:
             return None
         alpha = a.alpha
         if self.ngram and self._ngram_boundary is not None and below == 0:  # proposals stop where the match does
-            return Boundary(lambda g: expected_tokens(alpha, g), self._ngram_boundary.drafted)
+            drafted = self._ngram_boundary.drafted
+            return Boundary(lambda g: expected_tokens(alpha, drafted(g)), drafted)
         return Boundary.iid(alpha)
 
     # -- pricing -----------------------------------------------------------------------------------------------
@@ -309,18 +324,56 @@ class Planner:
         best = min((p for p in priced.values() if p is not None), key=lambda p: p[0], default=None)
         if best is None:
             return curves, priced
-        if current is None or best[0] < (1.0 - SWITCH_GAIN) * current[0]:
-            self.route = best[1]
-        elif current[1].gammas != self.route.gammas:
-            self.route = current[1]  # the same levels, re-tuned gammas
-        # a probe that did not win: probe less often
-        if self.probing is not None:
-            if self.route.levels == self.probing:
-                self.probe_gap = PROBE_FIRST
-            else:
-                self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
-            self.probing = None
+        self.route = self._choose(priced, self.route)
+        if self.ngram:
+            self._plan_classes(curves, priced)
         return curves, priced
+
+    @staticmethod
+    def _choose(priced: dict, route: Route) -> Route:
+        """The cheapest priced route, unless it beats `route`'s family by less than SWITCH_GAIN (hysteresis)."""
+        current = priced.get(route.levels)
+        best = min((p for p in priced.values() if p is not None), key=lambda p: p[0], default=None)
+        if best is None:
+            return route
+        if current is None or best[0] < (1.0 - SWITCH_GAIN) * current[0]:
+            return best[1]
+        return current[1]  # the same levels, gammas re-tuned
+
+    def _plan_classes(self, curves: dict, priced: dict) -> None:
+        """A route per n-gram match class: a round's lookup is made before its route is chosen, and how often a
+        proposal is accepted depends much on the length of the match it came from (a 3-token match in repeated
+        text against a 1-token one anywhere). The families through n-gram lookup are re-priced with that class's
+        rounds only; the others cost what they cost for any class. A class with too few judged rounds takes the
+        route planned for all."""
+        pooled = self._ngram_boundary
+        through_ngram = [f for f in self.families if f[0] == 0]
+        for cls in self.ngram_top.classes():
+            b = self.ngram_top.boundary(cls)
+            if b is None:
+                self.by_class.pop(cls, None)
+                continue
+            self._ngram_boundary = b
+            by_cls = dict(priced)
+            by_cls.update({f: self.price(f, curves) for f in through_ngram})
+            self.by_class[cls] = self._choose(by_cls, self.by_class.get(cls, self.route))
+        self._ngram_boundary = pooled
+
+    def _settle_probe(self, priced: dict) -> Route | None:
+        """After a probe round: its route again while the family cannot be priced yet (a boundary's acceptance is
+        priced from MIN_ROUNDS rounds on: one round would be spent for nothing, and counted as a probe that lost);
+        else the probe is over, and one that did not win makes the next come later."""
+        if self.probing is None:
+            return None
+        if priced.get(self.probing) is None and self.probe_rounds < MIN_ROUNDS:
+            self.probe_rounds += 1
+            return self.probe_route
+        if self.route.levels == self.probing:
+            self.probe_gap = PROBE_FIRST
+        else:
+            self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
+        self.probing = None
+        return None
 
     def _probe(self, curves: dict, priced: dict) -> Route | None:
         """A family that only running measures, unmeasured for probe_gap rounds, and that could still win: one round
@@ -341,8 +394,8 @@ class Planner:
         if not options:
             return None
         options.sort(key=lambda o: o[0])
-        self.probing = options[0][1]
-        return options[0][2]
+        self.probing, self.probe_route, self.probe_rounds = options[0][1], options[0][2], 1
+        return self.probe_route
 
     def _start_of(self, family: tuple[int, ...]) -> Route:
         """An unmeasured family's first gammas: the given stack's at the boundaries they share, else its top gamma."""
@@ -350,21 +403,22 @@ class Planner:
         top_gamma = self.start.gammas[-1] if self.start.gammas else 1
         return Route(family, tuple(given.get(b, top_gamma) for b in zip(family, family[1:])))
 
-    def next_route(self, tokens: int) -> Route:
-        """The route of the round about to run, `tokens` having been generated (chosen from earlier rounds only)."""
+    def next_route(self, tokens: int, cls: int | None = None) -> Route:
+        """The route of the round about to run, `tokens` having been generated, `cls` the match class of the
+        round's n-gram lookup (NGramWindow.propose), chosen from the committed text and earlier rounds only."""
         r = self.round
-        route = self.route
+        route = self.by_class.get(cls, self.route)
         if self.force is not None and (forced := self.force(r)) is not None:
             route = forced
-        elif r == 1 and self.start.levels != self.route.levels:
-            # the stack as given, measured once, with short drafts: a round of poor drafts costs little, and
-            # acceptance is measured per token whatever the gamma
+        elif 1 <= r <= MIN_ROUNDS and len(self.start.levels) > 1:
+            # the stack as given, with short drafts, until its boundaries can be priced: a round of poor drafts
+            # costs little, and acceptance is measured per token whatever the gamma
             route = self.route = Route(self.start.levels, tuple(min(g, START_GAMMA) for g in self.start.gammas))
-        elif r >= 2 and (tokens - self.planned_at >= PLAN_EVERY or self.probing is not None
+        elif r > MIN_ROUNDS and (tokens - self.planned_at >= PLAN_EVERY or self.probing is not None
                          or self.plans < EARLY_PLANS):
             curves, priced = self.plan()
             self.planned_at = tokens
-            route = self._probe(curves, priced) or self.route
+            route = self._settle_probe(priced) or self._probe(curves, priced) or self.by_class.get(cls, self.route)
         self.round += 1
         return route
 
@@ -424,10 +478,14 @@ class AdaptiveTop:
         return self.planner.route.levels
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
+        cls = None
+        if self.ngram is not None:  # the n-gram drafter's own work (its first lookup indexes the prompt), not planning
+            proposal, n = self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)
+            cls = n if proposal else 0
         t = time.perf_counter()
         if self.ngram is not None:
             self.planner.ngram_top.judge(ctx)
-        route = self.planner.next_route(self.tokens)
+        route = self.planner.next_route(self.tokens, cls)
         text = self._texts.get(route)
         if text is None:
             text = self._texts[route] = route.text(self.names)
@@ -439,8 +497,8 @@ class AdaptiveTop:
         self.rounds_by_route[text] = self.rounds_by_route.get(text, 0) + 1
         chain = self._chain(route)
         self.planner_seconds += time.perf_counter() - t
-        if self.ngram is not None:  # the n-gram drafter's own work (its first lookup indexes the prompt), not planning
-            self.planner.ngram_top.propose(len(ctx), self.ngram.lookup(ctx, committed, MAX_GAMMA_NGRAM)[0])
+        if self.ngram is not None:
+            self.planner.ngram_top.propose(len(ctx), proposal, cls)
         for i in route.levels[:-1]:
             self.catch_up(i, ctx, committed)
         tokens = chain.step(ctx, committed, limit)
