@@ -285,6 +285,27 @@ def test_bench_runs_user_stacks_beside_methods(tmp_path):
     assert bad.returncode == 2 and "no 'full' level" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_bench_times_several_samples_per_sampled_cell(tmp_path):
+    r = run("bench", "--context-lengths", "600", "--methods", "ngram", "--temperatures", "0,0.7", "--samples", "3",
+            "--max-new-tokens", "6", "--out", str(tmp_path), "--quiet", "--genres", "code")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    sampled = [x for x in rows if x["temperature"] > 0]
+    greedy = [x for x in rows if x["temperature"] == 0]
+    assert sampled and all(any(n.startswith("3 samples (18 tokens)") for n in x["notes"]) for x in sampled)
+    assert not any("samples" in n for x in greedy for n in x["notes"])  # greedy: one generation says it all
+    from types import SimpleNamespace
+
+    from triforce.bench.methods import _ms_per_token, _summed_levels
+    runs = [SimpleNamespace(decode_seconds=t, tokens=[0] * n, stats={"levels": [
+        {"level": "full", "role": "verify", "rounds": r, "proposed": p, "accepted": a, "seconds": t, "forwards": r}]})
+        for t, n, r, p, a in ((1.0, 10, 4, 12, 6), (3.0, 10, 10, 30, 0))]
+    assert _ms_per_token(runs) == pytest.approx(200.0)  # 4 s over 20 tokens
+    (full,) = _summed_levels(runs)
+    assert (full["rounds"], full["proposed"], full["accepted"]) == (14, 42, 6)
+    assert full["acceptance_rate"] == round(6 / 42, 4) and full["tokens_per_round"] == round(20 / 14, 3)
+
+
 @needs_model
 def test_bench_compares_with_a_reference_kv_dtype(tmp_path):
     """--reference-kv-dtype: ar over a cache of that dtype, prefilled on its own, and every method's speedup over it

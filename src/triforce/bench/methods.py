@@ -57,15 +57,42 @@ def _agreement(tokens: list[int], ref: list[int] | None) -> int | None:
     return n
 
 
-def _bracket_ar(group: list[dict], again, log) -> float:
-    """`ar` timed a second time after the other methods of one (context, prompt, temperature) group (`again`: that
-    generation's result; `group`: the group's rows, ar's first): its ms/token becomes the mean of the two timings
+def _sample_seed(seed: int, prompt_index: int, sample: int) -> int:
+    return seed + prompt_index + 1000 * sample
+
+
+def _ms_per_token(results) -> float:
+    """Decode ms per generated token over one or more generations (their time over their tokens)."""
+    return sum(r.decode_seconds for r in results) / sum(len(r.tokens) for r in results) * 1e3
+
+
+_SUMMED = ("rounds", "proposed", "accepted", "seconds", "forwards", "host_syncs", "tokens", "shortcut_rounds")
+
+
+def _summed_levels(results) -> list[dict]:
+    """The generations' per-level stats, counts summed over the samples (the same stack: the same levels)."""
+    levels = [dict(lvl) for lvl in results[0].stats["levels"]]
+    for other in results[1:]:
+        for lvl, o in zip(levels, other.stats["levels"]):
+            for k in _SUMMED:
+                if isinstance(lvl.get(k), (int, float)) and isinstance(o.get(k), (int, float)):
+                    lvl[k] += o[k]
+    for lvl in levels:
+        r, p, a = lvl.get("rounds"), lvl.get("proposed"), lvl.get("accepted")
+        if lvl.get("role") == "verify" and r and p is not None and a is not None:
+            lvl.update(acceptance_rate=round(a / p, 4) if p else None, mean_accepted=round(a / r, 3),
+                       tokens_per_round=round((a + r) / r, 3))
+    return levels
+
+
+def _bracket_ar(group: list[dict], second: float, log) -> float:
+    """`ar` timed a second time after the other methods of one (context, prompt, temperature) group (`second`: its
+    ms/token then; `group`: the group's rows, ar's first): its ms/token becomes the mean of the two timings
     and every row's speedup is taken against that. The host's speed drifts (other tenants: the read bandwidth
     moved between 47 and 71 GB/s within one session), and a baseline timed once, before everything else, carried
     the drift of its minute into every ratio of the group: one run's 2.08x at T = 0.6 was 1.68x with `ar` timed in
     a normal minute. -> the baseline's ms/token."""
     first = group[0]  # run_bench runs ar first
-    second = again.decode_seconds / len(again.tokens) * 1e3
     ar_ms = round((first["ms_per_token"] + second) / 2, 2)  # as a row's ms_per_token: ar's own speedup stays 1.0
     first["notes"].append(f"ar timed before and after the other methods: {first['ms_per_token']:.2f} and "
                           f"{second:.2f} ms/token; the mean is the baseline of this group's speedups")
@@ -97,7 +124,7 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
               progress=True, draft_model=None, log=print, bandwidth=None, peers=(), draft_dir=None,
               prompt_files=(), on_row=None, tuned=None, reference_kv: str | None = None,
-              genres: tuple[str, ...] = ("dialogue",)) -> list[dict]:
+              genres: tuple[str, ...] = ("dialogue",), samples: int = 1) -> list[dict]:
     """-> one row per (context, prompt, temperature, method); `methods` are method names or StackSpecs
     (a row's method is then the stack's text). `on_row(rows)` is called after each new row (the CLI
     writes the results so far, so an interrupted run keeps its finished rows). `tuned(method, context,
@@ -106,7 +133,9 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     cache of that dtype, with its own prefill of each prompt (row "ar (<dtype> KV)", marked `reference`), so
     that summarize() gives every method's speedup over it too: the end-to-end gain of the run's --kv-dtype.
     Without prompt files, `n_prompts` prompts of each of `genres` (corpus.GENRES), from different stretches of
-    its text."""
+    its text. `samples`: generations per method when sampling (T > 0), each with its own seed; a row's ms/token is
+    their decode time over their tokens, its acceptances their sums (one sampled text says little: each method
+    samples a different one, and one loop or one novel stretch decides a run)."""
     from tqdm.auto import tqdm
 
     from ..corpus import genre_tokens
@@ -211,18 +240,23 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     cfg, entry = config, None
                     if (method, n_ctx, temp) in tuned_runs:
                         stack, cfg, entry = tuned_runs[method, n_ctx, temp]
-                    res = generate(model, prompt, max_new_tokens, params, stack=stack, config=cfg,
-                                   draft_model=draft_model, seed=seed + pi, prefilled=shared)
-                    ms = res.decode_seconds / len(res.tokens) * 1e3
+                    results = [generate(model, prompt, max_new_tokens, params, stack=stack, config=cfg,
+                                        draft_model=draft_model, seed=_sample_seed(seed, pi, i), prefilled=shared)
+                               for i in range(samples if temp > 0 else 1)]
+                    res = results[0]
+                    ms = _ms_per_token(results)
                     if method == "ar":
                         ar_tokens, ar_ms = res.tokens, ms
                         ar_by_temp[temp] = (ar_tokens, ar_ms)
-                    levels = [dict(lvl) for lvl in res.stats["levels"]]
+                    levels = _summed_levels(results)
                     for lvl in levels:  # per-level cost of one verification forward beside its floor
                         if lvl.get("role") == "verify" and lvl.get("forwards"):
                             lvl["ms_per_forward"] = round(lvl["seconds"] / lvl["forwards"] * 1e3, 2)
                             lvl["floor_ms"] = level_floor_ms(model, n_ctx, cfg, bandwidth, lvl["level"])
                     tuned_note = [] if entry is None else [f"tuned flags (triforce tune): {tuned_flags.describe(entry)}"]
+                    if len(results) > 1:
+                        tuned_note.append(f"{len(results)} samples ({sum(len(r.tokens) for r in results)} tokens); "
+                                          f"routes and tokens of the first")
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
                                notes=tuned_note + res.stats.get("notes", []))
                     row["tuned"] = None if entry is None else tuned_flags.flags_text(entry)
@@ -233,9 +267,10 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                     log(f"  T={temp} {method:10s} {ms:8.1f} ms/token  x{ar_ms / ms:.2f}  accept {row['acceptance']}"
                         + (f"  lossless={row['lossless']}" if temp == 0 else ""))
                 if len(runs) > 1:
-                    ar_ms = _bracket_ar(rows[-len(runs):], generate(
+                    ar_ms = _bracket_ar(rows[-len(runs):], _ms_per_token([generate(
                         model, prompt, max_new_tokens, params, stack=runs["ar"], config=config, draft_model=draft_model,
-                        seed=seed + pi, prefilled=shared), log)
+                        seed=_sample_seed(seed, pi, i), prefilled=shared) for i in range(samples if temp > 0 else 1)]),
+                        log)
                     ar_by_temp[temp] = (ar_tokens, ar_ms)
                     if on_row is not None:
                         on_row(rows)
@@ -645,7 +680,7 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
                      draft_dir=draft_model.hf_dir if draft_model else None,
                      on_row=lambda rs: write_outputs(out_dir, rs, summarize(rs), meta), genres=genres,
                      tuned=lambda m, n, t: tuned_run(loaded, m, config, n, t, log) if tuned_allowed(args, m) else None,
-                     reference_kv=reference_kv)
+                     reference_kv=reference_kv, samples=args.samples)
     summary = summarize(rows)
     write_outputs(out_dir, rows, summary, meta)
     print(markdown(summary) + cells_markdown(rows))
