@@ -21,10 +21,14 @@ sampled output distributed as the target's. What is measured, cheaply (no extra 
   verification would have accepted is known (in distribution when sampling) without running it.
 
 Every PLAN_EVERY generated tokens the planner prices every route with the cost model that `triforce tune` uses
-(cost_model.chain_ms, the arithmetic of cost_model.ms_per_token) and moves to the cheapest when it beats the current route by SWITCH_GAIN (hysteresis:
-timings are noisy). Routes through a model level below the top are only measured by running them, so one of them
-is probed for a round now and then (every PROBE_FIRST rounds, doubling to PROBE_MAX while probes do not win):
-the run comes back to the stack when the text becomes predictable again.
+(cost_model.chain_ms, the arithmetic of cost_model.ms_per_token) and moves to the cheapest when it beats the current
+route by SWITCH_GAIN (hysteresis: timings are noisy). It plans once for all rounds and once per n-gram *match
+class*: a round's lookup is made before its route is chosen, and the length of the n-gram it matched says much
+about whether its proposal will be accepted (a 3-token match in repeated text, a 1-token match almost anywhere),
+so the routes through n-gram lookup are priced again with that class's rounds alone. Routes through a model level
+below the top are only measured by running them: the given stack runs its first MIN_ROUNDS rounds, and then one
+route is probed now and then (every PROBE_FIRST rounds, doubling to PROBE_MAX while probes do not win), for as many
+rounds as pricing it takes: the run comes back to the stack when the text becomes predictable again.
 """
 from __future__ import annotations
 
