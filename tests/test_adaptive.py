@@ -257,6 +257,38 @@ def test_the_first_rounds_measure_the_stack_as_given():
     assert all(p._boundary(*b) is not None for b in ((0, 1), (1, 2)))  # priced from here on
 
 
+def test_forward_costs_never_fall_with_more_tokens_and_forget_stale_counts():
+    from triforce.speculation.planner import LevelCosts
+    c = LevelCosts()
+    for _ in range(3):
+        for k, ms in ((1, 20.0), (3, 30.0), (4, 60.0), (5, 34.0)):  # 4 tokens timed in a noisy minute
+            c.add(k, ms / 1e3)
+    cost = c.curve()
+    assert cost(1) == 20.0 and cost(3) == 30.0
+    assert cost(4) == cost(5) == pytest.approx(47.0)  # pooled: never above a longer forward's cost
+    assert cost(7) > cost(5)  # beyond the counts, still growing
+    for _ in range(LevelCosts.STALE + 1):  # only 1- and 3-token forwards from here on
+        c.add(1, 0.020)
+        c.add(3, 0.030)
+    assert not c.fresh(4) and c.fresh(3)
+    assert c.curve()(4) == pytest.approx(35.0)  # the old 4- and 5-token costs are gone: the 1-3 slope goes on
+
+
+def test_a_noisy_first_measurement_does_not_keep_long_gammas_out():
+    class NoisyStart(Machine):
+        def cost(self, level, k):  # forwards of 4 or more tokens cost 3x in the first 15 rounds
+            return super().cost(level, k) * (3.0 if k >= 4 and self.r < 15 else 1.0)
+
+        def _round(self, planner, route, r):
+            self.r = r
+            return super()._round(planner, route, r)
+
+    p = new_planner()
+    routes, _, _ = NoisyStart(ngram_match=lambda r: 8).run(p, 120)
+    assert p.route.levels == NGRAM and p.route.gammas[0] >= 5
+    assert sum(r.levels == NGRAM and r.gammas[0] >= 5 for r in routes[60:]) >= 40
+
+
 def test_planner_does_not_flip_on_near_ties():
     machine = Machine(full=(20.0, 0.0), accept=lambda r, b: 0.0, ngram_match=lambda r: 0)
     p = new_planner()

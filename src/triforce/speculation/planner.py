@@ -75,13 +75,19 @@ class LevelCosts:
     """One model level's recent forward costs by tokens fed: medians of the last KEEP per count. The first
     forward of a count runs code paths for the first time (kernel set-up, allocations: the first decode step of a
     run took 60x a later one), so it is provisional: dropped when a second arrives, and used only while no count
-    has two."""
+    has two. A count not fed for STALE forwards of the level is dropped while two fresher ones remain (a cost
+    measured in a noisy minute must not keep its gamma out for the rest of the run; Planner.next_route measures the
+    count above the chosen gamma again now and then), and the curve never falls as tokens grow (a forward of more
+    tokens does more work: a lower median above a higher one is noise)."""
 
     KEEP = 8
+    STALE = 48
 
     def __init__(self):
         self.samples: dict[int, deque] = {}
         self._provisional: set[int] = set()
+        self.forwards = 0
+        self.last: dict[int, int] = {}  # count -> the forward (self.forwards) that last fed it
 
     def add(self, k: int, seconds: float) -> None:
         d = self.samples.get(k)
@@ -92,21 +98,49 @@ class LevelCosts:
             d.clear()
             self._provisional.discard(k)
         d.append(seconds * 1e3)
+        self.forwards += 1
+        self.last[k] = self.forwards
+
+    def fresh(self, k: int) -> bool:
+        """Whether a settled measurement of k tokens was made within the last STALE forwards."""
+        return k in self.samples and k not in self._provisional and self.forwards - self.last[k] <= self.STALE
 
     def curve(self) -> Callable[[float], float] | None:
         """ms of a forward of k tokens (k may be fractional): linear between measured counts, the nearest
         segment's slope beyond them (with one count, PRIOR_SLOPE); None before any forward."""
-        settled = [(k, d) for k, d in self.samples.items() if k not in self._provisional]
-        pts = sorted((k, statistics.median(d)) for k, d in (settled or self.samples.items()))
-        if not pts:
+        settled = [k for k in self.samples if k not in self._provisional] or list(self.samples)
+        if not settled:
             return None
+        recent = sorted(settled, key=lambda k: self.last[k])[-2:]
+        counts = sorted(k for k in settled if self.forwards - self.last[k] <= self.STALE or k in recent)
+        pts = [[k, statistics.median(self.samples[k]), 1] for k in counts]
+        merged: list[list] = []  # pool adjacent violators: a non-decreasing fit, weighted by counts pooled
+        for p in pts:
+            merged.append(p)
+            while len(merged) > 1 and merged[-2][1] > merged[-1][1]:
+                b = merged.pop()
+                a = merged[-1]
+                a[1] = (a[1] * a[2] + b[1] * b[2]) / (a[2] + b[2])
+                a[2] += b[2]
+                a.append(b[0])  # remember the pooled counts, to spread the level over them below
+        flat = []
+        for block in merged:
+            for k in [block[0], *block[3:]]:
+                flat.append((k, block[1]))
+        pts = sorted(flat)
         if len(pts) == 1:
             k0, c0 = pts[0]
             return lambda k: max(c0 * (1.0 + PRIOR_SLOPE * (k - k0)), 0.0)
         ks = [p[0] for p in pts]
         cs = [p[1] for p in pts]
 
+        top_slope = (cs[-1] - cs[-2]) / (ks[-1] - ks[-2])
+        if top_slope <= 0.0:  # flat at the top (pooled): beyond it, grow as the prior says
+            top_slope = PRIOR_SLOPE * cs[-1]
+
         def cost(k: float) -> float:
+            if k > ks[-1]:
+                return cs[-1] + top_slope * (k - ks[-1])
             i = 1
             while i < len(ks) - 1 and ks[i] < k:
                 i += 1
@@ -407,6 +441,17 @@ class Planner:
         top_gamma = self.start.gammas[-1] if self.start.gammas else 1
         return Route(family, tuple(given.get(b, top_gamma) for b in zip(family, family[1:])))
 
+    def _explore(self, route: Route) -> Route:
+        """`route`, or once with one more draft at the top when the forward that would take has no fresh cost:
+        a cost measured once too high would otherwise keep every longer gamma out for the rest of the run."""
+        if not route.gammas:
+            return route
+        g = route.gammas[-1]
+        hi = MAX_GAMMA_NGRAM if self.kinds[route.levels[-2]] == "ngram" else MAX_GAMMA_TOP
+        if g >= hi or self.costs[self.top].fresh(g + 2):
+            return route
+        return Route(route.levels, route.gammas[:-1] + (g + 1,))
+
     def next_route(self, tokens: int, cls: int | None = None) -> Route:
         """The route of the round about to run, `tokens` having been generated, `cls` the match class of the
         round's n-gram lookup (NGramWindow.propose), chosen from the committed text and earlier rounds only."""
@@ -422,7 +467,8 @@ class Planner:
                          or self.plans < EARLY_PLANS):
             curves, priced = self.plan()
             self.planned_at = tokens
-            route = self._settle_probe(priced) or self._probe(curves, priced) or self.by_class.get(cls, self.route)
+            route = self._settle_probe(priced) or self._probe(curves, priced) or self._explore(
+                self.by_class.get(cls, self.route))
         self.round += 1
         return route
 
