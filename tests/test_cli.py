@@ -285,15 +285,18 @@ def test_bench_runs_user_stacks_beside_methods(tmp_path):
     assert bad.returncode == 2 and "no 'full' level" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_bench_times_several_samples_per_sampled_cell(tmp_path):
+def test_bench_interleaves_several_runs_per_method(tmp_path):
     r = run("bench", "--context-lengths", "600", "--methods", "ngram", "--temperatures", "0,0.7", "--samples", "3",
             "--max-new-tokens", "6", "--out", str(tmp_path), "--quiet", "--genres", "code")
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     sampled = [x for x in rows if x["temperature"] > 0]
     greedy = [x for x in rows if x["temperature"] == 0]
-    assert sampled and all(any(n.startswith("3 samples (18 tokens)") for n in x["notes"]) for x in sampled)
-    assert not any("samples" in n for x in greedy for n in x["notes"])  # greedy: one generation says it all
+    assert len(sampled) == len(greedy) == 2 and all(x["ms_per_token"] > 0 for x in rows)
+    for x in rows:  # every run counted; only sampled runs have seeds of their own
+        (note,) = [n for n in x["notes"] if n.startswith("3 runs interleaved")]
+        assert "(18 tokens" in note and ("each its own seed" not in note or x["temperature"] > 0)
+        assert x["lossless"] is (True if x["temperature"] == 0 else None)
     from types import SimpleNamespace
 
     from triforce.bench.methods import _ms_per_token, _summed_levels

@@ -133,9 +133,10 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     cache of that dtype, with its own prefill of each prompt (row "ar (<dtype> KV)", marked `reference`), so
     that summarize() gives every method's speedup over it too: the end-to-end gain of the run's --kv-dtype.
     Without prompt files, `n_prompts` prompts of each of `genres` (corpus.GENRES), from different stretches of
-    its text. `samples`: generations per method when sampling (T > 0), each with its own seed; a row's ms/token is
-    their decode time over their tokens, its acceptances their sums (one sampled text says little: each method
-    samples a different one, and one loop or one novel stretch decides a run)."""
+    its text. `samples`: runs per method and cell, interleaved with the other methods' (A B C A B C ...), each with
+    its own seed when sampling; a row's ms/token is their decode time over their tokens, its acceptances their sums
+    (one run says little: the host's speed drifts within a minute, and when sampling each method samples a
+    different text, where one loop or one novel stretch decides a run)."""
     from tqdm.auto import tqdm
 
     from ..corpus import genre_tokens
@@ -236,13 +237,24 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
             for temp in temperatures:
                 params = sampling_params(temp)
                 ar_tokens, ar_ms = None, None
-                for method, stack in tqdm(runs.items(), desc=f"{n_ctx} T={temp}", leave=False, disable=not progress):
-                    cfg, entry = config, None
+                # every method `samples` times, interleaved (A B C A B C ...): the host's speed drifts by tens of
+                # percent within a minute, and a method timed in one stretch carries its minute into its ratio
+                chosen = {}
+                for method, stack in runs.items():
+                    chosen[method] = (stack, config, None)
                     if (method, n_ctx, temp) in tuned_runs:
-                        stack, cfg, entry = tuned_runs[method, n_ctx, temp]
-                    results = [generate(model, prompt, max_new_tokens, params, stack=stack, config=cfg,
-                                        draft_model=draft_model, seed=_sample_seed(seed, pi, i), prefilled=shared)
-                               for i in range(samples if temp > 0 else 1)]
+                        chosen[method] = tuned_runs[method, n_ctx, temp]
+                done: dict[str, list] = {method: [] for method in runs}
+                passes = tqdm(total=samples * len(runs), desc=f"{n_ctx} T={temp}", leave=False, disable=not progress)
+                for i in range(samples):
+                    for method, (stack, cfg, _) in chosen.items():
+                        done[method].append(generate(model, prompt, max_new_tokens, params, stack=stack, config=cfg,
+                                                     draft_model=draft_model, seed=_sample_seed(seed, pi, i),
+                                                     prefilled=shared))
+                        passes.update()
+                passes.close()
+                for method, results in done.items():
+                    stack, cfg, entry = chosen[method]
                     res = results[0]
                     ms = _ms_per_token(results)
                     if method == "ar":
@@ -255,8 +267,10 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                             lvl["floor_ms"] = level_floor_ms(model, n_ctx, cfg, bandwidth, lvl["level"])
                     tuned_note = [] if entry is None else [f"tuned flags (triforce tune): {tuned_flags.describe(entry)}"]
                     if len(results) > 1:
-                        tuned_note.append(f"{len(results)} samples ({sum(len(r.tokens) for r in results)} tokens); "
-                                          f"routes and tokens of the first")
+                        same = temp == 0 or all(r.tokens == res.tokens for r in results)
+                        tuned_note.append(f"{len(results)} runs interleaved with the other methods' "
+                                          f"({sum(len(r.tokens) for r in results)} tokens"
+                                          + ("" if same else ", each its own seed") + "); routes and tokens of the first")
                     row = _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, res.tokens, ar_tokens, levels=levels,
                                notes=tuned_note + res.stats.get("notes", []))
                     row["tuned"] = None if entry is None else tuned_flags.flags_text(entry)
@@ -269,8 +283,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                 if len(runs) > 1:
                     ar_ms = _bracket_ar(rows[-len(runs):], _ms_per_token([generate(
                         model, prompt, max_new_tokens, params, stack=runs["ar"], config=config, draft_model=draft_model,
-                        seed=_sample_seed(seed, pi, i), prefilled=shared) for i in range(samples if temp > 0 else 1)]),
-                        log)
+                        seed=_sample_seed(seed, pi, 0), prefilled=shared)]), log)
                     ar_by_temp[temp] = (ar_tokens, ar_ms)
                     if on_row is not None:
                         on_row(rows)

