@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -27,9 +28,11 @@ def _load(rel: str) -> dict:
 
 
 def _command(meta: dict) -> str:
-    """The bench command a results file records, from `triforce` on (the interpreter's path dropped)."""
+    """The bench command a results file records, from `triforce` on (the path it was run by dropped: the installed
+    script's, or the package's cli.py under `python -m triforce.cli`)."""
     cmd = meta["command"]
-    return "triforce " + cmd.split(" ", 1)[1] if cmd.split(" ", 1)[0].endswith("/triforce") else cmd
+    program = cmd.split(" ", 1)[0]
+    return "triforce " + cmd.split(" ", 1)[1] if program.endswith(("/triforce", "/triforce/cli.py")) else cmd
 
 
 def _span(values, digits: int = 2, unit: str = "") -> str:
@@ -56,8 +59,10 @@ def adaptive(rel: str, n_ctx: int) -> str:
         cell = [r for r in runs if "adaptive" not in r and (r["prompt"], r["temperature"]) == (a["prompt"], a["temperature"])]
         vs_best.append(min(r["ms_per_token"] for r in cell) / a["ms_per_token"])
     ar = [r["ms_per_token"] for r in runs if r["method"] == "ar"]
+    runs_each = re.search(r"--samples (\d+)", data["meta"]["command"])
+    each = f", each method {runs_each.group(1)} times, interleaved" if runs_each else ""
     return (f"**The adaptive default at {n_ctx} tokens** ({ZEN5}, bf16 KV, native weights; one dialogue, one prose "
-            f"and one code prompt, {data['meta']['max_new_tokens']} tokens): `ar` {_span(ar)} ms per token; `triforce` "
+            f"and one code prompt, {data['meta']['max_new_tokens']} tokens{each}): `ar` {_span(ar)} ms per token; `triforce` "
             f"{_span(ours[0.0])}x `ar` at temperature 0 and {_span(ours[0.6])}x at 0.6, where the fixed stacks beside it "
             f"ran {_span(fixed)}x; {_span(vs_best)} of the fastest fixed stack of each prompt. "
            )
@@ -139,8 +144,8 @@ def draft_head(rel: str, shipped: str) -> str:
 B = "docs/benchmarks/"
 # (the item, its results file, its arguments, the command that made the file where the file does not record it)
 ITEMS = (
-    (adaptive, B + "2026-11-26-zen5-adaptive-32k/results.json", (32000,), None),
-    (adaptive, B + "2026-11-26-zen5-adaptive-8k/results.json", (8192,), None),
+    (adaptive, B + "2026-11-27-zen5-adaptive-32k/results.json", (32000,), None),
+    (adaptive, B + "2026-11-27-zen5-adaptive-8k/results.json", (8192,), None),
     (three_prompts, B + "2026-11-26-zen5-three-prompts-32k/results.json", (), None),
     (llama_cpp, B + "2026-11-26-zen5-llamacpp-8k-32k/results.json", (32000,), None),
     (verification, B + "2026-11-26-zen5-s20-bounds/tune-bf16-t0.6.json", (),
