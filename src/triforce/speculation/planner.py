@@ -358,9 +358,7 @@ class Planner:
         priced = {f: self.price(f, curves) for f in self.families}
         names = self.kinds
         self.predicted = {p[1].text(names): round(p[0], 3) for p in priced.values() if p is not None}
-        current = priced.get(self.route.levels)
-        best = min((p for p in priced.values() if p is not None), key=lambda p: p[0], default=None)
-        if best is None:
+        if all(p is None for p in priced.values()):
             return curves, priced
         self.route = self._choose(priced, self.route)
         if self.ngram:
