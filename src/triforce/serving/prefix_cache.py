@@ -113,6 +113,16 @@ def chain_hash(parent: str | None, tokens) -> str:
     return h.hexdigest()[:32]
 
 
+def block_keys(tokens, block_size: int) -> list[str]:
+    """The keys of the whole blocks of `tokens`, root first: what a PrefixCache of this block size
+    looks up for this prompt (a router matches them against the keys a replica holds)."""
+    keys, parent = [], None
+    for i in range(len(tokens) // block_size):
+        parent = chain_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+        keys.append(parent)
+    return keys
+
+
 @dataclass(eq=False)
 class Block:
     key: str
@@ -212,6 +222,11 @@ class PrefixCache:
         if self._writer is not None and self.dir is not None and (new or evicted):
             self._writer.submit(self._persist, new, evicted)
         return len(new)
+
+    def keys(self) -> list[str]:
+        """The keys of the cached blocks (any thread)."""
+        with self._lock:
+            return list(self.blocks)
 
     def stats(self) -> dict:
         with self._lock:
