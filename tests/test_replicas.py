@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import json
-import os
-import socket
 import sys
-import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import triforce
 from triforce import cli
 from triforce.serving.prefix_cache import block_keys, chain_hash
 
@@ -104,6 +97,14 @@ def test_prefix_router_counts_what_it_sent_before_the_replica_reports_it():
     assert sorted(choose(r, [a, b], ["d1", "d2", "q"])[0]) == ["a", "b"]  # stale and unreported: no preference
 
 
+def test_prefix_router_puts_a_new_prefix_on_the_replica_with_the_most_room():
+    a, b = fake_replica("a", ["x1", "x2", "x3"]), fake_replica("b", ["y1"])
+    r = router(R.PrefixAffinityRouter)
+    assert choose(r, [a, b], ["new1", "new2"]) == [["b"], ["a"]]  # equal load: b caches fewer blocks
+    r.on_request_routed(pending([], "busy"), b.replica_id, None)
+    assert choose(r, [a, b], ["new1", "new2"]) == [["a"], ["b"]]  # load first
+
+
 def test_round_robin_router_takes_turns():
     a, b = fake_replica("a", ["k1"]), fake_replica("b")
     r = router(R.RoundRobinRouter)
@@ -114,76 +115,28 @@ def test_round_robin_router_takes_turns():
 # ---- a local Ray instance: 2 replicas, 1 thread each -----------------------------------------------
 
 from conftest import embedded_available  # noqa: E402
+from triforce.bench.routing import (  # noqa: E402
+    documents,
+    kill_replica,
+    local_cluster,
+    question,
+    stream_one,
+    wait_healthy,
+)
 
 BLOCK = 128
-STACK_TEXT, GAMMAS = "ngram,retrieval:256,full", "3,4"
 MAX_TOKENS = 24
-
-
-def _docs(tokenizer, n: int, tokens: int) -> list[list[int]]:
-    from triforce.corpus import genre_tokens
-
-    return [genre_tokens(tokenizer, "prose", tokens, offset_chars=40_000 * i) for i in range(n)]
-
-
-def _question(tokenizer, i: int) -> list[int]:
-    return tokenizer(f"\n\nQuestion {i}: what does the passage above say about names? Answer:",
-                     add_special_tokens=False)["input_ids"]
-
-
-@contextlib.contextmanager
-def _uvicorn(app):
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray (2 CPUs, loopback) with the deployment of 2 replicas, and the HTTP API in front."""
+    """A local Ray (2 CPUs, loopback) with the deployment of 2 replicas of 1 thread, and the HTTP API."""
     if not embedded_available():
         pytest.skip("the embedded model is not installed (./install.sh)")
-    from triforce.serving.server import build_front, replica_spec
-    from triforce.speculation.config import SpecConfig
-    from triforce.speculation.stack import StackSpec
-
-    stack, config = StackSpec.parse(STACK_TEXT, GAMMAS), SpecConfig(prefill_chunk=BLOCK)
-    args = SimpleNamespace(model=None, rope_theta=None, max_context=4096, device="cpu", cache_dir=None, kv_dtype=None,
-                           weights="native", max_queue=8, prefix_cache_bytes=1 << 30, kv_cache_dir=None,
-                           request_timeout=600.0, default_max_tokens=MAX_TOKENS, served_model_name=None,
-                           shutdown_timeout=5.0, threads=1, cpus_per_replica=1.0, log_level="warning")
-    spec = replica_spec(args, stack, STACK_TEXT, config, None, torch.float32)
-    # the replicas import this checkout's triforce, as this process does
-    src = str(Path(triforce.__file__).resolve().parents[1])
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
-           "OMP_NUM_THREADS": "1", "RAY_DISABLE_USAGE_STATS": "1"}
-    R.init_ray(None, num_cpus=2, runtime_env={"env_vars": env})
-    deployment = None
-    try:
-        deployment = R.deploy(spec, 2, cpus_per_replica=1.0, routing="prefix", max_queue=8)
-        app = build_front(deployment, default_max_tokens=MAX_TOKENS, shutdown_timeout=5.0)
-        with _uvicorn(app) as url:
-            yield SimpleNamespace(url=url, deployment=deployment, stack=stack, config=config,
-                                  tokenizer=deployment.info["tokenizer"])
-    finally:
-        if deployment is not None:
-            deployment.close()
-        else:
-            serve.shutdown()
-            ray.shutdown()
-        assert not ray.is_initialized()
+    with local_cluster(routing="prefix", replicas=2, threads=1, prefill_chunk=BLOCK, max_tokens=MAX_TOKENS,
+                       max_queue=8) as c:
+        yield c
+    assert not ray.is_initialized()  # nothing left running
 
 
 @pytest.fixture(scope="module")
@@ -212,42 +165,25 @@ def reference(cluster):
 
 
 def _stream(url: str, ids: list[int]) -> dict:
-    """One greedy streamed completion over HTTP; -> its text, the time to its first text, the final
-    chunk's triforce field."""
-    import httpx
-
-    body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 0, "stream": True}
-    t0 = time.perf_counter()
-    first, text, extra = None, [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            piece = chunk["choices"][0]["text"]
-            if piece and first is None:
-                first = time.perf_counter() - t0
-            text.append(piece)
-            extra = chunk.get("triforce", extra)
-    return {"text": "".join(text), "ttft": first, "triforce": extra}
+    out = stream_one(url, ids, MAX_TOKENS)
+    assert out["status"] == 200 and out["error"] is None, out
+    return out
 
 
 def test_same_prefix_goes_to_the_replica_that_holds_it_and_answers_equal_generate(cluster, reference):
     tok = cluster.tokenizer
-    docs = _docs(tok, 2, 1100)
+    docs = documents(tok, 2, 1100)
     # a cold request per document: the second goes to the other replica (the first is still running
     # or its replica holds a prefix the second does not share: the least loaded one)
-    cold = [_stream(cluster.url, doc + _question(tok, 0)) for doc in docs]
-    warm = [_stream(cluster.url, doc + _question(tok, 1)) for doc in docs]
+    cold = [_stream(cluster.url, doc + question(tok, 0)) for doc in docs]
+    warm = [_stream(cluster.url, doc + question(tok, 1)) for doc in docs]
     for c, w, doc in zip(cold, warm, docs):
         assert c["triforce"]["prefix_cache_tokens"] == 0
         assert w["triforce"]["replica"] == c["triforce"]["replica"], (c["triforce"], w["triforce"])
         assert w["triforce"]["prefix_cache_tokens"] >= len(doc) // BLOCK * BLOCK
         assert w["ttft"] * 5 <= c["ttft"], (w["ttft"], c["ttft"])
     for r, doc, q in [(c, d, 0) for c, d in zip(cold, docs)] + [(w, d, 1) for w, d in zip(warm, docs)]:
-        assert r["text"] == reference(doc + _question(tok, q)).text
+        assert r["text"] == reference(doc + question(tok, q)).text
 
 
 def test_a_replica_killed_mid_load_loses_no_request_that_had_not_streamed(cluster, reference):
@@ -258,7 +194,7 @@ def test_a_replica_killed_mid_load_loses_no_request_that_had_not_streamed(cluste
     from triforce.serving.engine import Job
 
     tok, engine = cluster.tokenizer, cluster.deployment.engine
-    prompts = [doc + _question(tok, 2) for doc in _docs(tok, 4, 700)]
+    prompts = [doc + question(tok, 2) for doc in documents(tok, 4, 700)]
     retried_before = engine.retried
 
     async def run() -> list[dict]:
@@ -279,8 +215,7 @@ def test_a_replica_killed_mid_load_loses_no_request_that_had_not_streamed(cluste
                     outcomes[i]["tokens"] += ev["tokens"]
                     if killed is None and ev["tokens"]:
                         killed = ev["replica"]
-                        ray.kill(ray.get_actor(f"SERVE_REPLICA::{R.DEPLOYMENT}#{R.DEPLOYMENT}#{killed}",
-                                               namespace="serve"), no_restart=True)
+                        kill_replica(killed)
                         outcomes[i]["killed_while_streaming"] = True
                 else:
                     outcomes[i]["end"] = ev
@@ -301,14 +236,7 @@ def test_a_replica_killed_mid_load_loses_no_request_that_had_not_streamed(cluste
         assert o["tokens"] == reference(ids).tokens and o["end"]["triforce"]["replica"] != killed
     assert engine.retried > retried_before  # the killed replica's queued request was sent again
     # Ray replaces the replica: the deployment has 2 running replicas again
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        status = serve.status().applications[R.DEPLOYMENT].deployments[R.DEPLOYMENT]
-        if status.replica_states.get("RUNNING", 0) == 2 and status.status == "HEALTHY":
-            break
-        time.sleep(1)
-    else:
-        pytest.fail(f"the killed replica was not replaced: {status}")
+    wait_healthy(2, seconds=120)
     # ...and serves: a request after the replacement is answered
     again = _stream(cluster.url, prompts[0])
     assert again["text"] == reference(prompts[0]).text

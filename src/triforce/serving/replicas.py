@@ -26,6 +26,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import ray
@@ -90,6 +91,7 @@ class TriforceReplica:
             self.name = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (a test calling the class directly)
             self.name = f"pid{os.getpid()}"
+        self.node = ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else None
         log.info("replica %s ready (pid %d, %d threads)", self.name, os.getpid(), torch.get_num_threads())
 
     def info(self) -> dict:
@@ -101,7 +103,8 @@ class TriforceReplica:
 
     async def generate(self, request: dict):
         """Stream the engine's events for one request (see engine.py), each naming the replica
-        (`replica`; the final one in its `triforce` field too). Cancelled (the client left): the job is cancelled."""
+        (`replica`; the final one in its `triforce` field too, with the Ray node's id). Cancelled
+        (the client left): the job is cancelled."""
         from .engine import Job
 
         loop = asyncio.get_running_loop()
@@ -122,7 +125,7 @@ class TriforceReplica:
                 ev = await events.get()
                 ev["replica"] = self.name
                 if ev["type"] == "done":
-                    ev["triforce"]["replica"] = self.name
+                    ev["triforce"]["replica"], ev["triforce"]["replica_node"] = self.name, self.node
                 yield ev
                 if ev["type"] != "delta":
                     return
@@ -178,14 +181,23 @@ class _CountingRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
 
     def least_loaded_ranks(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
-        """Ranks of equal load, the least loaded first (random order within a rank)."""
+        """Ranks of equal load, the least loaded first (within a rank: `tie_break`, then at random)."""
         by_load: dict[int, list[RunningReplica]] = {}
         for r in candidates:
             by_load.setdefault(self.load(r), []).append(r)
-        ranks = [by_load[k] for k in sorted(by_load)]
-        for rank in ranks:
+        ranks = []
+        for load in sorted(by_load):
+            rank = by_load[load]
             random.shuffle(rank)
+            keys = {r.replica_id: self.tie_break(r) for r in rank}
+            least = min(keys.values())
+            ranks.append([r for r in rank if keys[r.replica_id] == least])
+            if len(ranks[-1]) < len(rank):
+                ranks.append([r for r in rank if keys[r.replica_id] != least])
         return ranks
+
+    def tie_break(self, replica: RunningReplica) -> int:
+        return 0
 
 
 class RoundRobinRouter(_CountingRouter):
@@ -207,7 +219,8 @@ class RoundRobinRouter(_CountingRouter):
 class PrefixAffinityRouter(_CountingRouter):
     """To the replica that holds the longest run of the request's leading prefix-cache blocks
     (reported by the replicas, or sent there lately), unless its load exceeds the least loaded
-    replica's by more than `balance` requests; else the least loaded."""
+    replica's by more than `balance` requests; else the least loaded (of those, the one caching the
+    fewest blocks)."""
 
     def initialize_state(self, balance: int = 4, **kwargs):
         super().initialize_state(**kwargs)
@@ -231,6 +244,12 @@ class PrefixAffinityRouter(_CountingRouter):
     def on_replica_actor_died(self, replica_id):
         self._sent.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
+
+    def tie_break(self, replica: RunningReplica) -> int:
+        """Between equally loaded replicas, a new prefix goes to the one caching the fewest blocks
+        (the most room: documents spread over the replicas' caches rather than pile up on one)."""
+        reported = set((replica.routing_stats or {}).get("blocks") or ())
+        return len(reported | set(self._sent.get(replica.replica_id, ())))
 
     def held(self, replica: RunningReplica, keys: list[str]) -> int:
         """How many of `keys` (a prompt's blocks, root first) the replica holds, from the first on."""
@@ -266,6 +285,10 @@ ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter}
 
 
 # ---- the front end's engine ----------------------------------------------------------------------
+
+class _Stopping(Exception):
+    """A replica answered that it is shutting down before it started the request."""
+
 
 class RayEngine:
     """The Engine interface that app.py uses (start, submit, cancel, depth, stop, s.max_queue), over
@@ -319,6 +342,8 @@ class RayEngine:
                 response = self.handle.generate.remote(request)
                 try:
                     async for ev in response:
+                        if ev["type"] == "error" and ev.get("code") == "shutting_down" and not streamed:
+                            raise _Stopping()  # a replica being replaced or scaled down: another one
                         if ev["type"] == "delta":
                             streamed = True
                         job.deliver(ev)
@@ -331,7 +356,7 @@ class RayEngine:
                 except RayTaskError:
                     log.exception("a replica failed while answering")
                     return self._error(job, 500, "internal_error", "internal error on a replica (see its log)")
-                except (RayError, RuntimeError) as e:
+                except (RayError, RuntimeError, _Stopping) as e:
                     if streamed:
                         return self._error(job, 503, "replica_died",
                                            f"the replica answering this request stopped mid-answer "
@@ -376,6 +401,11 @@ def init_ray(address: str | None, *, num_cpus: int | None = None, runtime_env: d
     os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
     kw = {"include_dashboard": False, "log_to_driver": True, "runtime_env": runtime_env or None}
     if address:
+        # Ray turns token authentication on by itself for `auto` only; `ray start --head` made a token
+        # (~/.ray/auth_token, or RAY_AUTH_TOKEN): present it to an explicit address too
+        if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN")
+                                                  or (Path.home() / ".ray" / "auth_token").exists()):
+            os.environ["RAY_AUTH_MODE"] = "token"
         ray.init(address=address, **kw)
         return False
     ray.init(num_cpus=num_cpus, object_store_memory=256 << 20, _node_ip_address="127.0.0.1", **kw)
