@@ -5,6 +5,9 @@
 #   bash docs/benchmarks/2026-11-27-zen5-ray/multi_host.sh > docs/benchmarks/2026-11-27-zen5-ray/multi_host_transcript.txt 2>&1
 set -uo pipefail
 export RAY_DISABLE_USAGE_STATS=1
+# Ray 2.60's token authentication: `ray start --head` makes ~/.ray/auth_token; a process that joins by an
+# explicit address presents it only with RAY_AUTH_MODE=token (on another host: copy the file there first)
+export RAY_AUTH_MODE=token
 HEAD_PORT=${HEAD_PORT:-6390}
 PORT=${PORT:-8470}
 run() { echo "\$ $*"; "$@"; echo "(exit code $?)"; }
@@ -31,7 +34,7 @@ echo "\$ triforce serve --replicas 2 --ray-address 127.0.0.1:$HEAD_PORT --cpus-p
 triforce serve --replicas 2 --ray-address "127.0.0.1:$HEAD_PORT" --cpus-per-replica 1 --port "$PORT" --max-context 4096 \
     --log-level warning > /tmp/multi_host_serve.log 2>&1 &
 server=$!
-for _ in $(seq 1 150); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 2; done
+for _ in $(seq 1 90); do curl -sf "localhost:$PORT/health" >/dev/null && break; kill -0 "$server" 2>/dev/null || break; sleep 2; done
 run curl -s "localhost:$PORT/health"; echo
 run ray status --address "127.0.0.1:$HEAD_PORT"
 for prompt in "The sea is" "Once upon a time" "The capital of France is" "def fibonacci(n):"; do
