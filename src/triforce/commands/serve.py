@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+from ..errors import TriforceError
 from .common import add_model_args, add_spec_args, add_stack_args, byte_size, planned_stack, positive_int
 
 NAME = "serve"
@@ -13,7 +15,10 @@ DESCRIPTION = ("Serve the model over HTTP with the OpenAI API (POST /v1/completi
                "same prompt, stack, settings and seed. One request runs at a time, in arrival "
                "order; a request sharing a prompt prefix with an earlier one reuses its K/V "
                "(the prefix cache) and skips that part of the prefill. Needs the serve extra. "
-               "Guide: docs/serving.md.")
+               "With --replicas N, N engines run on Ray Serve (a local Ray instance, or the cluster "
+               "of --ray-address) behind this one endpoint, each request routed to the replica "
+               "that holds its prefix (needs the ray extra). Guides: docs/serving.md, "
+               "docs/multi_host.md.")
 # uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown), which the CLI's interrupt watcher would cut short
 HANDLES_SIGNALS = True
 
@@ -45,12 +50,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or setting, or damaged ones, are refused with a log line)")
     c.add_argument("--prefill-chunk", type=positive_int, default=512, metavar="N",
                    help="prompt tokens per prefill forward, and the prefix cache's block size (default 512)")
+    r = parser.add_argument_group("replicas (Ray Serve; needs `pip install 'triforce[ray]'`)")
+    r.add_argument("--replicas", type=positive_int, default=1, metavar="N",
+                   help="run N engines as a Ray Serve deployment behind this endpoint; a replica that dies is "
+                        "replaced, and a request it had not started answering is sent to another (default 1: "
+                        "one engine in this process, no Ray)")
+    r.add_argument("--ray-address", metavar="ADDR",
+                   help="join the Ray cluster at ADDR (host:port of `ray start --head`, or 'auto') instead of "
+                        "starting a local Ray instance; the replicas spread over its nodes")
+    r.add_argument("--routing", choices=("prefix", "round-robin"), default="prefix",
+                   help="prefix: each request to the replica whose prefix cache holds the most of its prompt's "
+                        "leading blocks, the least loaded one when the load is uneven; round-robin: in turn "
+                        "(default prefix)")
+    r.add_argument("--cpus-per-replica", type=float, default=None, metavar="C",
+                   help="CPUs Ray reserves for each replica (default: this machine's cores / N, at least 1); "
+                        "--threads sets each replica's threads (default: C rounded down, at least 1)")
     add_model_args(parser)
     add_stack_args(parser)
     add_spec_args(parser, tuned=False)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas > 1:
+        from ..serving.server import require_ray
+
+        require_ray()  # before the stack is planned: the missing extra is said first
+        if args.cpus_per_replica is None:
+            args.cpus_per_replica = float(max(1, (os.cpu_count() or 1) // args.replicas))
+        if args.cpus_per_replica <= 0:
+            raise TriforceError(f"--cpus-per-replica must be positive, got {args.cpus_per_replica:g}")
+        args.threads = args.threads or max(1, int(args.cpus_per_replica))
+    elif args.ray_address or args.routing != "prefix" or args.cpus_per_replica is not None:
+        raise TriforceError("--ray-address, --routing and --cpus-per-replica apply to --replicas N (N > 1) only")
     if (planned := planned_stack(args)) is None:
         return 0
     config, draft_path, stack, name = planned

@@ -25,6 +25,17 @@ the manifest after the files it lists. At start-up every file is checked (listed
 its own metadata naming these settings, tokens hashing to its key, tensor shapes and dtypes): a
 file that fails is refused with a log line, removed, and never loaded. Directories of other
 settings (another model, KV dtype, RoPE base...) are left alone, with a log line.
+
+Sharing (several servers or replicas on one host, one DIR): every change to the folder (block files,
+the manifest, removals, the start-up check) happens under an flock on DIR/<digest>/.lock, and the
+manifest is merged, not overwritten: each process adds the blocks it wrote and removes the files of
+its own blocks (written or loaded at start-up) that it evicts; a block another process wrote already
+is adopted, not written again, and its file is that process's to remove. A lookup that misses in
+memory reads the next blocks from the folder (the same checks as at start-up, without the lock:
+files appear and go by atomic renames and unlinks, so a reader sees a whole file or none; one that
+fails a check is a miss, left for the start-up check). So one replica reuses the prefixes another
+prefilled, and an eviction only ever turns another's disk hit into a miss. The folder holds at most
+the budgets of the servers sharing it together.
 """
 from __future__ import annotations
 
@@ -49,6 +60,7 @@ log = logging.getLogger("triforce.serve")
 
 FORMAT = 1  # of the block files and the manifest; bump when either changes
 MANIFEST = "manifest.json"
+LOCK_WAIT_SECONDS = 120.0  # the longest another server may hold the shared folder's lock (writing blocks)
 _SAMPLES_PER_TENSOR = 4096  # weight elements hashed per tensor for the model fingerprint
 
 
@@ -113,6 +125,16 @@ def chain_hash(parent: str | None, tokens) -> str:
     return h.hexdigest()[:32]
 
 
+def block_keys(tokens, block_size: int) -> list[str]:
+    """The keys of the whole blocks of `tokens`, root first: what a PrefixCache of this block size
+    looks up for this prompt (a router matches them against the keys a replica holds)."""
+    keys, parent = [], None
+    for i in range(len(tokens) // block_size):
+        parent = chain_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+        keys.append(parent)
+    return keys
+
+
 @dataclass(eq=False)
 class Block:
     key: str
@@ -125,6 +147,7 @@ class Block:
     children: int = 0  # cached blocks whose parent this is (a block with children is never evicted)
     last_used: int = 0
     file: tuple[int, str] | None = None  # (bytes, SHA-256) of its file on disk, once written
+    owned: bool = True  # its file is ours to remove when it is evicted (not one another server wrote)
 
     @property
     def nbytes(self) -> int:
@@ -161,16 +184,22 @@ class PrefixCache:
     def lookup(self, tokens: list[int]) -> list[Block]:
         """The cached blocks of the longest cached prefix of `tokens` (whole blocks only), root first;
         touches them (most recently used). Counts a hit (at least one block) or a miss."""
-        C, out, parent = self.block_size, [], None
+        C, out, parent, shared = self.block_size, [], None, None
         with self._lock:
             for i in range(len(tokens) // C):
                 part = tuple(tokens[i * C:(i + 1) * C])
-                b = self.blocks.get(chain_hash(parent, part))
+                key = chain_hash(parent, part)
+                b = self.blocks.get(key)
+                if b is None and self.dir is not None:  # another process may have written it
+                    shared = self._manifest_entries(quiet=True) if shared is None else shared
+                    b = self._adopt(key, shared.get(key))
                 if b is None or b.tokens != part:  # (a hash collision would show here)
                     break
                 out.append(b)
                 parent = b.key
             self._touch(out)
+            if shared:
+                self._evict_and_forget()
             if out:
                 self.hits += 1
                 self.hit_tokens += len(out) * C
@@ -207,11 +236,16 @@ class PrefixCache:
                 chain.append(b)
                 parent = key
             self._touch(chain)
-            evicted = self._evict()
+            evicted = [b for b in self._evict() if b.owned]  # a file another server wrote stays
             new = [b for b in new if b.key in self.blocks]
         if self._writer is not None and self.dir is not None and (new or evicted):
             self._writer.submit(self._persist, new, evicted)
         return len(new)
+
+    def keys(self) -> list[str]:
+        """The keys of the cached blocks (any thread)."""
+        with self._lock:
+            return list(self.blocks)
 
     def stats(self) -> dict:
         with self._lock:
@@ -245,6 +279,30 @@ class PrefixCache:
         if b.parent is not None and b.parent in self.blocks:
             self.blocks[b.parent].children -= 1
 
+    def _adopt(self, key: str, entry) -> Block | None:
+        """The block `key` read from the shared folder into memory (caller holds self._lock), or None:
+        not there, or it fails a check (another process may be replacing or removing it)."""
+        if entry is None:
+            return None
+        try:
+            b = self._read_block(key, entry)
+        except _Refused:
+            return None
+        if (b.parent is not None and b.parent not in self.blocks) or b.nbytes > self.budget:
+            return None
+        b.last_used, b.owned = 0, False
+        self.blocks[key] = b
+        self.bytes += b.nbytes
+        if b.parent is not None:
+            self.blocks[b.parent].children += 1
+        return b
+
+    def _evict_and_forget(self) -> None:
+        """After adopting blocks from disk: back under the budget, the evicted files removed."""
+        evicted = [b for b in self._evict() if b.owned]
+        if evicted and self._writer is not None and self.dir is not None:
+            self._writer.submit(self._persist, [], evicted)
+
     # ---- the on-disk copy -------------------------------------------------------------------
 
     def _open_directory(self, root: Path) -> Path | None:
@@ -252,11 +310,6 @@ class PrefixCache:
         folder = root / self.digest
         try:
             storage.writable_dir(folder)
-            self._exit.enter_context(storage.exclusive(folder / ".lock", "serving from this KV cache", 0.0,
-                                                       log=lambda message: None))
-        except storage.LockTimeout:
-            log.warning("the KV cache directory %s is in use by another server: not persisting this one's cache", folder)
-            return None
         except storage.CacheUnwritable as e:
             log.warning("%s: not persisting the prefix cache", e)
             return None
@@ -264,6 +317,10 @@ class PrefixCache:
         for other in sorted(p for p in root.iterdir() if p.is_dir() and p != folder):
             self._refuse_foreign(other)
         return folder
+
+    def _folder_lock(self):
+        """The flock every change to the folder holds (other servers sharing it wait, up to a bound)."""
+        return storage.exclusive(self.dir / ".lock", "writing the shared KV cache", LOCK_WAIT_SECONDS, log=log.info)
 
     def _refuse_foreign(self, folder: Path) -> None:
         try:
@@ -276,25 +333,31 @@ class PrefixCache:
         log.warning("refusing the KV cache in %s: made with other settings (%s differ%s); not loaded",
                     folder, ", ".join(diff) or "the digest", "" if len(diff) != 1 else "s")
 
-    def _manifest_entries(self) -> dict:
+    def _manifest_entries(self, quiet: bool = False) -> dict:
         path = self.dir / MANIFEST
         if not path.exists():
             return {}
+        say = (lambda *a: None) if quiet else log.warning
         try:
             manifest = json.loads(path.read_text())
             if manifest.get("key") != self.key:
-                log.warning("refusing the KV cache manifest %s: made with other settings; starting empty", path)
+                say("refusing the KV cache manifest %s: made with other settings; starting empty", path)
                 return {}
             entries = manifest["blocks"]
             if not isinstance(entries, dict):
                 raise TypeError("blocks is not an object")
             return entries
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("refusing the KV cache manifest %s: unreadable (%s: %s); starting empty", path, type(e).__name__, e)
+            say("refusing the KV cache manifest %s: unreadable (%s: %s); starting empty", path, type(e).__name__, e)
             return {}
 
     def _load(self) -> None:
-        """Load the checked blocks of our folder, parents first, while they fit the budget."""
+        """Load the checked blocks of our folder, parents first, while they fit the budget (under the
+        folder's lock: no other process writes meanwhile)."""
+        with self._folder_lock():
+            self._load_locked()
+
+    def _load_locked(self) -> None:
         t0 = time.perf_counter()
         entries = self._manifest_entries()
         refused = 0
@@ -305,7 +368,7 @@ class PrefixCache:
                 p.unlink(missing_ok=True)
         order = sorted(entries.items(), key=lambda kv: (kv[1].get("index", 0) if isinstance(kv[1], dict) else 0,
                                                         -(kv[1].get("last_used", 0) if isinstance(kv[1], dict) else 0)))
-        skipped = 0
+        skipped, over, gone = 0, 0, set()
         for key, entry in order:
             try:
                 b = self._read_block(key, entry)
@@ -314,12 +377,17 @@ class PrefixCache:
                             if isinstance(entry, dict) else key), e)
                 (self.dir / f"{key}.safetensors").unlink(missing_ok=True)
                 refused += 1
+                gone.add(key)
+                continue
+            if b.parent in gone or (b.parent is not None and b.parent not in entries):
+                skipped += 1  # its prefix was refused or is missing: unreachable
+                gone.add(key)
                 continue
             if b.parent is not None and b.parent not in self.blocks:
-                skipped += 1  # its prefix was refused or did not fit: unreachable
+                over += 1  # its prefix did not fit: left on disk (another server may use it)
                 continue
             if self.bytes + b.nbytes > self.budget:
-                skipped += 1
+                over += 1
                 continue
             self.blocks[key] = b
             self.bytes += b.nbytes
@@ -328,17 +396,18 @@ class PrefixCache:
         for b in sorted(self.blocks.values(), key=lambda b: (b.index, b.last_used)):
             self._clock += 1
             b.last_used = self._clock
-        if refused or skipped or set(entries) != set(self.blocks):
-            self._write_manifest()
-            for key in set(entries) - set(self.blocks):
+        if gone:
+            self._merge_manifest({}, gone)
+            for key in gone:
                 (self.dir / f"{key}.safetensors").unlink(missing_ok=True)
         if self.blocks or refused:
             log.info("prefix cache: loaded %d blocks (%.1f MB, %d tokens of prefixes) from %s in %.1f s%s",
                      len(self.blocks), self.bytes / 1e6, len(self.blocks) * self.block_size, self.dir,
                      time.perf_counter() - t0, f"; {refused} refused" if refused else "")
         if skipped:
-            log.info("prefix cache: %d blocks on disk not loaded and removed (their prefix was refused, or they were "
-                     "over --prefix-cache-bytes)", skipped)
+            log.info("prefix cache: %d blocks on disk not loaded and removed (their prefix was refused)", skipped)
+        if over:
+            log.info("prefix cache: %d blocks on disk not loaded (over --prefix-cache-bytes); left there", over)
 
     def _read_block(self, key: str, entry) -> Block:
         from safetensors import SafetensorError
@@ -384,16 +453,27 @@ class PrefixCache:
         from safetensors.torch import save
 
         try:
-            for b in new:
-                meta = {"triforce_kv_cache": self.digest, "key": json.dumps(self.key, sort_keys=True),
-                        "parent": b.parent or ""}
-                data = save({"k": b.k.contiguous(), "v": b.v.contiguous(), "q_last": b.q_last.contiguous(),
-                             "tokens": torch.tensor(b.tokens, dtype=torch.int64)}, metadata=meta)
-                storage.atomic_write(self.dir / f"{b.key}.safetensors", data)
-                b.file = (len(data), hashlib.sha256(data).hexdigest())
-            self._write_manifest()
-            for b in evicted:
-                (self.dir / f"{b.key}.safetensors").unlink(missing_ok=True)
+            with self._folder_lock():
+                on_disk = self._manifest_entries(quiet=True)
+                for b in new:
+                    theirs = on_disk.get(b.key)
+                    if isinstance(theirs, dict) and (self.dir / f"{b.key}.safetensors").exists():
+                        b.file = (theirs.get("bytes"), theirs.get("sha256"))  # another process wrote it: adopt
+                        b.owned = False
+                        continue
+                    meta = {"triforce_kv_cache": self.digest, "key": json.dumps(self.key, sort_keys=True),
+                            "parent": b.parent or ""}
+                    data = save({"k": b.k.contiguous(), "v": b.v.contiguous(), "q_last": b.q_last.contiguous(),
+                                 "tokens": torch.tensor(b.tokens, dtype=torch.int64)}, metadata=meta)
+                    storage.atomic_write(self.dir / f"{b.key}.safetensors", data)
+                    b.file = (len(data), hashlib.sha256(data).hexdigest())
+                gone = {b.key for b in evicted}
+                self._merge_manifest({b.key: b for b in new if b.file is not None and b.key not in gone}, gone)
+                for key in gone:
+                    (self.dir / f"{key}.safetensors").unlink(missing_ok=True)
+        except storage.LockTimeout as e:
+            log.warning("the shared KV cache in %s stays locked (%s): persistence off for this run", self.dir, e)
+            self.dir = None
         except OSError as e:
             log.warning("cannot write the KV cache to %s (%s): persistence off for this run", self.dir, e.strerror or e)
             self.dir = None
@@ -401,15 +481,15 @@ class PrefixCache:
             log.exception("writing the KV cache to %s failed: persistence off for this run", self.dir)
             self.dir = None
 
-    def _write_manifest(self) -> None:
-        blocks = {}
+    def _merge_manifest(self, add: dict[str, Block], remove: set[str]) -> None:
+        """The manifest on disk with `add` (this process's written blocks) listed and `remove` gone;
+        the entries of other processes sharing the folder stay (the caller holds the folder's lock)."""
+        entries = {k: e for k, e in self._manifest_entries(quiet=True).items() if k not in remove}
         with self._lock:
-            for b in self.blocks.values():
-                if b.file is None:
-                    continue  # never written
-                blocks[b.key] = {"file": f"{b.key}.safetensors", "bytes": b.file[0], "sha256": b.file[1],
-                                 "parent": b.parent, "index": b.index, "last_used": b.last_used}
-        storage.atomic_write(self.dir / MANIFEST, json.dumps({"format": FORMAT, "key": self.key, "blocks": blocks},
+            for b in add.values():
+                entries[b.key] = {"file": f"{b.key}.safetensors", "bytes": b.file[0], "sha256": b.file[1],
+                                  "parent": b.parent, "index": b.index, "last_used": b.last_used}
+        storage.atomic_write(self.dir / MANIFEST, json.dumps({"format": FORMAT, "key": self.key, "blocks": entries},
                                                              indent=1, sort_keys=True))
 
 

@@ -78,6 +78,15 @@ _NEUTRAL = {
     "store": (lambda v: v is None or v is False, "false"),
     "metadata": (lambda v: True, "any"),
     "service_tier": (lambda v: True, "any"),
+    # SGLang's and vLLM's extensions, which sglang-router / vllm-router add to every request they forward
+    "no_stop_trim": (lambda v: v is None or v is False, "false"),
+    "ignore_eos": (lambda v: v is None or v is False, "false"),
+    "skip_special_tokens": (lambda v: v is None or v is True, "true"),
+    "return_hidden_states": (lambda v: v is None or v is False, "false"),
+    "continue_final_message": (lambda v: v is None or v is False, "false"),
+    "separate_reasoning": (lambda v: True, "any"),  # no reasoning parser: nothing to separate
+    "stream_reasoning": (lambda v: True, "any"),
+    "include_reasoning": (lambda v: True, "any"),
 }
 
 
