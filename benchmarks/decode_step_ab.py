@@ -21,12 +21,12 @@ from triforce.tuning.measure import time_forwards
 
 
 def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5, kv_dtype: torch.dtype = torch.float32) -> float:
-    """Seconds of model.attention over `cfg.n_layers` layers of an n_ctx-token cache (T query tokens,
+    """Seconds of execution.attention over `cfg.n_layers` layers of an n_ctx-token cache (T query tokens,
     causal over the new ones), cold caches as in a real step: every layer has its own K/V. Runs the
     compiled kernel of kernels.cpu() (as overridden) where the model would, else PyTorch's."""
     from triforce import kernels
     from triforce.caches.base import CAUSAL
-    from triforce.model import attention
+    from triforce.execution import attention
 
     L, Hkv, Hq, D = cfg.n_layers, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
     K = torch.randn(L, 1, Hkv, n_ctx + 64, D).to(kv_dtype)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triforce import kernels, model
+from triforce import execution, kernels
 from triforce.caches.base import CAUSAL
+from triforce.caches import new_cache
+from triforce.loading.weights import draft_weights
 
 # S = 1500 is not a multiple of the kernel's 256-key blocks; with S = 1282 and T = 4 the last block
 # holds only new tokens 2 and 3, so it is fully masked for tokens 0 and 1. With Hq / Hkv = 3, T >= 3
@@ -31,14 +33,14 @@ def test_kernel_matches_sdpa(kern, T, mask_kind, S):
         mask[:, 0] = True
     else:
         mask = None
-    assert T <= model.KERNEL_MAX_ROWS
+    assert T <= execution.KERNEL_MAX_ROWS
     counting = _Counting(kern)
-    got = model.attention(q, k, v, mask, ops=counting)
+    got = execution.attention(q, k, v, mask, ops=counting)
     # the kernel really ran (bool masks stay on PyTorch's path: the StreamingLLM cache hands the kernel a WindowGap
     # instead, test_kv.py; a tree's token block takes the kernel's causal path with its own visibility)
     # (more than KERNEL_MAX_ROWS rows per KV head, 3 * 30 here: two query heads of each group in one call, one in a second)
-    assert counting.calls == (0 if mask_kind == "bool" else 1 if Hq // Hkv * T <= model.KERNEL_MAX_ROWS else 2)
-    want = model.attention(q, k, v, mask, ops=None)  # PyTorch's path
+    assert counting.calls == (0 if mask_kind == "bool" else 1 if Hq // Hkv * T <= execution.KERNEL_MAX_ROWS else 2)
+    want = execution.attention(q, k, v, mask, ops=None)  # PyTorch's path
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -122,7 +124,7 @@ def test_model_forward_same_with_and_without_kernels(kern, tiny_llama):
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, 9))
     out = {}
     for name, module in (("kernels", _Counting(kern)), ("torch", None)):
-        cache = tiny_llama.new_cache(16)
+        cache = new_cache(tiny_llama, 16)
         with torch.inference_mode(), kernels.override(module):
             a = tiny_llama(tokens[:, :8], cache)
             b = tiny_llama(tokens[:, 8:], cache)
@@ -138,7 +140,7 @@ def test_linear_panels_match_linear(kern):
     import torch.nn.functional as F
 
     torch.manual_seed(3)
-    lin = model.Linear(40, 37, bias=True)
+    lin = execution.Linear(40, 37, bias=True)
     lin.backend = kernels.Backend(True)  # as a built model's layers have it
     lin.pack()
     assert lin.panels is not None and lin.panels.dtype == torch.float32
@@ -148,7 +150,7 @@ def test_linear_panels_match_linear(kern):
             got = lin(x[:rows])
         torch.testing.assert_close(got, F.linear(x[:rows], lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         assert torch.equal(got[:1], lin(x[:1]))  # batch-invariant: verification rows equal decode rows
-    low = model.Linear(40, 37, bias=False)
+    low = execution.Linear(40, 37, bias=False)
     low.backend = kernels.Backend(True)
     low.pack(torch.bfloat16)
     want = F.linear(x[:5], low.weight.to(torch.bfloat16).float())
@@ -156,18 +158,18 @@ def test_linear_panels_match_linear(kern):
 
 
 def test_draft_weights_model(kern, tiny_llama):
-    """with_draft_weights(): bf16 panels in every linear layer of the copy, the original untouched,
+    """draft_weights(): bf16 panels in every linear layer of the copy, the original untouched,
     and logits close to (but not equal to) the fp32 model's."""
-    draft = tiny_llama.with_draft_weights()
+    draft = draft_weights(tiny_llama)
     assert draft is not tiny_llama and draft.embed is tiny_llama.embed
-    lin = [m for m in draft.modules() if isinstance(m, model.Linear)]
+    lin = [m for m in draft.modules() if isinstance(m, execution.Linear)]
     assert lin and all(m.panels is not None and m.panels.dtype == torch.bfloat16 for m in lin)
     assert all(m.panels is None or m.panels.dtype == torch.float32
-               for m in tiny_llama.modules() if isinstance(m, model.Linear))
+               for m in tiny_llama.modules() if isinstance(m, execution.Linear))
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, 6))
     with torch.inference_mode():
-        a = tiny_llama(tokens, tiny_llama.new_cache(8))
-        b = draft(tokens, draft.new_cache(8))
+        a = tiny_llama(tokens, new_cache(tiny_llama, 8))
+        b = draft(tokens, new_cache(draft, 8))
     assert not torch.equal(a, b)
     torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
 
@@ -191,7 +193,7 @@ def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
     k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
     mask = causal_mask(T, S - T, "cpu").repeat(g, 1) if T > 1 else None
     if kv_dtype == torch.bfloat16:
-        from triforce.model import bf16_attention
+        from triforce.execution import bf16_attention
 
         q4 = q.view(Hkv, g, T, D).reshape(1, Hkv * g, T, D)
         want = bf16_attention(q4, k[None], v[None], "causal" if T > 1 else None, D ** -0.5).view(Hkv, g * T, D)
@@ -285,7 +287,7 @@ def test_kernel_tree_block_both_paths(kern, kv_dtype, T):
     the block's dense [T, S] mask (bf16: model.bf16_attention with it)."""
     import torch.nn.functional as F
 
-    from triforce.model import bf16_attention
+    from triforce.execution import bf16_attention
 
     torch.manual_seed(5)
     Hkv, g, D = 3, 3, 64

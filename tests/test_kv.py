@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triforce.caches import FullCache, RetrievalCache, StreamingCache
+from triforce.caches import FullCache, RetrievalCache, StreamingCache, new_cache
 
 V = 96
 
@@ -37,8 +37,8 @@ class MaskedFullCache(FullCache):
 @torch.no_grad()
 def test_full_cache_reproduces_no_cache_logits(tiny_llama):
     ids = _ids(80)
-    whole = tiny_llama(ids, tiny_llama.new_cache(80))
-    cache = tiny_llama.new_cache(80)
+    whole = tiny_llama(ids, new_cache(tiny_llama, 80))
+    cache = new_cache(tiny_llama, 80)
     parts = [tiny_llama(ids[:, :30], cache), tiny_llama(ids[:, 30:37], cache)]
     parts += [tiny_llama(ids[:, i:i + 1], cache) for i in range(37, 80)]
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-4, rtol=1e-4)
@@ -47,7 +47,7 @@ def test_full_cache_reproduces_no_cache_logits(tiny_llama):
 @torch.no_grad()
 def test_rollback_then_redecode_reproduces_logits(tiny_llama):
     ids = _ids(60)
-    cache = tiny_llama.new_cache(80)
+    cache = new_cache(tiny_llama, 80)
     tiny_llama(ids[:, :40], cache)
     first = tiny_llama(ids[:, 40:50], cache)
     tiny_llama(_ids(8, seed=5), cache)  # a rejected draft
@@ -119,8 +119,9 @@ def test_streaming_cache_on_the_kernels_equals_the_mask(sink, window, dtype):
     for chains (the window as a gap of hidden slots per new token, kernels/attention.cpp), and still equal full
     attention under the sink + window mask, through compactions and mixed chunk sizes; a kernel that ignored the
     gap (the whole region visible) is caught."""
-    from triforce import kernels
     from conftest import hf_tiny, ours_from_hf
+
+    from triforce import kernels
 
     kern = kernels.cpu()
     if kern is None:
@@ -193,7 +194,7 @@ def _brute_force_selection(keys, query, budget, chunk, recent):
 @torch.no_grad()
 def test_retrieval_cache_keeps_brute_force_chunks(tiny_llama, n_prompt, budget, chunk, recent):
     c = tiny_llama.cfg
-    full = tiny_llama.new_cache(n_prompt + 8, record_queries=True)
+    full = new_cache(tiny_llama, n_prompt + 8, record_queries=True)
     tiny_llama(_ids(n_prompt, seed=7), full)
     r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=budget, chunk_size=chunk, recent=recent)
     r.build(full)
@@ -214,7 +215,7 @@ def test_retrieval_cache_within_budget_equals_full(tiny_llama):
     """A context that fits in the budget is kept whole: decoding equals the full cache."""
     c = tiny_llama.cfg
     ids = _ids(70, seed=8)
-    full = tiny_llama.new_cache(80, record_queries=True)
+    full = new_cache(tiny_llama, 80, record_queries=True)
     tiny_llama(ids[:, :50], full)
     r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=64, chunk_size=8, recent=8)
     r.build(full)
@@ -232,10 +233,10 @@ def test_retrieval_cache_within_budget_equals_full(tiny_llama):
 @torch.no_grad()
 def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
     """A decode step through the retrieval cache equals attention restricted to the kept positions."""
-    from triforce.model import attention
+    from triforce.execution import attention
 
     c = tiny_llama.cfg
-    full = tiny_llama.new_cache(200, record_queries=True)
+    full = new_cache(tiny_llama, 200, record_queries=True)
     tiny_llama(_ids(160, seed=9), full)
     r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=48, chunk_size=8, recent=8)
     r.build(full)

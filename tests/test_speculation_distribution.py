@@ -18,6 +18,7 @@ from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate
 from triforce.sampling import SamplingParams, make_generator, probs_from_logits, sample
 from triforce.speculation.config import SpecConfig
+from triforce.caches import new_cache
 
 V = 8
 N_SAMPLES = 1000
@@ -46,7 +47,7 @@ def prompt():
 def exact_marginals(model, prompt, params, positions=POSITIONS) -> list[torch.Tensor]:
     """Marginal distribution of each of the first `positions` generated tokens."""
     def next_probs(ctx):
-        return probs_from_logits(model(torch.tensor([ctx], device=model.device), model.new_cache(len(ctx)))[0, -1],
+        return probs_from_logits(model(torch.tensor([ctx], device=model.device), new_cache(model, len(ctx)))[0, -1],
                                  params)
 
     marginals = [torch.zeros(V, dtype=torch.float64) for _ in range(positions)]

@@ -13,6 +13,7 @@ from triforce.caches import RetrievalCache, StreamingCache
 from triforce.sampling import SamplingParams
 from triforce.speculation.state import ModelState, prefill
 from triforce.speculation.tree import DraftTree
+from triforce.caches import new_cache
 
 PARAMS = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams(temperature=0.0)
@@ -42,7 +43,7 @@ def random_tree(rng: random.Random, max_depth: int, max_width: int, max_nodes: i
 
 def make_state(model, kind: str, prompt: list[int]) -> ModelState:
     c = model.cfg
-    full = model.new_cache(512, record_queries=True)
+    full = new_cache(model, 512, record_queries=True)
     prefill(model, full, torch.tensor([prompt]), 64)
     if kind == "full":
         state = ModelState("full", model, full, PARAMS)
@@ -136,7 +137,7 @@ def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
     c = long_model.cfg
 
     def state_for():
-        full = long_model.new_cache(n_prompt + 64, record_queries=True)
+        full = new_cache(long_model, n_prompt + 64, record_queries=True)
         prefill(long_model, full, torch.tensor([prompt]), 512)
         if kind == "full":
             st = ModelState("full", long_model, full, GREEDY)

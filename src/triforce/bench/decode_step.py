@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..caches import new_cache
 from ..tuning.measure import time_forwards, time_forwards_interleaved
 
 
@@ -26,7 +27,7 @@ def random_cache(model, n_ctx: int, tokens: int):
     from ..caches import QuantizedCache
     from ..caches.quantized import GROUP_K, fp_from
 
-    cache = model.new_cache(n_ctx + tokens)
+    cache = new_cache(model, n_ctx + tokens)
     if isinstance(cache, QuantizedCache):
         for plane in (cache.k_hi, cache.v_hi, cache.k_lo, cache.v_lo):
             plane.random_(0, 256)
@@ -149,7 +150,12 @@ def _bf16_dot_words(kern) -> str:
 def main(argv=None) -> None:
     from ..config import KV_DTYPES, WEIGHTS
     from ..loading import load_model
-    from .hardware import floor_seconds, kv_bytes_per_token, measure_bandwidth, weight_bytes
+    from .hardware import (
+        floor_seconds,
+        kv_bytes_per_token,
+        measure_bandwidth,
+        weight_bytes,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="8192,32768", help="comma-separated context lengths")

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from ..caches import new_cache
+
 SHAPES = {
     "llama2-7b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
@@ -208,7 +210,7 @@ def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamm
     from ..caches import RetrievalCache
 
     cfg = model.cfg
-    cache = model.new_cache(ctx + 256, record_queries=True)
+    cache = new_cache(model, ctx + 256, record_queries=True)
     fill_random(cache, ctx - 1)
     graphs = model.graphs
     tok = [1]
@@ -285,7 +287,7 @@ def measure_generation(model, row: dict, ctx: int, n_new: int, gamma: int, gamma
 def measure_offloaded(model, row: dict, ctx: int, kv_bytes: int, gamma: int, pcie: float, log) -> None:
     model.offload_kv = True
     try:
-        off = model.new_cache(ctx + 256)
+        off = new_cache(model, ctx + 256)
     except RuntimeError as e:  # pinned memory refused
         log(f"{model.cfg.n_layers}-layer {ctx}: offloaded cache not allocated ({e})")
         return

@@ -73,7 +73,7 @@ class KVCache:
     # buffers are self.k / self.v on the model's device: then a fixed-shape forward (a CUDA graph,
     # caches/static.py) may run through it.
     SLOT_CAUSAL = False
-    # Whether the CPU's one call through every layer (model.Transformer._decode_layers) may run a chain through it:
+    # Whether the CPU's one call through every layer (execution.FusedDecode) may run a chain through it:
     # None, as SLOT_CAUSAL says; a cache whose forwards are slot-causal but which keeps CUDA graphs away for
     # another reason says True.
     FUSED_DECODE: bool | None = None
@@ -84,7 +84,7 @@ class KVCache:
         raise NotImplementedError
 
     def fused_decode_slot(self) -> tuple[int, torch.Tensor | None] | None:
-        """How the CPU's one call through every layer (model.Transformer._decode_layers, decode_layers in
+        """How the CPU's one call through every layer (execution.FusedDecode, decode_layers in
         kernels/decode_layer.cpp) reads this cache for the forward prepare() set up: (the storage slot of the first
         new token, a StreamingLLM window's gap [T + 1] or None), or None where that call cannot (the layers then run
         one by one). It can where the new tokens see every older slot and each other causally, in a cache that says
@@ -166,7 +166,7 @@ class TokenBlock:
 
 @dataclass(frozen=True)
 class WindowGap:
-    """A StreamingLLM window's mask in the form the compiled attention takes (model.attention): the storage slots
+    """A StreamingLLM window's mask in the form the compiled attention takes (execution.attention): the storage slots
     gap[0] .. gap[1 + t] - 1 (gap [T + 1] int64 on the CPU: the first slot past the sinks, then each new token's
     first slot in its window) are hidden from new token t, every other older slot is visible, and the new tokens
     see each other causally (or as `block` says). `dense` is the same mask as a [T, S] bool tensor, for PyTorch's

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
+from ..kernels.capabilities import capabilities
 from .base import KVCache, TokenBlock, check_capacity, kv_buffer
 
 GROUP_K = 64  # tokens per key group (per-channel scales)
@@ -289,7 +290,7 @@ class QuantizedCache(KVCache):
 
     def update(self, layer, q, k, v):
         """Store k, v [B, Hkv, T, D] in the buffer, quantize the groups this forward's queries read from the
-        planes; -> (QuantizedKV, None, None): model.attention hands the attention to it."""
+        planes; -> (QuantizedKV, None, None): execution.attention hands the attention to it."""
         a = self.length - self.fb
         self.fk[layer, :, :, a:a + self._n_new] = k
         self.fv[layer, :, :, a:a + self._n_new] = v
@@ -299,7 +300,7 @@ class QuantizedCache(KVCache):
         return QuantizedKV(self, layer), None, None
 
     def fused_inputs(self, g: int) -> tuple:
-        """For a forward of every layer in one call (model._decode_layers: kernels' decode_layers_quant), after
+        """For a forward of every layer in one call (execution.FusedDecode: kernels' decode_layers_quant), after
         prepare: the groups its queries read quantized, quantized now for every layer (they were all fed by
         earlier forwards: a forward of at most 64 tokens reads none of its own from the planes), and the
         arguments that call takes from the cache (g: query heads per KV head)."""
@@ -447,7 +448,7 @@ class QuantizedKV:
         q_end = int(c._qb.max())  # planes: positions < q_end (some rows read fewer)
         n_fp = c.length + T - c.fb
         lo = c.k_lo is not None  # no lower planes: the 4-bit reading
-        if ops is not None and B == 1 and D in KERNEL_HEAD_DIMS and hasattr(ops, "quant_attention") and g <= KERNEL_MAX_ROWS:
+        if ops is not None and B == 1 and D in KERNEL_HEAD_DIMS and capabilities(ops).quant_attention and g <= KERNEL_MAX_ROWS:
             # the kernel, at most KERNEL_MAX_ROWS rows (g * tokens) per call: a prefill chunk in blocks of tokens
             # (each row's result depends on its own query and keys only, so the blocks give what one call would)
             L, none = self.layer, torch.empty(0, dtype=torch.uint8)

@@ -17,7 +17,7 @@ import torch
 
 @dataclass(frozen=True)
 class SlotMask:
-    """The mask of a fixed-shape forward (model.slot_attention reads it): `last` [g*T] int32, the last
+    """The mask of a fixed-shape forward (execution.slot_attention reads it): `last` [g*T] int32, the last
     slot each query row (query head in group, then token) sees, for the CUDA kernel
     (kernels/cuda_decode.py, with its row tile `block_m` and keys per split `split`); or, without it,
     `bias` [T, capacity] fp32, 0 where new token i sees slot j and -inf elsewhere."""

@@ -12,7 +12,7 @@ window semantics.
 
 On the CPU kernels a forward's mask goes as a WindowGap (caches/base.py): the slots between the sinks and each
 new token's window are hidden from it, which the attention kernel skips or masks, so chains take the one C++
-call through every layer (model.Transformer._decode_layers); PyTorch's attention gets the same mask dense.
+call through every layer (execution.FusedDecode); PyTorch's attention gets the same mask dense.
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import TriforceError
-from ..model import Block, Linear, QuantLinear, Transformer
+from ..execution import Linear, QuantLinear
+from ..model import Block, Transformer
 from ..quantized import dequantize
 from ..rope import Rotary
 

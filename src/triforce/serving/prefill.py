@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..caches import new_cache
 from ..model import Transformer
 from ..speculation.state import PrefilledPrompt
 from .prefix_cache import PrefixCache
@@ -46,7 +47,7 @@ class CachedPrefill(PrefilledPrompt):
         self.model, self.head = model, list(prompt[:-1])
         self.block_queries: dict[int, torch.Tensor] = {}
         with torch.inference_mode():
-            self.cache = model.new_cache(capacity, record_queries=True)
+            self.cache = new_cache(model, capacity, record_queries=True)
             blocks = prefix_cache.lookup(self.head) if prefix_cache is not None else []
             n = 0
             for b in blocks:  # block_size == chunk (the engine makes the prefix cache with its prefill chunk)

@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import torch
 
+from ..caches import new_cache
 from ..caches.sliding import DEFAULT_EXTRA
 from ..errors import TriforceError
 from ..model import Transformer
@@ -77,7 +78,7 @@ class Decoder:
             if full_cache.capacity < capacity:
                 raise ValueError(f"the prefilled prompt's cache holds {full_cache.capacity} tokens, {capacity} needed")
         else:  # made here, before the levels: a kv4 level reads an int8 target's planes
-            full_cache = model.new_cache(capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
+            full_cache = new_cache(model, capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
                                                                         for lvl in self.stack.levels))
         ctx = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
                            generator)

@@ -17,20 +17,22 @@ from ..errors import TriforceError
 from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
 from ..caches.base import kv_dtype
 from ..caches.quantized import QuantizedCache
+from ..loading.weights import draft_weights
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
 from .drafters import NGramDrafter
 from .stack import LevelSpec
 from .state import ModelState, prefill
+from ..caches import new_cache
 
 _DRAFT_WEIGHTS: weakref.WeakKeyDictionary[Transformer, Transformer] = weakref.WeakKeyDictionary()
 
 
 def draft_weights_model(model: Transformer) -> Transformer:
-    """model.with_draft_weights(), made once per model (it holds a bf16 copy of the weights)."""
+    """draft_weights(model), made once per model (it holds a bf16 copy of the weights)."""
     if model not in _DRAFT_WEIGHTS:
-        _DRAFT_WEIGHTS[model] = model.with_draft_weights()
+        _DRAFT_WEIGHTS[model] = draft_weights(model)
     return _DRAFT_WEIGHTS[model]
 
 
@@ -80,7 +82,7 @@ class Full(Kind):
     name = "full"
 
     def state(self, ctx, spec, name):
-        cache = ctx.full_cache if ctx.full_cache is not None else ctx.model.new_cache(ctx.capacity)
+        cache = ctx.full_cache if ctx.full_cache is not None else new_cache(ctx.model, ctx.capacity)
         return ModelState(name, ctx.model, cache, ctx.params)
 
 
@@ -107,7 +109,7 @@ class Draft(Kind):
         if dm.cfg.vocab_size != ctx.model.cfg.vocab_size:
             raise TriforceError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the target's "
                                 f"({ctx.model.cfg.vocab_size}): it must share the target's tokenizer")
-        return ModelState(name, dm, dm.new_cache(ctx.capacity, dtype=ctx.config.draft_kv_dtype), ctx.params)
+        return ModelState(name, dm, new_cache(dm, ctx.capacity, dtype=ctx.config.draft_kv_dtype), ctx.params)
 
 
 class Streaming(Kind):

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from ..caches import KVCache
+from ..caches import KVCache, new_cache
 from ..caches.base import TokenBlock
 from ..model import Transformer
 from ..sampling import SamplingParams, probs_from_logits
@@ -188,7 +188,7 @@ class PrefilledPrompt:
                  progress: bool = False):
         self.model = model
         self.head = list(prompt[:-1])  # every state reads the prompt but its last token
-        self.cache = model.new_cache(capacity, record_queries=True)
+        self.cache = new_cache(model, capacity, record_queries=True)
         tail: list = []
         prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress, features=tail)
         self.features = tail[0] if tail else None  # the last chunk's (a draft head's stack reads them)
