@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from triforce import execution, kernels
-from triforce.caches.base import CAUSAL
+from triforce.caches.base import DenseKV, SlotKV, causal_mask
 from triforce.caches import new_cache
 from triforce.loading.weights import draft_weights
 
@@ -24,23 +24,22 @@ def test_kernel_matches_sdpa(kern, T, mask_kind, S):
     q = torch.randn(1, Hq, T, D)
     k_store, v_store = torch.randn(1, Hkv, cap, D), torch.randn(1, Hkv, cap, D)
     k, v = k_store[:, :, :S], v_store[:, :, :S]  # strided like a cache slice
-    if mask_kind == "causal":
-        mask = CAUSAL
-    elif mask_kind == "tree":  # a random draft tree: each token sees itself and its ancestors
-        mask = _random_tree_block(T)
+    if mask_kind == "tree":  # a random draft tree: each token sees itself and its ancestors
+        kv = SlotKV(k, v, _random_tree_block(T))
     elif mask_kind == "bool":
         mask = torch.rand(T, S) < 0.7
         mask[:, 0] = True
-    else:
-        mask = None
+        kv = DenseKV(k, v, mask)
+    else:  # a chain (one token: every key)
+        kv = SlotKV(k, v)
     assert T <= execution.KERNEL_MAX_ROWS
     counting = _Counting(kern)
-    got = execution.attention(q, k, v, mask, ops=counting)
+    got = execution.attention(q, kv, ops=counting)
     # the kernel really ran (bool masks stay on PyTorch's path: the StreamingLLM cache hands the kernel a WindowGap
     # instead, test_kv.py; a tree's token block takes the kernel's causal path with its own visibility)
     # (more than KERNEL_MAX_ROWS rows per KV head, 3 * 30 here: two query heads of each group in one call, one in a second)
     assert counting.calls == (0 if mask_kind == "bool" else 1 if Hq // Hkv * T <= execution.KERNEL_MAX_ROWS else 2)
-    want = execution.attention(q, k, v, mask, ops=None)  # PyTorch's path
+    want = execution.attention(q, kv, ops=None)  # PyTorch's path
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -196,7 +195,8 @@ def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
         from triforce.execution import bf16_attention
 
         q4 = q.view(Hkv, g, T, D).reshape(1, Hkv * g, T, D)
-        want = bf16_attention(q4, k[None], v[None], "causal" if T > 1 else None, D ** -0.5).view(Hkv, g * T, D)
+        want = bf16_attention(q4, k[None], v[None], causal_mask(T, S - T, "cpu") if T > 1 else None,
+                              D ** -0.5).view(Hkv, g * T, D)
         fp32 = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
         assert _agreement(fp32, want) < 0.5  # fp32 arithmetic is told apart by the check below
     else:
@@ -284,7 +284,7 @@ def test_kernel_amx_path_refused_where_unusable(kern):
 def test_kernel_tree_block_both_paths(kern, kv_dtype, T):
     """A draft tree's token block (its tokens the last T keys, straddling a 256-key block boundary) on
     the per-row and the rows-in-lanes paths (forced; AMX's tiles too for bf16 where usable) against SDPA with
-    the block's dense [T, S] mask (bf16: model.bf16_attention with it)."""
+    the block's dense [T, S] mask (bf16: execution.bf16_attention with it)."""
     import torch.nn.functional as F
 
     from triforce.execution import bf16_attention
@@ -297,7 +297,7 @@ def test_kernel_tree_block_both_paths(kern, kv_dtype, T):
     k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
     if kv_dtype == torch.bfloat16:
         q4 = q.view(Hkv, g, T, D).reshape(1, Hkv * g, T, D)
-        want = bf16_attention(q4, k[None], v[None], block, D ** -0.5).view(Hkv, g * T, D)
+        want = bf16_attention(q4, k[None], v[None], block.mask(S - T), D ** -0.5).view(Hkv, g * T, D)
     else:
         want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=block.mask(S - T).repeat(g, 1))
     paths = (1, 2, 3) if kv_dtype == torch.bfloat16 and kern.amx_attention() else (1, 2)
@@ -407,7 +407,7 @@ def test_quant_attention_matches_pytorch(kern, case):
         block = TokenBlock(offsets, visible)
     q = torch.randn(1, H * g, T, D)
     cache.prepare(T, block)
-    kv, _, _ = cache.update(0, q, k[:, :, S:S + T], v[:, :, S:S + T])
+    kv = cache.update(0, q, k[:, :, S:S + T], v[:, :, S:S + T])
     assert int(cache._qb.max()) >= 1024 and cache.fb > 0
     counting = _Counting(kern)
     got = kv.attend(q, D ** -0.5, counting)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from triforce.caches import FullCache, RetrievalCache, StreamingCache, new_cache
+from triforce.caches.base import DenseKV
 
 V = 96
 
@@ -32,6 +33,14 @@ class MaskedFullCache(FullCache):
         q = torch.arange(self.length, self.length + n_new)[:, None]
         k = torch.arange(self.length + n_new)[None, :]
         self._mask = (k <= q) & ((k < self.sink) | (k > q - self.window))
+
+    @property
+    def slot_layout(self):
+        return None  # its visibility is not the slots' causal one: the layers run one by one
+
+    def update(self, layer, q, k, v):
+        kv = super().update(layer, q, k, v)
+        return DenseKV(kv.keys, kv.values, self._mask)
 
 
 @torch.no_grad()
@@ -233,6 +242,7 @@ def test_retrieval_cache_within_budget_equals_full(tiny_llama):
 @torch.no_grad()
 def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
     """A decode step through the retrieval cache equals attention restricted to the kept positions."""
+    from triforce.caches.base import SlotKV
     from triforce.execution import attention
 
     c = tiny_llama.cfg
@@ -244,7 +254,7 @@ def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
     q = torch.randn(1, c.n_heads, 1, c.head_dim)
     k_new = r.k[0, :, :, r.base:r.base + 1]
     v_new = r.v[0, :, :, r.base:r.base + 1]
-    got = attention(q, r.k[0, :, :, :r.base + 1], r.v[0, :, :, :r.base + 1], None)
+    got = attention(q, SlotKV(r.k[0, :, :, :r.base + 1], r.v[0, :, :, :r.base + 1]))
     g = c.n_heads // c.n_kv_heads
     for h in range(c.n_heads):
         kv = h // g
@@ -255,18 +265,20 @@ def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
         torch.testing.assert_close(got[0, h, 0], w @ vals, atol=1e-4, rtol=1e-4)
 
 
-def test_fused_decode_slot_says_where_the_one_call_writes_and_what_it_hides():
-    """KVCache.fused_decode_slot: a full cache's chain -> its slot and no gap; a draft tree (TokenBlock) -> None (the
-    layers run one by one); a StreamingLLM cache past its window -> its slot and each new token's gap."""
+def test_slot_layout_says_where_the_one_call_writes_and_what_it_hides():
+    """KVCache.slot_layout: a full cache's chain -> its slot, no gap, fixed slots (a CUDA graph may run through it); a
+    draft tree (TokenBlock) -> not a chain (the layers run one by one); a StreamingLLM cache past its window -> its
+    slot and each new token's gap, never fixed."""
     from triforce.caches.base import TokenBlock
 
     full = FullCache(2, 1, 8, 64)
     full.length = 10
     full.prepare(3)
-    assert full.fused_decode_slot() == (10, None)
+    layout = full.slot_layout
+    assert (layout.first, layout.gap, layout.chain, layout.fixed) == (10, None, True, True)
     tree = TokenBlock(torch.tensor([0, 1, 1]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
     full.prepare(3, tree)
-    assert full.fused_decode_slot() is None
+    assert not full.slot_layout.chain
 
     stream = StreamingCache(2, 1, 8, sink=2, window=4)
     k = torch.randn(1, 1, 20, 8)
@@ -275,7 +287,8 @@ def test_fused_decode_slot_says_where_the_one_call_writes_and_what_it_hides():
         stream.update(layer, None, k, k)
     stream.commit(20)
     stream.prepare(2)
-    slot, gap = stream.fused_decode_slot()
-    assert slot == stream._slot(20)
+    layout = stream.slot_layout
+    slot, gap = layout.first, layout.gap
+    assert slot == stream._slot(20) and layout.chain and not layout.fixed
     # hidden from new token t: slots gap[0] .. gap[1 + t] - 1, past the 2 sinks up to its window of 4
     assert gap.tolist() == [2, 2 + 17 - stream.start, 2 + 18 - stream.start]

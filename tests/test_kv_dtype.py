@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import hf_tiny, ours_from_hf
-from triforce import kernels, model as model_mod
+from triforce import execution, kernels
 from triforce.bench.hardware import floor_seconds, weight_bytes
 from triforce.bench.methods import level_floor_ms
 from triforce.caches import RetrievalCache, SlidingWindowCache
-from triforce.caches.base import kv_dtype
+from triforce.caches.base import SlotKV, kv_dtype
 from triforce.cli import build_parser
 from triforce.caches.quantized import QuantizedCache
 from triforce.config import DEFAULT_DRAFT_KV_DTYPE, FLOAT_KV_DTYPES, KV_DTYPES, ModelConfig, kv_dtype_name
@@ -211,12 +211,12 @@ def test_attention_dispatch(dt, half_kv):
     q = torch.randn(1, 6, T, 64)
     k, v = torch.randn(1, 2, S, 64).to(dt), torch.randn(1, 2, S, 64).to(dt)
     ops = _FakeKernel(half_kv)
-    got = model_mod.attention(q, k, v, None, ops=ops)
+    got = execution.attention(q, SlotKV(k, v), ops=ops)
     assert ops.calls == (1 if dt is torch.float32 or half_kv else 0)
     if dt is torch.bfloat16:  # a bf16 cache's arithmetic (bf16 x bf16 products), on every path
-        want = model_mod.bf16_attention(q, k, v, None, 64 ** -0.5)
+        want = execution.bf16_attention(q, k, v, None, 64 ** -0.5)
     else:
-        want = model_mod.attention(q, k.float(), v.float(), None, ops=None)
+        want = execution.attention(q, SlotKV(k.float(), v.float()), ops=None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -231,8 +231,8 @@ class _FakeKernel:
     def decode_attention(self, q, k, v, T, causal, scale):
         self.calls += 1
         Hkv, rows, D = q.shape
-        out = model_mod.attention(q.reshape(1, rows // T * Hkv, T, D), k[None], v[None],
-                                  "causal" if causal else None, scale, ops=None)
+        # a chain: causal over its T new tokens (the kernel's `causal` is T > 1)
+        out = execution.attention(q.reshape(1, rows // T * Hkv, T, D), SlotKV(k[None], v[None]), scale, ops=None)
         return out.reshape(Hkv, rows, D)
 
 
@@ -248,9 +248,8 @@ def test_real_kernel_with_half_kv(dt, T):
     S = 1500
     q = torch.randn(1, 6, T, 64)
     k, v = (torch.randn(1, 2, 1600, 64).to(dt)[:, :, :S] for _ in range(2))  # strided like a cache slice
-    mask = "causal" if T > 1 else None
-    got = model_mod.attention(q, k, v, mask, ops=kern)
-    want = model_mod.attention(q, k, v, mask, ops=None)
+    got = execution.attention(q, SlotKV(k, v), ops=kern)
+    want = execution.attention(q, SlotKV(k, v), ops=None)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -219,7 +219,7 @@ def _check_attention(tree: bool, T: int, ops=None, bits: int = 8):
     cache.prepare(T, block)
     outs = []
     for layer in range(L):
-        kv, _, _ = cache.update(layer, q, k[layer, :, :, 380:380 + T], v[layer, :, :, 380:380 + T])
+        kv = cache.update(layer, q, k[layer, :, :, 380:380 + T], v[layer, :, :, 380:380 + T])
         outs.append(kv.attend(q, 0.125, ops))
     fb = cache.fb
     k_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.fk[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]
@@ -279,7 +279,7 @@ def test_memory_is_bounded():
         _feed(cache, k, v, i, i + 50)
         q = torch.randn(1, 2 * H, 1, D)
         cache.prepare(1)
-        cache.update(0, q, k[0, :, :, i + 49:i + 50], v[0, :, :, i + 49:i + 50])[0].attend(q, 0.125)
+        cache.update(0, q, k[0, :, :, i + 49:i + 50], v[0, :, :, i + 49:i + 50]).attend(q, 0.125)
         cache.rollback(cache.length)  # the probe token is not committed
     assert max(seen) <= TILE and sum(seen) >= n - 3 * GROUP_K
     assert cache.fk.shape[3] <= 3 * GROUP_K + cache.max_rollback + 50

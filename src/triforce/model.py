@@ -79,8 +79,8 @@ class Block(nn.Module):
             q = apply_rotary(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)
             k = apply_rotary(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
             v = v.view(B, T, Hkv, D).transpose(1, 2)
-        keys, values, mask = cache.update(self.index, q, k, v)
-        a = self.wo(attention(q, keys, values, mask, self.scale, ops).transpose(1, 2).reshape(B, T, Hq * D))
+        a = self.wo(attention(q, cache.update(self.index, q, k, v), self.scale, ops).transpose(1, 2)
+                    .reshape(B, T, Hq * D))
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         x = x + a

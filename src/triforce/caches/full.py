@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CAUSAL, KVCache, TokenBlock, check_capacity, kv_buffer
+from .base import KVCache, SlotKV, SlotLayout, TokenBlock, check_capacity, kv_buffer
 
 
 class FullCache(KVCache):
@@ -14,8 +14,6 @@ class FullCache(KVCache):
     cache can be (re)built from them.
     """
 
-    SLOT_CAUSAL = True  # a fixed-shape forward may run through it (caches/static.py)
-
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
                  batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  record_queries: bool = False):
@@ -25,14 +23,18 @@ class FullCache(KVCache):
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
         self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
         self.query_start = 0
-        self._mask: TokenBlock | str | None = None
+        self._block: TokenBlock | None = None  # the prepared forward's tree (None: a chain, or one token)
         self._n_new = 0
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")
         self._n_new = n_new
         self.query_start = self.length
-        self._mask = None if n_new == 1 else CAUSAL if block is None else block
+        self._block = block if n_new > 1 else None
+
+    @property
+    def slot_layout(self) -> SlotLayout:
+        return SlotLayout(self.k, self.v, self.length, chain=self._block is None, fixed=True)
 
     def update(self, layer, q, k, v):
         start, end = self.length, self.length + self._n_new
@@ -40,7 +42,7 @@ class FullCache(KVCache):
         self.v[layer, :, :, start:end] = v
         if self.queries is not None:
             self.queries[layer] = q
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], self._mask
+        return SlotKV(self.k[layer, :, :, :end], self.v[layer, :, :, :end], self._block)
 
     def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, n, D] of positions 0 .. n - 1 of `layer` (views, as stored)."""

@@ -42,7 +42,7 @@ import torch
 
 from ..errors import TriforceError
 from ..kernels.capabilities import capabilities
-from .base import KVCache, TokenBlock, check_capacity, kv_buffer
+from .base import KVCache, PlanesKV, TokenBlock, check_capacity, kv_buffer
 
 GROUP_K = 64  # tokens per key group (per-channel scales)
 GROUP_V = 32  # channels per value group (per-token scales)
@@ -290,14 +290,14 @@ class QuantizedCache(KVCache):
 
     def update(self, layer, q, k, v):
         """Store k, v [B, Hkv, T, D] in the buffer, quantize the groups this forward's queries read from the
-        planes; -> (QuantizedKV, None, None): execution.attention hands the attention to it."""
+        planes; -> QuantizedKV: execution.attention hands the attention to it."""
         a = self.length - self.fb
         self.fk[layer, :, :, a:a + self._n_new] = k
         self.fv[layer, :, :, a:a + self._n_new] = v
         self._quantize((layer,), self._nq_target)
         if self.queries is not None:
             self.queries[layer] = q
-        return QuantizedKV(self, layer), None, None
+        return QuantizedKV(self, layer)
 
     def fused_inputs(self, g: int) -> tuple:
         """For a forward of every layer in one call (execution.FusedDecode: kernels' decode_layers_quant), after
@@ -427,7 +427,7 @@ class QuantizedCache(KVCache):
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-class QuantizedKV:
+class QuantizedKV(PlanesKV):
     """What QuantizedCache.update gives attention for one layer's forward: the planes of `layer` and its
     buffer. `attend` computes softmax(q k^T * scale) v with each new token reading positions < fp_from(its
     position) from the planes and the buffer from there on (its own mask)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import KVCache, kv_buffer
+from .base import DenseKV, KVCache, kv_buffer
 from .full import FullCache
 
 # Slots beyond the window: forwards of up to this many tokens write in place, and rollbacks may go
@@ -137,11 +137,11 @@ class SlidingWindowCache(KVCache):
         if self._in_place:
             ring_k[:, :, self._slots] = k
             ring_v[:, :, self._slots] = v
-            return ring_k, ring_v, self._mask
+            return DenseKV(ring_k, ring_v, self._mask)
         keys, values = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
         ring_k[:, :, self._slots] = k[:, :, self._write_from:]
         ring_v[:, :, self._slots] = v[:, :, self._write_from:]
-        return keys, values, self._mask
+        return DenseKV(keys, values, self._mask)
 
     def commit(self, n_new: int) -> None:
         self.global_cache.commit(n_new)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..caches.base import TokenBlock, WindowGap, causal_mask
-from ..caches.quantized import QuantizedKV
-from ..caches.static import SlotMask
+from ..caches.base import DenseKV, PlanesKV, SlotKV, causal_mask
+from ..caches.static import SlotMask, StaticKV
 from ..kernels.capabilities import capabilities
 
 
@@ -18,9 +17,9 @@ _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention under the CAUSAL marker, split in two and merged by log-sum-exp: the g*T folded
-    query rows against the past keys with no mask, and each query head against the T new keys with
-    is_causal. Building and applying a [g*T, S] mask made long prefill chunks about 1.7x slower.
+    """Attention over a chain of T new tokens (the last T keys, causal; every older key visible), split in two
+    and merged by log-sum-exp: the g*T folded query rows against the past keys with no mask, and each query head
+    against the T new keys with is_causal. Building and applying a [g*T, S] mask made long prefill chunks about 1.7x slower.
     q [B, Hq, T, D], k/v [B, Hkv, S, D] -> [B, Hkv, g*T, D]."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -37,71 +36,91 @@ def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 # The compiled decode-attention kernel (kernels/attention.cpp) takes up to this many query rows per KV
 # head (g*T: 21 tokens for SmolLM2's g = 3; more tokens, up to this many, take several calls), over any
-# number of keys. (It once started at 1,024 keys, where attention alone was no faster than PyTorch's; but
-# below that a forward also lost the one-call path through every layer: a 1-token forward over 256 keys
-# took 8.4 ms instead of 3.0 on Zen 5, 5 tokens 11.6 instead of 4.4.)
+# number of keys: even where attention alone is no faster than PyTorch's (under about 1K keys), taking it keeps
+# a forward on the one call through every layer (a 1-token forward over 256 keys: 3.0 ms against 8.4 on Zen 5).
 KERNEL_MAX_ROWS = 64
 KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None,
+def attention(q: torch.Tensor, kv: SlotKV | DenseKV | PlanesKV | StaticKV, scale: float | None = None,
               ops=None) -> torch.Tensor:
-    """q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask None, CAUSAL, a TokenBlock (the T new tokens are the last T
-    keys, every older key visible to all) or [T, S] bool -> [B, Hq, T, D]. (k a
-    caches.quantized.QuantizedKV instead: the quantized cache's attention, v and mask unused.)
-    `ops`: the compiled kernels (the model's backend) or None for PyTorch's attention.
+    """q [B, Hq, T, D] over what the cache handed the layer (caches/base.py: its type alone picks the path)
+    -> [B, Hq, T, D]. `ops`: the compiled kernels (the model's backend) or None for PyTorch's attention.
 
-    k and v are the cache's (its dtype: fp32, bf16 or fp16; q keeps the model's). The kernel reads fp32
-    k/v, and bf16 / fp16 k/v where it says it can (`ops.HALF_KV`); PyTorch's path casts k/v to q's dtype.
+    K and V are the cache's (its dtype: fp32, bf16 or fp16; q keeps the model's). The kernel reads fp32
+    K/V, and bf16 / fp16 K/V where it says it can (Capabilities.half_kv); PyTorch's path casts them to q's dtype.
     Over a bf16 cache (fp32 q, CPU) attention takes bf16 x bf16 products on every path (`bf16_attention`), so
     that the kernel may run a verification on AMX tiles and still compute what `ar` computes.
 
     Scores are q . k * scale (None: D ** -0.5). Query head h uses KV head h // g (the transformers convention).
     """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if isinstance(kv, StaticKV):  # a forward with fixed shapes (a CUDA graph)
+        return slot_attention(q, kv.keys, kv.values, kv.mask, scale)
+    if isinstance(kv, PlanesKV):  # a quantized cache: its planes and buffer, read by its own attention
+        return kv.attend(q, scale, ops if q.device.type == "cpu" else None)
+    if isinstance(kv, SlotKV):
+        if _kernel_reads(q, kv.keys, ops):
+            return _kernel_attention(q, kv, scale, ops)
+        chain = kv.window is None and kv.block is None and q.shape[2] > 1
+        return _torch_attention(q, kv.keys, kv.values, kv.dense_mask(), chain, scale, ops)
+    return _torch_attention(q, kv.keys, kv.values, kv.mask, False, scale, ops)
+
+
+def _kernel_reads(q: torch.Tensor, k: torch.Tensor, ops) -> bool:
+    """Whether the compiled decode-attention kernel takes this SlotKV's query."""
+    B, _, T, D = q.shape
+    return (B == 1 and T <= KERNEL_MAX_ROWS and D in KERNEL_HEAD_DIMS and q.device.type == "cpu" and ops is not None
+            and (k.dtype == torch.float32 or capabilities(ops).half_kv))
+
+
+def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.Tensor:
+    """The kernel over slots: a chain on its causal path, a draft tree with the block's own visibility, a
+    StreamingLLM window less its gap."""
     B, Hq, T, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
-    if isinstance(mask, SlotMask):  # a forward with fixed shapes (a CUDA graph)
-        return slot_attention(q, k, v, mask, scale)
-    if isinstance(k, QuantizedKV):  # a quantized cache: its planes and buffer, read by its own attention
-        return k.attend(q, scale, ops if q.device.type == "cpu" else None)
+    k, v = kv.keys, kv.values
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    extra = {"visible": kv.block.visible.contiguous()} if kv.block is not None else {}
+    if kv.window is not None:
+        extra["gap"] = kv.window.gap
+    causal = T > 1
+    if g * T <= KERNEL_MAX_ROWS:
+        out = ops.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, causal, scale, **extra)
+    else:  # a large tree or chain: as many query heads of each group per call as fit (the K/V read again)
+        n = KERNEL_MAX_ROWS // T
+        qg = q.view(Hkv, g, T, D)
+        out = torch.cat([ops.decode_attention(qg[:, j:j + n].reshape(Hkv, -1, D), k[0], v[0], T, causal, scale,
+                                              **extra).view(Hkv, -1, T, D) for j in range(0, g, n)], dim=1)
+    return out.view(B, Hq, T, D)
+
+
+def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, chain: bool,
+                     scale: float, ops) -> torch.Tensor:
+    """PyTorch's attention (and a bf16 cache's arithmetic): k, v [B, Hkv, S, D] under mask [T, S] bool or None
+    (every key visible), or, `chain`, the T new tokens (the last T keys) causal and every older key visible,
+    which needs no [T, S] mask."""
+    B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    if B == 1 and T <= KERNEL_MAX_ROWS and D in KERNEL_HEAD_DIMS and q.device.type == "cpu" \
-            and (mask is None or isinstance(mask, (str, TokenBlock, WindowGap))) and ops is not None \
-            and (k.dtype == torch.float32 or capabilities(ops).half_kv):
-        # a draft tree: the kernel's causal path with the block's own visibility; a StreamingLLM window: its gap
-        window = mask if isinstance(mask, WindowGap) else None
-        block = window.block if window is not None else mask if isinstance(mask, TokenBlock) else None
-        extra = {"visible": block.visible.contiguous()} if block is not None else {}
-        if window is not None:
-            extra["gap"] = window.gap
-        causal = mask is not None and T > 1
-        if g * T <= KERNEL_MAX_ROWS:
-            out = ops.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, causal, scale, **extra)
-        else:  # a large tree or chain: as many query heads of each group per call as fit (the K/V read again)
-            n = KERNEL_MAX_ROWS // T
-            qg = q.view(Hkv, g, T, D)
-            out = torch.cat([ops.decode_attention(qg[:, j:j + n].reshape(Hkv, -1, D), k[0], v[0], T, causal, scale,
-                                                  **extra).view(Hkv, -1, T, D) for j in range(0, g, n)], dim=1)
-        return out.view(B, Hq, T, D)
-    if isinstance(mask, WindowGap):  # PyTorch's attention takes the window as a bool mask
-        mask = mask.dense
     if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu":
-        if isinstance(mask, str) and B == 1 and D in KERNEL_HEAD_DIMS and capabilities(ops).bf16_dot_attention:
+        if chain and B == 1 and D in KERNEL_HEAD_DIMS and capabilities(ops).bf16_dot_attention:
             # a causal prefill over a bf16 cache, on AMX's tiles or AVX512-BF16's dot products: the kernel's
             # verification path, a few tokens at a time, each against the keys up to its own (an 8K prefill of the
             # embedded model on AMX: 13.4 s, against 36.7 s through bf16_attention and 15.8 s for an fp16 cache's
             # flash kernel)
             n = max(1, KERNEL_MAX_ROWS // g)
-            return torch.cat([attention(q[:, :, t0:t0 + n], k[:, :, :S - T + min(T, t0 + n)],
-                                        v[:, :, :S - T + min(T, t0 + n)], mask if min(n, T - t0) > 1 else None,
-                                        scale, ops) for t0 in range(0, T, n)], dim=2)
-        return bf16_attention(q, k, v, mask, scale)  # a bf16 cache's arithmetic, the kernel's on every path
+            return torch.cat([attention(q[:, :, t0:t0 + n], SlotKV(k[:, :, :S - T + min(T, t0 + n)],
+                                                                   v[:, :, :S - T + min(T, t0 + n)]), scale, ops)
+                              for t0 in range(0, T, n)], dim=2)
+        # a bf16 cache's arithmetic, the kernel's on every path
+        return bf16_attention(q, k, v, causal_mask(T, S - T, q.device) if chain else mask, scale)
     if k.dtype != q.dtype:  # a KV cache in another dtype: the visible keys only, in the activations' dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-    if isinstance(mask, str) and q.device.type == "cpu" and _flash_cpu is not None and S > T:  # CAUSAL
+    if chain and q.device.type == "cpu" and _flash_cpu is not None and S > T:
         return _causal_block_attention(q, k, v, scale).view(B, Hq, T, D)
-    mask = _dense_mask(mask, T, S, q.device)
+    if chain:
+        mask = causal_mask(T, S - T, q.device)
     q = q.reshape(B, Hkv, g * T, D)
     if mask is not None and g > 1:
         mask = mask.repeat(g, 1)  # rows are (group head, token)
@@ -109,21 +128,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: fl
     return out.reshape(B, Hq, T, D)  # CUDA's memory-efficient kernel returns a transposed layout
 
 
-def _dense_mask(mask, T: int, S: int, device) -> torch.Tensor | None:
-    """`attention`'s mask as None or [T, S] bool (True: new token t sees key j; the T new tokens are the last T keys)."""
-    if isinstance(mask, TokenBlock):
-        return mask.mask(S - T)
-    if isinstance(mask, str):  # CAUSAL
-        return causal_mask(T, S - T, device)
-    return mask
-
-
 LOG2E = 1.4426950408889634
 
 
-def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
     """A bf16 cache's attention (kernels/attention.cpp, run(), computes the same up to the order of its sums):
-    q [B, Hq, T, D] fp32, k / v [B, Hkv, S, D] bf16, mask as `attention` takes it -> [B, Hq, T, D] fp32.
+    q [B, Hq, T, D] fp32, k / v [B, Hkv, S, D] bf16, mask [T, S] bool or None (every key) -> [B, Hq, T, D] fp32.
 
     Every product is bf16 x bf16, exact in fp32, as on AMX tiles: the scaled queries are rounded to bf16, and
     the probabilities too, taken in base 2 against an integer reference, p = 2^(s log2 e - M) with
@@ -132,7 +143,6 @@ def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scal
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    mask = _dense_mask(mask, T, S, q.device)
     visible = None if mask is None else mask.repeat(g, 1)  # rows are (group head, token)
     qs = (q * scale).bfloat16().float().reshape(B, Hkv, g * T, D)
     out = torch.empty_like(qs)

@@ -80,15 +80,14 @@ class FusedDecode:
         if ops is None or T > PANEL_MAX_ROWS or B != 1 or x.dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
             return None
         quantized = isinstance(cache, QuantizedCache) and cache.batch == 1
-        gap = None
+        layout = None
         if quantized:  # its attention kernel takes any length (the buffer's keys by the per-row path)
             if not capabilities(ops).decode_layers_quant or x.device.type != "cpu":
                 return None
-        else:  # a slot-causal cache, or a StreamingLLM one less each token's gap (KVCache.fused_decode_slot)
-            fused = cache.fused_decode_slot()
-            if fused is None:
+        else:  # a chain in slots: causal, or a StreamingLLM window less each token's gap (KVCache.slot_layout)
+            layout = cache.slot_layout
+            if layout is None or not layout.chain:
                 return None
-            slot, gap = fused
         stack = self.stack(layers, ops)
         if stack is None:
             return None
@@ -96,9 +95,9 @@ class FusedDecode:
         if quantized:
             out = ops.decode_layers_quant(x, stack, *rope, cfg.n_heads, cfg.n_kv_heads, *cache.fused_inputs(g), record)
         else:
-            window = {} if gap is None else {"gap": gap}  # (a slot-causal cache's call keeps its own signature)
-            out = ops.decode_layers(x, stack, *rope, cfg.n_heads, cfg.n_kv_heads, cache.k, cache.v, slot, record,
-                                    **window)
+            window = {} if layout.gap is None else {"gap": layout.gap}  # (a causal chain's call as without one)
+            out = ops.decode_layers(x, stack, *rope, cfg.n_heads, cfg.n_kv_heads, layout.k, layout.v, layout.first,
+                                    record, **window)
         if record:  # as FullCache.update records them
             cache.queries[:] = out[1:]
         return out[0]
