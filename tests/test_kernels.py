@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from triforce import execution, kernels
-from triforce.caches.base import DenseKV, SlotKV, causal_mask
+from triforce.caches.base import DenseKV, SlotKV
 from triforce.caches import new_cache
 from triforce.loading.weights import draft_weights
 

@@ -209,7 +209,7 @@ def test_retrieval_cache_keeps_brute_force_chunks(tiny_llama, n_prompt, budget, 
     r.build(full)
     assert r.base <= budget and r.length == n_prompt
     for layer in range(c.n_layers):
-        q = full.queries[layer][:, :, -1]
+        q = full.recorder.layers[layer][:, :, -1]
         expected = _brute_force_selection(full.k[layer, :, :, :n_prompt], q, budget, chunk, recent)
         for h in range(c.n_kv_heads):
             kept = r.indices[layer][0, h].tolist()

@@ -419,7 +419,7 @@ def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monk
                 model(ids[:, :1100], cache)  # prefill chunk: the Python path either way
                 rows = [model(ids[:, i:i + 1], cache) for i in range(1100, 1104)]
                 rows.append(model(ids[:, 1104:1109], cache))
-                queries = cache.queries[1].clone()
+                queries = cache.recorder.layers[1].clone()
                 c = model.cfg
                 retr = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=1040, chunk_size=8, recent=16,
                                       max_new=64, dtype=torch.float16)
@@ -456,7 +456,7 @@ def test_fused_decode_layers_over_a_quantized_cache(long_q4_k_m_file, isa, monke
             native(ids[:, :1000], cache)  # prefill chunk: the Python path either way
             rows = [native(ids[:, i:i + 1], cache) for i in range(1000, 1070)]  # a group quantized on the way
             rows.append(native(ids[:, 1070:1075], cache))
-            queries = cache.queries[1].clone()
+            queries = cache.recorder.layers[1].clone()
             c = native.cfg
             view = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 1300, shared=cache)
             view.build(cache)

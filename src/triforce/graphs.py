@@ -42,7 +42,7 @@ class _Graph:
         self.tokens = self.inputs[0].view(1, P)
         self.positions = self.inputs[1]
         self.view = StaticView(layout.k, layout.v, self.inputs[2], model.cfg.n_heads,
-                               record_queries=getattr(cache, "queries", None) is not None)
+                               record_queries=cache.recorder is not None)
         self.model = model
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -104,7 +104,6 @@ class GraphedForwards:
         logits = graph.run(rows)[0, n - last:n].clone()
         self.replays += 1
         if graph.view.queries is not None:  # what a retrieval build reads (FullCache.update's record)
-            cache.queries = [q[:, :, :n] for q in graph.view.queries]
-            cache.query_start = first
+            cache.recorder.record_all([q[:, :, :n] for q in graph.view.queries], first)
         cache.commit(n)
         return logits

@@ -23,6 +23,7 @@ import time
 import torch
 
 from ..caches import new_cache
+from ..caches.synthetic import fill_random
 
 SHAPES = {
     "llama2-7b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
@@ -85,18 +86,6 @@ def random_model(shape: dict, dtype=torch.bfloat16):
         torch.set_default_dtype(prev)
     model.init_rotary()
     return model.to("cuda").eval()
-
-
-def fill_random(cache, length: int) -> None:
-    """K/V of positions < length random (unit normal), the cache at that length."""
-    for layer in range(cache.n_layers):
-        for buf in (cache.k, cache.v):
-            if isinstance(buf, torch.Tensor):
-                buf[layer, :, :, :length].normal_()
-            else:  # an offloaded cache's pinned host layers [capacity, ...]: made on the GPU, a layer at a time
-                part = buf[layer][:length]
-                part.copy_(torch.randn(part.shape, device="cuda", dtype=part.dtype))
-    cache.length = length
 
 
 def _graph_ms(fn, reps: int = 20) -> float:

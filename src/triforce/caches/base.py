@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -79,6 +80,8 @@ class KVCache:
     # windows are not its config's layer_windows: any other cache would silently attend to keys the
     # model never sees.
     windows: tuple[int | None, ...] | None = None
+    # The queries of the last forward, for the builds that select keys by them (None: not recorded)
+    recorder: QueryRecorder | None = None
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         raise NotImplementedError
@@ -131,6 +134,74 @@ class KVCache:
 
     def _kept(self, start: int, slot: int, rows: torch.Tensor) -> None:
         """Bookkeeping of a cache after keep() moved `rows` of the last forward to `slot` onwards."""
+
+
+class Buildable(Protocol):
+    """A cache made from a full cache (kv4's 4-bit reading of a float cache; retrieval and H2O, Rebuildable)."""
+
+    def build(self, full: KVCache) -> None:
+        """Make this cache from `full` at its length (its recorder holding the queries of its last forward)."""
+
+
+class Rebuildable(Buildable, Protocol):
+    """A cache made from a full cache's keys and the queries it recorded (retrieval, H2O), made again as the
+    sequence grows."""
+
+    built_at: int  # the full cache's length at the last build
+
+    def room(self, committed: int) -> int:
+        """Slots left for tokens after `committed` (the owner rebuilds before they run out)."""
+
+
+class Windowed(Protocol):
+    """A cache that keeps only the newest tokens past its sinks (StreamingLLM): a prefill feeds the prompt's tail."""
+
+    def tail_needed(self) -> int:
+        """Tokens at the end of a prompt that a prefill must feed."""
+
+    def skip_to(self, position: int) -> None:
+        """Continue at `position` without feeding the tokens in between."""
+
+
+class Checkpointable(Protocol):
+    """A cache that a prefilled prompt returns to for each generation. Every KVCache is (its length, by default);
+    a ring or an int8 buffer also saves what later writes overwrite."""
+
+    def checkpoint(self): ...
+
+    def restore(self, point) -> None: ...
+
+
+class QueryRecorder:
+    """The post-RoPE queries of a cache's last forward, per layer: `layers[i]` [B, Hq, T, D] for the positions
+    `start` onwards (None for a layer not yet fed). A retrieval or H2O cache is built from them: they select the
+    keys the next tokens will attend to most."""
+
+    def __init__(self, n_layers: int):
+        self.layers: list[torch.Tensor | None] = [None] * n_layers
+        self.start = 0
+
+    def begin(self, start: int) -> None:
+        """A forward from position `start` on is about to record."""
+        self.start = start
+
+    def record(self, layer: int, q: torch.Tensor) -> None:
+        self.layers[layer] = q
+
+    def record_all(self, queries, start: int | None = None) -> None:
+        """Every layer's at once (the one call through every layer, a CUDA graph), from `start` (default: begin's)."""
+        self.layers[:] = queries
+        if start is not None:
+            self.start = start
+
+    def keep(self, start: int, rows: torch.Tensor) -> None:
+        """After KVCache.keep: the kept rows of a forward from `start` (a verified tree's path), if it recorded."""
+        if self.start == start:
+            self.layers = [q[:, :, rows] if q is not None else None for q in self.layers]
+
+    def last(self) -> list[torch.Tensor | None]:
+        """Each layer's query of the last recorded position, [B, Hq, 1, D] (copies)."""
+        return [q[:, :, -1:].clone() if q is not None else None for q in self.layers]
 
 
 @dataclass(frozen=True)

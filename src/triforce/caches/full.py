@@ -3,15 +3,22 @@ from __future__ import annotations
 
 import torch
 
-from .base import KVCache, SlotKV, SlotLayout, TokenBlock, check_capacity, kv_buffer
+from .base import (
+    KVCache,
+    QueryRecorder,
+    SlotKV,
+    SlotLayout,
+    TokenBlock,
+    check_capacity,
+    kv_buffer,
+)
 
 
 class FullCache(KVCache):
     """Preallocated [n_layers, B, Hkv, capacity, D] keys and values.
 
-    With `record_queries=True`, the post-RoPE queries of the last forward are kept per layer
-    (`queries[layer]`: [B, Hq, T, D], for positions `query_start` onwards) so that a retrieval
-    cache can be (re)built from them.
+    With `record_queries=True`, the post-RoPE queries of the last forward are kept (`recorder`) so that a
+    retrieval cache can be (re)built from them.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
@@ -21,15 +28,15 @@ class FullCache(KVCache):
         self.k = kv_buffer(shape, dtype, device)
         self.v = kv_buffer(shape, dtype, device)
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
-        self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
-        self.query_start = 0
+        self.recorder = QueryRecorder(n_layers) if record_queries else None
         self._block: TokenBlock | None = None  # the prepared forward's tree (None: a chain, or one token)
         self._n_new = 0
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")
         self._n_new = n_new
-        self.query_start = self.length
+        if self.recorder is not None:
+            self.recorder.begin(self.length)
         self._block = block if n_new > 1 else None
 
     @property
@@ -40,8 +47,8 @@ class FullCache(KVCache):
         start, end = self.length, self.length + self._n_new
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
-        if self.queries is not None:
-            self.queries[layer] = q
+        if self.recorder is not None:
+            self.recorder.record(layer, q)
         return SlotKV(self.k[layer, :, :, :end], self.v[layer, :, :, :end], self._block)
 
     def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,5 +63,5 @@ class FullCache(KVCache):
         return position
 
     def _kept(self, start: int, slot: int, rows: torch.Tensor) -> None:
-        if self.queries is not None and self.query_start == start:  # the retrieval build reads them
-            self.queries = [q[:, :, rows] if q is not None else None for q in self.queries]
+        if self.recorder is not None:  # the retrieval build reads them
+            self.recorder.keep(start, rows)

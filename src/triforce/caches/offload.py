@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import SlotKV
+from .base import QueryRecorder, SlotKV
 from .full import FullCache
 
 
@@ -41,8 +41,7 @@ class OffloadedCache(FullCache):
         self.copy_stream = torch.cuda.Stream(self.device)
         self.loaded = [torch.cuda.Event() for _ in range(2)]
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
-        self.queries = [None] * n_layers if record_queries else None
-        self.query_start = 0
+        self.recorder = QueryRecorder(n_layers) if record_queries else None
         self._block = None
         self._n_new = 0
         self.bytes_moved = 0  # host -> GPU, for the benchmarks
@@ -102,8 +101,8 @@ class OffloadedCache(FullCache):
         dv[:, :, start:end] = v
         self.k[layer][start:end].copy_(k.permute(2, 0, 1, 3), non_blocking=True)
         self.v[layer][start:end].copy_(v.permute(2, 0, 1, 3), non_blocking=True)
-        if self.queries is not None:
-            self.queries[layer] = q
+        if self.recorder is not None:
+            self.recorder.record(layer, q)
         self._prefetch(layer + 1)  # its buffers' last reader (layer - 1's attention) is queued already
         return SlotKV(dk[:, :, :end], dv[:, :, :end], self._block)
 

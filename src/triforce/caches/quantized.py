@@ -42,7 +42,14 @@ import torch
 
 from ..errors import TriforceError
 from ..kernels.capabilities import capabilities
-from .base import KVCache, PlanesKV, TokenBlock, check_capacity, kv_buffer
+from .base import (
+    KVCache,
+    PlanesKV,
+    QueryRecorder,
+    TokenBlock,
+    check_capacity,
+    kv_buffer,
+)
 
 GROUP_K = 64  # tokens per key group (per-channel scales)
 GROUP_V = 32  # channels per value group (per-token scales)
@@ -144,7 +151,7 @@ class QuantizedCache(KVCache):
     the target's cache, --kv-dtype int8) or 4 (the upper plane only: a kv4 level's own cache over a target
     with a float cache). `dtype`: the full-precision buffer's. `max_rollback`: the furthest rollback below
     `length` the cache must allow (the buffer keeps what such a rollback needs). With `record_queries=True`
-    the last forward's post-RoPE queries are kept per layer, as FullCache keeps them (retrieval builds).
+    the last forward's post-RoPE queries are kept (`recorder`), as FullCache keeps them (retrieval builds).
 
     `shared`: an int8 QuantizedCache (the target's) whose upper planes, scales and zeros this cache reads instead
     of planes of its own (a kv4 level over an int8 target: no second copy of the cache). It then never
@@ -190,8 +197,7 @@ class QuantizedCache(KVCache):
         self.fb = 0  # the buffer holds positions fb .. length - 1 (fb a multiple of GROUP_K)
         self.fk = self.fv = None
         self._grow(2 * GROUP_K + max_rollback + GROUP_K)
-        self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
-        self.query_start = 0
+        self.recorder = QueryRecorder(n_layers) if record_queries else None
         self._n_new = 0
         self._nq_target = 0
         self._qb: torch.Tensor | None = None  # per new token: fp_from(its position)
@@ -286,7 +292,8 @@ class QuantizedCache(KVCache):
         new = (torch.ones(n_new, n_new, dtype=torch.bool, device=dev).tril() if block is None else block.visible)
         visible[:, L - self.fb:] &= new
         self._qb, self._fp_mask, self._n_new = qb, visible, n_new
-        self.query_start = L
+        if self.recorder is not None:
+            self.recorder.begin(L)
 
     def update(self, layer, q, k, v):
         """Store k, v [B, Hkv, T, D] in the buffer, quantize the groups this forward's queries read from the
@@ -295,8 +302,8 @@ class QuantizedCache(KVCache):
         self.fk[layer, :, :, a:a + self._n_new] = k
         self.fv[layer, :, :, a:a + self._n_new] = v
         self._quantize((layer,), self._nq_target)
-        if self.queries is not None:
-            self.queries[layer] = q
+        if self.recorder is not None:
+            self.recorder.record(layer, q)
         return QuantizedKV(self, layer)
 
     def fused_inputs(self, g: int) -> tuple:
@@ -333,8 +340,8 @@ class QuantizedCache(KVCache):
         idx = torch.tensor(rows, device=self.device)
         self.fk[:, :, :, a:a + len(rows)] = self.fk[:, :, :, a + idx]
         self.fv[:, :, :, a:a + len(rows)] = self.fv[:, :, :, a + idx]
-        if self.queries is not None and self.query_start == start:
-            self.queries = [q[:, :, idx] if q is not None else None for q in self.queries]
+        if self.recorder is not None:
+            self.recorder.keep(start, idx)
         self.length = start + len(rows)
 
     def build(self, full) -> None:

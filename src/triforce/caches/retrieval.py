@@ -80,13 +80,15 @@ class RetrievalCache(KVCache):
             self.indices = []
             self.base, self.built_at, self.length = 0, n, n
             return
-        query_index = n - 1 - full.query_start
-        if full.queries is None or full.queries[0] is None or not 0 <= query_index < full.queries[0].shape[2]:
+        recorded = full.recorder
+        query_index = None if recorded is None else n - 1 - recorded.start
+        if (recorded is None or recorded.layers[0] is None
+                or not 0 <= query_index < recorded.layers[0].shape[2]):
             raise ValueError("the full cache holds no recorded query for its last token: create it with "
                              "record_queries=True and build right after a forward that fed that token")
         self.indices = []
         for layer in range(self.n_layers):
-            q = full.queries[layer][:, :, :query_index + 1]
+            q = recorded.layers[layer][:, :, :query_index + 1]
             keys, values = full.layer_kv(layer, n)
             idx = self.select(keys, q)
             gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])

@@ -43,7 +43,7 @@ class StaticView:
     forwards of exactly T tokens whose storage slots are `slots` [T] (long, ascending, on the buffers'
     device, refilled by the caller before each replay). It holds the buffers, not the cache object (a
     graph must not keep a dead cache alive). With `record_queries` each layer's queries are copied to
-    `queries[layer]` [B, Hq, T, D] (fixed buffers: what a retrieval build reads)."""
+    `queries[layer]` [B, Hq, T, D] (fixed buffers: the graph's caller hands them to the cache's QueryRecorder)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, n_heads: int, record_queries: bool):
         from ..kernels import cuda_decode

@@ -91,7 +91,7 @@ class FusedDecode:
         stack = self.stack(layers, ops)
         if stack is None:
             return None
-        record = getattr(cache, "queries", None) is not None
+        record = cache.recorder is not None
         if quantized:
             out = ops.decode_layers_quant(x, stack, *rope, cfg.n_heads, cfg.n_kv_heads, *cache.fused_inputs(g), record)
         else:
@@ -99,5 +99,5 @@ class FusedDecode:
             out = ops.decode_layers(x, stack, *rope, cfg.n_heads, cfg.n_kv_heads, layout.k, layout.v, layout.first,
                                     record, **window)
         if record:  # as FullCache.update records them
-            cache.queries[:] = out[1:]
+            cache.recorder.record_all(out[1:])
         return out[0]

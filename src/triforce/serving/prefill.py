@@ -62,11 +62,11 @@ class CachedPrefill(PrefilledPrompt):
                     raise Stopped(self)
                 end = min(start + chunk, len(self.head))
                 model(ids[:, start:end], self.cache, last=1)  # the call state.prefill makes per chunk
-                last_q = torch.stack([q[0, :, -1] for q in self.cache.queries])
+                last_q = torch.stack([q[0, :, -1] for q in self.cache.recorder.layers])
                 if end - start == chunk:
                     self.block_queries[start // chunk] = last_q
-        # every state reads the last prompt token's queries (query_start = len(head) - 1), as PrefilledPrompt keeps them
-        n_layers = len(self.cache.queries)  # the global layers' (a sliding-window model records no others)
+        # every state reads the last prompt token's queries (recorded from len(head) - 1), as PrefilledPrompt keeps them
+        n_layers = len(self.cache.recorder.layers)  # the global layers' (a sliding-window model records no others)
         self.queries = ([last_q[i][None, :, None, :] for i in range(n_layers)] if last_q is not None
                         else [None] * n_layers)
         self.point = self.cache.checkpoint()

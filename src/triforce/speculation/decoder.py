@@ -13,6 +13,7 @@ from dataclasses import asdict
 import torch
 
 from ..caches import new_cache
+from ..caches.base import Rebuildable
 from ..caches.sliding import DEFAULT_EXTRA
 from ..errors import TriforceError
 from ..model import Transformer
@@ -165,7 +166,7 @@ class Decoder:
         for i, (lvl, state) in enumerate(zip(self.stack.levels, self.states)):
             if lvl.kind not in REBUILT or i not in in_use:  # a level sitting out is caught up when it runs again
                 continue
-            cache = state.cache
+            cache: Rebuildable = state.cache
             since = committed - cache.built_at
             room = cache.room(committed)
             top = self.top
@@ -189,7 +190,8 @@ class Decoder:
         lvl, state = self.stack.levels[i], self.states[i]
         if lvl.kind not in REBUILT:
             return
-        if committed - state.stable >= CATCH_UP or state.cache.room(committed) < 2 * max_rollback(self.stack):
+        cache: Rebuildable = state.cache
+        if committed - state.stable >= CATCH_UP or cache.room(committed) < 2 * max_rollback(self.stack):
             self._rebuild(state, seq, committed)
 
     def stats(self) -> dict:

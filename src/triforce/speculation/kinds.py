@@ -15,7 +15,7 @@ import torch
 
 from ..errors import TriforceError
 from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
-from ..caches.base import kv_dtype
+from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
 from ..loading.weights import draft_weights
 from ..model import Transformer
@@ -130,7 +130,8 @@ class Streaming(Kind):
 
     def prefill(self, state, head, full, config):
         """Sinks plus the prompt's tail: the rest lies outside the window of every later token."""
-        cache, m = state.cache, state.model
+        cache: Windowed = state.cache
+        m = state.model
         sink = min(config.sink, len(head))
         if sink:
             prefill(m, cache, torch.tensor([head[:sink]], device=m.device), config.prefill_chunk)
@@ -195,7 +196,8 @@ class KV4(Kind):
         return ModelState(name, m, cache, ctx.params)
 
     def prefill(self, state, head, full, config):
-        state.cache.build(full.cache)
+        cache: Buildable = state.cache  # a 4-bit reading of the full cache
+        cache.build(full.cache)
         state.fed, state.stable = list(full.fed), len(full.fed)
 
 
@@ -233,7 +235,8 @@ def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
 
 def rebuild(state: ModelState, full: ModelState) -> None:
     """(Re)build a retrieval or H2O level's cache from the full level's cache and its recorded queries."""
-    state.cache.build(full.cache)
+    cache: Rebuildable = state.cache
+    cache.build(full.cache)
     state.fed = list(full.fed)
     state.stable = len(full.fed)
 

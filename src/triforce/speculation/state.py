@@ -192,7 +192,7 @@ class PrefilledPrompt:
         tail: list = []
         prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress, features=tail)
         self.features = tail[0] if tail else None  # the last chunk's (a draft head's stack reads them)
-        self.queries = [q[:, :, -1:].clone() if q is not None else None for q in self.cache.queries]
+        self.queries = self.cache.recorder.last()
         self.point = self.cache.checkpoint()  # a sliding-window ring, an int8 cache's buffer: saved
 
     def restore(self, prompt: list[int]):
@@ -200,6 +200,5 @@ class PrefilledPrompt:
         if list(prompt[:-1]) != self.head:
             raise ValueError("the prefilled prompt belongs to another prompt")
         self.cache.restore(self.point)
-        self.cache.queries = list(self.queries)
-        self.cache.query_start = len(self.head) - 1
+        self.cache.recorder.record_all(list(self.queries), len(self.head) - 1)
         return self.cache
