@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..caches.base import SlotKV
 from ..config import ModelConfig
 from ..errors import TriforceError
 from ..execution import Linear, QuantLinear
@@ -92,7 +93,7 @@ class _Causal:
     itself and the positions before it."""
 
     def update(self, layer, q, k, v):
-        return k, v, "causal"
+        return SlotKV(k, v)  # every position a new token: a causal chain
 
 
 class DraftHead(nn.Module):
