@@ -161,7 +161,7 @@ def wrong_accept(draft, q, p, generator):
 
 def wrong_verify(tree, q, p, generator):
     """wrong_accept in the tree rule's signature (levels verify chains through verify_tree)."""
-    j, nxt = wrong_accept(list(tree.tokens), q[:-1] if q is not None else None, p, generator)
+    j, nxt = wrong_accept(list(tree.tokens), q[:-1] if q is not None else None, p.probs, generator)
     return list(range(j)), nxt
 
 

@@ -81,15 +81,15 @@ class Decoder:
         else:  # made here, before the levels: a kv4 level reads an int8 target's planes
             full_cache = new_cache(model, capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
                                                                         for lvl in self.stack.levels))
-        ctx = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
+        build = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
                            generator)
 
         # level names in the stats: the kind, or kind:budget where the stack names a budget
-        self.states: list[ModelState | None] = [KINDS[lvl.kind].state(ctx, lvl, str(lvl)) for lvl in self.stack.levels]
+        self.states: list[ModelState | None] = [KINDS[lvl.kind].state(build, lvl, str(lvl)) for lvl in self.stack.levels]
         self.full = self.states[-1]
         bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
         proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
-                    else KINDS[bottom_spec.kind].drafter(ctx, bottom_spec))
+                    else KINDS[bottom_spec.kind].drafter(build, bottom_spec))
         if hasattr(proposer, "sources"):  # a draft head reads the features of the levels above, nearest first
             proposer.sources = [s for s in self.states[1:] if s is not None]
             for s in proposer.sources:
@@ -114,7 +114,7 @@ class Decoder:
         if config.ngram_shortcut > 0 and bottom_spec.kind == "ngram" and len(self.stack.levels) > 2:
             shortcut = proposer
         elif config.ngram_shortcut > 0 and bottom_spec.kind == "head":
-            shortcut = KINDS["ngram"].drafter(ctx, bottom_spec)
+            shortcut = KINDS["ngram"].drafter(build, bottom_spec)
         for i, (state, gamma) in enumerate(zip(self.states[1:], self.stack.gammas), start=2):
             top = i == len(self.stack.levels)
             proposer = Level(state.name, proposer, state, gamma, generator, tree=tree,

@@ -60,11 +60,11 @@ class BuildContext:
 class Kind:
     name = ""
 
-    def state(self, ctx: BuildContext, spec: LevelSpec, name: str) -> ModelState | None:
+    def state(self, build: BuildContext, spec: LevelSpec, name: str) -> ModelState | None:
         """The level's model state (None: a drafter without a model)."""
         raise NotImplementedError
 
-    def drafter(self, ctx: BuildContext, spec: LevelSpec):
+    def drafter(self, build: BuildContext, spec: LevelSpec):
         """A model-less bottom drafter (only kinds whose state() is None)."""
         raise NotImplementedError
 
@@ -81,19 +81,19 @@ class Full(Kind):
 
     name = "full"
 
-    def state(self, ctx, spec, name):
-        cache = ctx.full_cache if ctx.full_cache is not None else new_cache(ctx.model, ctx.capacity)
-        return ModelState(name, ctx.model, cache, ctx.params)
+    def state(self, build, spec, name):
+        cache = build.full_cache if build.full_cache is not None else new_cache(build.model, build.capacity)
+        return ModelState(name, build.model, cache, build.params)
 
 
 class NGram(Kind):
     name = "ngram"
 
-    def state(self, ctx, spec, name):
+    def state(self, build, spec, name):
         return None
 
-    def drafter(self, ctx, spec):
-        return NGramDrafter(ctx.model.cfg.vocab_size, ctx.config.ngram, device=ctx.model.device)
+    def drafter(self, build, spec):
+        return NGramDrafter(build.model.cfg.vocab_size, build.config.ngram, device=build.model.device)
 
 
 class Draft(Kind):
@@ -101,15 +101,15 @@ class Draft(Kind):
 
     name = "draft"
 
-    def state(self, ctx, spec, name):
-        dm = ctx.draft_model
+    def state(self, build, spec, name):
+        dm = build.draft_model
         if dm is None:
             raise TriforceError("a 'draft' level needs a draft model: pass --draft PATH (a small model that "
                                 "shares the target's tokenizer)")
-        if dm.cfg.vocab_size != ctx.model.cfg.vocab_size:
+        if dm.cfg.vocab_size != build.model.cfg.vocab_size:
             raise TriforceError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the target's "
-                                f"({ctx.model.cfg.vocab_size}): it must share the target's tokenizer")
-        return ModelState(name, dm, new_cache(dm, ctx.capacity, dtype=ctx.config.draft_kv_dtype), ctx.params)
+                                f"({build.model.cfg.vocab_size}): it must share the target's tokenizer")
+        return ModelState(name, dm, new_cache(dm, build.capacity, dtype=build.config.draft_kv_dtype), build.params)
 
 
 class Streaming(Kind):
@@ -118,15 +118,15 @@ class Streaming(Kind):
 
     name = "streaming"
 
-    def state(self, ctx, spec, name):
-        cfg = ctx.config
-        m = drafting_model(ctx.model, cfg)
+    def state(self, build, spec, name):
+        cfg = build.config
+        m = drafting_model(build.model, cfg)
         budget = spec.budget or cfg.streaming_budget
         window = budget - cfg.sink
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: StreamingCache(
-            n_layers, sink=cfg.sink, window=window, max_rollback=ctx.max_rollback,
+            n_layers, sink=cfg.sink, window=window, max_rollback=build.max_rollback,
             slack=max(cfg.prefill_chunk, window), **kw))
-        return ModelState(name, m, cache, ctx.params)
+        return ModelState(name, m, cache, build.params)
 
     def prefill(self, state, head, full, config):
         """Sinks plus the prompt's tail: the rest lies outside the window of every later token."""
@@ -149,13 +149,13 @@ class Retrieval(Kind):
 
     name = "retrieval"
 
-    def state(self, ctx, spec, name):
-        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
-        max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
+    def state(self, build, spec, name):
+        cfg, m = build.config, drafting_model(build.model, build.config)
+        max_new = cfg.rebuild_every + 2 * build.max_rollback + 16
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: self.new_cache(
             n_layers, budget=spec.budget or cfg.budget, recent=cfg.recent, max_new=max_new, model=m, config=cfg,
             **kw))
-        return ModelState(name, m, cache, ctx.params)
+        return ModelState(name, m, cache, build.params)
 
     def new_cache(self, n_layers, *, model, config, **kw) -> RetrievalCache:
         """The level's cache over n_layers layers (budget, recent, max_new and the drafting_cache arguments)."""
@@ -188,12 +188,12 @@ class KV4(Kind):
 
     name = "kv4"
 
-    def state(self, ctx, spec, name):
-        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
-        shared = ctx.full_cache if isinstance(ctx.full_cache, QuantizedCache) else None
+    def state(self, build, spec, name):
+        cfg, m = build.config, drafting_model(build.model, build.config)
+        shared = build.full_cache if isinstance(build.full_cache, QuantizedCache) else None
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: QuantizedCache(
-            n_layers, capacity=ctx.capacity, bits=4, max_rollback=ctx.max_rollback, shared=shared, **kw))
-        return ModelState(name, m, cache, ctx.params)
+            n_layers, capacity=build.capacity, bits=4, max_rollback=build.max_rollback, shared=shared, **kw))
+        return ModelState(name, m, cache, build.params)
 
     def prefill(self, state, head, full, config):
         cache: Buildable = state.cache  # a 4-bit reading of the full cache
@@ -207,16 +207,16 @@ class Head(Kind):
 
     name = "head"
 
-    def state(self, ctx, spec, name):
+    def state(self, build, spec, name):
         return None
 
-    def drafter(self, ctx, spec):
+    def drafter(self, build, spec):
         from ..drafthead.drafter import HeadDrafter
         from ..drafthead.head import head_for
 
-        head = head_for(ctx.model, ctx.config.head)
-        return HeadDrafter(head, ctx.model, ctx.params, ctx.generator, ctx.max_rollback,
-                           kv_dtype(ctx.config.draft_kv_dtype))
+        head = head_for(build.model, build.config.head)
+        return HeadDrafter(head, build.model, build.params, build.generator, build.max_rollback,
+                           kv_dtype(build.config.draft_kv_dtype))
 
 
 def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
