@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 import triforce.speculation.level as level_mod
 from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate
-from triforce.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from triforce.sampling import SamplingParams, Scores, make_generator, probs_from_logits, sample
 from triforce.speculation.config import SpecConfig
 from triforce.caches import new_cache
 
@@ -225,7 +225,10 @@ def test_accept_rule_alone_is_exact_and_the_check_has_power():
     p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0, 0.0]] * 3)
     q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.2, 0.1]] * 2)
     n = 20000
-    pv = p_values(_accept_first_token(level_mod.accept, p, q, n, 0)[None], [p[0].double()])
+    def rule(draft, q, p, g):  # the verifier's rows as a sampling verifier hands them over
+        return level_mod.accept(draft, q, Scores(probs=p), g)
+
+    pv = p_values(_accept_first_token(rule, p, q, n, 0)[None], [p[0].double()])
     assert pv[0] > ALPHA
     bad = p_values(_accept_first_token(wrong_accept, p, q, n, 0)[None], [p[0].double()])
     assert bad[0] < 1e-6
