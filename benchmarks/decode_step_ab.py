@@ -21,23 +21,22 @@ from triforce.tuning.measure import time_forwards
 
 
 def time_attention(n_ctx: int, T: int, cfg, repeats: int = 5, kv_dtype: torch.dtype = torch.float32) -> float:
-    """Seconds of model.attention over `cfg.n_layers` layers of an n_ctx-token cache (T query tokens,
-    causal over the new ones), cold caches as in a real step: every layer has its own K/V. Runs the
+    """Seconds of execution.attention over `cfg.n_layers` layers of an n_ctx-token cache (T query tokens,
+    a causal chain), cold caches as in a real step: every layer has its own K/V. Runs the
     compiled kernel of kernels.cpu() (as overridden) where the model would, else PyTorch's."""
     from triforce import kernels
-    from triforce.caches.base import CAUSAL
-    from triforce.model import attention
+    from triforce.caches.base import SlotKV
+    from triforce.execution import attention
 
     L, Hkv, Hq, D = cfg.n_layers, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
     K = torch.randn(L, 1, Hkv, n_ctx + 64, D).to(kv_dtype)
     V = torch.randn(L, 1, Hkv, n_ctx + 64, D).to(kv_dtype)
     q = torch.randn(1, Hq, T, D)
-    mask = CAUSAL if T > 1 else None
     times = []
     for i in range(repeats + 1):
         t = time.perf_counter()
         for layer in range(L):
-            attention(q, K[layer, :, :, :n_ctx], V[layer, :, :, :n_ctx], mask, ops=kernels.cpu())
+            attention(q, SlotKV(K[layer, :, :, :n_ctx], V[layer, :, :, :n_ctx]), ops=kernels.cpu())
         if i:
             times.append(time.perf_counter() - t)
     return statistics.median(times)

@@ -17,6 +17,7 @@ import torch
 
 from triforce.corpus import demo_tokens
 from triforce.loading import load_model
+from triforce.caches import new_cache
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 NEW = int(sys.argv[2]) if len(sys.argv) > 2 else 128
@@ -31,7 +32,7 @@ L = model.cfg.n_layers
 @torch.inference_mode()
 def logits_of(m) -> torch.Tensor:
     """Logits [NEW, V] of positions N - 1 .. N + NEW - 2 (each predicting the next token)."""
-    cache = m.new_cache(N + NEW + 8)
+    cache = new_cache(m, N + NEW + 8)
     for s in range(0, N - 1, CHUNK):
         m(torch.tensor([ids[s:min(s + CHUNK, N - 1)]]), cache)
     return m(torch.tensor([ids[N - 1:N - 1 + NEW]]), cache)[0].float()

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 import torch
+from triforce.caches import new_cache
 
 
 def nll_and_argmax(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +100,7 @@ def main() -> None:
     # triforce: prefill chunks of 512 over the same tokens
     t0 = time.perf_counter()
     model = ours.model
-    cache = model.new_cache(n)
+    cache = new_cache(model, n)
     x = torch.tensor([ids])
     nll_t, arg_t, max_diff = [], [], 0.0
     with torch.inference_mode():
@@ -134,7 +135,7 @@ def main() -> None:
     # triforce teacher-forced along llama.cpp's greedy path: where would it choose otherwise, and how close
     # to a tie was each model there (top-1 minus top-2 for llama.cpp, top-1 minus llama.cpp's choice for ours)
     seq = p + g_l
-    cache = model.new_cache(len(seq))
+    cache = new_cache(model, len(seq))
     x = torch.tensor([seq])
     rows = []
     with torch.inference_mode():

@@ -15,6 +15,7 @@ from triforce.generate import generate, generate_ar
 from triforce.sampling import SamplingParams
 from triforce.speculation.config import SpecConfig
 from triforce.speculation.stack import StackSpec
+from triforce.caches import new_cache
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -55,7 +56,7 @@ def test_forward_matches_transformers(arch, dtype):
         theirs = hf_gpu(torch.tensor([ids], device="cuda")).logits[0]
     ours = _ours(hf_tiny(arch, seed=3, **KERNEL_SHAPE), DTYPES[dtype])
     assert ours.graphs is not None
-    cache = ours.new_cache(256)
+    cache = new_cache(ours, 256)
     head = ours(torch.tensor([ids[:100]], device="cuda"), cache)[0]  # eager prefill
     decoded = [ours.graphs.forward(ids[100:101], cache, last=1)]  # one token through the graph
     decoded.append(ours.graphs.forward(ids[101:106], cache, last=5))  # five at once
@@ -128,7 +129,7 @@ def test_graph_rows_are_bitwise_independent():
     """The same token at the same position gets the same logits alone or among four others (bf16)."""
     model = _ours(hf_tiny("llama", seed=8, **KERNEL_SHAPE), torch.bfloat16)
     ids = _prompt(300, 4)
-    a, b = model.new_cache(400), model.new_cache(400)
+    a, b = new_cache(model, 400), new_cache(model, 400)
     for cache in (a, b):
         model(torch.tensor([ids[:290]], device="cuda"), cache)
     together = model.graphs.forward(ids[290:295], a, last=5)
@@ -165,9 +166,9 @@ def test_offloaded_cache_is_exact():
     model = _ours(hf_tiny("llama", seed=9, **KERNEL_SHAPE), torch.float32)
     ids = _prompt(300, 5)
     model.graphs, graphs = None, model.graphs
-    resident = model.new_cache(400)
+    resident = new_cache(model, 400)
     model.offload_kv = True
-    off = model.new_cache(400)
+    off = new_cache(model, 400)
     assert isinstance(off, OffloadedCache)
     la = model(torch.tensor([ids[:200]], device="cuda"), resident)
     lb = model(torch.tensor([ids[:200]], device="cuda"), off)

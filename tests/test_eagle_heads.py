@@ -22,6 +22,7 @@ from triforce.errors import TriforceError
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
 from triforce.speculation.config import SpecConfig
+from triforce.caches import new_cache
 
 CFG = dict(gamma=3, gamma_draft=2, budget=20, chunk_size=4, recent=4, rebuild_every=8, sink=2, window=6, ngram=2,
            prefill_chunk=64, adapt=False)
@@ -245,8 +246,8 @@ def test_the_target_gives_the_inputs_of_the_layers_an_eagle3_head_reads():
     ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         states = hf(ids, output_hidden_states=True).hidden_states
-        logits, features = ours(ids, ours.new_cache(16), hidden=True, layers=(0, 4, 5))
-        plain = ours(ids, ours.new_cache(16), hidden=True)[0]
+        logits, features = ours(ids, new_cache(ours, 16), hidden=True, layers=(0, 4, 5))
+        plain = ours(ids, new_cache(ours, 16), hidden=True)[0]
     torch.testing.assert_close(features, torch.cat([states[0], states[4], states[5]], -1), rtol=1e-3, atol=1e-3)
     assert torch.equal(logits, plain)
 

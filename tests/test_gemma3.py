@@ -27,6 +27,7 @@ from triforce.loading.gguf_file import check_gguf_architecture, read_gguf
 from triforce.loading.hf import load_hf_checkpoint
 from triforce.sampling import SamplingParams
 from triforce.speculation.config import SpecConfig
+from triforce.caches import new_cache
 
 V, WINDOW, T = 96, 16, 200  # positions 0..199: twelve windows
 # 1 KV head for 4 query heads, head_dim 32 != hidden / heads = 16
@@ -58,7 +59,7 @@ def assert_matches(ours, ref, prompt_len: int = 170) -> float:
     errors = []
     for module in (kernels.cpu(), None):
         with kernels.override(module):
-            got = ours(ids, ours.new_cache(T))
+            got = ours(ids, new_cache(ours, T))
             assert generate_ar(ours, prompt[0].tolist(), new, SamplingParams()).tokens == greedy
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         errors.append((got - want).abs().max().item())
@@ -86,7 +87,7 @@ def test_hf_directory_matches_transformers(tmp_path, variant):
     err = assert_matches(ours, ref)
     # The window matters at these positions: without it, the logits are far off.
     wide = build_model(replace(cfg, sliding_window=T), sd)
-    assert (wide(ids_of(T), wide.new_cache(T)) - ref(ids_of(T)).logits).abs().max() > 1e-2
+    assert (wide(ids_of(T), new_cache(wide, T)) - ref(ids_of(T)).logits).abs().max() > 1e-2
     print(f"gemma3 {variant}: max |logit error| {err:.2e}")
 
 
@@ -196,7 +197,7 @@ def test_ring_cache_fed_in_pieces_equals_one_shot(tiny_gemma, extra):
     gives the one-shot forward's logits, and its memory stays window - 1 + extra slots."""
     m = tiny_gemma
     ids = ids_of(T, seed=1)
-    whole = m(ids, m.new_cache(T))
+    whole = m(ids, new_cache(m, T))
     for pieces in ([1] * T, [5, 1, 30, 3, 64, 65, 2, 7, 1, 22]):
         cache = ring_cache(m, extra)
         got, pos = [], 0
@@ -214,7 +215,7 @@ def test_ring_cache_rollback(tiny_gemma):
     logits stay exact. A rollback deeper than the ring keeps is refused, never silently wrong."""
     m, extra = tiny_gemma, 8
     ids = ids_of(T, seed=2)
-    whole = m(ids, m.new_cache(T))
+    whole = m(ids, new_cache(m, T))
     cache = ring_cache(m, extra)
     got, pos, step = [], 0, 0
     while pos < T:
@@ -263,7 +264,7 @@ def test_retrieval_level_copies_the_ring(tiny_gemma):
     n_global = sum(w is None for w in c.layer_windows)
     ids = ids_of(T, seed=5)
     n = 150
-    target = m.new_cache(T + 16, record_queries=True)
+    target = new_cache(m, T + 16, record_queries=True)
     m(ids[:, :n], target)
     m(ids_of(6, seed=9), target)  # a draft the target verified and rejected
     target.rollback(n)
@@ -361,7 +362,7 @@ def test_real_gemma3_270m_matches_transformers():
     x = torch.tensor([ids])
     with torch.inference_mode():
         want = ref(x).logits[0]
-        cache = loaded.model.new_cache(len(ids))
+        cache = new_cache(loaded.model, len(ids))
         got = torch.cat([loaded.model(x[:, s:s + 256], cache)[0] for s in range(0, len(ids), 256)])
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     ppl_ref = math.exp(torch.nn.functional.cross_entropy(want[:-1], x[0, 1:]).item())

@@ -26,6 +26,7 @@ from triforce.loading import build_model
 from triforce.loading.gguf_file import check_gguf_architecture, read_gguf
 from triforce.loading.hf import load_hf_checkpoint
 from triforce.sampling import SamplingParams
+from triforce.caches import new_cache
 
 THETA = 10000.0
 ORIGINAL_CONTEXT = 64  # the tests run to position 300: well past it, where the scaling matters
@@ -166,7 +167,7 @@ def assert_matches(ours, ref, T: int = 300, prompt_len: int = 250) -> float:
     errors = []
     for module in (kernels.cpu(), None):
         with kernels.override(module):
-            got = ours(ids, ours.new_cache(T))
+            got = ours(ids, new_cache(ours, T))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         errors.append((got - want).abs().max().item())
     prompt = ids[:, :prompt_len]

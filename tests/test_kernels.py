@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triforce import kernels, model
-from triforce.caches.base import CAUSAL
+from triforce import execution, kernels
+from triforce.caches.base import DenseKV, SlotKV
+from triforce.caches import new_cache
+from triforce.loading.weights import draft_weights
 
 # S = 1500 is not a multiple of the kernel's 256-key blocks; with S = 1282 and T = 4 the last block
 # holds only new tokens 2 and 3, so it is fully masked for tokens 0 and 1. With Hq / Hkv = 3, T >= 3
@@ -22,23 +24,22 @@ def test_kernel_matches_sdpa(kern, T, mask_kind, S):
     q = torch.randn(1, Hq, T, D)
     k_store, v_store = torch.randn(1, Hkv, cap, D), torch.randn(1, Hkv, cap, D)
     k, v = k_store[:, :, :S], v_store[:, :, :S]  # strided like a cache slice
-    if mask_kind == "causal":
-        mask = CAUSAL
-    elif mask_kind == "tree":  # a random draft tree: each token sees itself and its ancestors
-        mask = _random_tree_block(T)
+    if mask_kind == "tree":  # a random draft tree: each token sees itself and its ancestors
+        kv = SlotKV(k, v, _random_tree_block(T))
     elif mask_kind == "bool":
         mask = torch.rand(T, S) < 0.7
         mask[:, 0] = True
-    else:
-        mask = None
-    assert T <= model.KERNEL_MAX_ROWS
+        kv = DenseKV(k, v, mask)
+    else:  # a chain (one token: every key)
+        kv = SlotKV(k, v)
+    assert T <= execution.KERNEL_MAX_ROWS
     counting = _Counting(kern)
-    got = model.attention(q, k, v, mask, ops=counting)
+    got = execution.attention(q, kv, ops=counting)
     # the kernel really ran (bool masks stay on PyTorch's path: the StreamingLLM cache hands the kernel a WindowGap
     # instead, test_kv.py; a tree's token block takes the kernel's causal path with its own visibility)
     # (more than KERNEL_MAX_ROWS rows per KV head, 3 * 30 here: two query heads of each group in one call, one in a second)
-    assert counting.calls == (0 if mask_kind == "bool" else 1 if Hq // Hkv * T <= model.KERNEL_MAX_ROWS else 2)
-    want = model.attention(q, k, v, mask, ops=None)  # PyTorch's path
+    assert counting.calls == (0 if mask_kind == "bool" else 1 if Hq // Hkv * T <= execution.KERNEL_MAX_ROWS else 2)
+    want = execution.attention(q, kv, ops=None)  # PyTorch's path
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -122,7 +123,7 @@ def test_model_forward_same_with_and_without_kernels(kern, tiny_llama):
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, 9))
     out = {}
     for name, module in (("kernels", _Counting(kern)), ("torch", None)):
-        cache = tiny_llama.new_cache(16)
+        cache = new_cache(tiny_llama, 16)
         with torch.inference_mode(), kernels.override(module):
             a = tiny_llama(tokens[:, :8], cache)
             b = tiny_llama(tokens[:, 8:], cache)
@@ -138,7 +139,7 @@ def test_linear_panels_match_linear(kern):
     import torch.nn.functional as F
 
     torch.manual_seed(3)
-    lin = model.Linear(40, 37, bias=True)
+    lin = execution.Linear(40, 37, bias=True)
     lin.backend = kernels.Backend(True)  # as a built model's layers have it
     lin.pack()
     assert lin.panels is not None and lin.panels.dtype == torch.float32
@@ -148,7 +149,7 @@ def test_linear_panels_match_linear(kern):
             got = lin(x[:rows])
         torch.testing.assert_close(got, F.linear(x[:rows], lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         assert torch.equal(got[:1], lin(x[:1]))  # batch-invariant: verification rows equal decode rows
-    low = model.Linear(40, 37, bias=False)
+    low = execution.Linear(40, 37, bias=False)
     low.backend = kernels.Backend(True)
     low.pack(torch.bfloat16)
     want = F.linear(x[:5], low.weight.to(torch.bfloat16).float())
@@ -156,18 +157,18 @@ def test_linear_panels_match_linear(kern):
 
 
 def test_draft_weights_model(kern, tiny_llama):
-    """with_draft_weights(): bf16 panels in every linear layer of the copy, the original untouched,
+    """draft_weights(): bf16 panels in every linear layer of the copy, the original untouched,
     and logits close to (but not equal to) the fp32 model's."""
-    draft = tiny_llama.with_draft_weights()
+    draft = draft_weights(tiny_llama)
     assert draft is not tiny_llama and draft.embed is tiny_llama.embed
-    lin = [m for m in draft.modules() if isinstance(m, model.Linear)]
+    lin = [m for m in draft.modules() if isinstance(m, execution.Linear)]
     assert lin and all(m.panels is not None and m.panels.dtype == torch.bfloat16 for m in lin)
     assert all(m.panels is None or m.panels.dtype == torch.float32
-               for m in tiny_llama.modules() if isinstance(m, model.Linear))
+               for m in tiny_llama.modules() if isinstance(m, execution.Linear))
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, 6))
     with torch.inference_mode():
-        a = tiny_llama(tokens, tiny_llama.new_cache(8))
-        b = draft(tokens, draft.new_cache(8))
+        a = tiny_llama(tokens, new_cache(tiny_llama, 8))
+        b = draft(tokens, new_cache(draft, 8))
     assert not torch.equal(a, b)
     torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
 
@@ -191,10 +192,11 @@ def test_kernel_kv_dtypes_and_head_dims(kern, kv_dtype, D, T):
     k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
     mask = causal_mask(T, S - T, "cpu").repeat(g, 1) if T > 1 else None
     if kv_dtype == torch.bfloat16:
-        from triforce.model import bf16_attention
+        from triforce.execution import bf16_attention
 
         q4 = q.view(Hkv, g, T, D).reshape(1, Hkv * g, T, D)
-        want = bf16_attention(q4, k[None], v[None], "causal" if T > 1 else None, D ** -0.5).view(Hkv, g * T, D)
+        want = bf16_attention(q4, k[None], v[None], causal_mask(T, S - T, "cpu") if T > 1 else None,
+                              D ** -0.5).view(Hkv, g * T, D)
         fp32 = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
         assert _agreement(fp32, want) < 0.5  # fp32 arithmetic is told apart by the check below
     else:
@@ -282,10 +284,10 @@ def test_kernel_amx_path_refused_where_unusable(kern):
 def test_kernel_tree_block_both_paths(kern, kv_dtype, T):
     """A draft tree's token block (its tokens the last T keys, straddling a 256-key block boundary) on
     the per-row and the rows-in-lanes paths (forced; AMX's tiles too for bf16 where usable) against SDPA with
-    the block's dense [T, S] mask (bf16: model.bf16_attention with it)."""
+    the block's dense [T, S] mask (bf16: execution.bf16_attention with it)."""
     import torch.nn.functional as F
 
-    from triforce.model import bf16_attention
+    from triforce.execution import bf16_attention
 
     torch.manual_seed(5)
     Hkv, g, D = 3, 3, 64
@@ -295,7 +297,7 @@ def test_kernel_tree_block_both_paths(kern, kv_dtype, T):
     k, v = (torch.randn(Hkv, S, D) * 2).to(kv_dtype), torch.randn(Hkv, S, D).to(kv_dtype)
     if kv_dtype == torch.bfloat16:
         q4 = q.view(Hkv, g, T, D).reshape(1, Hkv * g, T, D)
-        want = bf16_attention(q4, k[None], v[None], block, D ** -0.5).view(Hkv, g * T, D)
+        want = bf16_attention(q4, k[None], v[None], block.mask(S - T), D ** -0.5).view(Hkv, g * T, D)
     else:
         want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=block.mask(S - T).repeat(g, 1))
     paths = (1, 2, 3) if kv_dtype == torch.bfloat16 and kern.amx_attention() else (1, 2)
@@ -405,7 +407,7 @@ def test_quant_attention_matches_pytorch(kern, case):
         block = TokenBlock(offsets, visible)
     q = torch.randn(1, H * g, T, D)
     cache.prepare(T, block)
-    kv, _, _ = cache.update(0, q, k[:, :, S:S + T], v[:, :, S:S + T])
+    kv = cache.update(0, q, k[:, :, S:S + T], v[:, :, S:S + T])
     assert int(cache._qb.max()) >= 1024 and cache.fb > 0
     counting = _Counting(kern)
     got = kv.attend(q, D ** -0.5, counting)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triforce.caches import FullCache, RetrievalCache, StreamingCache
+from triforce.caches import FullCache, RetrievalCache, StreamingCache, new_cache
+from triforce.caches.base import DenseKV
 
 V = 96
 
@@ -33,12 +34,20 @@ class MaskedFullCache(FullCache):
         k = torch.arange(self.length + n_new)[None, :]
         self._mask = (k <= q) & ((k < self.sink) | (k > q - self.window))
 
+    @property
+    def slot_layout(self):
+        return None  # its visibility is not the slots' causal one: the layers run one by one
+
+    def update(self, layer, q, k, v):
+        kv = super().update(layer, q, k, v)
+        return DenseKV(kv.keys, kv.values, self._mask)
+
 
 @torch.no_grad()
 def test_full_cache_reproduces_no_cache_logits(tiny_llama):
     ids = _ids(80)
-    whole = tiny_llama(ids, tiny_llama.new_cache(80))
-    cache = tiny_llama.new_cache(80)
+    whole = tiny_llama(ids, new_cache(tiny_llama, 80))
+    cache = new_cache(tiny_llama, 80)
     parts = [tiny_llama(ids[:, :30], cache), tiny_llama(ids[:, 30:37], cache)]
     parts += [tiny_llama(ids[:, i:i + 1], cache) for i in range(37, 80)]
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-4, rtol=1e-4)
@@ -47,7 +56,7 @@ def test_full_cache_reproduces_no_cache_logits(tiny_llama):
 @torch.no_grad()
 def test_rollback_then_redecode_reproduces_logits(tiny_llama):
     ids = _ids(60)
-    cache = tiny_llama.new_cache(80)
+    cache = new_cache(tiny_llama, 80)
     tiny_llama(ids[:, :40], cache)
     first = tiny_llama(ids[:, 40:50], cache)
     tiny_llama(_ids(8, seed=5), cache)  # a rejected draft
@@ -119,8 +128,9 @@ def test_streaming_cache_on_the_kernels_equals_the_mask(sink, window, dtype):
     for chains (the window as a gap of hidden slots per new token, kernels/attention.cpp), and still equal full
     attention under the sink + window mask, through compactions and mixed chunk sizes; a kernel that ignored the
     gap (the whole region visible) is caught."""
-    from triforce import kernels
     from conftest import hf_tiny, ours_from_hf
+
+    from triforce import kernels
 
     kern = kernels.cpu()
     if kern is None:
@@ -193,13 +203,13 @@ def _brute_force_selection(keys, query, budget, chunk, recent):
 @torch.no_grad()
 def test_retrieval_cache_keeps_brute_force_chunks(tiny_llama, n_prompt, budget, chunk, recent):
     c = tiny_llama.cfg
-    full = tiny_llama.new_cache(n_prompt + 8, record_queries=True)
+    full = new_cache(tiny_llama, n_prompt + 8, record_queries=True)
     tiny_llama(_ids(n_prompt, seed=7), full)
     r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=budget, chunk_size=chunk, recent=recent)
     r.build(full)
     assert r.base <= budget and r.length == n_prompt
     for layer in range(c.n_layers):
-        q = full.queries[layer][:, :, -1]
+        q = full.recorder.layers[layer][:, :, -1]
         expected = _brute_force_selection(full.k[layer, :, :, :n_prompt], q, budget, chunk, recent)
         for h in range(c.n_kv_heads):
             kept = r.indices[layer][0, h].tolist()
@@ -214,7 +224,7 @@ def test_retrieval_cache_within_budget_equals_full(tiny_llama):
     """A context that fits in the budget is kept whole: decoding equals the full cache."""
     c = tiny_llama.cfg
     ids = _ids(70, seed=8)
-    full = tiny_llama.new_cache(80, record_queries=True)
+    full = new_cache(tiny_llama, 80, record_queries=True)
     tiny_llama(ids[:, :50], full)
     r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=64, chunk_size=8, recent=8)
     r.build(full)
@@ -232,10 +242,11 @@ def test_retrieval_cache_within_budget_equals_full(tiny_llama):
 @torch.no_grad()
 def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
     """A decode step through the retrieval cache equals attention restricted to the kept positions."""
-    from triforce.model import attention
+    from triforce.caches.base import SlotKV
+    from triforce.execution import attention
 
     c = tiny_llama.cfg
-    full = tiny_llama.new_cache(200, record_queries=True)
+    full = new_cache(tiny_llama, 200, record_queries=True)
     tiny_llama(_ids(160, seed=9), full)
     r = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=48, chunk_size=8, recent=8)
     r.build(full)
@@ -243,7 +254,7 @@ def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
     q = torch.randn(1, c.n_heads, 1, c.head_dim)
     k_new = r.k[0, :, :, r.base:r.base + 1]
     v_new = r.v[0, :, :, r.base:r.base + 1]
-    got = attention(q, r.k[0, :, :, :r.base + 1], r.v[0, :, :, :r.base + 1], None)
+    got = attention(q, SlotKV(r.k[0, :, :, :r.base + 1], r.v[0, :, :, :r.base + 1]))
     g = c.n_heads // c.n_kv_heads
     for h in range(c.n_heads):
         kv = h // g
@@ -254,18 +265,20 @@ def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
         torch.testing.assert_close(got[0, h, 0], w @ vals, atol=1e-4, rtol=1e-4)
 
 
-def test_fused_decode_slot_says_where_the_one_call_writes_and_what_it_hides():
-    """KVCache.fused_decode_slot: a full cache's chain -> its slot and no gap; a draft tree (TokenBlock) -> None (the
-    layers run one by one); a StreamingLLM cache past its window -> its slot and each new token's gap."""
+def test_slot_layout_says_where_the_one_call_writes_and_what_it_hides():
+    """KVCache.slot_layout: a full cache's chain -> its slot, no gap, fixed slots (a CUDA graph may run through it); a
+    draft tree (TokenBlock) -> not a chain (the layers run one by one); a StreamingLLM cache past its window -> its
+    slot and each new token's gap, never fixed."""
     from triforce.caches.base import TokenBlock
 
     full = FullCache(2, 1, 8, 64)
     full.length = 10
     full.prepare(3)
-    assert full.fused_decode_slot() == (10, None)
+    layout = full.slot_layout
+    assert (layout.first, layout.gap, layout.chain, layout.fixed) == (10, None, True, True)
     tree = TokenBlock(torch.tensor([0, 1, 1]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
     full.prepare(3, tree)
-    assert full.fused_decode_slot() is None
+    assert not full.slot_layout.chain
 
     stream = StreamingCache(2, 1, 8, sink=2, window=4)
     k = torch.randn(1, 1, 20, 8)
@@ -274,7 +287,8 @@ def test_fused_decode_slot_says_where_the_one_call_writes_and_what_it_hides():
         stream.update(layer, None, k, k)
     stream.commit(20)
     stream.prepare(2)
-    slot, gap = stream.fused_decode_slot()
-    assert slot == stream._slot(20)
+    layout = stream.slot_layout
+    slot, gap = layout.first, layout.gap
+    assert slot == stream._slot(20) and layout.chain and not layout.fixed
     # hidden from new token t: slots gap[0] .. gap[1 + t] - 1, past the 2 sinks up to its window of 4
     assert gap.tolist() == [2, 2 + 17 - stream.start, 2 + 18 - stream.start]

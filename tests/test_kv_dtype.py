@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import hf_tiny, ours_from_hf
-from triforce import kernels, model as model_mod
+from triforce import execution, kernels
 from triforce.bench.hardware import floor_seconds, weight_bytes
 from triforce.bench.methods import level_floor_ms
 from triforce.caches import RetrievalCache, SlidingWindowCache
-from triforce.caches.base import kv_dtype
+from triforce.caches.base import SlotKV, kv_dtype
 from triforce.cli import build_parser
 from triforce.caches.quantized import QuantizedCache
 from triforce.config import DEFAULT_DRAFT_KV_DTYPE, FLOAT_KV_DTYPES, KV_DTYPES, ModelConfig, kv_dtype_name
@@ -27,6 +27,7 @@ from triforce.sampling import SamplingParams, make_generator
 from triforce.speculation.config import SpecConfig
 from triforce.speculation.decoder import Decoder
 from triforce.speculation.stack import StackSpec
+from triforce.caches import new_cache
 
 TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=8, recent=8, rebuild_every=16, sink=4, window=16,
@@ -66,7 +67,7 @@ def test_names_and_errors():
     assert m.kv_dtype is torch.float32  # default: the weights' dtype
     with pytest.raises(TriforceError, match="'int3' is not supported: choose one of fp32, bf16, fp16, int8"):
         m.kv_dtype = "int3"
-    assert isinstance(m.new_cache(8, dtype="int8"), QuantizedCache)
+    assert isinstance(new_cache(m, 8, dtype="int8"), QuantizedCache)
     for bad in ("q4", "int8"):  # the drafting caches are float
         with pytest.raises(TriforceError, match=f"--draft-kv-dtype '{bad}' is not supported: choose one of fp32, bf16, fp16$"):
             SpecConfig(draft_kv_dtype=bad).validate()
@@ -168,9 +169,9 @@ def test_kv_dtype_changes_the_model_but_not_much():
     m = target("fp32")
     ids = torch.tensor([_prompt(120, 3)])
     with torch.inference_mode():
-        ref = m(ids, m.new_cache(128))
+        ref = m(ids, new_cache(m, 128))
         for kv in ("bf16", "fp16"):
-            cache = m.new_cache(128, dtype=kv)
+            cache = new_cache(m, 128, dtype=kv)
             assert cache.k.dtype is TORCH_DTYPE[kv] and cache.v.dtype is TORCH_DTYPE[kv]
             got = m(ids, cache)
             err = (got - ref).abs()
@@ -210,12 +211,12 @@ def test_attention_dispatch(dt, half_kv):
     q = torch.randn(1, 6, T, 64)
     k, v = torch.randn(1, 2, S, 64).to(dt), torch.randn(1, 2, S, 64).to(dt)
     ops = _FakeKernel(half_kv)
-    got = model_mod.attention(q, k, v, None, ops=ops)
+    got = execution.attention(q, SlotKV(k, v), ops=ops)
     assert ops.calls == (1 if dt is torch.float32 or half_kv else 0)
     if dt is torch.bfloat16:  # a bf16 cache's arithmetic (bf16 x bf16 products), on every path
-        want = model_mod.bf16_attention(q, k, v, None, 64 ** -0.5)
+        want = execution.bf16_attention(q, k, v, None, 64 ** -0.5)
     else:
-        want = model_mod.attention(q, k.float(), v.float(), None, ops=None)
+        want = execution.attention(q, SlotKV(k.float(), v.float()), ops=None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -230,8 +231,8 @@ class _FakeKernel:
     def decode_attention(self, q, k, v, T, causal, scale):
         self.calls += 1
         Hkv, rows, D = q.shape
-        out = model_mod.attention(q.reshape(1, rows // T * Hkv, T, D), k[None], v[None],
-                                  "causal" if causal else None, scale, ops=None)
+        # a chain: causal over its T new tokens (the kernel's `causal` is T > 1)
+        out = execution.attention(q.reshape(1, rows // T * Hkv, T, D), SlotKV(k[None], v[None]), scale, ops=None)
         return out.reshape(Hkv, rows, D)
 
 
@@ -247,9 +248,8 @@ def test_real_kernel_with_half_kv(dt, T):
     S = 1500
     q = torch.randn(1, 6, T, 64)
     k, v = (torch.randn(1, 2, 1600, 64).to(dt)[:, :, :S] for _ in range(2))  # strided like a cache slice
-    mask = "causal" if T > 1 else None
-    got = model_mod.attention(q, k, v, mask, ops=kern)
-    want = model_mod.attention(q, k, v, mask, ops=None)
+    got = execution.attention(q, SlotKV(k, v), ops=kern)
+    want = execution.attention(q, SlotKV(k, v), ops=None)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -263,11 +263,11 @@ def test_sliding_window_cache_in_half(kv="fp16"):
     m = build_model(ModelConfig.from_hf(hf.config.to_dict()), dict(hf.state_dict()), kv_dtype=kv)
     ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
-        whole_cache = m.new_cache(128)
+        whole_cache = new_cache(m, 128)
         assert isinstance(whole_cache, SlidingWindowCache)
         assert whole_cache.k.dtype is TORCH_DTYPE[kv] and whole_cache.global_cache.k.dtype is TORCH_DTYPE[kv]
         whole = m(ids, whole_cache)
-        cache, got, pos = m.new_cache(128), [], 0
+        cache, got, pos = new_cache(m, 128), [], 0
         for n in (1, 70, 3, 1, 45):  # 70 > extra: over ring + new keys; the others in place
             got.append(m(ids[:, pos:pos + n], cache))
             pos += n
@@ -298,8 +298,8 @@ def test_int8_changes_the_model_a_little_more():
     m = target("fp32")
     ids = torch.tensor([_prompt(300, 3)])
     with torch.inference_mode():
-        ref = m(ids, m.new_cache(320))
-        err8 = (m(ids, m.new_cache(320, dtype="int8")) - ref).abs()
+        ref = m(ids, new_cache(m, 320))
+        err8 = (m(ids, new_cache(m, 320, dtype="int8")) - ref).abs()
         c = m.cfg
         err4 = (m(ids, QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 320, bits=4)) - ref).abs()
     assert 0 < err8.max() < 0.1 * ref.abs().max() and err8.mean() < 0.02 * ref.std()
@@ -343,7 +343,7 @@ def test_int8_over_sliding_windows_is_refused():
               num_hidden_layers=3, sliding_window_pattern=3)
     m = build_model(ModelConfig.from_hf(hf.config.to_dict()), dict(hf.state_dict()), kv_dtype="int8")
     with pytest.raises(TriforceError, match="--kv-dtype int8 is not supported for models with sliding-window"):
-        m.new_cache(64)
+        new_cache(m, 64)
 
 
 def test_kv_bytes_are_what_the_quantized_caches_hold():

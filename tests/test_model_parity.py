@@ -8,6 +8,7 @@ from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate_ar
 from triforce.speculation.state import prefill
 from triforce.sampling import SamplingParams
+from triforce.caches import new_cache
 
 
 @torch.no_grad()
@@ -15,7 +16,7 @@ def test_logits_match_transformers(tiny_pair):
     hf, ours = tiny_pair
     ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(0))
     ref = hf(ids).logits
-    got = ours(ids, ours.new_cache(64))
+    got = ours(ids, new_cache(ours, 64))
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
 
@@ -44,7 +45,7 @@ def test_rope_variants_match_transformers(rope):
     # 200 tokens: past the original context of dynamic/yarn/llama3, so their scaling matters
     ids = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(2))
     ref = hf(ids).logits
-    got = ours(ids, ours.new_cache(256))
+    got = ours(ids, new_cache(ours, 256))
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
 
 
@@ -62,7 +63,7 @@ def test_embedded_model_matches_transformers_at_2k(smollm, all_threads):
     prompt = demo_tokens(smollm.tokenizer, 2048)
     ids = torch.tensor([prompt])
     ref_out = hf(ids, use_cache=True)
-    cache = smollm.model.new_cache(2048 + 64)
+    cache = new_cache(smollm.model, 2048 + 64)
     got = prefill(smollm.model, cache, ids, chunk_size=512)
     torch.testing.assert_close(got, ref_out.logits[:, -1], atol=2e-3, rtol=1e-3)
     ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
@@ -108,7 +109,7 @@ def test_mistral_with_a_sliding_window_matches_transformers_past_the_window(tmp_
     assert cfg.layer_windows == (16, 16) and cfg.max_context == 512
     ours = build_model(cfg, sd)
     ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(ours(ids, ours.new_cache(120)), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours(ids, new_cache(ours, 120)), hf(ids).logits, atol=1e-4, rtol=1e-4)
     prompt = ids[0, :90].tolist()
     want = hf.generate(ids[:, :90], attention_mask=torch.ones(1, 90, dtype=torch.long), max_new_tokens=30,
                        min_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 90:].tolist()

@@ -17,6 +17,7 @@ import pytest
 from conftest import embedded_available
 from triforce.bench import methods, peers
 from triforce.bench.peers import LlamaCppPeer, LlamaCppUnavailable
+from triforce.caches import new_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_model = pytest.mark.skipif(not embedded_available(), reason="embedded model not installed")
@@ -175,7 +176,7 @@ def test_llama_cpp_computes_our_model(smollm_torch):
     prompt = demo_tokens(smollm_torch.tokenizer, 64)
     with torch.inference_mode():
         model = smollm_torch.model
-        ours = model(torch.tensor([prompt]), model.new_cache(80), last=1)[0, -1].numpy()
+        ours = model(torch.tensor([prompt]), new_cache(model, 80), last=1)[0, -1].numpy()
     try:
         for flash in (True, False):
             peer.prefill(prompt, 4, flash, quiet=True)
@@ -303,7 +304,7 @@ def test_quantize_by_llama_cpp_gives_a_file_we_run(tiny_gguf, tmp_path, capsys):
     assert {t.tensor_type for t in gguf.GGUFReader(out).tensors if len(t.shape) == 2} == {gguf.GGMLQuantizationType.Q8_0}
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want, got = [(m := from_gguf(path))(ids, m.new_cache(40)) for path in (tiny_gguf, out)]
+        want, got = [(m := from_gguf(path))(ids, new_cache(m, 40)) for path in (tiny_gguf, out)]
     assert torch.corrcoef(torch.stack([want.flatten(), got.flatten()]))[0, 1] > 0.999
     assert [p.name for p in tmp_path.iterdir()] == ["q8.gguf"]
 

@@ -24,9 +24,11 @@ from triforce.errors import TriforceError
 from triforce.generate import generate, generate_ar
 from triforce.loading import build_model, default_kv_dtype, load_model
 from triforce.loading.gguf_file import read_gguf
-from triforce.model import KERNEL_CHUNKS_MAX_ROWS, QuantLinear
+from triforce.execution import KERNEL_CHUNKS_MAX_ROWS, QuantLinear
 from triforce.quantized import FORMATS, QuantTensor, dequantize, pack_rows, random_blocks, unpack_rows
 from triforce.speculation.config import SpecConfig
+from triforce.caches import new_cache
+from triforce.loading.weights import pack_weights, weights_to_bf16
 
 QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F16, Q.BF16)  # gguf.quants.quantize makes these
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -200,11 +202,11 @@ def test_q4_k_m_file_is_the_model_of_its_dequantized_weights(q4_k_m_file):
     assert sum(t.numel() * t.element_size() for t in held) == sum(int(t.n_bytes) for t in reader.tensors)  # no copy
     assert not any(p.numel() > 256 for p in native.parameters())  # only norms are fp32 parameters
     ids = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(0))
-    want = fp32(ids, fp32.new_cache(300))
+    want = fp32(ids, new_cache(fp32, 300))
     for module in (kernels.cpu(), None):
         with kernels.override(module):
-            got = native(ids, native.new_cache(300))  # prefill: dequantized panels
-            step = native.new_cache(300)
+            got = native(ids, new_cache(native, 300))  # prefill: dequantized panels
+            step = new_cache(native, 300)
             native(ids[:, :290], step)
             rows = [native(ids[:, i:i + 1], step) for i in range(290, 300)]  # decode steps: the kernels
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -238,7 +240,7 @@ def test_quantized_real_weights(tmp_path, arch, qtype):
     native, fp32 = models(path)
     assert native.quantized
     ids = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(native(ids, native.new_cache(200)), fp32(ids, fp32.new_cache(200)),
+    torch.testing.assert_close(native(ids, new_cache(native, 200)), fp32(ids, new_cache(fp32, 200)),
                                rtol=1e-4, atol=1e-4)
     assert generate_ar(native, ids[0, :120].tolist(), 40).tokens == generate_ar(fp32, ids[0, :120].tolist(), 40).tokens
 
@@ -247,7 +249,7 @@ def test_quantized_real_weights(tmp_path, arch, qtype):
 def test_bf16_weights(q4_k_m_file):
     """--weights bf16: every projection as bf16 bytes (half of fp32), fp32 activations."""
     native, fp32 = models(q4_k_m_file)
-    native.weights_to_bf16()
+    weights_to_bf16(native)
     assert all(t == int(Q.BF16) for m in native.modules() if isinstance(m, QuantLinear) for t in m.types)
     n_weights = sum(p.numel() for p in fp32.parameters() if p.dim() == 2)
     held = {id(t): t for t in [*native.parameters(), *native.buffers()]}.values()
@@ -256,9 +258,9 @@ def test_bf16_weights(q4_k_m_file):
     for p in fp32.parameters():  # the model it computes: the dequantized weights rounded to bf16
         if p.dim() == 2:
             p.data = p.data.to(torch.bfloat16).float()
-    fp32.pack_weights()
+    pack_weights(fp32)
     ids = torch.randint(0, 96, (1, 100), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(native(ids, native.new_cache(100)), fp32(ids, fp32.new_cache(100)), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(native(ids, new_cache(native, 100)), fp32(ids, new_cache(fp32, 100)), rtol=1e-4, atol=1e-4)
 
 
 def test_unsupported_type_is_refused_by_name(tmp_path):
@@ -399,25 +401,25 @@ def test_fused_decode_layer_is_the_layer_bit_for_bit(long_q4_k_m_file, isa, monk
     kernel rounds k and v into the cache itself), then a retrieval cache built from it, with native Q4_K_M
     weights (integer kernel) and fp32 ones (panels): the same logits, queries and cache, bit for bit."""
     from triforce.caches import RetrievalCache
-    from triforce.model import Block
+    from triforce.execution import fused as fused_module
 
     if isa not in kernels.runnable_isas() or kernels.variant(isa) is None:
         pytest.skip(f"no {isa} kernels here")
     kern = kernels.variant(isa)
     native, fp32 = models(long_q4_k_m_file)
     ids = torch.randint(0, 96, (1, 1200), generator=torch.Generator().manual_seed(5))
-    python_path = Block._fused
+    python_path = fused_module.layer_args
     for model, kv in ((native, torch.float16), (fp32, torch.bfloat16)):
         outs = {}
         for fused in (True, False):
-            monkeypatch.setattr(Block, "_fused", python_path if fused else (lambda self, ops: None))
+            monkeypatch.setattr(fused_module, "layer_args", python_path if fused else (lambda block, ops: None))
             counting = _CountingFused(kern)
             with kernels.override(counting):
-                cache = model.new_cache(1300, record_queries=True, dtype=kv)
+                cache = new_cache(model, 1300, record_queries=True, dtype=kv)
                 model(ids[:, :1100], cache)  # prefill chunk: the Python path either way
                 rows = [model(ids[:, i:i + 1], cache) for i in range(1100, 1104)]
                 rows.append(model(ids[:, 1104:1109], cache))
-                queries = cache.queries[1].clone()
+                queries = cache.recorder.layers[1].clone()
                 c = model.cfg
                 retr = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, budget=1040, chunk_size=8, recent=16,
                                       max_new=64, dtype=torch.float16)
@@ -437,24 +439,24 @@ def test_fused_decode_layers_over_a_quantized_cache(long_q4_k_m_file, isa, monke
     queries, then a kv4 cache reading the int8 cache's upper planes: the same logits, queries and codes, bit for
     bit."""
     from triforce.caches import QuantizedCache
-    from triforce.model import Block
+    from triforce.execution import fused as fused_module
 
     if isa not in kernels.runnable_isas() or kernels.variant(isa) is None:
         pytest.skip(f"no {isa} kernels here")
     kern = kernels.variant(isa)
     native, _ = models(long_q4_k_m_file)
     ids = torch.randint(0, 96, (1, 1300), generator=torch.Generator().manual_seed(6))
-    python_path = Block._fused
+    python_path = fused_module.layer_args
     outs = {}
     for fused in (True, False):
-        monkeypatch.setattr(Block, "_fused", python_path if fused else (lambda self, ops: None))
+        monkeypatch.setattr(fused_module, "layer_args", python_path if fused else (lambda block, ops: None))
         counting = _CountingFused(kern, "decode_layers_quant")
         with kernels.override(counting):
-            cache = native.new_cache(1300, record_queries=True, dtype="int8")
+            cache = new_cache(native, 1300, record_queries=True, dtype="int8")
             native(ids[:, :1000], cache)  # prefill chunk: the Python path either way
             rows = [native(ids[:, i:i + 1], cache) for i in range(1000, 1070)]  # a group quantized on the way
             rows.append(native(ids[:, 1070:1075], cache))
-            queries = cache.queries[1].clone()
+            queries = cache.recorder.layers[1].clone()
             c = native.cfg
             view = QuantizedCache(c.n_layers, c.n_kv_heads, c.head_dim, 1300, shared=cache)
             view.build(cache)

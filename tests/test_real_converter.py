@@ -39,6 +39,7 @@ import numpy as np
 import pytest
 import torch
 
+from triforce.caches import new_cache
 from triforce.errors import TriforceError
 
 CONVERTER_ENV = "TRIFORCE_LLAMA_CONVERTER"
@@ -207,7 +208,7 @@ def compare(case: str, tmp: Path, with_llama_cpp: bool = False) -> dict:
     results = {}
     for name, loaded in (("gguf", from_gguf), ("dir", from_dir)):
         model = loaded.model
-        results[name] = got = model(ids, model.new_cache(TOTAL))[0]
+        results[name] = got = model(ids, new_cache(model, TOTAL))[0]
         err = (got - want).abs()
         out[f"{name}_max_err"] = err.max().item()
         out[f"{name}_max_err_past"] = err[ORIGINAL_CONTEXT:].max().item()

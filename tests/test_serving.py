@@ -28,6 +28,7 @@ from triforce.serving.prefix_cache import PrefixCache  # noqa: E402
 from triforce.serving.server import build  # noqa: E402
 from triforce.speculation.config import SpecConfig  # noqa: E402
 from triforce.speculation.stack import StackSpec  # noqa: E402
+from triforce.caches import new_cache
 
 # Small blocks (the prefill chunk) so that a few-hundred-token prompt spans many; a retrieval level
 # small enough to be used (not skipped) on such prompts.
@@ -210,7 +211,7 @@ def test_prefix_cache_evicts_least_recently_used_leaves(tiny):
     cache = PrefixCache(model, 16, 1 << 30)
 
     def insert(tokens):
-        kv = model.new_cache(len(tokens) + 4, record_queries=True)
+        kv = new_cache(model, len(tokens) + 4, record_queries=True)
         with torch.inference_mode():
             model(torch.tensor([tokens]), kv)
         q = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, model.cfg.head_dim)

@@ -16,8 +16,9 @@ from scipy.stats import chisquare
 import triforce.speculation.level as level_mod
 from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate
-from triforce.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from triforce.sampling import SamplingParams, Scores, make_generator, probs_from_logits, sample
 from triforce.speculation.config import SpecConfig
+from triforce.caches import new_cache
 
 V = 8
 N_SAMPLES = 1000
@@ -46,7 +47,7 @@ def prompt():
 def exact_marginals(model, prompt, params, positions=POSITIONS) -> list[torch.Tensor]:
     """Marginal distribution of each of the first `positions` generated tokens."""
     def next_probs(ctx):
-        return probs_from_logits(model(torch.tensor([ctx], device=model.device), model.new_cache(len(ctx)))[0, -1],
+        return probs_from_logits(model(torch.tensor([ctx], device=model.device), new_cache(model, len(ctx)))[0, -1],
                                  params)
 
     marginals = [torch.zeros(V, dtype=torch.float64) for _ in range(positions)]
@@ -160,7 +161,7 @@ def wrong_accept(draft, q, p, generator):
 
 def wrong_verify(tree, q, p, generator):
     """wrong_accept in the tree rule's signature (levels verify chains through verify_tree)."""
-    j, nxt = wrong_accept(list(tree.tokens), q[:-1] if q is not None else None, p, generator)
+    j, nxt = wrong_accept(list(tree.tokens), q[:-1] if q is not None else None, p.probs, generator)
     return list(range(j)), nxt
 
 
@@ -224,7 +225,10 @@ def test_accept_rule_alone_is_exact_and_the_check_has_power():
     p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0, 0.0]] * 3)
     q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.2, 0.1]] * 2)
     n = 20000
-    pv = p_values(_accept_first_token(level_mod.accept, p, q, n, 0)[None], [p[0].double()])
+    def rule(draft, q, p, g):  # the verifier's rows as a sampling verifier hands them over
+        return level_mod.accept(draft, q, Scores(probs=p), g)
+
+    pv = p_values(_accept_first_token(rule, p, q, n, 0)[None], [p[0].double()])
     assert pv[0] > ALPHA
     bad = p_values(_accept_first_token(wrong_accept, p, q, n, 0)[None], [p[0].double()])
     assert bad[0] < 1e-6

@@ -13,6 +13,7 @@ from triforce.caches import RetrievalCache, StreamingCache
 from triforce.sampling import SamplingParams
 from triforce.speculation.state import ModelState, prefill
 from triforce.speculation.tree import DraftTree
+from triforce.caches import new_cache
 
 PARAMS = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams(temperature=0.0)
@@ -42,7 +43,7 @@ def random_tree(rng: random.Random, max_depth: int, max_width: int, max_nodes: i
 
 def make_state(model, kind: str, prompt: list[int]) -> ModelState:
     c = model.cfg
-    full = model.new_cache(512, record_queries=True)
+    full = new_cache(model, 512, record_queries=True)
     prefill(model, full, torch.tensor([prompt]), 64)
     if kind == "full":
         state = ModelState("full", model, full, PARAMS)
@@ -68,11 +69,11 @@ def test_tree_forward_equals_brute_force_and_keep_equals_ar(model, kind, seed):
     tree = random_tree(rng, max_depth=8, max_width=4)
     state = make_state(model, kind, prompt)
     before = copy.deepcopy(state)
-    rows = state.score(ctx, len(prompt), tree)
+    rows = state.score(ctx, len(prompt), tree).probs
     assert rows.shape == (len(tree) + 1, 96)
     for slot in range(len(tree) + 1):  # brute force: plain decoding down the path to each node
         path = [tree.tokens[i] for i in tree.path_to(slot - 1)]
-        ref = copy.deepcopy(before).score(ctx + path, len(prompt), [])[-1]
+        ref = copy.deepcopy(before).score(ctx + path, len(prompt), []).probs[-1]
         torch.testing.assert_close(rows[slot], ref, atol=2e-5, rtol=1e-4)
     leaves = [i for i in range(len(tree)) if not tree.children[i + 1]]
     path = tree.path_to(rng.choice(leaves))[: rng.randint(0, 8)]  # an accepted path: any root-to-node prefix
@@ -89,8 +90,8 @@ def test_tree_forward_equals_brute_force_and_keep_equals_ar(model, kind, seed):
         assert torch.equal(state.cache.pos[:end], ar.cache.pos[:end])
     # and decoding goes on from the kept path exactly as from the AR-built cache
     nxt = [rng.randrange(96)]
-    torch.testing.assert_close(state.score(ctx + [tree.tokens[i] for i in path] + nxt, len(prompt), [])[-1],
-                               ar.score(ctx + [tree.tokens[i] for i in path] + nxt, len(prompt), [])[-1],
+    torch.testing.assert_close(state.score(ctx + [tree.tokens[i] for i in path] + nxt, len(prompt), []).probs[-1],
+                               ar.score(ctx + [tree.tokens[i] for i in path] + nxt, len(prompt), []).probs[-1],
                                atol=2e-5, rtol=1e-4)
 
 
@@ -103,8 +104,8 @@ def test_a_chain_is_a_prefix_rollback(model):
     prompt = list(range(1, 60))
     state = make_state(model, "full", prompt)
     chain = DraftTree.chain([5, 6, 7, 8])
-    rows = state.score(prompt + [9], len(prompt), chain)
-    ref = make_state(model, "full", prompt).score(prompt + [9], len(prompt), [5, 6, 7, 8])
+    rows = state.score(prompt + [9], len(prompt), chain).probs
+    ref = make_state(model, "full", prompt).score(prompt + [9], len(prompt), [5, 6, 7, 8]).probs
     assert torch.equal(rows, ref)
     state.keep_path([0, 1])  # a no-op for chains: the next forward rolls back lazily
     assert state.cache.length == len(prompt) + 5
@@ -136,7 +137,7 @@ def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
     c = long_model.cfg
 
     def state_for():
-        full = long_model.new_cache(n_prompt + 64, record_queries=True)
+        full = new_cache(long_model, n_prompt + 64, record_queries=True)
         prefill(long_model, full, torch.tensor([prompt]), 512)
         if kind == "full":
             st = ModelState("full", long_model, full, GREEDY)
@@ -150,8 +151,8 @@ def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
 
     with torch.inference_mode(), kernels.override(kern):  # plain decoding on the kernels too: float order apart,
         before = state_for()                                 # the same arithmetic
-        want = [copy.deepcopy(before).score(ctx + [tree.tokens[i] for i in tree.path_to(slot - 1)], len(prompt), [],
-                                            ranked=True)[-1] for slot in range(len(tree) + 1)]
+        want = [copy.deepcopy(before).ranked(ctx + [tree.tokens[i] for i in tree.path_to(slot - 1)], len(prompt), [])[-1]
+                for slot in range(len(tree) + 1)]
     calls = []
 
     class Spy:  # the kernel module, recording whether each attention call carried a token block (or dropping it)
@@ -171,10 +172,10 @@ def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
             return spied
 
     with torch.inference_mode(), kernels.override(Spy(drop=False)):
-        rows = copy.deepcopy(before).score(ctx, len(prompt), tree, ranked=True)  # fp32 logits [T + 1, V]
+        rows = copy.deepcopy(before).ranked(ctx, len(prompt), tree)  # fp32 logits [T + 1, V]
     assert calls.count(True) == c.n_layers  # every layer's attention: the kernel with the tree's visibility
     with torch.inference_mode(), kernels.override(Spy(drop=True)):  # the wrong variant: nodes see earlier siblings
-        wrong = copy.deepcopy(before).score(ctx, len(prompt), tree, ranked=True)
+        wrong = copy.deepcopy(before).ranked(ctx, len(prompt), tree)
     want = torch.stack(want)
     # Float order apart, the tree's rows are plain decoding's; the wrong variant's are not (1.5e-5 of the logits'
     # scale: a node that sees its siblings' keys among a thousand). The float order is the attention kernel's: a

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from triforce.sampling import make_generator
+from triforce.sampling import Scores, make_generator
 from triforce.speculation.level import accept, verify_tree
 from triforce.speculation.tree import DraftTree
 
@@ -32,11 +32,11 @@ def test_greedy_tree_walks_the_argmax():
     t = DraftTree((1, 2, 3, 4, 5), (-1, -1, 1, 1, 3))
     # argmax after: root 2 (node 1), node 1 -> 4 (node 3), node 3 -> 5 (node 4), node 4 -> 0 (bonus)
     p = torch.tensor([2, 9, 4, 9, 5, 0])
-    assert verify_tree(t, None, p, None) == ([1, 3, 4], 0)
+    assert verify_tree(t, None, Scores(ids=p), None) == ([1, 3, 4], 0)
     p = torch.tensor([2, 9, 1, 9, 5, 0])  # after node 1 the argmax 1 is no child: stop there
-    assert verify_tree(t, None, p, None) == ([1], 1)
+    assert verify_tree(t, None, Scores(ids=p), None) == ([1], 1)
     p = torch.tensor([0, 9, 1, 9, 5, 0])
-    assert verify_tree(t, None, p, None) == ([], 0)
+    assert verify_tree(t, None, Scores(ids=p), None) == ([], 0)
 
 
 def test_chain_is_the_one_child_case():
@@ -45,8 +45,9 @@ def test_chain_is_the_one_child_case():
         p = torch.softmax(torch.randn(5, V, generator=g), -1)
         q = torch.softmax(torch.randn(4, V, generator=g), -1)
         draft = torch.multinomial(q, 1, generator=g).squeeze(1).tolist()
-        a = accept(draft, q, p, make_generator(7))
-        path, nxt = verify_tree(DraftTree.chain(draft), torch.cat([q, torch.zeros(1, V)]), p, make_generator(7))
+        a = accept(draft, q, Scores(probs=p), make_generator(7))
+        path, nxt = verify_tree(DraftTree.chain(draft), torch.cat([q, torch.zeros(1, V)]), Scores(probs=p),
+                                make_generator(7))
         assert a == (len(path), nxt) and path == list(range(len(path)))
 
 
@@ -101,7 +102,7 @@ def _emitted(models: Models, n: int, seed: int, lie: bool = False):
         q = models.rows(tree, "q")
         if lie:  # a wrong sampler: it claims uniform proposals
             q = torch.full_like(q, 1.0 / V)
-        path, nxt = verify_tree(tree, q, models.rows(tree, "p"), gen)
+        path, nxt = verify_tree(tree, q, Scores(probs=models.rows(tree, "p")), gen)
         out = [tree.tokens[i] for i in path] + [nxt]
         first[out[0]] += 1
         if len(out) > 1:

@@ -15,7 +15,7 @@ verifier scores a token exactly as `ar` does, bit for bit, which is what makes g
 token-identical on a GPU too. The padding is free where decoding is bound by memory (16 rows of a
 weight matrix cost what 1 does).
 
-Used by ModelState.score for chains through SLOT_CAUSAL caches (the full level, ar, retrieval
+Used by ModelState.score for chains through caches with fixed slots (SlotLayout.fixed: the full level, ar, retrieval
 levels) when the model is on CUDA; trees, streaming windows, int8 and offloaded caches, and
 forwards of more than GRAPH_ROWS tokens (prefill) run eagerly.
 """
@@ -33,16 +33,16 @@ GRAPH_ROWS = 16
 class _Graph:
     """The captured GRAPH_ROWS-row forward through one cache's buffers."""
 
-    def __init__(self, model, cache):
-        device, P = cache.k.device, GRAPH_ROWS
+    def __init__(self, model, cache, layout):
+        device, P = layout.k.device, GRAPH_ROWS
         self.inputs = torch.zeros(3, P, dtype=torch.long, device=device)  # tokens, positions, slots
         self.host = torch.zeros(3, P, dtype=torch.long).pin_memory()
         self.copied = torch.cuda.Event()  # the last copy out of `host` is done (it may be refilled)
         self.copied.record()
         self.tokens = self.inputs[0].view(1, P)
         self.positions = self.inputs[1]
-        self.view = StaticView(cache.k, cache.v, self.inputs[2], model.cfg.n_heads,
-                               record_queries=getattr(cache, "queries", None) is not None)
+        self.view = StaticView(layout.k, layout.v, self.inputs[2], model.cfg.n_heads,
+                               record_queries=cache.recorder is not None)
         self.model = model
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -84,26 +84,26 @@ class GraphedForwards:
         self.replays = 0
 
     def usable(self, cache, block, n_tokens: int) -> bool:
-        m = self.model
-        return (block is None and 1 <= n_tokens <= GRAPH_ROWS and cache.SLOT_CAUSAL
-                and cache.k.device == m.device and m.windows is None and m.rotary.rope.type != "dynamic"
-                and not m.quantized and cache._slot(cache.length) + GRAPH_ROWS <= cache.k.shape[3])
+        m, layout = self.model, cache.slot_layout
+        return (block is None and 1 <= n_tokens <= GRAPH_ROWS and layout is not None and layout.fixed
+                and layout.k.device == m.device and m.windows is None and m.rotary.rope.type != "dynamic"
+                and not m.quantized and layout.first + GRAPH_ROWS <= layout.k.shape[3])
 
     def forward(self, tokens: list[int], cache, last: int) -> torch.Tensor:
         """tokens (a chain at cache.length onwards) -> fp32 logits [last, V] of the last `last` tokens;
         commits them to the cache like Transformer.forward."""
         n, P = len(tokens), GRAPH_ROWS
-        cache.prepare(n)  # its own checks (capacity); the mask it makes is not used
+        cache.prepare(n)  # its own checks (capacity); the visibility it prepares is not used
+        layout = cache.slot_layout
         graph = self._graphs.get(id(cache))
         if graph is None:
-            graph = self._graphs[id(cache)] = _Graph(self.model, cache)
+            graph = self._graphs[id(cache)] = _Graph(self.model, cache, layout)
             weakref.finalize(cache, self._graphs.pop, id(cache), None)
-        first, slot = cache.length, cache._slot(cache.length)
+        first, slot = cache.length, layout.first
         rows = [list(tokens) + [0] * (P - n), list(range(first, first + P)), list(range(slot, slot + P))]
         logits = graph.run(rows)[0, n - last:n].clone()
         self.replays += 1
         if graph.view.queries is not None:  # what a retrieval build reads (FullCache.update's record)
-            cache.queries = [q[:, :, :n] for q in graph.view.queries]
-            cache.query_start = first
+            cache.recorder.record_all([q[:, :, :n] for q in graph.view.queries], first)
         cache.commit(n)
         return logits

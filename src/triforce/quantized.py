@@ -6,7 +6,7 @@ A GGUF weight of shape [N, K] is N rows of K / QK blocks, each block QK weights 
 dequantizes blocks in registers; Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K are held
 interleaved 16 rows at a time instead (`pack_rows`: the same bytes) for kernels/quant_packed.cpp's integer dot products, which take x to 16
 bits per 32-element block; without the kernels, `dequantize` below turns a few rows at a time into
-fp32 with gguf's own reader code (never a whole matrix at once, see model.QuantLinear).
+fp32 with gguf's own reader code (never a whole matrix at once, see execution.QuantLinear).
 
 The values are gguf.quants.dequantize's (bit for bit for Q4_0, Q5_0, Q8_0, Q6_K, F16, BF16 in the
 kernel; within one rounding for the formats with a min): a model computed from these bytes is the
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .kernels.capabilities import capabilities
 
 # GGML type id -> (name, weights per block, bytes per block) for the types the kernels compute with.
 # (gguf.GGMLQuantizationType / gguf.GGML_QUANT_SIZES hold the same numbers.)
@@ -139,7 +141,7 @@ def unpack_rows(packed: torch.Tensor, qtype: int, shape: tuple[int, int], start:
     stop = n if stop is None else min(stop, n)
     _, qk, size = FORMATS[qtype]
     (head, tail), nb = PACKED_FIELDS[qtype], k // qk
-    if ops is not None and hasattr(ops, "unpack_rows"):
+    if capabilities(ops).unpack_rows:
         return QuantTensor(ops.unpack_rows(packed, head, tail, size, start, stop), qtype, (stop - start, k))
     g0, g1 = start // PACK_ROWS, -(-stop // PACK_ROWS)
     n_groups, f = g1 - g0, head + tail

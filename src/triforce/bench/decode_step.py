@@ -16,49 +16,17 @@ import time
 
 import torch
 
+from ..caches import new_cache
+from ..caches.synthetic import fill_random
 from ..tuning.measure import time_forwards, time_forwards_interleaved
 
 
 def random_cache(model, n_ctx: int, tokens: int):
-    """The model's cache holding n_ctx tokens of random keys and values, with room for `tokens` more. An int8
-    cache (caches/quantized.py) gets random codes, scales and zeros for the positions a query at n_ctx reads
-    from its planes, and a random buffer for the rest."""
-    from ..caches import QuantizedCache
-    from ..caches.quantized import GROUP_K, fp_from
-
-    cache = model.new_cache(n_ctx + tokens)
-    if isinstance(cache, QuantizedCache):
-        for plane in (cache.k_hi, cache.v_hi, cache.k_lo, cache.v_lo):
-            plane.random_(0, 256)
-        for scale, zero in ((cache.k_scale, cache.k_zero), (cache.v_scale, cache.v_zero)):
-            scale.uniform_(0.001, 0.05)
-            zero.normal_()
-        a = fp_from(n_ctx)
-        cache.nq, cache.fb = a // GROUP_K, a
-        cache.fk.normal_()
-        cache.fv.normal_()
-    else:
-        fake_context(cache, n_ctx)
-    cache.length = n_ctx
+    """The model's cache holding n_ctx tokens of random keys and values, with room for `tokens` more
+    (caches/synthetic.py)."""
+    cache = new_cache(model, n_ctx + tokens)
+    fill_random(cache, n_ctx)
     return cache
-
-
-def fake_context(cache, n_ctx: int) -> None:
-    """Make a new full cache (a FullCache, or a SlidingWindowCache: its global layers' FullCache and its
-    ring, full of the last positions) hold n_ctx random keys and values, as if prefilled."""
-    from ..caches import SlidingWindowCache
-
-    if isinstance(cache, SlidingWindowCache):
-        ring = min(n_ctx, cache.ring_size)
-        positions = torch.arange(n_ctx - ring, n_ctx, device=cache.pos.device)
-        cache.pos[positions % cache.ring_size] = positions
-        cache.k.normal_()
-        cache.v.normal_()
-        cache.high = n_ctx - 1
-        cache = cache.global_cache
-    cache.k[:, :, :, :n_ctx].normal_()
-    cache.v[:, :, :, :n_ctx].normal_()
-    cache.length = n_ctx
 
 
 def time_ours(model, n_ctx: int, steps: int, tokens: int = 1) -> float:
@@ -149,7 +117,12 @@ def _bf16_dot_words(kern) -> str:
 def main(argv=None) -> None:
     from ..config import KV_DTYPES, WEIGHTS
     from ..loading import load_model
-    from .hardware import floor_seconds, kv_bytes_per_token, measure_bandwidth, weight_bytes
+    from .hardware import (
+        floor_seconds,
+        kv_bytes_per_token,
+        measure_bandwidth,
+        weight_bytes,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="8192,32768", help="comma-separated context lengths")

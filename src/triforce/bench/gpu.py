@@ -22,6 +22,9 @@ import time
 
 import torch
 
+from ..caches import new_cache
+from ..caches.synthetic import fill_random
+
 SHAPES = {
     "llama2-7b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
@@ -83,18 +86,6 @@ def random_model(shape: dict, dtype=torch.bfloat16):
         torch.set_default_dtype(prev)
     model.init_rotary()
     return model.to("cuda").eval()
-
-
-def fill_random(cache, length: int) -> None:
-    """K/V of positions < length random (unit normal), the cache at that length."""
-    for layer in range(cache.n_layers):
-        for buf in (cache.k, cache.v):
-            if isinstance(buf, torch.Tensor):
-                buf[layer, :, :, :length].normal_()
-            else:  # an offloaded cache's pinned host layers [capacity, ...]: made on the GPU, a layer at a time
-                part = buf[layer][:length]
-                part.copy_(torch.randn(part.shape, device="cuda", dtype=part.dtype))
-    cache.length = length
 
 
 def _graph_ms(fn, reps: int = 20) -> float:
@@ -208,7 +199,7 @@ def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamm
     from ..caches import RetrievalCache
 
     cfg = model.cfg
-    cache = model.new_cache(ctx + 256, record_queries=True)
+    cache = new_cache(model, ctx + 256, record_queries=True)
     fill_random(cache, ctx - 1)
     graphs = model.graphs
     tok = [1]
@@ -285,7 +276,7 @@ def measure_generation(model, row: dict, ctx: int, n_new: int, gamma: int, gamma
 def measure_offloaded(model, row: dict, ctx: int, kv_bytes: int, gamma: int, pcie: float, log) -> None:
     model.offload_kv = True
     try:
-        off = model.new_cache(ctx + 256)
+        off = new_cache(model, ctx + 256)
     except RuntimeError as e:  # pinned memory refused
         log(f"{model.cfg.n_layers}-layer {ctx}: offloaded cache not allocated ({e})")
         return

@@ -40,9 +40,9 @@ def measure_fma_peak(n: int = 1536, repeats: int = 5) -> float:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights read by one decode step (the embedding table only as the LM head's weights:
     the lookup itself reads one row). Linear layers holding bf16 panels (a draft-weights
-    copy, model.with_draft_weights) are counted at the panels' size, weights kept in GGML blocks
+    copy, loading.weights.draft_weights) are counted at the panels' size, weights kept in GGML blocks
     (QuantLinear) at their stored bytes: that is what they read."""
-    from ..model import Linear, QuantEmbedding
+    from ..execution import Linear, QuantEmbedding
 
     read_as = {id(m.weight): m.panels.numel() * m.panels.element_size() for m in model.modules()
                if isinstance(m, Linear) and m.panels is not None and m.panels.dtype != m.weight.dtype}

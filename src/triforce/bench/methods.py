@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..caches import new_cache
 from ..errors import TriforceError
 from ..storage import atomic_file, atomic_write, remove_stale_temporaries
 from ..tuning.measure import sampling_params
@@ -144,8 +145,8 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     from ..speculation.decoder import full_capacity
     from ..speculation.stack import StackSpec, method_stack
     from ..speculation.state import PrefilledPrompt
-    from . import peers as peer_mod
     from ..tuning import flags as tuned_flags
+    from . import peers as peer_mod
 
     model, tok = loaded.model, loaded.tokenizer
     rows = []
@@ -642,9 +643,9 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     --stacks into StackSpecs)."""
     from ..config import kv_dtype_name
     from ..loading import configure_device, load_model, resolve_dtype
+    from ..tuning.flags import tuned_allowed, tuned_run
     from . import peers as peer_mod
     from .hardware import measure_bandwidth
-    from ..tuning.flags import tuned_allowed, tuned_run
 
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(peer_mod.PEERS)
@@ -672,7 +673,7 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
             raise TriforceError(f"--reference-kv-dtype {reference_kv} is this run's own KV dtype: name another one to "
                                 f"compare with (e.g. --kv-dtype int8 --reference-kv-dtype fp32)")
         try:  # a tiny cache of that dtype now: the model's own refusals (int8 with sliding-window layers) come
-            loaded.model.new_cache(1, dtype=reference_kv)  # before any method has run, not after
+            new_cache(loaded.model, 1, dtype=reference_kv)  # before any method has run, not after
         except TriforceError as e:
             raise TriforceError(f"--reference-kv-dtype {reference_kv}: {e}") from e
     bandwidth = measure_bandwidth(device=loaded.model.device)  # floors on a GPU are its HBM's

@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from ..caches import new_cache
 from ..config import DEFAULT_KV_DTYPE, KV_DTYPES, WEIGHTS, WEIGHTS_HELP, kv_dtype_name
 
 # Band edges (positions); the last band ends at the last prediction.
@@ -30,7 +31,7 @@ BAND_EDGES = (0, 2048, 4096, 8192, 16384, 24576, 32768, 65536, 131072)
 def token_nll(model, ids: list[int], chunk: int = 512) -> torch.Tensor:
     """Negative log-likelihoods [len(ids) - 1]: entry i is -log p(ids[i + 1] | ids[:i + 1]),
     one forward over the sequence in chunks of `chunk` tokens."""
-    cache = model.new_cache(len(ids))
+    cache = new_cache(model, len(ids))
     x = torch.tensor([ids], device=model.device)
     nll = torch.empty(len(ids) - 1)
     with torch.inference_mode():

@@ -1,8 +1,8 @@
 """The KV-cache interface shared by every cache.
 
 A forward pass over T new tokens calls, in order:
-  `prepare(T, block)` once -> the mask shared by all layers,
-  `update(layer, q, k, v)` per layer -> the keys/values (and mask) that layer attends over,
+  `prepare(T, block)` once -> what every layer's new tokens see,
+  `update(layer, q, k, v)` per layer -> what that layer attends over: one attention input (below),
   `commit(T)` once    -> the new tokens become part of the sequence.
 
 The new tokens are a causal chain at positions length.. length + T - 1 (block None), or a
@@ -10,6 +10,16 @@ TokenBlock: a draft tree after the pending context tokens, each token at its own
 depth) seeing only itself and its ancestors. After the tree is verified, `keep(start, rows)` keeps
 the accepted root-to-leaf path as the sequence (compaction of the appended rows); for a chain that
 is a prefix, i.e. `rollback`.
+
+Attention inputs, the only thing a cache hands a layer (execution.attention dispatches on their type):
+  SlotKV   keys and values in storage slots, the new tokens' last; every older slot visible to every new
+           token but a StreamingLLM window's gap; the new tokens causal among themselves, or a tree's block
+  DenseKV  keys and values with a [T, S] bool mask (a sliding-window ring; a window off the CPU)
+  PlanesKV a quantized cache's planes, read by the cache's own attention (caches/quantized.py)
+  StaticKV a fixed-shape forward's whole buffers and slot mask (a CUDA graph; caches/static.py)
+
+A cache whose chains sit in slots says where (`slot_layout`): the CPU's one call through every layer
+(execution/fused.py) and a CUDA graph (graphs.py) write and read its buffers themselves.
 
 Keys are stored after RoPE at their absolute positions, so a cache may keep any subset of the
 sequence, in any order. `length` is the logical sequence length (the absolute position of the next
@@ -24,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -69,45 +80,22 @@ class KVCache:
     # windows are not its config's layer_windows: any other cache would silently attend to keys the
     # model never sees.
     windows: tuple[int | None, ...] | None = None
-    # Whether new token i sees exactly the storage slots up to its own (`_slot` of its position) and its
-    # buffers are self.k / self.v on the model's device: then a fixed-shape forward (a CUDA graph,
-    # caches/static.py) may run through it.
-    SLOT_CAUSAL = False
-    # Whether the CPU's one call through every layer (model.Transformer._decode_layers) may run a chain through it:
-    # None, as SLOT_CAUSAL says; a cache whose forwards are slot-causal but which keeps CUDA graphs away for
-    # another reason says True.
-    FUSED_DECODE: bool | None = None
-    # The mask of the forward prepare() set up, as update() returns it (caches that keep one).
-    _mask: TokenBlock | WindowGap | str | torch.Tensor | None = None
+    # The queries of the last forward, for the builds that select keys by them (None: not recorded)
+    recorder: QueryRecorder | None = None
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         raise NotImplementedError
 
-    def fused_decode_slot(self) -> tuple[int, torch.Tensor | None] | None:
-        """How the CPU's one call through every layer (model.Transformer._decode_layers, decode_layers in
-        kernels/decode_layer.cpp) reads this cache for the forward prepare() set up: (the storage slot of the first
-        new token, a StreamingLLM window's gap [T + 1] or None), or None where that call cannot (the layers then run
-        one by one). It can where the new tokens see every older slot and each other causally, in a cache that says
-        so (SLOT_CAUSAL, or FUSED_DECODE where set), or where a WindowGap (and no draft tree) says what each hides."""
-        mask = self._mask
-        if isinstance(mask, WindowGap):
-            return (self._slot(self.length), mask.gap) if mask.block is None else None
-        if not (self.SLOT_CAUSAL if self.FUSED_DECODE is None else self.FUSED_DECODE):
-            return None
-        if not (mask is None or isinstance(mask, str)):
-            return None
-        return self._slot(self.length), None
+    @property
+    def slot_layout(self) -> SlotLayout | None:
+        """Where this cache keeps a chain of new tokens (SlotLayout), or None where its forwards run only through
+        update() (a ring, host buffers, quantized planes)."""
+        return None
 
-    def update(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | TokenBlock | str | None]:
-        """Store k, v [B, Hkv, T, D] for `layer`; return (K, V [B, Hkv, S, D], mask).
-
-        mask: None (all keys visible), CAUSAL (see above), the TokenBlock itself (its tokens are the last
-        T keys, every older key visible to all: the attention kernel takes its [T, T] visibility), or
-        [T, S] bool, True where new token i may attend to key j.
-        q [B, Hq, T, D] is passed for caches that select keys by query (it is not stored by default).
-        """
+    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> SlotKV | DenseKV | PlanesKV:
+        """Store k, v [B, Hkv, T, D] for `layer`; return what the layer's T new tokens attend over.
+        q [B, Hq, T, D] is passed for caches that select keys by query (it is not stored by default)."""
         raise NotImplementedError
 
     def commit(self, n_new: int) -> None:
@@ -148,6 +136,74 @@ class KVCache:
         """Bookkeeping of a cache after keep() moved `rows` of the last forward to `slot` onwards."""
 
 
+class Buildable(Protocol):
+    """A cache made from a full cache (kv4's 4-bit reading of a float cache; retrieval and H2O, Rebuildable)."""
+
+    def build(self, full: KVCache) -> None:
+        """Make this cache from `full` at its length (its recorder holding the queries of its last forward)."""
+
+
+class Rebuildable(Buildable, Protocol):
+    """A cache made from a full cache's keys and the queries it recorded (retrieval, H2O), made again as the
+    sequence grows."""
+
+    built_at: int  # the full cache's length at the last build
+
+    def room(self, committed: int) -> int:
+        """Slots left for tokens after `committed` (the owner rebuilds before they run out)."""
+
+
+class Windowed(Protocol):
+    """A cache that keeps only the newest tokens past its sinks (StreamingLLM): a prefill feeds the prompt's tail."""
+
+    def tail_needed(self) -> int:
+        """Tokens at the end of a prompt that a prefill must feed."""
+
+    def skip_to(self, position: int) -> None:
+        """Continue at `position` without feeding the tokens in between."""
+
+
+class Checkpointable(Protocol):
+    """A cache that a prefilled prompt returns to for each generation. Every KVCache is (its length, by default);
+    a ring or an int8 buffer also saves what later writes overwrite."""
+
+    def checkpoint(self): ...
+
+    def restore(self, point) -> None: ...
+
+
+class QueryRecorder:
+    """The post-RoPE queries of a cache's last forward, per layer: `layers[i]` [B, Hq, T, D] for the positions
+    `start` onwards (None for a layer not yet fed). A retrieval or H2O cache is built from them: they select the
+    keys the next tokens will attend to most."""
+
+    def __init__(self, n_layers: int):
+        self.layers: list[torch.Tensor | None] = [None] * n_layers
+        self.start = 0
+
+    def begin(self, start: int) -> None:
+        """A forward from position `start` on is about to record."""
+        self.start = start
+
+    def record(self, layer: int, q: torch.Tensor) -> None:
+        self.layers[layer] = q
+
+    def record_all(self, queries, start: int | None = None) -> None:
+        """Every layer's at once (the one call through every layer, a CUDA graph), from `start` (default: begin's)."""
+        self.layers[:] = queries
+        if start is not None:
+            self.start = start
+
+    def keep(self, start: int, rows: torch.Tensor) -> None:
+        """After KVCache.keep: the kept rows of a forward from `start` (a verified tree's path), if it recorded."""
+        if self.start == start:
+            self.layers = [q[:, :, rows] if q is not None else None for q in self.layers]
+
+    def last(self) -> list[torch.Tensor | None]:
+        """Each layer's query of the last recorded position, [B, Hq, 1, D] (copies)."""
+        return [q[:, :, -1:].clone() if q is not None else None for q in self.layers]
+
+
 @dataclass(frozen=True)
 class TokenBlock:
     """New tokens that are not one causal chain: offsets [T] (long), each token's position minus the
@@ -166,20 +222,75 @@ class TokenBlock:
 
 @dataclass(frozen=True)
 class WindowGap:
-    """A StreamingLLM window's mask in the form the compiled attention takes (model.attention): the storage slots
-    gap[0] .. gap[1 + t] - 1 (gap [T + 1] int64 on the CPU: the first slot past the sinks, then each new token's
-    first slot in its window) are hidden from new token t, every other older slot is visible, and the new tokens
-    see each other causally (or as `block` says). `dense` is the same mask as a [T, S] bool tensor, for PyTorch's
-    attention."""
+    """A StreamingLLM window in the form the compiled attention takes: the storage slots gap[0] .. gap[1 + t] - 1
+    (gap [T + 1] int64 on the CPU: the first slot past the sinks, then each new token's first slot in its window)
+    are hidden from new token t, every other older slot is visible. `dense` is the whole visibility as a [T, S]
+    bool tensor (the new tokens' among themselves included), for PyTorch's attention."""
 
     gap: torch.Tensor
-    block: TokenBlock | None
     dense: torch.Tensor
 
 
-# A mask marker: every key but the newest T is visible to all T new tokens, and the newest T keys
-# (the new tokens themselves) are causal. Attention can then skip building and applying a [T, S] mask.
-CAUSAL = "causal"
+@dataclass(frozen=True)
+class SlotKV:
+    """What a layer attends over in a cache that keeps tokens in storage slots: keys, values [B, Hkv, S, D], the
+    T new tokens in the last T slots. Every older slot is visible to every new token, but the slots a
+    StreamingLLM `window` hides; the new tokens see each other causally (`block` None: a chain, and one token
+    sees them all), or as a draft tree's `block.visible` says. The compiled attention kernel reads this form as
+    it is."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    block: TokenBlock | None = None
+    window: WindowGap | None = None
+
+    def dense_mask(self) -> torch.Tensor | None:
+        """The visibility as [T, S] bool (True: new token t sees key s), or None for a chain (causal_mask)."""
+        if self.window is not None:
+            return self.window.dense
+        if self.block is not None:
+            return self.block.mask(self.keys.shape[2] - self.block.visible.shape[0])
+        return None
+
+
+@dataclass(frozen=True)
+class DenseKV:
+    """What a layer attends over where visibility is given key by key: keys, values [B, Hkv, S, D] and mask
+    [T, S] bool, True where new token t sees key s (a sliding-window ring; a StreamingLLM window off the CPU)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+
+
+class PlanesKV:
+    """What a layer attends over in a cache that stores K/V in its own quantized layout: only the cache reads it,
+    so attention hands itself over (`attend`)."""
+
+    def attend(self, q: torch.Tensor, scale: float, ops=None) -> torch.Tensor:
+        """q [B, Hq, T, D] -> [B, Hq, T, D]; `ops` the compiled CPU kernels or None."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where a cache keeps a chain of new tokens, for the forwards that write and read its buffers themselves: the
+    CPU's one call through every layer (execution/fused.py) and a CUDA graph (graphs.py).
+
+    k, v: the buffers [layers, B, Hkv, slots, D].
+    first: the slot of position `length` (the next token, or the prepared forward's first): a chain's tokens take
+        the slots from there on, each seeing every older slot (but `gap`'s) and the new ones up to its own.
+    gap: the prepared forward's StreamingLLM window (WindowGap.gap), or None.
+    chain: the prepared forward is a chain, not a draft tree (the one call through every layer takes chains).
+    fixed: visibility is causal over slots with no gap, whatever was prepared, in buffers that stay put: a CUDA
+        graph captured once may replay through them."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    first: int
+    gap: torch.Tensor | None = None
+    chain: bool = True
+    fixed: bool = False
 
 
 def causal_mask(n_new: int, n_past: int, device: torch.device) -> torch.Tensor:

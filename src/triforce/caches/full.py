@@ -3,18 +3,23 @@ from __future__ import annotations
 
 import torch
 
-from .base import CAUSAL, KVCache, TokenBlock, check_capacity, kv_buffer
+from .base import (
+    KVCache,
+    QueryRecorder,
+    SlotKV,
+    SlotLayout,
+    TokenBlock,
+    check_capacity,
+    kv_buffer,
+)
 
 
 class FullCache(KVCache):
     """Preallocated [n_layers, B, Hkv, capacity, D] keys and values.
 
-    With `record_queries=True`, the post-RoPE queries of the last forward are kept per layer
-    (`queries[layer]`: [B, Hq, T, D], for positions `query_start` onwards) so that a retrieval
-    cache can be (re)built from them.
+    With `record_queries=True`, the post-RoPE queries of the last forward are kept (`recorder`) so that a
+    retrieval cache can be (re)built from them.
     """
-
-    SLOT_CAUSAL = True  # a fixed-shape forward may run through it (caches/static.py)
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
                  batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -23,24 +28,28 @@ class FullCache(KVCache):
         self.k = kv_buffer(shape, dtype, device)
         self.v = kv_buffer(shape, dtype, device)
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
-        self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
-        self.query_start = 0
-        self._mask: TokenBlock | str | None = None
+        self.recorder = QueryRecorder(n_layers) if record_queries else None
+        self._block: TokenBlock | None = None  # the prepared forward's tree (None: a chain, or one token)
         self._n_new = 0
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")
         self._n_new = n_new
-        self.query_start = self.length
-        self._mask = None if n_new == 1 else CAUSAL if block is None else block
+        if self.recorder is not None:
+            self.recorder.begin(self.length)
+        self._block = block if n_new > 1 else None
+
+    @property
+    def slot_layout(self) -> SlotLayout:
+        return SlotLayout(self.k, self.v, self.length, chain=self._block is None, fixed=True)
 
     def update(self, layer, q, k, v):
         start, end = self.length, self.length + self._n_new
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
-        if self.queries is not None:
-            self.queries[layer] = q
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], self._mask
+        if self.recorder is not None:
+            self.recorder.record(layer, q)
+        return SlotKV(self.k[layer, :, :, :end], self.v[layer, :, :, :end], self._block)
 
     def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, n, D] of positions 0 .. n - 1 of `layer` (views, as stored)."""
@@ -54,5 +63,5 @@ class FullCache(KVCache):
         return position
 
     def _kept(self, start: int, slot: int, rows: torch.Tensor) -> None:
-        if self.queries is not None and self.query_start == start:  # the retrieval build reads them
-            self.queries = [q[:, :, rows] if q is not None else None for q in self.queries]
+        if self.recorder is not None:  # the retrieval build reads them
+            self.recorder.keep(start, rows)

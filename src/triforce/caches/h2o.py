@@ -30,9 +30,9 @@ SCORE_BLOCK = 16  # queries scored at once (bounds the [Hq, block, N] attention 
 
 
 class H2OCache(RetrievalCache):
-    SLOT_CAUSAL = False  # its selection reads attention scores: eager
-    FUSED_DECODE = True  # (its forwards are the retrieval cache's: one C++ call through every layer on the CPU,
-    #                      1.7-1.9 ms less per forward at budget 4096 on Zen 5)
+    # No CUDA graph: its selection reads attention scores, eagerly. Its forwards are the retrieval cache's, so on the
+    # CPU they take the one call through every layer (slot_layout) all the same.
+    FIXED_SLOTS = False
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, budget: int, recent: int = 64,
                  scale: float | None = None, **kw):

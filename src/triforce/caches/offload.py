@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .base import QueryRecorder, SlotKV
 from .full import FullCache
 
 
@@ -24,8 +25,6 @@ class OffloadedCache(FullCache):
     slice would be strided and go through a CPU copy; one allocation per layer, since a single pinned
     block of tens of GiB can be refused where the same memory in pieces is not); staging on the GPU
     [B, Hkv, capacity, D] as attention reads it."""
-
-    SLOT_CAUSAL = False  # its buffers live on the host: eager forwards only
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
                  batch: int = 1, dtype: torch.dtype = torch.float16, device: torch.device | str = "cuda",
@@ -42,11 +41,15 @@ class OffloadedCache(FullCache):
         self.copy_stream = torch.cuda.Stream(self.device)
         self.loaded = [torch.cuda.Event() for _ in range(2)]
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
-        self.queries = [None] * n_layers if record_queries else None
-        self.query_start = 0
-        self._mask = None
+        self.recorder = QueryRecorder(n_layers) if record_queries else None
+        self._block = None
         self._n_new = 0
         self.bytes_moved = 0  # host -> GPU, for the benchmarks
+
+    @property
+    def slot_layout(self) -> None:
+        """None: its buffers live on the host, so its forwards run eagerly, through update()."""
+        return None
 
     def _pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed page-locked host tensor of exactly its bytes. PyTorch's pinned allocator
@@ -98,10 +101,10 @@ class OffloadedCache(FullCache):
         dv[:, :, start:end] = v
         self.k[layer][start:end].copy_(k.permute(2, 0, 1, 3), non_blocking=True)
         self.v[layer][start:end].copy_(v.permute(2, 0, 1, 3), non_blocking=True)
-        if self.queries is not None:
-            self.queries[layer] = q
+        if self.recorder is not None:
+            self.recorder.record(layer, q)
         self._prefetch(layer + 1)  # its buffers' last reader (layer - 1's attention) is queued already
-        return dk[:, :, :end], dv[:, :, :end], self._mask
+        return SlotKV(dk[:, :, :end], dv[:, :, :end], self._block)
 
     def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, n, D] of positions 0 .. n - 1 of `layer`, copied to the GPU."""

@@ -41,7 +41,15 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import KVCache, TokenBlock, check_capacity, kv_buffer
+from ..kernels.capabilities import capabilities
+from .base import (
+    KVCache,
+    PlanesKV,
+    QueryRecorder,
+    TokenBlock,
+    check_capacity,
+    kv_buffer,
+)
 
 GROUP_K = 64  # tokens per key group (per-channel scales)
 GROUP_V = 32  # channels per value group (per-token scales)
@@ -143,7 +151,7 @@ class QuantizedCache(KVCache):
     the target's cache, --kv-dtype int8) or 4 (the upper plane only: a kv4 level's own cache over a target
     with a float cache). `dtype`: the full-precision buffer's. `max_rollback`: the furthest rollback below
     `length` the cache must allow (the buffer keeps what such a rollback needs). With `record_queries=True`
-    the last forward's post-RoPE queries are kept per layer, as FullCache keeps them (retrieval builds).
+    the last forward's post-RoPE queries are kept (`recorder`), as FullCache keeps them (retrieval builds).
 
     `shared`: an int8 QuantizedCache (the target's) whose upper planes, scales and zeros this cache reads instead
     of planes of its own (a kv4 level over an int8 target: no second copy of the cache). It then never
@@ -189,8 +197,7 @@ class QuantizedCache(KVCache):
         self.fb = 0  # the buffer holds positions fb .. length - 1 (fb a multiple of GROUP_K)
         self.fk = self.fv = None
         self._grow(2 * GROUP_K + max_rollback + GROUP_K)
-        self.queries: list[torch.Tensor | None] | None = [None] * n_layers if record_queries else None
-        self.query_start = 0
+        self.recorder = QueryRecorder(n_layers) if record_queries else None
         self._n_new = 0
         self._nq_target = 0
         self._qb: torch.Tensor | None = None  # per new token: fp_from(its position)
@@ -285,21 +292,22 @@ class QuantizedCache(KVCache):
         new = (torch.ones(n_new, n_new, dtype=torch.bool, device=dev).tril() if block is None else block.visible)
         visible[:, L - self.fb:] &= new
         self._qb, self._fp_mask, self._n_new = qb, visible, n_new
-        self.query_start = L
+        if self.recorder is not None:
+            self.recorder.begin(L)
 
     def update(self, layer, q, k, v):
         """Store k, v [B, Hkv, T, D] in the buffer, quantize the groups this forward's queries read from the
-        planes; -> (QuantizedKV, None, None): model.attention hands the attention to it."""
+        planes; -> QuantizedKV: execution.attention hands the attention to it."""
         a = self.length - self.fb
         self.fk[layer, :, :, a:a + self._n_new] = k
         self.fv[layer, :, :, a:a + self._n_new] = v
         self._quantize((layer,), self._nq_target)
-        if self.queries is not None:
-            self.queries[layer] = q
-        return QuantizedKV(self, layer), None, None
+        if self.recorder is not None:
+            self.recorder.record(layer, q)
+        return QuantizedKV(self, layer)
 
     def fused_inputs(self, g: int) -> tuple:
-        """For a forward of every layer in one call (model._decode_layers: kernels' decode_layers_quant), after
+        """For a forward of every layer in one call (execution.FusedDecode: kernels' decode_layers_quant), after
         prepare: the groups its queries read quantized, quantized now for every layer (they were all fed by
         earlier forwards: a forward of at most 64 tokens reads none of its own from the planes), and the
         arguments that call takes from the cache (g: query heads per KV head)."""
@@ -332,8 +340,8 @@ class QuantizedCache(KVCache):
         idx = torch.tensor(rows, device=self.device)
         self.fk[:, :, :, a:a + len(rows)] = self.fk[:, :, :, a + idx]
         self.fv[:, :, :, a:a + len(rows)] = self.fv[:, :, :, a + idx]
-        if self.queries is not None and self.query_start == start:
-            self.queries = [q[:, :, idx] if q is not None else None for q in self.queries]
+        if self.recorder is not None:
+            self.recorder.keep(start, idx)
         self.length = start + len(rows)
 
     def build(self, full) -> None:
@@ -426,7 +434,7 @@ class QuantizedCache(KVCache):
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-class QuantizedKV:
+class QuantizedKV(PlanesKV):
     """What QuantizedCache.update gives attention for one layer's forward: the planes of `layer` and its
     buffer. `attend` computes softmax(q k^T * scale) v with each new token reading positions < fp_from(its
     position) from the planes and the buffer from there on (its own mask)."""
@@ -447,7 +455,7 @@ class QuantizedKV:
         q_end = int(c._qb.max())  # planes: positions < q_end (some rows read fewer)
         n_fp = c.length + T - c.fb
         lo = c.k_lo is not None  # no lower planes: the 4-bit reading
-        if ops is not None and B == 1 and D in KERNEL_HEAD_DIMS and hasattr(ops, "quant_attention") and g <= KERNEL_MAX_ROWS:
+        if ops is not None and B == 1 and D in KERNEL_HEAD_DIMS and capabilities(ops).quant_attention and g <= KERNEL_MAX_ROWS:
             # the kernel, at most KERNEL_MAX_ROWS rows (g * tokens) per call: a prefill chunk in blocks of tokens
             # (each row's result depends on its own query and keys only, so the blocks give what one call would)
             L, none = self.layer, torch.empty(0, dtype=torch.uint8)

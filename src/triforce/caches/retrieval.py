@@ -15,12 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import CAUSAL, KVCache, TokenBlock, check_capacity, kv_buffer
+from .base import KVCache, SlotKV, SlotLayout, TokenBlock, check_capacity, kv_buffer
 from .full import FullCache
 
 
 class RetrievalCache(KVCache):
-    SLOT_CAUSAL = True  # a fixed-shape forward may run through it (caches/static.py)
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, budget: int, chunk_size: int = 8,
                  recent: int = 64, max_new: int = 512, batch: int = 1,
@@ -41,7 +40,7 @@ class RetrievalCache(KVCache):
         self.built_at = 0  # sequence length at the last build
         self.base = 0  # tokens selected at the last build
         self.indices: list[torch.Tensor] = []  # per layer [B, Hkv, base]: positions kept at the last build
-        self._mask: TokenBlock | str | None = None
+        self._block: TokenBlock | None = None  # the prepared forward's tree (None: a chain, or one token)
         self._n_new = 0
 
     def select(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -81,13 +80,15 @@ class RetrievalCache(KVCache):
             self.indices = []
             self.base, self.built_at, self.length = 0, n, n
             return
-        query_index = n - 1 - full.query_start
-        if full.queries is None or full.queries[0] is None or not 0 <= query_index < full.queries[0].shape[2]:
+        recorded = full.recorder
+        query_index = None if recorded is None else n - 1 - recorded.start
+        if (recorded is None or recorded.layers[0] is None
+                or not 0 <= query_index < recorded.layers[0].shape[2]):
             raise ValueError("the full cache holds no recorded query for its last token: create it with "
                              "record_queries=True and build right after a forward that fed that token")
         self.indices = []
         for layer in range(self.n_layers):
-            q = full.queries[layer][:, :, :query_index + 1]
+            q = recorded.layers[layer][:, :, :query_index + 1]
             keys, values = full.layer_kv(layer, n)
             idx = self.select(keys, q)
             gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
@@ -108,14 +109,21 @@ class RetrievalCache(KVCache):
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self._slot(self.length) + n_new, self.capacity, "the retrieval cache (rebuild it more often)")
         self._n_new = n_new
-        self._mask = None if n_new == 1 else CAUSAL if block is None else block
+        self._block = block if n_new > 1 else None
+
+    # a CUDA graph may run through it (caches/static.py)
+    FIXED_SLOTS = True
+
+    @property
+    def slot_layout(self) -> SlotLayout:
+        return SlotLayout(self.k, self.v, self._slot(self.length), chain=self._block is None, fixed=self.FIXED_SLOTS)
 
     def update(self, layer, q, k, v):
         a = self._slot(self.length)
         b = a + self._n_new
         self.k[layer, :, :, a:b] = k
         self.v[layer, :, :, a:b] = v
-        return self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._mask
+        return SlotKV(self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._block)
 
     def rollback(self, length: int) -> None:
         if length < self.built_at:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import KVCache, kv_buffer
+from .base import DenseKV, KVCache, kv_buffer
 from .full import FullCache
 
 # Slots beyond the window: forwards of up to this many tokens write in place, and rollbacks may go
@@ -44,8 +44,8 @@ class SlidingWindowCache(KVCache):
     model's i-th global layer), by default a FullCache of `capacity` tokens.
 
     With `record_queries=True` (default global cache only), the post-RoPE queries of the last forward
-    are kept for the global layers, as FullCache does (`queries[i]` for the i-th global layer,
-    `query_start`): what a retrieval cache is built from."""
+    are kept for the global layers, as FullCache does (`recorder.layers[i]` for the i-th global layer): what a
+    retrieval cache is built from."""
 
     def __init__(self, windows: tuple[int | None, ...], n_kv_heads: int, head_dim: int, capacity: int | None = None,
                  *, global_cache: KVCache | None = None, extra: int = DEFAULT_EXTRA, batch: int = 1,
@@ -86,22 +86,10 @@ class SlidingWindowCache(KVCache):
     def capacity(self) -> int:
         return self.global_cache.capacity
 
-    # the retrieval build reads the global layers' queries (FullCache.queries)
     @property
-    def queries(self):
-        return getattr(self.global_cache, "queries", None)
-
-    @queries.setter
-    def queries(self, value):
-        self.global_cache.queries = value
-
-    @property
-    def query_start(self) -> int:
-        return self.global_cache.query_start
-
-    @query_start.setter
-    def query_start(self, value: int) -> None:
-        self.global_cache.query_start = value
+    def recorder(self):
+        """The global layers' recorded queries (the global cache's): what a retrieval build reads."""
+        return self.global_cache.recorder
 
     def prepare(self, n_new: int, block=None) -> None:
         if block is not None:
@@ -137,11 +125,11 @@ class SlidingWindowCache(KVCache):
         if self._in_place:
             ring_k[:, :, self._slots] = k
             ring_v[:, :, self._slots] = v
-            return ring_k, ring_v, self._mask
+            return DenseKV(ring_k, ring_v, self._mask)
         keys, values = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
         ring_k[:, :, self._slots] = k[:, :, self._write_from:]
         ring_v[:, :, self._slots] = v[:, :, self._write_from:]
-        return keys, values, self._mask
+        return DenseKV(keys, values, self._mask)
 
     def commit(self, n_new: int) -> None:
         self.global_cache.commit(n_new)

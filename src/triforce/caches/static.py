@@ -3,7 +3,7 @@
 A graph replays the same kernels on the same addresses, so nothing in it may depend on Python-side
 state such as the cache's length: the new tokens' storage slots arrive as a device tensor, every
 slot of the capacity is attended to, and a [T, capacity] bias hides the slots a token may not see.
-That needs caches whose visibility is causal over slots (`SLOT_CAUSAL`): new token i sees every
+That needs caches whose visibility is causal over slots (`SlotLayout.fixed`): new token i sees every
 slot up to and including its own, nothing after it. FullCache (slot = position) and RetrievalCache
 (slot = selected count + tokens appended since the build) are; a streaming window, a ring or an
 int8 cache are not, and run eagerly.
@@ -17,7 +17,7 @@ import torch
 
 @dataclass(frozen=True)
 class SlotMask:
-    """The mask of a fixed-shape forward (model.slot_attention reads it): `last` [g*T] int32, the last
+    """The mask of a fixed-shape forward (execution.slot_attention reads it): `last` [g*T] int32, the last
     slot each query row (query head in group, then token) sees, for the CUDA kernel
     (kernels/cuda_decode.py, with its row tile `block_m` and keys per split `split`); or, without it,
     `bias` [T, capacity] fp32, 0 where new token i sees slot j and -inf elsewhere."""
@@ -28,14 +28,22 @@ class SlotMask:
     bias: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class StaticKV:
+    """What a layer of a fixed-shape forward attends over: a cache layer's whole buffers [B, Hkv, capacity, D]
+    in q's dtype and the SlotMask saying which slots each query row sees."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: SlotMask
+
+
 class StaticView:
     """The KV-cache interface (update) over a cache's k / v buffers [layers, B, Hkv, capacity, D] for
     forwards of exactly T tokens whose storage slots are `slots` [T] (long, ascending, on the buffers'
     device, refilled by the caller before each replay). It holds the buffers, not the cache object (a
     graph must not keep a dead cache alive). With `record_queries` each layer's queries are copied to
-    `queries[layer]` [B, Hq, T, D] (fixed buffers: what a retrieval build reads)."""
-
-    SLOT_CAUSAL = False  # (a view, not a cache: the CPU's fused decode layer never takes it)
+    `queries[layer]` [B, Hq, T, D] (fixed buffers: the graph's caller hands them to the cache's QueryRecorder)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, n_heads: int, record_queries: bool):
         from ..kernels import cuda_decode
@@ -66,7 +74,7 @@ class StaticView:
             self.bias.zero_().masked_fill_(hidden, float("-inf"))
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, Hkv, T, D] at the slots; -> the layer's whole K, V buffers and the SlotMask."""
+        """Store k, v [B, Hkv, T, D] at the slots; -> the layer's whole K, V buffers and the SlotMask (StaticKV)."""
         keys, values = self.k[layer], self.v[layer]
         keys.index_copy_(2, self.slots, k.to(keys.dtype))
         values.index_copy_(2, self.slots, v.to(values.dtype))
@@ -74,4 +82,4 @@ class StaticView:
             self.queries[layer].copy_(q)
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
-        return keys, values, self.mask
+        return StaticKV(keys, values, self.mask)

@@ -12,14 +12,14 @@ window semantics.
 
 On the CPU kernels a forward's mask goes as a WindowGap (caches/base.py): the slots between the sinks and each
 new token's window are hidden from it, which the attention kernel skips or masks, so chains take the one C++
-call through every layer (model.Transformer._decode_layers); PyTorch's attention gets the same mask dense.
+call through every layer (execution.FusedDecode); PyTorch's attention gets the same mask dense.
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import TriforceError
-from .base import KVCache, WindowGap, kv_buffer
+from .base import DenseKV, KVCache, SlotKV, SlotLayout, TokenBlock, WindowGap, kv_buffer
 
 
 class StreamingCache(KVCache):
@@ -38,7 +38,10 @@ class StreamingCache(KVCache):
         self.pos = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
         self.n_layers, self.length, self.start = n_layers, 0, sink
         self.skipped_to = sink  # skip_to's position: the region's start until a compaction moves it
-        self._mask: torch.Tensor | None = None
+        # the prepared forward: its tree, and its window as a WindowGap (CPU), or else as a dense mask
+        self._block: TokenBlock | None = None
+        self._window: WindowGap | None = None
+        self._dense: torch.Tensor | None = None
         self._write_slot = 0
         self._n_new = 0
 
@@ -70,21 +73,30 @@ class StreamingCache(KVCache):
         visible = (keys >= 0) & (keys <= q) & ((keys < self.sink) | (keys > q - self.window))
         if block is not None:  # among the new tokens: only ancestors (positions alone do not say)
             visible[:, slot:end] &= block.visible
-        mask = visible
+        self._block, self._window, self._dense = block, None, visible
         if self.pos.device.type == "cpu" and bool((keys >= 0).all()):
             # every slot below the new ones holds a position: the sinks, then the region from `start` on, so a
             # query at position p sees all but the region's positions up to p - window (its gap), in slots
             gap = torch.empty(n_new + 1, dtype=torch.long)
             gap[0] = self.sink
             gap[1:] = self.sink + (positions - self.window + 1 - self.start).clamp(min=0)
-            mask = WindowGap(gap, block, visible)
-        self._mask, self._write_slot, self._n_new = mask, slot, n_new
+            self._window, self._dense = WindowGap(gap, visible), None
+        self._write_slot, self._n_new = slot, n_new
+
+    @property
+    def slot_layout(self) -> SlotLayout | None:
+        """Where a prepared forward with a WindowGap writes (no CUDA graph: visibility has a gap); None otherwise."""
+        if self._window is None:
+            return None
+        return SlotLayout(self.k, self.v, self._slot(self.length), gap=self._window.gap, chain=self._block is None)
 
     def update(self, layer, q, k, v):
         a, b = self._write_slot, self._write_slot + self._n_new
         self.k[layer, :, :, a:b] = k
         self.v[layer, :, :, a:b] = v
-        return self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._mask
+        if self._window is None:
+            return DenseKV(self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._dense)
+        return SlotKV(self.k[layer, :, :, :b], self.v[layer, :, :, :b], self._block, self._window)
 
     def tail_needed(self) -> int:
         """Tokens at the end of a prompt that a prefill must feed (past the sinks, earlier ones may be

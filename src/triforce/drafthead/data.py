@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..caches import new_cache
 from ..corpus import CODE_MODULES
 from ..model import Transformer
 
@@ -118,7 +119,7 @@ def generate_shard(model: Transformer, prompts: list[list[int]], new_tokens: int
     saved = model.kv_dtype
     model.kv_dtype = "fp32"  # batched attention takes PyTorch's kernels, which run fp32 caches fastest
     try:
-        cache = model.new_cache(P + new_tokens + 1, batch=B)
+        cache = new_cache(model, P + new_tokens + 1, batch=B)
     finally:
         model.kv_dtype = saved
     ids = torch.tensor(prompts, device=model.device)

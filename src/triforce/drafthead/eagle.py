@@ -34,7 +34,8 @@ from torch import nn
 
 from ..config import _rope_config
 from ..errors import TriforceError
-from ..model import Block, Linear, RMSNorm, Transformer
+from ..execution import Linear
+from ..model import Block, RMSNorm, Transformer
 from ..rope import Rotary
 from .head import DraftHead, HeadConfig, _Causal, target_fingerprint
 

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..caches.base import SlotKV
 from ..config import ModelConfig
 from ..errors import TriforceError
-from ..model import Block, Linear, QuantLinear, Transformer
+from ..execution import Linear, QuantLinear
+from ..model import Block, Transformer
 from ..quantized import dequantize
 from ..rope import Rotary
 
@@ -91,7 +93,7 @@ class _Causal:
     itself and the positions before it."""
 
     def update(self, layer, q, k, v):
-        return k, v, "causal"
+        return SlotKV(k, v)  # every position a new token: a causal chain
 
 
 class DraftHead(nn.Module):

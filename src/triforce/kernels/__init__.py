@@ -166,7 +166,7 @@ def bf16_dot_attention(build: bool = True) -> bool:
 
 class Backend:
     """Which operations a model's layers run, chosen once when the model is built
-    (Transformer.select_backend): the compiled CPU kernels for an fp32 model on the CPU where they
+    (execution.Execution.for_model): the compiled CPU kernels for an fp32 model on the CPU where they
     build; on CUDA with Triton, its fused layer operations (kernels/cuda_ops.py: rms_norm, rope_split,
     silu_mul); else PyTorch's. Every layer of the model holds the same Backend and reads `ops` (the
     module, or None for PyTorch); `enabled` says the CPU kernels are on; `override` swaps what an

@@ -23,7 +23,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no Triton: model.slot_attention uses two matrix products instead
+except ImportError:  # no Triton: execution.slot_attention uses two matrix products instead
     triton = None
 
 BLOCK_N = 64

@@ -21,7 +21,7 @@ try:
 except ImportError:
     triton = None
 
-HALF_KV = False  # (a CPU kernels attribute model.attention reads; the CUDA decode attention is cuda_decode's)
+HALF_KV = False  # (a CPU kernels attribute execution.attention reads; the CUDA decode attention is cuda_decode's)
 
 
 def available() -> bool:

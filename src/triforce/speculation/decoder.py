@@ -12,6 +12,8 @@ from dataclasses import asdict
 
 import torch
 
+from ..caches import new_cache
+from ..caches.base import Rebuildable
 from ..caches.sliding import DEFAULT_EXTRA
 from ..errors import TriforceError
 from ..model import Transformer
@@ -77,17 +79,17 @@ class Decoder:
             if full_cache.capacity < capacity:
                 raise ValueError(f"the prefilled prompt's cache holds {full_cache.capacity} tokens, {capacity} needed")
         else:  # made here, before the levels: a kv4 level reads an int8 target's planes
-            full_cache = model.new_cache(capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
+            full_cache = new_cache(model, capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
                                                                         for lvl in self.stack.levels))
-        ctx = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
+        build = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
                            generator)
 
         # level names in the stats: the kind, or kind:budget where the stack names a budget
-        self.states: list[ModelState | None] = [KINDS[lvl.kind].state(ctx, lvl, str(lvl)) for lvl in self.stack.levels]
+        self.states: list[ModelState | None] = [KINDS[lvl.kind].state(build, lvl, str(lvl)) for lvl in self.stack.levels]
         self.full = self.states[-1]
         bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
         proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
-                    else KINDS[bottom_spec.kind].drafter(ctx, bottom_spec))
+                    else KINDS[bottom_spec.kind].drafter(build, bottom_spec))
         if hasattr(proposer, "sources"):  # a draft head reads the features of the levels above, nearest first
             proposer.sources = [s for s in self.states[1:] if s is not None]
             for s in proposer.sources:
@@ -112,7 +114,7 @@ class Decoder:
         if config.ngram_shortcut > 0 and bottom_spec.kind == "ngram" and len(self.stack.levels) > 2:
             shortcut = proposer
         elif config.ngram_shortcut > 0 and bottom_spec.kind == "head":
-            shortcut = KINDS["ngram"].drafter(ctx, bottom_spec)
+            shortcut = KINDS["ngram"].drafter(build, bottom_spec)
         for i, (state, gamma) in enumerate(zip(self.states[1:], self.stack.gammas), start=2):
             top = i == len(self.stack.levels)
             proposer = Level(state.name, proposer, state, gamma, generator, tree=tree,
@@ -164,7 +166,7 @@ class Decoder:
         for i, (lvl, state) in enumerate(zip(self.stack.levels, self.states)):
             if lvl.kind not in REBUILT or i not in in_use:  # a level sitting out is caught up when it runs again
                 continue
-            cache = state.cache
+            cache: Rebuildable = state.cache
             since = committed - cache.built_at
             room = cache.room(committed)
             top = self.top
@@ -188,7 +190,8 @@ class Decoder:
         lvl, state = self.stack.levels[i], self.states[i]
         if lvl.kind not in REBUILT:
             return
-        if committed - state.stable >= CATCH_UP or state.cache.room(committed) < 2 * max_rollback(self.stack):
+        cache: Rebuildable = state.cache
+        if committed - state.stable >= CATCH_UP or cache.room(committed) < 2 * max_rollback(self.stack):
             self._rebuild(state, seq, committed)
 
     def stats(self) -> dict:

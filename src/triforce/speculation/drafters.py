@@ -11,7 +11,6 @@ import time
 
 import torch
 
-from ..sampling import sample
 from .state import ModelState
 from .tree import DraftTree
 
@@ -83,11 +82,9 @@ class ModelDrafter:
         tokens, rows = [], []
         for _ in range(k):
             scores = self.state.score(ctx + tokens, committed, [])
-            if scores.dim() == 1:  # greedy: the argmax id
-                tokens.append(int(scores[-1]))
-            else:
-                tokens.append(int(sample(scores[-1], self.generator)))
-                rows.append(scores[-1])
+            tokens.append(scores.token(-1, self.generator))
+            if not scores.greedy:
+                rows.append(scores.probs[-1])
             self.syncs += 1  # the next forward needs the token: one host synchronisation per drafted token
         self.tokens += k
         self.seconds += time.perf_counter() - t
@@ -103,11 +100,11 @@ class ModelDrafter:
         t = time.perf_counter()
 
         def rows_after(tree: DraftTree, nodes: list[int]) -> list[torch.Tensor]:
-            out = self.state.score(ctx, committed, tree, ranked=True)
+            out = self.state.ranked(ctx, committed, tree)
             self.state.keep_path([])  # the next forward feeds the whole tree again
             return [out[n + 1] for n in nodes]
 
-        root = self.state.score(ctx, committed, [], ranked=True)[-1]
+        root = self.state.ranked(ctx, committed, [])[-1]
         tree, q, depths = draft_tree(template, root, rows_after, self.state.params.greedy, self.generator)
         self.syncs += depths
         self.tokens += len(tree)

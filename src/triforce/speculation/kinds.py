@@ -15,22 +15,24 @@ import torch
 
 from ..errors import TriforceError
 from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
-from ..caches.base import kv_dtype
+from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
+from ..loading.weights import draft_weights
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
 from .drafters import NGramDrafter
 from .stack import LevelSpec
 from .state import ModelState, prefill
+from ..caches import new_cache
 
 _DRAFT_WEIGHTS: weakref.WeakKeyDictionary[Transformer, Transformer] = weakref.WeakKeyDictionary()
 
 
 def draft_weights_model(model: Transformer) -> Transformer:
-    """model.with_draft_weights(), made once per model (it holds a bf16 copy of the weights)."""
+    """draft_weights(model), made once per model (it holds a bf16 copy of the weights)."""
     if model not in _DRAFT_WEIGHTS:
-        _DRAFT_WEIGHTS[model] = model.with_draft_weights()
+        _DRAFT_WEIGHTS[model] = draft_weights(model)
     return _DRAFT_WEIGHTS[model]
 
 
@@ -58,11 +60,11 @@ class BuildContext:
 class Kind:
     name = ""
 
-    def state(self, ctx: BuildContext, spec: LevelSpec, name: str) -> ModelState | None:
+    def state(self, build: BuildContext, spec: LevelSpec, name: str) -> ModelState | None:
         """The level's model state (None: a drafter without a model)."""
         raise NotImplementedError
 
-    def drafter(self, ctx: BuildContext, spec: LevelSpec):
+    def drafter(self, build: BuildContext, spec: LevelSpec):
         """A model-less bottom drafter (only kinds whose state() is None)."""
         raise NotImplementedError
 
@@ -79,19 +81,19 @@ class Full(Kind):
 
     name = "full"
 
-    def state(self, ctx, spec, name):
-        cache = ctx.full_cache if ctx.full_cache is not None else ctx.model.new_cache(ctx.capacity)
-        return ModelState(name, ctx.model, cache, ctx.params)
+    def state(self, build, spec, name):
+        cache = build.full_cache if build.full_cache is not None else new_cache(build.model, build.capacity)
+        return ModelState(name, build.model, cache, build.params)
 
 
 class NGram(Kind):
     name = "ngram"
 
-    def state(self, ctx, spec, name):
+    def state(self, build, spec, name):
         return None
 
-    def drafter(self, ctx, spec):
-        return NGramDrafter(ctx.model.cfg.vocab_size, ctx.config.ngram, device=ctx.model.device)
+    def drafter(self, build, spec):
+        return NGramDrafter(build.model.cfg.vocab_size, build.config.ngram, device=build.model.device)
 
 
 class Draft(Kind):
@@ -99,15 +101,15 @@ class Draft(Kind):
 
     name = "draft"
 
-    def state(self, ctx, spec, name):
-        dm = ctx.draft_model
+    def state(self, build, spec, name):
+        dm = build.draft_model
         if dm is None:
             raise TriforceError("a 'draft' level needs a draft model: pass --draft PATH (a small model that "
                                 "shares the target's tokenizer)")
-        if dm.cfg.vocab_size != ctx.model.cfg.vocab_size:
+        if dm.cfg.vocab_size != build.model.cfg.vocab_size:
             raise TriforceError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the target's "
-                                f"({ctx.model.cfg.vocab_size}): it must share the target's tokenizer")
-        return ModelState(name, dm, dm.new_cache(ctx.capacity, dtype=ctx.config.draft_kv_dtype), ctx.params)
+                                f"({build.model.cfg.vocab_size}): it must share the target's tokenizer")
+        return ModelState(name, dm, new_cache(dm, build.capacity, dtype=build.config.draft_kv_dtype), build.params)
 
 
 class Streaming(Kind):
@@ -116,19 +118,20 @@ class Streaming(Kind):
 
     name = "streaming"
 
-    def state(self, ctx, spec, name):
-        cfg = ctx.config
-        m = drafting_model(ctx.model, cfg)
+    def state(self, build, spec, name):
+        cfg = build.config
+        m = drafting_model(build.model, cfg)
         budget = spec.budget or cfg.streaming_budget
         window = budget - cfg.sink
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: StreamingCache(
-            n_layers, sink=cfg.sink, window=window, max_rollback=ctx.max_rollback,
+            n_layers, sink=cfg.sink, window=window, max_rollback=build.max_rollback,
             slack=max(cfg.prefill_chunk, window), **kw))
-        return ModelState(name, m, cache, ctx.params)
+        return ModelState(name, m, cache, build.params)
 
     def prefill(self, state, head, full, config):
         """Sinks plus the prompt's tail: the rest lies outside the window of every later token."""
-        cache, m = state.cache, state.model
+        cache: Windowed = state.cache
+        m = state.model
         sink = min(config.sink, len(head))
         if sink:
             prefill(m, cache, torch.tensor([head[:sink]], device=m.device), config.prefill_chunk)
@@ -146,13 +149,13 @@ class Retrieval(Kind):
 
     name = "retrieval"
 
-    def state(self, ctx, spec, name):
-        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
-        max_new = cfg.rebuild_every + 2 * ctx.max_rollback + 16
+    def state(self, build, spec, name):
+        cfg, m = build.config, drafting_model(build.model, build.config)
+        max_new = cfg.rebuild_every + 2 * build.max_rollback + 16
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: self.new_cache(
             n_layers, budget=spec.budget or cfg.budget, recent=cfg.recent, max_new=max_new, model=m, config=cfg,
             **kw))
-        return ModelState(name, m, cache, ctx.params)
+        return ModelState(name, m, cache, build.params)
 
     def new_cache(self, n_layers, *, model, config, **kw) -> RetrievalCache:
         """The level's cache over n_layers layers (budget, recent, max_new and the drafting_cache arguments)."""
@@ -185,15 +188,16 @@ class KV4(Kind):
 
     name = "kv4"
 
-    def state(self, ctx, spec, name):
-        cfg, m = ctx.config, drafting_model(ctx.model, ctx.config)
-        shared = ctx.full_cache if isinstance(ctx.full_cache, QuantizedCache) else None
+    def state(self, build, spec, name):
+        cfg, m = build.config, drafting_model(build.model, build.config)
+        shared = build.full_cache if isinstance(build.full_cache, QuantizedCache) else None
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: QuantizedCache(
-            n_layers, capacity=ctx.capacity, bits=4, max_rollback=ctx.max_rollback, shared=shared, **kw))
-        return ModelState(name, m, cache, ctx.params)
+            n_layers, capacity=build.capacity, bits=4, max_rollback=build.max_rollback, shared=shared, **kw))
+        return ModelState(name, m, cache, build.params)
 
     def prefill(self, state, head, full, config):
-        state.cache.build(full.cache)
+        cache: Buildable = state.cache  # a 4-bit reading of the full cache
+        cache.build(full.cache)
         state.fed, state.stable = list(full.fed), len(full.fed)
 
 
@@ -203,16 +207,16 @@ class Head(Kind):
 
     name = "head"
 
-    def state(self, ctx, spec, name):
+    def state(self, build, spec, name):
         return None
 
-    def drafter(self, ctx, spec):
+    def drafter(self, build, spec):
         from ..drafthead.drafter import HeadDrafter
         from ..drafthead.head import head_for
 
-        head = head_for(ctx.model, ctx.config.head)
-        return HeadDrafter(head, ctx.model, ctx.params, ctx.generator, ctx.max_rollback,
-                           kv_dtype(ctx.config.draft_kv_dtype))
+        head = head_for(build.model, build.config.head)
+        return HeadDrafter(head, build.model, build.params, build.generator, build.max_rollback,
+                           kv_dtype(build.config.draft_kv_dtype))
 
 
 def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
@@ -231,7 +235,8 @@ def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
 
 def rebuild(state: ModelState, full: ModelState) -> None:
     """(Re)build a retrieval or H2O level's cache from the full level's cache and its recorded queries."""
-    state.cache.build(full.cache)
+    cache: Rebuildable = state.cache
+    cache.build(full.cache)
     state.fed = list(full.fed)
     state.stable = len(full.fed)
 

@@ -16,20 +16,20 @@ from collections import deque
 
 import torch
 
-from ..sampling import sample
+from ..sampling import Scores, sample
 from .state import ModelState
 from .tree import DraftTree
 
 
-def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: torch.Tensor,
+def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: Scores,
                 generator: torch.Generator | None) -> tuple[list[int], int]:
     """The acceptance rule, for a tree of drafted tokens (a chain is the tree with one child per node).
 
     tree: n drafted nodes. Rows are per slot (0: the root, the context's last token; s: node s - 1):
     q [n + 1, V]: the distribution the slot's children were drawn from (without replacement, in their
     order), or None for point masses at each child's token (deterministic drafts: n-gram lookup);
-    p [n + 1, V]: the verifier's next-token distribution after each slot, or [n + 1] argmax ids when
-    greedy (a one-hot p, compared as ids). -> (the accepted nodes, root to leaf; the next token).
+    p: the verifier's Scores after each slot: [n + 1, V] distributions, or [n + 1] argmax ids when greedy (a
+    one-hot p, compared as ids). -> (the accepted nodes, root to leaf; the next token).
 
     Sequoia's rule at each slot: try its children in order; accept child s with probability
     min(1, p(s) / q(s)); on a rejection p <- norm(max(p - q, 0)) and q <- q without s, renormalised;
@@ -49,12 +49,12 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: torch.Tensor,
     token = torch.tensor(tree.tokens + (0,), device=dev)  # child -1 reads token 0; never used
     chosen = torch.full((n + 1,), -1, dtype=torch.long, device=dev)
     slots = torch.arange(n + 1, device=dev)
-    if p.dim() == 1:
+    if p.greedy:
         for b in range(width):  # greedy: the child equal to the argmax; else the argmax itself
             c = child[:, b]
-            chosen = torch.where((c >= 0) & (chosen < 0) & (token[c] == p), c, chosen)
+            chosen = torch.where((c >= 0) & (chosen < 0) & (token[c] == p.ids), c, chosen)
     else:
-        P, Q = p, q
+        P, Q = p.probs, q
         for b in range(width):
             c = child[:, b]
             live = (c >= 0) & (chosen < 0)
@@ -80,8 +80,8 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: torch.Tensor,
     for d in range(depth):
         path[d] = chosen[slot]
         slot = torch.where(path[d] >= 0, path[d] + 1, slot)
-    if p.dim() == 1:
-        nxt = p[slot]
+    if p.greedy:
+        nxt = p.ids[slot]
     else:  # the residual after the last tried child (none at a leaf: its bonus row)
         one = slot.view(1)
         row = _residual(P[one], Q[one] if Q is not None else None, one.new_zeros(1), x[one], rejected[one][:, None])
@@ -104,10 +104,10 @@ def _residual(P: torch.Tensor, Q: torch.Tensor | None, rows: torch.Tensor, x: to
     return torch.where(rejected & (total > 0), residual / total.clamp(min=1e-30), P)
 
 
-def accept(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
+def accept(draft: list[int], q: torch.Tensor | None, p: Scores,
            generator: torch.Generator | None) -> tuple[int, int]:
     """A chain: draft [k] ids with proposal rows q [k, V] (or None: point masses); verifier rows p
-    [k + 1, V] (or [k + 1] argmax ids). -> (j accepted drafts, the next token: the residual sample
+    Scores [k + 1]. -> (j accepted drafts, the next token: the residual sample
     at j, or the bonus token if j == k). The tree rule (verify_tree) with one child per node."""
     if q is not None:
         q = torch.cat([q, torch.zeros_like(q[:1])])  # the last slot is a leaf: no children
@@ -216,7 +216,7 @@ class Level:
         if self.shortcut is not None:
             self._remember_lookahead(tokens)
         slots = [0] + [i + 1 for i in path]  # the verifier's rows after the context and each accepted node
-        return tokens, (p[slots][:len(tokens)] if p.dim() == 2 else None)
+        return tokens, (None if p.greedy else p.probs[slots][:len(tokens)])
 
     def _count_ranks(self, tree: DraftTree, path: list[int]) -> None:
         """At each slot of the accepted path (the root, then each accepted node): its children up to the

@@ -5,10 +5,10 @@ import time
 
 import torch
 
-from ..caches import KVCache
+from ..caches import KVCache, new_cache
 from ..caches.base import TokenBlock
 from ..model import Transformer
-from ..sampling import SamplingParams, probs_from_logits
+from ..sampling import SamplingParams, Scores, probs_from_logits
 from .tree import DraftTree
 
 
@@ -113,14 +113,26 @@ class ModelState:
         return n
 
     @torch.inference_mode()
-    def score(self, ctx: list[int], committed: int, draft: list[int] | DraftTree, ranked: bool = False) -> torch.Tensor:
-        """Next-token distributions after ctx and after each drafted token: [len(draft) + 1, V]
-        (fp32, after temperature, top-k, top-p; row 0 after ctx, row i + 1 after draft node i); when
-        greedy, their argmax ids [len(draft) + 1] instead (a one-hot distribution is its argmax).
+    def score(self, ctx: list[int], committed: int, draft: list[int] | DraftTree) -> Scores:
+        """Next-token scores after ctx and after each drafted token (row 0 after ctx, row i + 1 after draft node
+        i): their argmax ids when greedy, else the fp32 distributions after temperature, top-k and top-p.
         One forward over the ctx tokens not yet fed plus the draft: a list is a chain, a DraftTree
         is fed as a token block (each node at position len(ctx) + depth, seeing its ancestors) and
-        must be followed by keep_path() before the next forward. `ranked`: when greedy, the fp32 logits
-        rows instead of their argmax (a tree drafter takes each slot's top-k)."""
+        must be followed by keep_path() before the next forward."""
+        logits = self._forward(ctx, committed, draft)
+        if self.params.greedy:
+            return Scores(ids=logits.argmax(-1))
+        return Scores(probs=probs_from_logits(logits, self.params))
+
+    @torch.inference_mode()
+    def ranked(self, ctx: list[int], committed: int, draft: list[int] | DraftTree) -> torch.Tensor:
+        """The same forward as score's -> rows [len(draft) + 1, V] a tree drafter ranks each slot's children by:
+        the fp32 logits when greedy (their top-k), else the distributions score gives (sampled)."""
+        logits = self._forward(ctx, committed, draft)
+        return logits if self.params.greedy else probs_from_logits(logits, self.params)
+
+    def _forward(self, ctx: list[int], committed: int, draft: list[int] | DraftTree) -> torch.Tensor:
+        """The forward of score and ranked -> fp32 logits [len(draft) + 1, V]."""
         n = self._sync(ctx, committed)
         pending = ctx[n:]
         tree = draft if isinstance(draft, DraftTree) else None
@@ -148,9 +160,7 @@ class ModelState:
         if self.on_forward is not None:
             self.on_forward(len(feed), dt)
         self.fed.extend(feed)
-        if self.params.greedy:
-            return logits if ranked else logits.argmax(-1)
-        return probs_from_logits(logits, self.params)
+        return logits
 
     def keep_path(self, path: list[int]) -> None:
         """After scoring a tree: keep the pending tokens and the accepted nodes `path` (root to leaf)
@@ -188,11 +198,11 @@ class PrefilledPrompt:
                  progress: bool = False):
         self.model = model
         self.head = list(prompt[:-1])  # every state reads the prompt but its last token
-        self.cache = model.new_cache(capacity, record_queries=True)
+        self.cache = new_cache(model, capacity, record_queries=True)
         tail: list = []
         prefill(model, self.cache, torch.tensor([self.head], device=model.device), chunk_size, progress, features=tail)
         self.features = tail[0] if tail else None  # the last chunk's (a draft head's stack reads them)
-        self.queries = [q[:, :, -1:].clone() if q is not None else None for q in self.cache.queries]
+        self.queries = self.cache.recorder.last()
         self.point = self.cache.checkpoint()  # a sliding-window ring, an int8 cache's buffer: saved
 
     def restore(self, prompt: list[int]):
@@ -200,6 +210,5 @@ class PrefilledPrompt:
         if list(prompt[:-1]) != self.head:
             raise ValueError("the prefilled prompt belongs to another prompt")
         self.cache.restore(self.point)
-        self.cache.queries = list(self.queries)
-        self.cache.query_start = len(self.head) - 1
+        self.cache.recorder.record_all(list(self.queries), len(self.head) - 1)
         return self.cache

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from ..caches.base import Buildable
 from ..errors import TriforceError
 # the one cost model (shared with the adaptive planner); tune prices its grid with it
 from ..speculation.cost_model import expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms  # noqa: F401
@@ -63,8 +64,9 @@ def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tok
     full = shared.restore(prompt)
     build_context = BuildContext(model, sampling_params(temperature), config, full.capacity, 64, full_cache=full)
     state = KINDS["kv4"].state(build_context, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
+    cache: Buildable = state.cache
     with torch.inference_mode():
-        state.cache.build(full)
+        cache.build(full)
     step = time_forwards(state.model, state.cache, state.cache.length, 1, repeats) * 1e3
     del state
     runs = [generate(model, prompt, tokens, sampling_params(temperature), method="quantspec",

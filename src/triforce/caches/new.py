@@ -1,0 +1,45 @@
+"""The KV cache of a model's own forwards: the one place that picks a concrete cache for a model's configuration,
+KV dtype and device (drafting caches are picked by the speculation kinds, speculation/kinds.py)."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TriforceError
+from .base import kv_dtype
+from .full import FullCache
+from .quantized import QuantizedCache
+from .sliding import SlidingWindowCache
+
+# The full-precision buffer of an int8 KV cache (its newest one or two groups of 64 tokens).
+INT8_BUFFER_DTYPE = torch.float16
+
+
+def new_cache(model, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1, dtype=None):
+    """The full-attention cache of `model` (a Transformer) for `capacity` tokens: a FullCache, or with sliding-window
+    layers a SlidingWindowCache (their keys in a ring of the window plus a few slots). Its dtype is `dtype` (a torch
+    dtype or a name of config.KV_DTYPES; drafting caches) or the model's kv_dtype; int8: a QuantizedCache (8 bits,
+    the newest tokens in an INT8_BUFFER_DTYPE buffer)."""
+    cfg = model.cfg
+    dtype = model.kv_dtype if dtype is None else kv_dtype(dtype)
+    if dtype == torch.int8:
+        if model.windows is not None:
+            raise TriforceError(f"--kv-dtype int8 is not supported for models with sliding-window layers "
+                                f"({cfg.arch}): use fp32, bf16 or fp16")
+        return QuantizedCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, bits=8,
+                              batch=batch, dtype=INT8_BUFFER_DTYPE, device=model.device,
+                              record_queries=record_queries)
+    if model.offload_kv:
+        from .offload import OffloadedCache
+
+        if model.windows is not None or model.device.type != "cuda":
+            raise TriforceError("--offload-kv needs a CUDA device and a model without sliding-window layers")
+        return OffloadedCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context,
+                              batch=batch, dtype=dtype, device=model.device, record_queries=record_queries)
+    if model.graphs is not None:  # room for the padding rows of a graph forward (graphs.py)
+        from ..graphs import GRAPH_ROWS
+
+        capacity = (capacity or cfg.max_context) + GRAPH_ROWS
+    kw = dict(batch=batch, dtype=dtype, device=model.device, record_queries=record_queries)
+    if model.windows is not None:
+        return SlidingWindowCache(model.windows, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
+    return FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
