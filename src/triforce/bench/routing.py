@@ -404,7 +404,7 @@ def _markdown(s: dict) -> str:
     k = s["kill"]
     return (f"# Prefix-affinity vs round-robin routing, {s['date']}\n\n"
             f"Machine: {s['machine']}. Command: `{s['command']}`\n\n"
-            f"Settings: {json.dumps(s['settings'])}\n\n"
+            f"Settings: {json.dumps(s['settings'], default=str)}\n\n"
             "| routing | TTFT p50 (s) | TTFT p99 (s) | TTFT mean (s) | prefix-cache hits | wall (s) |\n|---|---|---|---|---|---|\n"
             f"{rows}\n\nMean TTFT, round robin over affinity: {s['mean_ttft_ratio_round_robin_over_prefix']:.2f}x. "
             f"Answers unequal to `triforce generate`'s: {s['answers_unequal_to_generate']} (its answers computed "
