@@ -53,12 +53,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<triforce::LayerStack>(m, "LayerStack", py::module_local(),
                                    "every decoder layer's weights as decode_layers takes them, converted once")
       .def(py::init([](const py::list& layers) {
-             // each: model.Block._fused's tuple (attn_norm, mlp_norm, eps, then per linear parts, types, rows,
+             // each: execution/fused.py's layer_args tuple (attn_norm, mlp_norm, eps, then per linear parts, types, rows,
              // qkv's bias after its own) followed by the attention scale
              triforce::LayerStack stack;
              for (const auto& item : layers) {
                const auto t = item.cast<py::tuple>();
-               TORCH_CHECK(t.size() == 17, "LayerStack: each layer is Block._fused's 16 values and a scale");
+               TORCH_CHECK(t.size() == 17, "LayerStack: each layer is layer_args' 16 values and a scale");
                auto lin = [&](size_t i) {
                  return triforce::LinearWeights{t[i].cast<std::vector<torch::Tensor>>(),
                                                 t[i + 1].cast<std::vector<int64_t>>(),

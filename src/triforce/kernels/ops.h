@@ -85,7 +85,7 @@ struct LinearWeights {
   std::vector<int64_t> types, rows;
 };
 
-// decode_layer.cpp: one decoder layer's weights and constants (model.Block._fused's, and its attention scale).
+// decode_layer.cpp: one decoder layer's weights and constants (execution/fused.py's layer_args, and its attention scale).
 struct LayerWeights {
   torch::Tensor attn_norm, mlp_norm;
   double eps;
