@@ -187,15 +187,16 @@ def test_same_prefix_goes_to_the_replica_that_holds_it_and_answers_equal_generat
 
 
 def test_a_replica_killed_mid_load_loses_no_request_that_had_not_streamed(cluster, reference):
-    """Four requests on two replicas (two each: one running, one queued). The replica of the first to
-    stream is killed then: its queued request is answered by the other replica (equal to generate's),
-    the one it was streaming ends with `replica_died`; Ray starts a new replica."""
+    """Four questions on one document: prefix affinity puts them on one replica, one running and three queued
+    (a replica answers one request at a time). That replica is killed when the first streams: its queued requests
+    are sent again and answered by the other replica (equal to generate's), the one it was streaming ends with
+    `replica_died` or had finished; Ray starts a new replica."""
     from triforce import SamplingParams
     from triforce.serving.engine import Job
 
     tok, engine = cluster.tokenizer, cluster.deployment.engine
-    prompts = [doc + question(tok, 2) for doc in documents(tok, 4, 700)]
-    retried_before = engine.retried
+    (doc,) = documents(tok, 1, 700)
+    prompts = [doc + question(tok, q) for q in range(2, 6)]
 
     async def run() -> list[dict]:
         loop = asyncio.get_running_loop()
@@ -231,10 +232,17 @@ def test_a_replica_killed_mid_load_loses_no_request_that_had_not_streamed(cluste
     for o in died:  # only requests that had streamed from the killed replica
         assert o["end"]["code"] == "replica_died" and o["end"]["status"] == 503 and o["tokens"]
         assert o["replicas"] >= {killed} and "retry" in o["end"]["message"]
-    assert any(o.get("killed_while_streaming") for o in died)
+    # the request that was streaming when the kill was sent ends with replica_died, or (the kill takes effect a
+    # moment later) finishes on that replica first: either way nothing else came from the killed replica
+    (streaming,) = [o for o in outcomes if o.get("killed_while_streaming")]
+    assert streaming in died or streaming["end"]["type"] == "done"
     for o, ids in answered:
-        assert o["tokens"] == reference(ids).tokens and o["end"]["triforce"]["replica"] != killed
-    assert engine.retried > retried_before  # the killed replica's queued request was sent again
+        assert o["tokens"] == reference(ids).tokens
+        assert o["end"]["triforce"]["replica"] != killed or o is streaming
+    # the ones queued for it were answered by the other replica: sent again by our front end (engine.retried) or,
+    # when Ray Serve had not dispatched them yet, routed there by Ray itself; none is lost either way
+    moved = [o for o, _ in answered if o is not streaming]
+    assert moved and all(o["end"]["triforce"]["replica"] != killed for o in moved)
     # Ray replaces the replica: the deployment has 2 running replicas again
     wait_healthy(2, seconds=120)
     # ...and serves: a request after the replacement is answered
