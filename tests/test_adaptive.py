@@ -272,6 +272,11 @@ def test_forward_costs_never_fall_with_more_tokens_and_forget_stale_counts():
         c.add(3, 0.030)
     assert not c.fresh(4) and c.fresh(3)
     assert c.curve()(4) == pytest.approx(35.0)  # the old 4- and 5-token costs are gone: the 1-3 slope goes on
+    cascade = LevelCosts()  # 5 pools with 4, and that block with 3: every count keeps the pooled level
+    for _ in range(2):
+        for k, ms in ((1, 20.0), (3, 50.0), (4, 60.0), (5, 10.0)):
+            cascade.add(k, ms / 1e3)
+    assert [cascade.curve()(k) for k in (3, 4, 5)] == pytest.approx([40.0, 40.0, 40.0])
 
 
 def test_a_noisy_first_measurement_does_not_keep_long_gammas_out():

@@ -113,21 +113,14 @@ class LevelCosts:
             return None
         recent = sorted(settled, key=lambda k: self.last[k])[-2:]
         counts = sorted(k for k in settled if self.forwards - self.last[k] <= self.STALE or k in recent)
-        pts = [[k, statistics.median(self.samples[k]), 1] for k in counts]
-        merged: list[list] = []  # pool adjacent violators: a non-decreasing fit, weighted by counts pooled
-        for p in pts:
-            merged.append(p)
-            while len(merged) > 1 and merged[-2][1] > merged[-1][1]:
-                b = merged.pop()
-                a = merged[-1]
-                a[1] = (a[1] * a[2] + b[1] * b[2]) / (a[2] + b[2])
-                a[2] += b[2]
-                a.append(b[0])  # remember the pooled counts, to spread the level over them below
-        flat = []
-        for block in merged:
-            for k in [block[0], *block[3:]]:
-                flat.append((k, block[1]))
-        pts = sorted(flat)
+        blocks: list[tuple[float, int, list[int]]] = []  # pool adjacent violators: (level, counts pooled in it)
+        for k in counts:
+            c, w, ks = statistics.median(self.samples[k]), 1, [k]
+            while blocks and blocks[-1][0] > c:
+                pc, pw, pks = blocks.pop()
+                c, w, ks = (pc * pw + c * w) / (pw + w), pw + w, pks + ks
+            blocks.append((c, w, ks))
+        pts = [(k, c) for c, _, ks in blocks for k in ks]
         if len(pts) == 1:
             k0, c0 = pts[0]
             return lambda k: max(c0 * (1.0 + PRIOR_SLOPE * (k - k0)), 0.0)
