@@ -254,7 +254,7 @@ def test_the_first_rounds_measure_the_stack_as_given():
     p = new_planner()
     routes, _, _ = Machine().run(p, 10)
     assert routes[0].levels == AR and all(r == Route(STACK, (2, 2)) for r in routes[1:1 + MIN_ROUNDS])
-    assert all(p._boundary(*b) is not None for b in ((0, 1), (1, 2)))  # priced from here on
+    assert all(p._boundary(*b, p._ngram_boundary) is not None for b in ((0, 1), (1, 2)))  # priced from here on
 
 
 def test_forward_costs_never_fall_with_more_tokens_and_forget_stale_counts():

@@ -17,6 +17,7 @@ import torch
 
 from ..caches import new_cache
 from ..errors import TriforceError
+from ..speculation.level import verify_rates
 from ..storage import atomic_file, atomic_write, remove_stale_temporaries
 from ..tuning.measure import sampling_params
 
@@ -79,10 +80,8 @@ def _summed_levels(results) -> list[dict]:
                 if isinstance(lvl.get(k), (int, float)) and isinstance(o.get(k), (int, float)):
                     lvl[k] += o[k]
     for lvl in levels:
-        r, p, a = lvl.get("rounds"), lvl.get("proposed"), lvl.get("accepted")
-        if lvl.get("role") == "verify" and r and p is not None and a is not None:
-            lvl.update(acceptance_rate=round(a / p, 4) if p else None, mean_accepted=round(a / r, 3),
-                       tokens_per_round=round((a + r) / r, 3))
+        if lvl.get("role") == "verify" and lvl.get("rounds"):
+            lvl.update(verify_rates(lvl["rounds"], lvl["proposed"], lvl["accepted"]))
     return levels
 
 

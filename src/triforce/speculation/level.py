@@ -115,6 +115,13 @@ def accept(draft: list[int], q: torch.Tensor | None, p: Scores,
     return len(path), nxt
 
 
+def verify_rates(rounds: int, proposed: int, accepted: int) -> dict:
+    """A verifying level's rates from its counts (None where a count they divide by is 0)."""
+    return {"acceptance_rate": round(accepted / proposed, 4) if proposed else None,
+            "mean_accepted": round(accepted / rounds, 3) if rounds else None,
+            "tokens_per_round": round((accepted + rounds) / rounds, 3) if rounds else None}
+
+
 class Level:
     """`drafter` proposes up to `gamma` tokens, `verifier` checks them in one forward. With a tree
     template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a model at the
@@ -269,10 +276,7 @@ class Level:
     def stats(self) -> dict:
         return {
             "level": self.name, "role": "verify", "gamma": self.gamma, "rounds": self.rounds,
-            "proposed": self.drafted, "accepted": self.accepted,
-            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
-            "mean_accepted": round(self.accepted / self.rounds, 3) if self.rounds else None,
-            "tokens_per_round": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else None,
+            "proposed": self.drafted, "accepted": self.accepted, **verify_rates(self.rounds, self.drafted, self.accepted),
             "seconds": round(self.seconds, 4), "forwards": self.verifier.forwards,
             "host_syncs": self.syncs, "syncs_per_round": round(self.syncs / self.rounds, 3) if self.rounds else None,
             **({"shortcut_rounds": self.shortcut_rounds,

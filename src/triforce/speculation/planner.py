@@ -43,7 +43,7 @@ import torch
 
 from .cost_model import Boundary, chain_ms, expected_tokens
 from .drafters import ModelDrafter, NGramDrafter
-from .level import Level
+from .level import Level, verify_rates
 from .state import ModelState
 
 PLAN_EVERY = 12  # generated tokens between re-plans
@@ -276,37 +276,41 @@ class Planner:
         a.add(accepted, accepted < asked, self.round)
         self.seen[below, above] = self.round - 1
 
-    def _boundary(self, below: int, above: int) -> Boundary | None:
+    def _boundary(self, below: int, above: int, ngram: Boundary | None) -> Boundary | None:
+        """`ngram`: the n-gram window's boundary the prices are for (all rounds', or one match class's)."""
         if self.ngram and below == 0 and above == self.top:
-            return self._ngram_boundary
+            return ngram
         a = self.acceptance.get((below, above))
         if a is None or a.rounds < MIN_ROUNDS:
             return None
         alpha = a.alpha
-        if self.ngram and self._ngram_boundary is not None and below == 0:  # proposals stop where the match does
-            drafted = self._ngram_boundary.drafted
+        if self.ngram and ngram is not None and below == 0:  # proposals stop where the match does
+            drafted = ngram.drafted
             return Boundary(lambda g: expected_tokens(alpha, drafted(g)), drafted)
         return Boundary.iid(alpha)
 
     # -- pricing -----------------------------------------------------------------------------------------------
+    def _max_gamma(self, below: int, above: int) -> int:
+        if above != self.top:
+            return MAX_GAMMA_BELOW
+        return MAX_GAMMA_NGRAM if self.kinds[below] == "ngram" else MAX_GAMMA_TOP
+
     def _gamma_grids(self, family: tuple[int, ...]) -> list[range]:
         """The gammas considered at each boundary of the family, bottom first."""
-        grids = []
-        for below, above in zip(family, family[1:]):
-            top = above == self.top
-            hi = (MAX_GAMMA_NGRAM if self.kinds[below] == "ngram" else MAX_GAMMA_TOP) if top else MAX_GAMMA_BELOW
-            grids.append(range(1, hi + 1))
-        return grids
+        return [range(1, self._max_gamma(below, above) + 1) for below, above in zip(family, family[1:])]
 
     def _measured(self) -> dict:
         """The cost curves of the model levels, and the n-gram window's boundary, as of now (for price())."""
         self._ngram_boundary = self.ngram_top.boundary() if self.ngram else None
         return {i: c.curve() for i, c in self.costs.items()}
 
-    def price(self, family: tuple[int, ...], curves: dict, optimistic: bool = False) -> tuple[float, Route] | None:
+    def price(self, family: tuple[int, ...], curves: dict, optimistic: bool = False,
+              ngram: Boundary | None = None) -> tuple[float, Route] | None:
         """The family's cheapest gammas and their predicted ms/token; None while something it needs is unmeasured.
         `curves`: from _measured(). `optimistic`: its best case, every draft of a model level accepted and n-gram
-        drafts taken as the full level takes them (a bound for _probe)."""
+        drafts taken as the full level takes them (a bound for _probe). `ngram`: one match class's window boundary
+        (default: all rounds', from _measured())."""
+        ngram = self._ngram_boundary if ngram is None else ngram
         bottom = family[0]
         if self.kinds[bottom] == "ngram":
             bottom_ms = 0.0
@@ -321,9 +325,9 @@ class Planner:
             if optimistic and self.kinds[below] != "ngram":
                 b = Boundary.iid(1.0)
             elif optimistic:  # a model level takes n-gram drafts about as the full level does
-                b = self._ngram_boundary or Boundary.iid(1.0)
+                b = ngram or Boundary.iid(1.0)
             else:
-                b = self._boundary(below, above)
+                b = self._boundary(below, above, ngram)
             if b is None or curves.get(above) is None:
                 return None
             steps.append((curves[above], b))
@@ -375,18 +379,15 @@ class Planner:
         text against a 1-token one anywhere). The families through n-gram lookup are re-priced with that class's
         rounds only; the others cost what they cost for any class. A class with too few judged rounds takes the
         route planned for all."""
-        pooled = self._ngram_boundary
         through_ngram = [f for f in self.families if f[0] == 0]
         for cls in self.ngram_top.classes():
             b = self.ngram_top.boundary(cls)
             if b is None:
                 self.by_class.pop(cls, None)
                 continue
-            self._ngram_boundary = b
             by_cls = dict(priced)
-            by_cls.update({f: self.price(f, curves) for f in through_ngram})
+            by_cls.update({f: self.price(f, curves, ngram=b) for f in through_ngram})
             self.by_class[cls] = self._choose(by_cls, self.by_class.get(cls, self.route))
-        self._ngram_boundary = pooled
 
     def _settle_probe(self, priced: dict) -> Route | None:
         """After a probe round: its route again while the family cannot be priced yet (a boundary's acceptance is
@@ -438,8 +439,7 @@ class Planner:
         if not route.gammas:
             return route
         g = route.gammas[-1]
-        hi = MAX_GAMMA_NGRAM if self.kinds[route.levels[-2]] == "ngram" else MAX_GAMMA_TOP
-        if g >= hi or self.costs[self.top].fresh(g + 2):
+        if g >= self._max_gamma(route.levels[-2], self.top) or self.costs[self.top].fresh(g + 2):
             return route
         return Route(route.levels, route.gammas[:-1] + (g + 1,))
 
@@ -569,9 +569,7 @@ class AdaptiveTop:
             v = verify.get(self.names[i])
             if v is None:
                 continue
-            r, p, a = v["rounds"], v["proposed"], v["accepted"]
-            v.update(acceptance_rate=round(a / p, 4) if p else None, mean_accepted=round(a / r, 3) if r else None,
-                     tokens_per_round=round((a + r) / r, 3) if r else None, seconds=round(v["seconds"], 4))
+            v.update(verify_rates(v["rounds"], v["proposed"], v["accepted"]), seconds=round(v["seconds"], 4))
             out.append(v)
         return out + list(drafters.values())
 
