@@ -12,6 +12,8 @@ Tokens generated after the build are appended; `rollback` may not go below the b
 """
 from __future__ import annotations
 
+from itertools import product
+
 import torch
 
 from ..errors import TriforceError
@@ -54,11 +56,12 @@ class RetrievalCache(KVCache):
         n_sel = (N - self.recent) // c * c
         n_chunks = n_sel // c
         k_top = min((self.budget - c - (N - n_sel)) // c, n_chunks - 1)
-        # chunk means in fp32 whatever the cache's dtype (bf16 / fp16 keys are summed in fp32)
-        means = keys[:, :, :n_sel].reshape(B, Hkv, n_chunks, c, D).sum(dim=3, dtype=torch.float32) / c
+        # chunk means in fp32 whatever the cache's dtype: converted first, then summed (sum(dtype=float32) of
+        # bf16 keys took twice as long at 32K: the rebuild's largest part)
+        means = keys[:, :, :n_sel].float().reshape(B, Hkv, n_chunks, c, D).sum(dim=3) / c
         q = query.reshape(B, Hkv, -1, D).float().sum(dim=2)
         scores = torch.einsum("bhd,bhnd->bhn", q, means)
-        top = scores[..., 1:].topk(k_top, dim=-1).indices.add_(1).sort(dim=-1).values
+        top = scores[..., 1:].topk(k_top, dim=-1, sorted=False).indices.add_(1).sort(dim=-1).values
         offsets = torch.arange(c, device=keys.device)
         chunk_tokens = (top[..., None] * c + offsets).flatten(-2)
         head = offsets.expand(B, Hkv, c)
@@ -91,10 +94,11 @@ class RetrievalCache(KVCache):
             q = recorded.layers[layer][:, :, :query_index + 1]
             keys, values = full.layer_kv(layer, n)
             idx = self.select(keys, q)
-            gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
             m = idx.shape[-1]
-            self.k[layer, :, :, :m] = torch.gather(keys, 2, gather)
-            self.v[layer, :, :, :m] = torch.gather(values, 2, gather)
+            for b, h in product(range(idx.shape[0]), range(idx.shape[1])):  # rows per head: torch.gather over
+                # the [B, Hkv, M, D] view took 25x as long
+                self.k[layer, b, h, :m] = keys[b, h].index_select(0, idx[b, h])
+                self.v[layer, b, h, :m] = values[b, h].index_select(0, idx[b, h])
             self.indices.append(idx)
         self.base, self.built_at, self.length = m, n, n
 
