@@ -14,7 +14,7 @@ from triforce.generate import generate
 from triforce.sampling import SamplingParams
 from triforce.speculation.config import SpecConfig
 from triforce.speculation.cost_model import expected_tokens
-from triforce.speculation.planner import MIN_ROUNDS, PROBE_MAX, AdaptiveTop, Planner, Route
+from triforce.speculation.planner import MIN_ROUNDS, PROBE_HORIZON, PROBE_MAX, AdaptiveTop, Planner, Route
 from triforce.speculation.stack import StackSpec, method_stack
 
 CFG = SpecConfig(gamma=3, gamma_draft=2, budget=20, chunk_size=4, recent=4, rebuild_every=8, sink=2, window=6,
@@ -150,10 +150,12 @@ class Machine:
         base, per = self.full if level == 2 else self.retrieval
         return base + per * (k - 1)
 
-    def run(self, planner: Planner, rounds: int, start_round: int = 0, tokens: int = 0) -> tuple[list[Route], float, int]:
+    def run(self, planner: Planner, rounds: int, start_round: int = 0, tokens: int = 0, total: int | None = None,
+            setup_ms=None) -> tuple[list[Route], float, int]:
+        """`total`: the run's max new tokens (None: no limit); `setup_ms`: Planner.next_route's."""
         routes, ms = [], 0.0
         for r in range(start_round, start_round + rounds):
-            route = planner.next_route(tokens)
+            route = planner.next_route(tokens, None, None if total is None else total - tokens, setup_ms)
             routes.append(route)
             emitted = self._round(planner, route, r)
             ms += self._ms
@@ -248,6 +250,21 @@ def test_a_probe_runs_until_its_route_can_be_priced():
     assert all(r.levels == routes[first].levels for r in routes[first:first + MIN_ROUNDS])
     assert p.route.levels in (RETRIEVAL, STACK)
     assert ms / tokens < 0.7 * 20.0
+
+
+def test_no_probe_when_too_few_tokens_are_left_or_a_rebuild_would_cost_more_than_it_could_win():
+    # n-gram proposals are accepted one token a round; the retrieval level's drafts never (but could be: probed)
+    machine = Machine(accept=lambda r, b: 0.0, ngram_match=lambda r: 1)
+    probes = lambda routes: sum(1 in r.levels for r in routes[1 + MIN_ROUNDS:])  # noqa: E731
+    routes, _, _ = machine.run(new_planner(), 150)
+    assert probes(routes) > 0  # the control: without a limit, the retrieval routes are probed now and then
+    routes, _, _ = machine.run(new_planner(), 150, total=PROBE_HORIZON + 1 + MIN_ROUNDS)
+    assert probes(routes) == 0  # past the start, fewer than PROBE_HORIZON tokens are ever left
+    routes, _, _ = machine.run(new_planner(), 150, total=10 ** 6, setup_ms=lambda family: 0.0)
+    assert probes(routes) > 0
+    routes, _, _ = machine.run(new_planner(), 150, total=10 ** 6,
+                               setup_ms=lambda family: 1e12 if 1 in family else 0.0)
+    assert probes(routes) == 0
 
 
 def test_the_first_rounds_measure_the_stack_as_given():

@@ -103,7 +103,7 @@ class Decoder:
                 start = Route(tuple(range(n + 1)), self.stack.gammas)
                 self.adaptive = AdaptiveTop(kinds, names, self.states,
                                             proposer if bottom_state is None else None, start, generator,
-                                            self.catch_up, force=force_route)
+                                            self.catch_up, self.catch_up_ms, force=force_route)
                 self.top = self.adaptive
                 return
             self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")
@@ -187,12 +187,23 @@ class Decoder:
         """Before level i of an adaptive stack runs again: a retrieval or H2O level that sat out CATCH_UP or more
         committed tokens, or whose cache has too little room left, is rebuilt from the full cache (re-feeding it
         everything it missed would cost a long forward)."""
-        lvl, state = self.stack.levels[i], self.states[i]
-        if lvl.kind not in REBUILT:
-            return
+        if self._behind(i, committed):
+            self._rebuild(self.states[i], seq, committed)
+
+    def _behind(self, i: int, committed: int) -> bool:
+        """Whether level i is a retrieval or H2O level that catch_up would rebuild now."""
+        state = self.states[i]
+        if self.stack.levels[i].kind not in REBUILT:
+            return False
         cache: Rebuildable = state.cache
-        if committed - state.stable >= CATCH_UP or cache.room(committed) < 2 * max_rollback(self.stack):
-            self._rebuild(state, seq, committed)
+        return committed - state.stable >= CATCH_UP or cache.room(committed) < 2 * max_rollback(self.stack)
+
+    def catch_up_ms(self, i: int, committed: int) -> float:
+        """What catch_up(i, ..., committed) would cost now: the mean of this run's rebuilds (its first, at the
+        prefill, included), or 0 when level i needs none."""
+        if not self._behind(i, committed) or self.rebuilds == 0:
+            return 0.0
+        return 1e3 * self.rebuild_seconds / self.rebuilds
 
     def stats(self) -> dict:
         if self.adaptive is not None:

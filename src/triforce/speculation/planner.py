@@ -56,6 +56,7 @@ MAX_GAMMA_NGRAM = 8
 MAX_GAMMA_BELOW = 4  # ... and at the boundaries below
 START_GAMMA = 2  # rounds 1 to MIN_ROUNDS run the given stack with gammas of at most this
 CATCH_UP = 32  # a rebuilt level (retrieval, h2o) that sat out this many committed tokens is rebuilt, not re-fed
+PROBE_HORIZON = 32  # no probe with fewer tokens left to generate: what it finds would pay over too few
 PRIOR_SLOPE = 0.1  # with one measured token count, a forward's cost grows this fraction of it per extra token
 
 
@@ -405,11 +406,15 @@ class Planner:
         self.probing = None
         return None
 
-    def _probe(self, curves: dict, priced: dict) -> Route | None:
+    def _probe(self, curves: dict, priced: dict, remaining: int | None = None,
+               setup_ms: Callable[[tuple[int, ...]], float] | None = None) -> Route | None:
         """A family that only running measures, unmeasured for probe_gap rounds, and that could still win: one round
         of its best-priced route. "Could win": priced with every draft of a model level accepted (and n-gram drafts
-        for a model level as the full level takes them), it beats the current route; a family that cannot is not
-        worth the round, nor the rebuild of a retrieval level that sat out. `curves`, `priced`: from plan()."""
+        for a model level as the full level takes them), it beats the current route, by more than what starting it
+        costs (`setup_ms(family)`: the rebuild of a retrieval level that sat out) over the `remaining` tokens the
+        run may still generate; and PROBE_HORIZON tokens are left. `curves`, `priced`: from plan()."""
+        if remaining is not None and remaining < PROBE_HORIZON:
+            return None
         stale = [f for f in self.families if f != self.route.levels and self._stale(f)]
         if not stale:
             return None
@@ -417,8 +422,12 @@ class Planner:
         options = []
         for f in stale:
             best_case = self.price(f, curves, optimistic=True)
-            if current is not None and best_case is not None and best_case[0] >= (1.0 - SWITCH_GAIN) * current[0]:
-                continue
+            if current is not None and best_case is not None:
+                if best_case[0] >= (1.0 - SWITCH_GAIN) * current[0]:
+                    continue
+                if (remaining is not None and setup_ms is not None
+                        and (current[0] - best_case[0]) * remaining <= setup_ms(f)):
+                    continue
             p = priced[f]
             options.append((p[0] if p is not None else 0.0, f, p[1] if p is not None else self._start_of(f)))
         if not options:
@@ -443,9 +452,12 @@ class Planner:
             return route
         return Route(route.levels, route.gammas[:-1] + (g + 1,))
 
-    def next_route(self, tokens: int, cls: int | None = None) -> Route:
+    def next_route(self, tokens: int, cls: int | None = None, remaining: int | None = None,
+                   setup_ms: Callable[[tuple[int, ...]], float] | None = None) -> Route:
         """The route of the round about to run, `tokens` having been generated, `cls` the match class of the
-        round's n-gram lookup (NGramWindow.propose), chosen from the committed text and earlier rounds only."""
+        round's n-gram lookup (NGramWindow.propose), chosen from the committed text and earlier rounds only.
+        `remaining`: the tokens the run may still generate (None: no limit); `setup_ms(family)`: what starting a
+        family now would cost before its first round (for _probe)."""
         r = self.round
         route = self.by_class.get(cls, self.route)
         if self.force is not None and (forced := self.force(r)) is not None:
@@ -458,7 +470,7 @@ class Planner:
                          or self.plans < EARLY_PLANS):
             curves, priced = self.plan()
             self.planned_at = tokens
-            route = self._settle_probe(priced) or self._probe(curves, priced) or self._explore(
+            route = self._settle_probe(priced) or self._probe(curves, priced, remaining, setup_ms) or self._explore(
                 self.by_class.get(cls, self.route))
         self.round += 1
         return route
@@ -467,17 +479,18 @@ class Planner:
 class AdaptiveTop:
     """The top of an adaptive stack: runs each round through the route its planner chooses, over the decoder's
     level states (shared by every route: a state rolls itself back to each round's context). `catch_up(i, ctx,
-    committed)` rebuilds a retrieval or H2O level that sat out too long (decoder.Decoder.catch_up)."""
+    committed)` rebuilds a retrieval or H2O level that sat out too long (decoder.Decoder.catch_up), and
+    `catch_up_ms(i, committed)` is what that would cost now (0: no rebuild needed)."""
 
     SWITCH_LOG = 64  # route changes kept in the stats
 
     def __init__(self, kinds: list[str], names: list[str], states: list[ModelState | None], ngram: NGramDrafter | None,
-                 start: Route, generator: torch.Generator, catch_up, force=None):
+                 start: Route, generator: torch.Generator, catch_up, catch_up_ms=None, force=None):
         # a model-less bottom drafter: n-gram lookup, or a draft head (timed per drafted token as a level's forward)
         self.ngram = ngram if kinds[0] == "ngram" else None
         self.head = ngram if kinds[0] == "head" else None
         self.kinds, self.names, self.states = kinds, names, states
-        self.generator, self.catch_up = generator, catch_up
+        self.generator, self.catch_up, self.catch_up_ms = generator, catch_up, catch_up_ms
         self.planner = Planner(kinds, start, force)
         for i, state in enumerate(states):
             if state is not None:
@@ -526,7 +539,11 @@ class AdaptiveTop:
         t = time.perf_counter()
         if self.ngram is not None:
             self.planner.ngram_top.judge(ctx)
-        route = self.planner.next_route(self.tokens, cls)
+        setup = None
+        if self.catch_up_ms is not None:
+            def setup(family: tuple[int, ...]) -> float:
+                return sum(self.catch_up_ms(i, committed) for i in family[:-1])
+        route = self.planner.next_route(self.tokens, cls, limit, setup)
         text = self._texts.get(route)
         if text is None:
             text = self._texts[route] = route.text(self.names)
