@@ -408,7 +408,7 @@ def test_quant_attention_matches_pytorch(kern, case):
     q = torch.randn(1, H * g, T, D)
     cache.prepare(T, block)
     kv = cache.update(0, q, k[:, :, S:S + T], v[:, :, S:S + T])
-    assert int(cache._qb.max()) >= 1024 and cache.fb > 0
+    assert int(cache._qb.max()) >= 1024 and cache.buffer_start > 0
     counting = _Counting(kern)
     got = kv.attend(q, D ** -0.5, counting)
     assert counting.calls == -(-T // (64 // g))

@@ -319,8 +319,8 @@ def test_kv4_over_an_int8_target_reads_its_upper_planes(stack):
     assert isinstance(full, QuantizedCache) and full.bits == 8 and kv4.shared is full and kv4.bits == 4
     for name in ("k_hi", "v_hi", "k_scale", "k_zero", "v_scale", "v_zero"):
         assert getattr(kv4, name) is getattr(full, name)
-    assert kv4.k_lo is None and kv4.nbytes() == 2 * kv4.fk.numel() * kv4.fk.element_size()
-    assert kv4.length == full.length == len(prompt) - 1 and full.nq * 64 >= 192
+    assert kv4.k_lo is None and kv4.nbytes() == 2 * kv4.buffer_k.numel() * kv4.buffer_k.element_size()
+    assert kv4.length == full.length == len(prompt) - 1 and full.quantized_groups * 64 >= 192
 
     def logits():
         with torch.inference_mode():
@@ -356,7 +356,7 @@ def test_kv_bytes_are_what_the_quantized_caches_hold():
     cfg = SimpleNamespace(kv_bytes_per_token=2 * 3 * 2 * 64 * 4)  # K and V, 3 layers, 2 KV heads of 64, fp32
     for name, bits in (("int8", 8), ("int4", 4)):
         c = QuantizedCache(3, 2, 64, 4096, bits=bits)
-        assert c.nbytes() - 2 * c.fk.numel() * 2 == kv_bytes(cfg, 4096, kv_value_bytes(name))
+        assert c.nbytes() - 2 * c.buffer_k.numel() * 2 == kv_bytes(cfg, 4096, kv_value_bytes(name))
     assert kv_value_bytes(torch.int8) == kv_value_bytes("int8") < 0.55 * kv_value_bytes("fp16")
 
 

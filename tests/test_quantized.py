@@ -462,7 +462,7 @@ def test_fused_decode_layers_over_a_quantized_cache(long_q4_k_m_file, isa, monke
             view.build(cache)
             rows += [native(ids[:, 1075:1076], view), native(ids[:, 1076:1080], view)]
         outs[fused] = (torch.cat(rows, 1), queries, cache.k_hi[:, :, :, :1024], cache.k_lo[:, :, :, :1024],
-                       cache.v_lo[:, :, :, :1024], cache.fk[:, :, :, :1075 - cache.fb])
+                       cache.v_lo[:, :, :, :1024], cache.buffer_k[:, :, :, :1075 - cache.buffer_start])
         assert (counting.fused > 0) == fused
     for got, want in zip(outs[True], outs[False]):
         assert torch.equal(got, want)

@@ -86,7 +86,7 @@ def test_the_cache_reads_the_planes_within_the_bounds():
     k, v = _kv(600)
     cache = _cache()
     _feed(cache, k, v, 0, 600)
-    n = cache.nq * GROUP_K
+    n = cache.quantized_groups * GROUP_K
     assert n == fp_from(599) == 512
     for layer in range(L):
         for four in (False, True):
@@ -98,7 +98,7 @@ def test_the_cache_reads_the_planes_within_the_bounds():
             f = 8.5 if four else 0.5
             assert ((kd - k[layer, :, :, :n]).abs() <= f * ks + 1e-2).all()
             assert ((vd - v[layer, :, :, :n]).abs() <= f * vs + 1e-2).all()
-        kb = cache.fk[layer, :, :, n - cache.fb:600 - cache.fb]  # the newest tokens: full precision (fp16)
+        kb = cache.buffer_k[layer, :, :, n - cache.buffer_start:600 - cache.buffer_start]  # the newest tokens: full precision (fp16)
         torch.testing.assert_close(kb.float(), k[layer, :, :, n:600], atol=1e-2, rtol=1e-3)
 
 
@@ -126,15 +126,15 @@ def test_codes_do_not_depend_on_chunking_or_rollbacks(seed):
         drafts.rollback(i)
         _feed(drafts, k, v, i, j)
         i = j
-    ref = _stored(one, one.nq)
-    assert one.nq == fp_from(n - 1) // GROUP_K
+    ref = _stored(one, one.quantized_groups)
+    assert one.quantized_groups == fp_from(n - 1) // GROUP_K
     for cache in (chunks, drafts):
         # a draft past the end may have quantized one more group (of committed tokens only)
-        assert cache.length == n and one.nq <= cache.nq <= one.nq + 1
-        for name, t in _stored(cache, one.nq).items():
+        assert cache.length == n and one.quantized_groups <= cache.quantized_groups <= one.quantized_groups + 1
+        for name, t in _stored(cache, one.quantized_groups).items():
             assert torch.equal(t, ref[name]), name
-        a = max(one.fb, cache.fb)
-        assert torch.equal(cache.fk[:, :, :, a - cache.fb:n - cache.fb], one.fk[:, :, :, a - one.fb:n - one.fb])
+        a = max(one.buffer_start, cache.buffer_start)
+        assert torch.equal(cache.buffer_k[:, :, :, a - cache.buffer_start:n - cache.buffer_start], one.buffer_k[:, :, :, a - one.buffer_start:n - one.buffer_start])
 
 
 def _attention_reference(cache: QuantizedCache, layer, q, k_fp, v_fp, positions, visible_new, scale,
@@ -146,7 +146,7 @@ def _attention_reference(cache: QuantizedCache, layer, q, k_fp, v_fp, positions,
     per 32 channels: caches/quantized.py); else the plain float reading of the codes (dequantized)."""
     B, Hq, T, _ = q.shape
     g, S = Hq // H, k_fp.shape[2]
-    nq = cache.nq * GROUP_K
+    nq = cache.quantized_groups * GROUP_K
     kc, ks, kz, vc, vs, vz = cache.group_codes(layer, 0, nq)
     kd, vd = cache.dequantized(layer, 0, nq)
     out = torch.empty(B, Hq, T, D)
@@ -221,9 +221,9 @@ def _check_attention(tree: bool, T: int, ops=None, bits: int = 8):
     for layer in range(L):
         kv = cache.update(layer, q, k[layer, :, :, 380:380 + T], v[layer, :, :, 380:380 + T])
         outs.append(kv.attend(q, 0.125, ops))
-    fb = cache.fb
-    k_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.fk[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]
-    v_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.fv[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]
+    fb = cache.buffer_start
+    k_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.buffer_k[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]
+    v_fp = [torch.cat([torch.zeros(1, H, fb, D), cache.buffer_v[layer, :, :, :380 + T - fb].float()], 2) for layer in range(L)]
     cache.commit(T)
     for layer in range(L):
         ref = _attention_reference(cache, layer, q, k_fp[layer], v_fp[layer], positions, visible, 0.125)
@@ -282,12 +282,12 @@ def test_memory_is_bounded():
         cache.update(0, q, k[0, :, :, i + 49:i + 50], v[0, :, :, i + 49:i + 50]).attend(q, 0.125)
         cache.rollback(cache.length)  # the probe token is not committed
     assert max(seen) <= TILE and sum(seen) >= n - 3 * GROUP_K
-    assert cache.fk.shape[3] <= 3 * GROUP_K + cache.max_rollback + 50
+    assert cache.buffer_k.shape[3] <= 3 * GROUP_K + cache.max_rollback + 50
     fp16 = 2 * L * H * 4096 * D * 2  # K and V of 4096 tokens in fp16
-    buffer = 2 * cache.fk.numel() * 2
+    buffer = 2 * cache.buffer_k.numel() * 2
     assert cache.nbytes() - buffer < 0.55 * fp16  # 8-bit codes, plus scales and zeros: 1.09 bytes per value
     four = _cache(capacity=4096, bits=4)
-    assert four.nbytes() - 2 * four.fk.numel() * 2 < 0.30 * fp16  # 4-bit codes: 0.59 bytes per value
+    assert four.nbytes() - 2 * four.buffer_k.numel() * 2 < 0.30 * fp16  # 4-bit codes: 0.59 bytes per value
 
 
 def test_rollback_limit():
@@ -297,11 +297,11 @@ def test_rollback_limit():
     cache = _cache()
     for i in range(0, 300, 10):  # the buffer fills and drops its oldest groups
         _feed(cache, k, v, i, i + 10)
-    assert cache.fb > 0
+    assert cache.buffer_start > 0
     with pytest.raises(ValueError, match="max_rollback=32"):
         cache.rollback(300 - 129)
     cache.rollback(300 - 32)  # within max_rollback: O(1)
-    assert cache.length == 268 and cache.nq == fp_from(299) // GROUP_K
+    assert cache.length == 268 and cache.quantized_groups == fp_from(299) // GROUP_K
 
 
 @pytest.fixture(scope="module")

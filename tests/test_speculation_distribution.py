@@ -18,6 +18,7 @@ from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate
 from triforce.sampling import SamplingParams, Scores, make_generator, probs_from_logits, sample
 from triforce.speculation.config import SpecConfig
+from triforce.speculation.shortcut import NGramShortcut
 from triforce.caches import new_cache
 
 V = 8
@@ -179,7 +180,7 @@ def test_ngram_shortcut_follows_target_distribution(models, prompt, exact, monke
     on the sampled history), through the levels between otherwise: the tokens still follow the target."""
     from triforce.speculation.stack import StackSpec
 
-    monkeypatch.setattr(level_mod.Level, "shortcut_rate", lambda self, n: 1.0 if n == 2 else None)
+    monkeypatch.setattr(NGramShortcut, "rate", lambda self, n: 1.0 if n == 2 else None)
     tops: list[dict] = []
     pv = p_values(sample_counts(models, prompt, None, CFG, stack=StackSpec.parse(*SHORTCUT_STACK), tops=tops), exact)
     assert min(pv) > ALPHA, f"chi-square p-values {pv}"
@@ -192,7 +193,7 @@ def test_check_detects_a_shortcut_that_retries(models, prompt, exact, monkeypatc
     between (a second chance for the n-gram's token). The same check catches it."""
     from triforce.speculation.stack import StackSpec
 
-    monkeypatch.setattr(level_mod.Level, "shortcut_rate", lambda self, n: 1.0)
+    monkeypatch.setattr(NGramShortcut, "rate", lambda self, n: 1.0)
     right = level_mod.Level._round
 
     def retrying(self, ctx, committed, k):

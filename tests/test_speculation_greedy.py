@@ -86,28 +86,28 @@ def test_ngram_shortcut_counts_what_a_direct_round_accepts():
     """A round's n-gram proposal against the tokens the round emitted: the matching prefix is what a direct
     verification accepts (all of it, then the bonus token, when the proposal is shorter than the emission);
     past the emitted tokens nothing is known, so a longer proposal that matched them all counts that far."""
-    from triforce.speculation.level import Level
+    from triforce.speculation.shortcut import NGramShortcut
 
-    lvl = Level("full", None, None, 4, None, shortcut=object())
+    shortcut = NGramShortcut(None, 0.6)
     for proposal, n, emitted, expected in [([5, 6, 7, 8], 3, [5, 6, 9], (4, 2)),  # rejected at the third
                                           ([5, 6, 7, 8], 3, [5, 6, 7, 8, 1], (4, 4)),  # all accepted, bonus
                                           ([5, 6, 7, 8], 3, [4], (4, 0)),
                                           ([5, 6, 7, 8], 2, [5, 6], (2, 2)),  # a round through the middle: 2 known
                                           ([], 0, [5], None)]:
-        lvl._lookahead = (proposal, n)
-        before = {k: list(v) for k, v in lvl._shortcut_history.items()}
-        lvl._remember_lookahead(emitted)
-        added = [x for k, v in lvl._shortcut_history.items() for x in list(v)[len(before.get(k, [])):]]
+        shortcut._lookahead = (proposal, n)
+        before = {k: list(v) for k, v in shortcut._history.items()}
+        shortcut.remember(emitted)
+        added = [x for k, v in shortcut._history.items() for x in list(v)[len(before.get(k, [])):]]
         assert added == ([expected] if expected else []), (proposal, emitted)
-    assert lvl.shortcut_rate(3) is None  # three proposals of 3-grams remembered: fewer than SHORTCUT_MIN_HISTORY
-    lvl._lookahead = ([1, 2], 3)
-    lvl._remember_lookahead([1, 2, 3])
-    assert lvl.shortcut_rate(3) == (2 + 4 + 0 + 2) / (4 + 4 + 4 + 2)
+    assert shortcut.rate(3) is None  # three proposals of 3-grams remembered: fewer than MIN_HISTORY
+    shortcut._lookahead = ([1, 2], 3)
+    shortcut.remember([1, 2, 3])
+    assert shortcut.rate(3) == (2 + 4 + 0 + 2) / (4 + 4 + 4 + 2)
 
 
 def test_ngram_shortcut_alternating_routes_keep_greedy_exact(target, monkeypatch):
     """Every other round verified directly: each middle level catches up over the tokens it skipped."""
-    from triforce.speculation.level import Level
+    from triforce.speculation.shortcut import NGramShortcut
 
     calls = []
 
@@ -115,7 +115,7 @@ def test_ngram_shortcut_alternating_routes_keep_greedy_exact(target, monkeypatch
         calls.append(n)
         return 1.0 if len(calls) % 2 else 0.0
 
-    monkeypatch.setattr(Level, "shortcut_rate", every_other)
+    monkeypatch.setattr(NGramShortcut, "rate", every_other)
     for seed, n_prompt in [(0, 200), (2, 90)]:
         prompt = _prompt(n_prompt, seed)
         stack = StackSpec.parse("ngram,streaming:24,retrieval:40,full", "2,2,4")

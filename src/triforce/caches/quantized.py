@@ -31,7 +31,7 @@ Storage per layer: the planes [B, Hkv, capacity, D / 2] (uint8; a group's 64 row
 kernel's order, below), key scales and zeros [B, Hkv, groups, D], value scales and zeros [B, Hkv, capacity,
 D / 32] (fp16; within each group of 64 rows stored channel group by channel group, [D / 32, 64]; a head dim
 below 32: one group per head), and a full-precision buffer [B, Hkv, slots, D]
-holding positions fb .. length - 1 (fb a multiple of 64; `dtype`: fp32, bf16 or fp16), whose old groups are
+holding positions buffer_start .. length - 1 (a multiple of 64; `dtype`: fp32, bf16 or fp16), whose old groups are
 dropped when it fills (after quantizing them): it holds the newest 128 + max_rollback tokens plus one
 forward's. Rollback within max_rollback is O(1): an integer and a group count. Attention (`QuantizedKV`)
 reads the planes tile by tile, TILE tokens at a time (never the whole cache), or in the compiled kernel.
@@ -193,15 +193,15 @@ class QuantizedCache(KVCache):
             self.k_zero = kv_buffer((n_layers, batch, n_kv_heads, groups, head_dim), torch.float16, device)
             self.v_scale, self.v_zero = kv_buffer(vs, torch.float16, device), kv_buffer(vs, torch.float16, device)
         self.length = 0
-        self.nq = 0  # quantized groups: positions [0, nq * GROUP_K) are in the planes
-        self.fb = 0  # the buffer holds positions fb .. length - 1 (fb a multiple of GROUP_K)
-        self.fk = self.fv = None
+        self.quantized_groups = 0  # positions [0, quantized_groups * GROUP_K) are in the planes
+        self.buffer_start = 0  # the buffer holds positions buffer_start .. length - 1 (a multiple of GROUP_K)
+        self.buffer_k = self.buffer_v = None
         self._grow(2 * GROUP_K + max_rollback + GROUP_K)
         self.recorder = QueryRecorder(n_layers) if record_queries else None
         self._n_new = 0
-        self._nq_target = 0
+        self._groups_target = 0
         self._qb: torch.Tensor | None = None  # per new token: fp_from(its position)
-        self._fp_mask: torch.Tensor | None = None  # [T, length + T - fb]: buffer keys each new token reads
+        self._fp_mask: torch.Tensor | None = None  # [T, length + T - buffer_start]: buffer keys each new token reads
 
     @property
     def device(self) -> torch.device:
@@ -215,34 +215,34 @@ class QuantizedCache(KVCache):
         shape = (self.n_layers, self.batch, self.n_kv_heads, slots, self.head_dim)
         with torch.inference_mode(False):
             fk, fv = kv_buffer(shape, self.dtype, self.device), kv_buffer(shape, self.dtype, self.device)
-        if self.fk is not None:
-            n = self.length - self.fb
-            fk[:, :, :, :n], fv[:, :, :, :n] = self.fk[:, :, :, :n], self.fv[:, :, :, :n]
-        self.fk, self.fv = fk, fv
+        if self.buffer_k is not None:
+            n = self.length - self.buffer_start
+            fk[:, :, :, :n], fv[:, :, :, :n] = self.buffer_k[:, :, :, :n], self.buffer_v[:, :, :, :n]
+        self.buffer_k, self.buffer_v = fk, fv
 
-    def _advance(self, fb: int) -> None:
-        """Drop buffer positions below `fb` (a multiple of GROUP_K), quantizing them first if needed (sharing
+    def _advance(self, start: int) -> None:
+        """Drop buffer positions below `start` (a multiple of GROUP_K), quantizing them first if needed (sharing
         planes: only positions the shared cache has quantized)."""
         if self.shared is not None:
-            fb = min(fb, self.shared.nq * GROUP_K)
-        if fb <= self.fb:
+            start = min(start, self.shared.quantized_groups * GROUP_K)
+        if start <= self.buffer_start:
             return
-        self._quantize(range(self.n_layers), fb // GROUP_K)
-        self.nq = max(self.nq, fb // GROUP_K)
-        n, d = self.length - fb, fb - self.fb
-        self.fk[:, :, :, :n] = self.fk[:, :, :, d:d + n].clone()
-        self.fv[:, :, :, :n] = self.fv[:, :, :, d:d + n].clone()
-        self.fb = fb
+        self._quantize(range(self.n_layers), start // GROUP_K)
+        self.quantized_groups = max(self.quantized_groups, start // GROUP_K)
+        n, d = self.length - start, start - self.buffer_start
+        self.buffer_k[:, :, :, :n] = self.buffer_k[:, :, :, d:d + n].clone()
+        self.buffer_v[:, :, :, :n] = self.buffer_v[:, :, :, d:d + n].clone()
+        self.buffer_start = start
 
     def _quantize(self, layers, upto: int) -> None:
-        """Quantize groups nq .. upto - 1 of `layers` from the buffer (their positions must be in it)."""
-        g0 = self.nq
+        """Quantize groups quantized_groups .. upto - 1 of `layers` from the buffer (their positions must be in it)."""
+        g0 = self.quantized_groups
         if upto <= g0 or self.shared is not None:
             return
-        assert g0 * GROUP_K >= self.fb, (g0, self.fb)
+        assert g0 * GROUP_K >= self.buffer_start, (g0, self.buffer_start)
         a, b = g0 * GROUP_K, upto * GROUP_K
         for layer in layers:
-            self.store(layer, a, self.fk[layer, :, :, a - self.fb:b - self.fb], self.fv[layer, :, :, a - self.fb:b - self.fb])
+            self.store(layer, a, self.buffer_k[layer, :, :, a - self.buffer_start:b - self.buffer_start], self.buffer_v[layer, :, :, a - self.buffer_start:b - self.buffer_start])
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole groups of keys and values k, v [B, Hkv, n, D] (n a multiple of GROUP_K) of positions
@@ -265,32 +265,32 @@ class QuantizedCache(KVCache):
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")
         L, dev = self.length, self.device
-        if L + n_new - self.fb > self.fk.shape[3]:
-            self._advance(max(self.fb, fp_from(max(0, L - self.max_rollback))))
-            if L + n_new - self.fb > self.fk.shape[3]:
-                self._grow(L + n_new - self.fb + GROUP_K)
+        if L + n_new - self.buffer_start > self.buffer_k.shape[3]:
+            self._advance(max(self.buffer_start, fp_from(max(0, L - self.max_rollback))))
+            if L + n_new - self.buffer_start > self.buffer_k.shape[3]:
+                self._grow(L + n_new - self.buffer_start + GROUP_K)
         offsets = torch.arange(n_new, device=dev) if block is None else block.offsets
         positions = L + offsets
         last = L + n_new - 1 if block is None else L + int(offsets.max())
-        self._nq_target = max(self.nq, fp_from(last) // GROUP_K)
+        self._groups_target = max(self.quantized_groups, fp_from(last) // GROUP_K)
         if block is not None:  # groups quantized now must be chain tokens (slot = position): trees shallower than a group
-            k = self._nq_target * GROUP_K - L
+            k = self._groups_target * GROUP_K - L
             if k > 0 and not torch.equal(offsets[:k].cpu(), torch.arange(k)):
                 raise TriforceError(f"a draft tree reaches {GROUP_K} tokens past a quantization group: "
                                     f"use trees shallower than {GROUP_K}")
         qb = fp_from_tensor(positions)
         if self.shared is not None:  # the shared planes as far as the target has quantized, then the buffer
-            avail = self.shared.nq * GROUP_K
-            if avail < self.fb:
-                raise TriforceError(f"the int8 cache shared by a kv4 level was rolled back below position {self.fb}, "
+            avail = self.shared.quantized_groups * GROUP_K
+            if avail < self.buffer_start:
+                raise TriforceError(f"the int8 cache shared by a kv4 level was rolled back below position {self.buffer_start}, "
                                     f"which the level no longer holds: keep rollbacks within {GROUP_K} tokens")
             qb = qb.clamp(max=avail)
-            self._nq_target = min(self._nq_target, self.shared.nq)
-        old = torch.arange(self.fb, L, device=dev)
+            self._groups_target = min(self._groups_target, self.shared.quantized_groups)
+        old = torch.arange(self.buffer_start, L, device=dev)
         key_pos = torch.cat([old, positions])
         visible = key_pos[None, :] >= qb[:, None]
         new = (torch.ones(n_new, n_new, dtype=torch.bool, device=dev).tril() if block is None else block.visible)
-        visible[:, L - self.fb:] &= new
+        visible[:, L - self.buffer_start:] &= new
         self._qb, self._fp_mask, self._n_new = qb, visible, n_new
         if self.recorder is not None:
             self.recorder.begin(L)
@@ -298,10 +298,10 @@ class QuantizedCache(KVCache):
     def update(self, layer, q, k, v):
         """Store k, v [B, Hkv, T, D] in the buffer, quantize the groups this forward's queries read from the
         planes; -> QuantizedKV: execution.attention hands the attention to it."""
-        a = self.length - self.fb
-        self.fk[layer, :, :, a:a + self._n_new] = k
-        self.fv[layer, :, :, a:a + self._n_new] = v
-        self._quantize((layer,), self._nq_target)
+        a = self.length - self.buffer_start
+        self.buffer_k[layer, :, :, a:a + self._n_new] = k
+        self.buffer_v[layer, :, :, a:a + self._n_new] = v
+        self._quantize((layer,), self._groups_target)
         if self.recorder is not None:
             self.recorder.record(layer, q)
         return QuantizedKV(self, layer)
@@ -311,23 +311,23 @@ class QuantizedCache(KVCache):
         prepare: the groups its queries read quantized, quantized now for every layer (they were all fed by
         earlier forwards: a forward of at most 64 tokens reads none of its own from the planes), and the
         arguments that call takes from the cache (g: query heads per KV head)."""
-        self._quantize(range(self.n_layers), self._nq_target)
+        self._quantize(range(self.n_layers), self._groups_target)
         none = torch.empty(0, dtype=torch.uint8)
         planes = [self.k_hi, self.k_lo if self.k_lo is not None else none, self.k_scale, self.k_zero,
                   self.v_hi, self.v_lo if self.v_lo is not None else none, self.v_scale, self.v_zero]
-        return (planes, int(self._qb.max()), self._qb.repeat(g), self.fk, self.fv, self.length - self.fb,
+        return (planes, int(self._qb.max()), self._qb.repeat(g), self.buffer_k, self.buffer_v, self.length - self.buffer_start,
                 self._fp_mask)
 
     def commit(self, n_new: int) -> None:
         self.length += n_new
-        self.nq = self._nq_target
+        self.quantized_groups = self._groups_target
 
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)
-        if length < self.length and fp_from(length) < self.fb:
+        if length < self.length and fp_from(length) < self.buffer_start:
             raise ValueError(f"quantized KV cache cannot roll back {self.length - length} tokens "
                              f"(max_rollback={self.max_rollback})")
-        self.nq = min(self.nq, length // GROUP_K)
+        self.quantized_groups = min(self.quantized_groups, length // GROUP_K)
         self.length = length
 
     def _slot(self, position: int) -> int:
@@ -336,10 +336,10 @@ class QuantizedCache(KVCache):
     def keep(self, start: int, rows: list[int]) -> None:
         if rows == list(range(len(rows))):
             return self.rollback(start + len(rows))
-        a = start - self.fb
+        a = start - self.buffer_start
         idx = torch.tensor(rows, device=self.device)
-        self.fk[:, :, :, a:a + len(rows)] = self.fk[:, :, :, a + idx]
-        self.fv[:, :, :, a:a + len(rows)] = self.fv[:, :, :, a + idx]
+        self.buffer_k[:, :, :, a:a + len(rows)] = self.buffer_k[:, :, :, a + idx]
+        self.buffer_v[:, :, :, a:a + len(rows)] = self.buffer_v[:, :, :, a + idx]
         if self.recorder is not None:
             self.recorder.keep(start, idx)
         self.length = start + len(rows)
@@ -352,43 +352,44 @@ class QuantizedCache(KVCache):
         n = full.length
         if self.shared is not None:
             assert full is self.shared
-            if n - full.fb > self.fk.shape[3]:
-                self._grow(n - full.fb + GROUP_K)
-            self.fk[:, :, :, :n - full.fb] = full.fk[:, :, :, :n - full.fb]
-            self.fv[:, :, :, :n - full.fb] = full.fv[:, :, :, :n - full.fb]
-            self.length, self.nq, self.fb = n, full.nq, full.fb
+            if n - full.buffer_start > self.buffer_k.shape[3]:
+                self._grow(n - full.buffer_start + GROUP_K)
+            self.buffer_k[:, :, :, :n - full.buffer_start] = full.buffer_k[:, :, :, :n - full.buffer_start]
+            self.buffer_v[:, :, :, :n - full.buffer_start] = full.buffer_v[:, :, :, :n - full.buffer_start]
+            self.length, self.quantized_groups, self.buffer_start = n, full.quantized_groups, full.buffer_start
             return
         a = fp_from(n)
         check_capacity(n, self.capacity, "the quantized KV cache")
-        self.length = self.nq = self.fb = 0
-        if n - a > self.fk.shape[3]:
+        self.length = self.quantized_groups = self.buffer_start = 0
+        if n - a > self.buffer_k.shape[3]:
             self._grow(n - a + GROUP_K)
         for layer in range(self.n_layers):
             for t0 in range(0, a, TILE):
                 t1 = min(a, t0 + TILE)
                 self.store(layer, t0, full.k[layer, :, :, t0:t1], full.v[layer, :, :, t0:t1])
-        self.fk[:, :, :, :n - a] = full.k[:, :, :, a:n]
-        self.fv[:, :, :, :n - a] = full.v[:, :, :, a:n]
-        self.length, self.nq, self.fb = n, a // GROUP_K, a
+        self.buffer_k[:, :, :, :n - a] = full.k[:, :, :, a:n]
+        self.buffer_v[:, :, :, :n - a] = full.v[:, :, :, a:n]
+        self.length, self.quantized_groups, self.buffer_start = n, a // GROUP_K, a
 
     def checkpoint(self) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
         """The cache as it is now, to come back to with restore after any number of tokens (a prompt
         reused by several generations): the counters and a copy of the buffer (the planes of groups quantized
         by then are never rewritten by later tokens)."""
-        n = self.length - self.fb
-        return self.length, self.nq, self.fb, self.fk[:, :, :, :n].clone(), self.fv[:, :, :, :n].clone()
+        n = self.length - self.buffer_start
+        return (self.length, self.quantized_groups, self.buffer_start, self.buffer_k[:, :, :, :n].clone(),
+                self.buffer_v[:, :, :, :n].clone())
 
     def restore(self, mark) -> None:
-        length, nq, fb, fk, fv = mark
-        assert self.shared is None and self.nq >= nq, "a reset may not go where groups were forgotten"
-        n = fk.shape[3]
-        self.fk[:, :, :, :n], self.fv[:, :, :, :n] = fk, fv
-        self.length, self.nq, self.fb = length, nq, fb
+        length, groups, start, buffer_k, buffer_v = mark
+        assert self.shared is None and self.quantized_groups >= groups, "a reset may not go where groups were forgotten"
+        n = buffer_k.shape[3]
+        self.buffer_k[:, :, :, :n], self.buffer_v[:, :, :, :n] = buffer_k, buffer_v
+        self.length, self.quantized_groups, self.buffer_start = length, groups, start
 
     # --- reading ----------------------------------------------------------------------------------------
 
     def group_codes(self, layer: int, start: int, end: int, four_bit: bool = False):
-        """The codes of quantized positions start .. end - 1 (multiples of GROUP_K, end <= nq * GROUP_K) of
+        """The codes of quantized positions start .. end - 1 (multiples of GROUP_K, end <= quantized_groups * GROUP_K) of
         `layer`, G = (end - start) / 64 groups, as fp32 on the 8-bit scale (the 8-bit reading, or the upper
         planes' with four_bit): keys [B, H, G, 64, D] with their scales and zeros [B, H, G, D], values
         [B, H, G, 64, D] with theirs [B, H, G, D / 32, 64]."""
@@ -407,7 +408,7 @@ class QuantizedCache(KVCache):
 
     def dequantized(self, layer: int, start: int, end: int, four_bit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, end - start, D] fp32 of quantized positions start .. end - 1 (multiples of
-        GROUP_K, end <= nq * GROUP_K) of `layer`: the 8-bit reading, or the upper planes' with four_bit."""
+        GROUP_K, end <= quantized_groups * GROUP_K) of `layer`: the 8-bit reading, or the upper planes' with four_bit."""
         B, H, D = self.batch, self.n_kv_heads, self.head_dim
         n, gv = end - start, self.group_v
         kc, ks, kz, vc, vs, vz = self.group_codes(layer, start, end, four_bit)
@@ -420,16 +421,16 @@ class QuantizedCache(KVCache):
     def layer_kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0 .. n - 1 of `layer` [B, Hkv, n, D] fp32, as attention reads them from
         position n (planes below fp_from(n), the buffer above): one layer at a time, for retrieval builds."""
-        q_end = min(fp_from(n), self.nq * GROUP_K)
-        assert q_end >= self.fb and n <= self.length
+        q_end = min(fp_from(n), self.quantized_groups * GROUP_K)
+        assert q_end >= self.buffer_start and n <= self.length
         k, v = self.dequantized(layer, 0, q_end)
-        a, b = q_end - self.fb, n - self.fb
-        return (torch.cat([k, self.fk[layer, :, :, a:b].float()], dim=2),
-                torch.cat([v, self.fv[layer, :, :, a:b].float()], dim=2))
+        a, b = q_end - self.buffer_start, n - self.buffer_start
+        return (torch.cat([k, self.buffer_k[layer, :, :, a:b].float()], dim=2),
+                torch.cat([v, self.buffer_v[layer, :, :, a:b].float()], dim=2))
 
     def nbytes(self) -> int:
         """Bytes of this cache's own storage (planes, scales and zeros unless shared, the full-precision buffer)."""
-        ts = [self.fk, self.fv] + ([] if self.shared is not None else [
+        ts = [self.buffer_k, self.buffer_v] + ([] if self.shared is not None else [
             self.k_hi, self.v_hi, self.k_lo, self.v_lo, self.k_scale, self.k_zero, self.v_scale, self.v_zero])
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -453,7 +454,7 @@ class QuantizedKV(PlanesKV):
         R = g * T
         qb = c._qb.repeat(g)  # rows are (group head, token): row r is token r % T
         q_end = int(c._qb.max())  # planes: positions < q_end (some rows read fewer)
-        n_fp = c.length + T - c.fb
+        n_fp = c.length + T - c.buffer_start
         lo = c.k_lo is not None  # no lower planes: the 4-bit reading
         if ops is not None and B == 1 and D in KERNEL_HEAD_DIMS and capabilities(ops).quant_attention and g <= KERNEL_MAX_ROWS:
             # the kernel, at most KERNEL_MAX_ROWS rows (g * tokens) per call: a prefill chunk in blocks of tokens
@@ -469,7 +470,7 @@ class QuantizedKV(PlanesKV):
                     c.k_lo[L, 0, :, :end] if lo else none, c.k_scale[L, 0, :, :end // GROUP_K],
                     c.k_zero[L, 0, :, :end // GROUP_K], c.v_hi[L, 0, :, :end], c.v_lo[L, 0, :, :end] if lo else none,
                     c.v_scale[L, 0, :, :end], c.v_zero[L, 0, :, :end], c._qb[t0:t1].repeat(g),
-                    c.fk[L, 0, :, :n_fp], c.fv[L, 0, :, :n_fp], c._fp_mask[t0:t1].contiguous(), t1 - t0, scale
+                    c.buffer_k[L, 0, :, :n_fp], c.buffer_v[L, 0, :, :n_fp], c._fp_mask[t0:t1].contiguous(), t1 - t0, scale
                 ).view(Hq, t1 - t0, D))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return out.to(q.dtype).view(B, Hq, T, D)
@@ -498,7 +499,7 @@ class QuantizedKV(PlanesKV):
             s = quantized_scores(qf, kc, ks, kz).reshape(B, H, R, G * GROUP_K).masked_fill_(~visible, float("-inf"))
             p = softmax_step(s)  # (rescales acc: before acc is read)
             acc = acc + quantized_pv(p.view(B, H, R, G, GROUP_K), vc, vs, vz)
-        k, v = c.fk[self.layer, :, :, :n_fp].float(), c.fv[self.layer, :, :, :n_fp].float()
+        k, v = c.buffer_k[self.layer, :, :, :n_fp].float(), c.buffer_v[self.layer, :, :, :n_fp].float()
         s = (qf @ k.transpose(-1, -2)).masked_fill_(~c._fp_mask.repeat(g, 1), float("-inf"))
         p = softmax_step(s)
         acc = acc + p @ v

@@ -22,9 +22,9 @@ def fill_random(cache: KVCache, n_ctx: int) -> None:
             scale.uniform_(0.001, 0.05)
             zero.normal_()
         a = fp_from(n_ctx)
-        cache.nq, cache.fb = a // GROUP_K, a
-        cache.fk.normal_()
-        cache.fv.normal_()
+        cache.quantized_groups, cache.buffer_start = a // GROUP_K, a
+        cache.buffer_k.normal_()
+        cache.buffer_v.normal_()
         cache.length = n_ctx
         return
     if isinstance(cache, SlidingWindowCache):

@@ -28,7 +28,7 @@ class SpecConfig:
     window: int = 512
     ngram: int = 3  # longest n-gram matched by the n-gram drafter
     # a stack with levels between an n-gram bottom and `full`: the top verifies an n-gram proposal itself when
-    # proposals from matches of its length were lately accepted at least this often (level.Level.shortcut);
+    # proposals from matches of its length were lately accepted at least this often (shortcut.NGramShortcut);
     # 0: never. Chosen on the 32K bench (docs/benchmarks.md)
     ngram_shortcut: float = 0.6
     prefill_chunk: int = 512

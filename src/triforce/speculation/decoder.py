@@ -23,6 +23,7 @@ from .drafters import ModelDrafter
 from .kinds import KINDS, BuildContext, rebuild
 from .level import Level
 from .planner import CATCH_UP, AdaptiveTop, Route
+from .shortcut import NGramShortcut
 from .stack import REBUILT, ROLLBACK_SLACK, StackSpec
 from .state import ModelState, PrefilledPrompt
 from .tree import fixed_tree
@@ -108,17 +109,17 @@ class Decoder:
                 return
             self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")
         tree = fixed_tree(self.stack.tree) if self.stack.tree else None  # drafted by the bottom level only
-        # the top level's n-gram shortcut past the levels between (Level.shortcut); below a draft head, an n-gram
+        # the top level's n-gram shortcut past the levels between (shortcut.NGramShortcut); below a draft head, an n-gram
         # drafter of its own: repeated text is then verified directly, new text drafted by the head
         shortcut = None
         if config.ngram_shortcut > 0 and bottom_spec.kind == "ngram" and len(self.stack.levels) > 2:
-            shortcut = proposer
+            shortcut = NGramShortcut(proposer, config.ngram_shortcut)
         elif config.ngram_shortcut > 0 and bottom_spec.kind == "head":
-            shortcut = KINDS["ngram"].drafter(build, bottom_spec)
+            shortcut = NGramShortcut(KINDS["ngram"].drafter(build, bottom_spec), config.ngram_shortcut)
         for i, (state, gamma) in enumerate(zip(self.states[1:], self.stack.gammas), start=2):
             top = i == len(self.stack.levels)
             proposer = Level(state.name, proposer, state, gamma, generator, tree=tree,
-                             shortcut=shortcut if top else None, shortcut_above=config.ngram_shortcut)
+                             shortcut=shortcut if top else None)
             tree = None
         self.top = proposer
 

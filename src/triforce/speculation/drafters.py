@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .state import ModelState
+from .state import ModelState, extended
 from .tree import DraftTree
 
 
@@ -80,12 +80,14 @@ class ModelDrafter:
     def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
         t = time.perf_counter()
         tokens, rows = [], []
-        for _ in range(k):
-            scores = self.state.score(ctx + tokens, committed, [])
-            tokens.append(scores.token(-1, self.generator))
-            if not scores.greedy:
-                rows.append(scores.probs[-1])
-            self.syncs += 1  # the next forward needs the token: one host synchronisation per drafted token
+        with extended(ctx) as seq:
+            for _ in range(k):
+                scores = self.state.score(seq, committed, [])
+                tokens.append(scores.token(-1, self.generator))
+                seq.append(tokens[-1])
+                if not scores.greedy:
+                    rows.append(scores.probs[-1])
+                self.syncs += 1  # the next forward needs the token: one host synchronisation per drafted token
         self.tokens += k
         self.seconds += time.perf_counter() - t
         return tokens, (torch.stack(rows) if rows else None)
@@ -139,7 +141,7 @@ class NGramDrafter:
 
     def lookup(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], int]:
         """-> (up to k tokens that followed the latest earlier occurrence of the longest matching n-gram, n);
-        ([], 0) without a match. No bookkeeping: propose() is the proposal (Level.shortcut looks ahead with this)."""
+        ([], 0) without a match. No bookkeeping: propose() is the proposal (shortcut.NGramShortcut looks ahead with this)."""
         self._update_index(ctx, committed)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(ctx) < n:

@@ -12,12 +12,11 @@ their distributions, so a level is itself a drafter (`propose`) for the level ab
 from __future__ import annotations
 
 import time
-from collections import deque
-
 import torch
 
 from ..sampling import Scores, sample
-from .state import ModelState
+from .shortcut import NGramShortcut
+from .state import ModelState, extended
 from .tree import DraftTree
 
 
@@ -127,29 +126,16 @@ class Level:
     template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a model at the
     bottom: ModelDrafter.propose_tree), each round drafts that tree instead of a chain (Sequoia).
 
-    `shortcut` (an n-gram drafter: the stack's bottom below `drafter`, or one of its own below a draft head): each round looks its proposal
-    up first and verifies it directly, skipping the levels between, when proposals from matches of the same
-    length have lately been accepted at least `shortcut_above` of the time (`shortcut_rate`). Repeated text then
-    costs no middle-level forwards, and new text still goes through them. Every round counts for that rate: a
-    direct round by what it accepted, a round through the middle by how far the proposal matched the tokens the
-    round emitted, which is what a direct round would have accepted (at temperature 0 exactly; sampled, in
-    distribution, the emitted tokens being the verifier's either way). The route is chosen from past rounds only,
-    before the round's verification draws anything, so the output stays exactly the verifier's.
+    `shortcut` (shortcut.NGramShortcut, at the top of a stack with levels between an n-gram drafter and it)
+    chooses each round's drafter: its n-gram proposal, verified directly, or `drafter`.
     """
 
-    SHORTCUT_HISTORY = 16  # proposals per match length whose outcome the shortcut remembers
-    SHORTCUT_MIN_HISTORY = 4  # fewer: the rate is unknown and the round goes through the middle
-
     def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator,
-                 tree: tuple[int, ...] | None = None, shortcut=None, shortcut_above: float = 1.0, on_round=None):
+                 tree: tuple[int, ...] | None = None, shortcut: NGramShortcut | None = None, on_round=None):
         self.on_round = on_round  # called with (asked, drafted, accepted) after each round (the adaptive planner)
         self.name, self.drafter, self.verifier, self.gamma, self.generator = name, drafter, verifier, gamma, generator
         self.tree = tree if tree and hasattr(drafter, "propose_tree") else None
         self.shortcut = shortcut if self.tree is None else None
-        self.shortcut_above = shortcut_above
-        self.shortcut_rounds = 0
-        self._shortcut_history: dict[int, deque] = {}  # match length -> (drafted, accepted) of recent proposals
-        self._lookahead: tuple[list[int], int] = ([], 0)  # this round's n-gram proposal and its match length
         self.rounds = self.drafted = self.accepted = self.syncs = 0
         self.seconds = 0.0
         self.recent: list[float] = []  # acceptance of the last rounds, for rebuild policies
@@ -161,43 +147,12 @@ class Level:
         self.position_tried: list[int] = []
         self.position_accepted: list[int] = []
 
-    def shortcut_rate(self, n: int) -> float | None:
-        """Accepted / drafted over the remembered proposals from n-gram matches of length n (None: too few)."""
-        h = self._shortcut_history.get(n)
-        if h is None or len(h) < self.SHORTCUT_MIN_HISTORY:
-            return None
-        return sum(a for _, a in h) / sum(d for d, _ in h)
-
-    def _drafter_for(self, ctx: list[int], committed: int, k: int):
-        """This round's drafter: the shortcut where its proposal's match length has earned it, else `drafter`."""
-        if self.shortcut is not None:
-            self._lookahead = self.shortcut.lookup(ctx, committed, k)
-            tokens, n = self._lookahead
-            rate = self.shortcut_rate(n) if tokens else None
-            if rate is not None and rate >= self.shortcut_above:
-                self.shortcut_rounds += 1
-                return self.shortcut
-        return self.drafter
-
-    def _remember_lookahead(self, emitted: list[int]) -> None:
-        """The round emitted these tokens: how many of its n-gram proposal a direct verification accepted or
-        would have (the proposal's prefix equal to them; past the emitted tokens nothing is known)."""
-        proposal, n = self._lookahead
-        self._lookahead = ([], 0)
-        if not proposal:
-            return
-        m = 0
-        while m < min(len(proposal), len(emitted)) and proposal[m] == emitted[m]:
-            m += 1
-        drafted = len(proposal) if m < len(emitted) else m
-        if drafted:
-            self._shortcut_history.setdefault(n, deque(maxlen=self.SHORTCUT_HISTORY)).append((drafted, m))
-
     def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
         if self.tree is not None:
             tree, q = self.drafter.propose_tree(ctx, committed, self.tree)
         else:
-            draft, q = self._drafter_for(ctx, committed, k).propose(ctx, committed, k)
+            drafter = self.drafter if self.shortcut is None else self.shortcut.choose(ctx, committed, k, self.drafter)
+            draft, q = drafter.propose(ctx, committed, k)
             tree = DraftTree.chain(draft)
             if q is not None:
                 q = torch.cat([q, torch.zeros_like(q[:1])])  # the last node is a leaf: no children
@@ -221,7 +176,7 @@ class Level:
             self._count_positions(len(tree), j)
         tokens = [tree.tokens[i] for i in path] + [nxt]  # a tree may give more than k + 1: callers cut
         if self.shortcut is not None:
-            self._remember_lookahead(tokens)
+            self.shortcut.remember(tokens)
         slots = [0] + [i + 1 for i in path]  # the verifier's rows after the context and each accepted node
         return tokens, (None if p.greedy else p.probs[slots][:len(tokens)])
 
@@ -266,11 +221,13 @@ class Level:
         greedy: the tokens are the verifier's argmax, compared as ids)."""
         out: list[int] = []
         rows: list[torch.Tensor] = []
-        while len(out) < k:
-            toks, p = self._round(ctx + out, committed, min(self.gamma, k - len(out)))
-            out += toks
-            if p is not None:
-                rows.append(p)
+        with extended(ctx) as seq:  # each round drafts after the tokens of the rounds before
+            while len(out) < k:
+                toks, p = self._round(seq, committed, min(self.gamma, k - len(out)))
+                out += toks
+                seq.extend(toks)
+                if p is not None:
+                    rows.append(p)
         return out[:k], (torch.cat(rows)[:k] if rows else None)
 
     def stats(self) -> dict:
@@ -279,10 +236,7 @@ class Level:
             "proposed": self.drafted, "accepted": self.accepted, **verify_rates(self.rounds, self.drafted, self.accepted),
             "seconds": round(self.seconds, 4), "forwards": self.verifier.forwards,
             "host_syncs": self.syncs, "syncs_per_round": round(self.syncs / self.rounds, 3) if self.rounds else None,
-            **({"shortcut_rounds": self.shortcut_rounds,
-                "shortcut_rate_by_match": {str(n): round(r, 3) for n in sorted(self._shortcut_history)
-                                           if (r := self.shortcut_rate(n)) is not None}}
-               if self.shortcut is not None else {}),
+            **(self.shortcut.stats() if self.shortcut is not None else {}),
             **({"acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position()],
                 "verified_by_position": list(self.position_tried)} if self.tree is None and self.position_tried else {}),
             **({"tree_nodes": len(self.tree), "acceptance_by_rank": [round(a, 4) for a in self.acceptance_by_rank()],

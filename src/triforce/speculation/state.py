@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -46,6 +48,17 @@ def _tree_block(n_pending: int, tree: DraftTree, device) -> TokenBlock:
     visible[m:, :m] = True
     visible[m:, m:] = tree.ancestry()
     return TokenBlock(offsets.to(device), visible.to(device))
+
+
+@contextmanager
+def extended(ctx: list[int]) -> Iterator[list[int]]:
+    """`ctx` itself, for tokens appended inside the block and removed at its end (an exception included): a
+    drafting level sees its own drafts as context without a copy of the whole sequence per drafted token."""
+    n = len(ctx)
+    try:
+        yield ctx
+    finally:
+        del ctx[n:]
 
 
 class ModelState:
