@@ -31,7 +31,7 @@ def main() -> int:
     from triforce.loading import load_model
     from triforce.sampling import SamplingParams
     from triforce.speculation.config import SpecConfig
-    from triforce.speculation.decoder import full_capacity
+    from triforce.speculation.builder import full_capacity
     from triforce.speculation.stack import StackSpec, method_stack
 
     from triforce.speculation.state import PrefilledPrompt

@@ -7,7 +7,7 @@ from triforce.loading import load_model
 from triforce.corpus import demo_tokens
 from triforce.generate import generate
 from triforce.speculation.config import SpecConfig
-from triforce.speculation.decoder import full_capacity
+from triforce.speculation.builder import full_capacity
 from triforce.speculation.stack import StackSpec
 from triforce.speculation.state import PrefilledPrompt
 from triforce.sampling import SamplingParams

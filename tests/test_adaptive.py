@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-import triforce.speculation.decoder as decoder_mod
+import triforce.speculation.builder as builder_mod
 from conftest import hf_tiny, ours_from_hf
 from test_speculation_distribution import ALPHA, POSITIONS, V, exact_marginals, p_values
 from triforce.generate import generate
@@ -123,7 +123,7 @@ class OutcomeSwitchingTop(AdaptiveTop):
 
 
 def test_the_distribution_check_catches_a_switch_that_depends_on_the_round(models, prompt, monkeypatch):
-    monkeypatch.setattr(decoder_mod, "AdaptiveTop", OutcomeSwitchingTop)
+    monkeypatch.setattr(builder_mod, "AdaptiveTop", OutcomeSwitchingTop)
     params = SamplingParams(temperature=1.0)
     exact = exact_marginals(models, prompt, params)
     counts = torch.zeros(POSITIONS, V)

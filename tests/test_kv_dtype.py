@@ -25,7 +25,7 @@ from triforce.generate import generate, generate_ar
 from triforce.loading import build_model, load_model
 from triforce.sampling import SamplingParams, make_generator
 from triforce.speculation.config import SpecConfig
-from triforce.speculation.decoder import Decoder
+from triforce.speculation.builder import BuiltStack
 from triforce.speculation.stack import StackSpec
 from triforce.caches import new_cache
 
@@ -182,7 +182,7 @@ def test_kv_dtype_changes_the_model_but_not_much():
 def test_drafting_caches_use_the_draft_dtype(kv, draft_kv, small_draft):
     m = target(kv)
     config = SpecConfig(**{**SPEC.__dict__, "draft_kv_dtype": draft_kv})
-    dec = Decoder(ALL_KINDS, m, SamplingParams(), config, make_generator(0, m.device), 200, 16, small_draft)
+    dec = BuiltStack(ALL_KINDS, m, SamplingParams(), config, make_generator(0, m.device), 200, 16, small_draft)
     dtypes = {lvl.kind: state.cache.k.dtype for lvl, state in zip(dec.stack.levels, dec.states)}
     assert dtypes == {"draft": TORCH_DTYPE[draft_kv], "streaming": TORCH_DTYPE[draft_kv],
                       "retrieval": TORCH_DTYPE[draft_kv], "full": TORCH_DTYPE[kv]}
@@ -313,7 +313,7 @@ def test_kv4_over_an_int8_target_reads_its_upper_planes(stack):
     are, changing an upper plane does not."""
     m = target("int8")
     prompt = _prompt(300, 5)
-    dec = Decoder(StackSpec.parse(stack, "2"), m, SamplingParams(), SPEC, make_generator(0, m.device), len(prompt), 16)
+    dec = BuiltStack(StackSpec.parse(stack, "2"), m, SamplingParams(), SPEC, make_generator(0, m.device), len(prompt), 16)
     dec.prefill(prompt)
     full, kv4 = dec.full.cache, dec.states[1].cache
     assert isinstance(full, QuantizedCache) and full.bits == 8 and kv4.shared is full and kv4.bits == 4

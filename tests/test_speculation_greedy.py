@@ -285,7 +285,7 @@ def assert_every_stack_equals_ar(model, prompt: list[int], new: int, methods, us
     """ar's `new` greedy tokens from every named method (triforce also with a streaming bottom drafter) and
     every user stack (levels, gammas), one prefill shared; a retrieval budget well below the prompt, so the
     retrieval level really drops most of the context."""
-    from triforce.speculation.decoder import full_capacity
+    from triforce.speculation.builder import full_capacity
     from triforce.speculation.stack import method_stack
     from triforce.speculation.state import PrefilledPrompt
 

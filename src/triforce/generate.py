@@ -17,7 +17,7 @@ from .errors import TriforceError
 from .model import Transformer
 from .sampling import SamplingParams, make_generator
 from .speculation.config import SpecConfig
-from .speculation.decoder import Decoder
+from .speculation.builder import BuiltStack
 from .speculation.stack import StackSpec, method_stack
 from .speculation.state import PrefilledPrompt
 
@@ -127,9 +127,9 @@ class GenerationStream:
     def __iter__(self):
         gen = make_generator(self.seed, self.model.device)
         t0 = time.perf_counter()
-        dec = Decoder(self.stack, self.model, self.params, self.config, gen, len(self.prompt),
-                      self.max_new_tokens, self.draft_model, self.prefilled, self.force_route)
-        dec.prefill(self.prompt, self.progress)
+        levels = BuiltStack(self.stack, self.model, self.params, self.config, gen, len(self.prompt),
+                            self.max_new_tokens, self.draft_model, self.prefilled, self.force_route)
+        levels.prefill(self.prompt, self.progress)
         t1 = time.perf_counter()
         seq, n0 = list(self.prompt), len(self.prompt)
         finish = "length"
@@ -139,7 +139,7 @@ class GenerationStream:
                 t = time.perf_counter()
                 limit = self.max_new_tokens - (len(seq) - n0)
                 before = len(seq)
-                for tok in dec.top.step(seq, len(seq), limit):
+                for tok in levels.top.step(seq, len(seq), limit):
                     seq.append(tok)
                     if self.text is not None:
                         self.text.push(tok)
@@ -149,12 +149,12 @@ class GenerationStream:
                     if tok in self.eos:
                         finish = "eos"  # tokens drafted past EOS are dropped: AR would have stopped here
                         break
-                dec.after_commit(seq, len(seq))
+                levels.after_commit(seq, len(seq))
                 decode_seconds += time.perf_counter() - t  # the consumer's time between rounds is not ours
                 done = finish != "length" or len(seq) - n0 >= self.max_new_tokens
                 text = self.text.take(final=done) if self.text is not None else ""
                 yield StreamChunk(seq[before:], text)
-        self.result = GenerationResult(seq[n0:], n0, t1 - t0, decode_seconds, finish, self.name, dec.stats(),
+        self.result = GenerationResult(seq[n0:], n0, t1 - t0, decode_seconds, finish, self.name, levels.stats(),
                                        self.text.text if self.text is not None else None)
 
 

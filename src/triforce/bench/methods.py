@@ -141,7 +141,7 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
 
     from ..corpus import genre_tokens
     from ..generate import generate
-    from ..speculation.decoder import full_capacity
+    from ..speculation.builder import full_capacity
     from ..speculation.stack import StackSpec, method_stack
     from ..speculation.state import PrefilledPrompt
     from ..tuning import flags as tuned_flags

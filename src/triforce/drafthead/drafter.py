@@ -47,7 +47,7 @@ def prepare_for_drafting(head: DraftHead, model: Transformer) -> None:
 
 
 class HeadDrafter:
-    """Drafts chains from a DraftHead; `sources` are the model states above it, nearest first (Decoder sets
+    """Drafts chains from a DraftHead; `sources` are the model states above it, nearest first (BuiltStack sets
     them: their record_features() is on), whose features it reads."""
 
     name = "head"

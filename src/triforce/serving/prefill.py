@@ -6,7 +6,7 @@ the drafting levels are rebuilt from it as usual (a retrieval level from its K/V
 prompt token's queries; a streaming or draft level prefills its own small cache).
 
 Invariant: the cache holds, bit for bit, what `prefill(model, cache, head, chunk)` would (head = the
-prompt but its last token, as Decoder.prefill feeds it): reused blocks were whole prefill chunks at
+prompt but its last token, as BuiltStack.prefill feeds it): reused blocks were whole prefill chunks at
 the same positions (prefix_cache.py), and the rest is fed in chunks of the same size from a chunk
 boundary on.
 """

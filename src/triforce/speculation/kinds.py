@@ -145,7 +145,7 @@ class Streaming(Kind):
 
 class Retrieval(Kind):
     """The target (draft weights) with a TriForce retrieval cache (config.draft_kv_dtype), built from the
-    full cache (whose keys are cast when gathered) and rebuilt by the decoder's policy (Decoder.after_commit)."""
+    full cache (whose keys are cast when gathered) and rebuilt by the rebuild policy (rebuild.RebuildPolicy)."""
 
     name = "retrieval"
 

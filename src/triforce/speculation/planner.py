@@ -1,6 +1,6 @@
 """The adaptive stack: each round runs a *route* through the built levels, chosen from what the run has measured.
 
-A stack's levels are built once (decoder.Decoder). A route is the sub-stack one round runs: some of the levels
+A stack's levels are built once (builder.BuiltStack). A route is the sub-stack one round runs: some of the levels
 below the top, in order, and the top (`full`), with a gamma per boundary. For the default stack
 ngram -> retrieval -> full the routes are
 
@@ -479,7 +479,7 @@ class Planner:
 class AdaptiveTop:
     """The top of an adaptive stack: runs each round through the route its planner chooses, over the decoder's
     level states (shared by every route: a state rolls itself back to each round's context). `catch_up(i, ctx,
-    committed)` rebuilds a retrieval or H2O level that sat out too long (decoder.Decoder.catch_up), and
+    committed)` rebuilds a retrieval or H2O level that sat out too long (rebuild.RebuildPolicy.catch_up), and
     `catch_up_ms(i, committed)` is what that would cost now (0: no rebuild needed)."""
 
     SWITCH_LOG = 64  # route changes kept in the stats

@@ -125,7 +125,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
     full = shared.cache
     length = full.length
 
-    drafting = drafting_model(model, config)  # the retrieval level's model, as the Decoder runs it
+    drafting = drafting_model(model, config)  # the retrieval level's model, as the built stack runs it
     ks = range(1, max(max_gamma, max_gamma_draft) + 2)
     cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3
                  for k in tqdm(ks, desc="full-cache forwards", disable=not progress, leave=False)}
@@ -428,7 +428,7 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     each feeding the tree so far, + the verification of all nodes) / expected tokens per round. Also the
     expected tokens of Sequoia's optimal tree (tree.best_tree) of as many nodes, for reference."""
     from ..generate import generate
-    from ..speculation.decoder import max_rollback
+    from ..speculation.builder import max_rollback
     from ..speculation.kinds import KINDS, BuildContext
     from ..speculation.stack import StackSpec
     from ..speculation.tree import best_tree, tree_value

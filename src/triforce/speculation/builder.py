@@ -1,5 +1,4 @@
-"""From a stack spec to running levels: the one builder, the prefill of every level, and the
-retrieval rebuild policy between rounds.
+"""From a stack spec to running levels: the one builder, and the prefill of every level.
 
 The stack is built bottom-up: the bottom level drafts (an n-gram drafter, or a model state drafting
 autoregressively); every level above verifies the one below with its own model state and is, in
@@ -13,16 +12,16 @@ from dataclasses import asdict
 import torch
 
 from ..caches import new_cache
-from ..caches.base import Rebuildable
 from ..caches.sliding import DEFAULT_EXTRA
 from ..errors import TriforceError
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .config import SpecConfig
 from .drafters import ModelDrafter
-from .kinds import KINDS, BuildContext, rebuild
+from .kinds import KINDS, BuildContext
 from .level import Level
-from .planner import CATCH_UP, AdaptiveTop, Route
+from .planner import AdaptiveTop, Route
+from .rebuild import RebuildPolicy
 from .shortcut import NGramShortcut
 from .stack import REBUILT, ROLLBACK_SLACK, StackSpec
 from .state import ModelState, PrefilledPrompt
@@ -43,11 +42,12 @@ def max_rollback(stack: StackSpec) -> int:
     return max(stack.top_gamma * (below + 1), stack.tree_nodes + len(stack.tree)) + ROLLBACK_SLACK
 
 
-class Decoder:
-    """Builds a stack's levels and runs its prefill and the retrieval rebuild policy. `top` is the
-    proposer whose step() makes each round's tokens: the stack's top level, or for an adaptive stack
-    (StackSpec.adaptive) a planner.AdaptiveTop choosing each round's route through the levels (`force_route`:
-    a function of the round index giving the route to run, or None to let the planner choose; for tests)."""
+class BuiltStack:
+    """A stack spec's levels built for one generation: prefill() them, then each round `top.step()` makes the
+    round's tokens and after_commit() runs the rebuild policy (rebuild.RebuildPolicy). `top` is the stack's top
+    level, or for an adaptive stack (StackSpec.adaptive) a planner.AdaptiveTop choosing each round's route through
+    the levels (`force_route`: a function of the round index giving the route to run, or None to let the planner
+    choose; for tests)."""
 
     def __init__(self, stack: StackSpec, model: Transformer, params: SamplingParams, config: SpecConfig,
                  generator: torch.Generator, prompt_len: int, max_new_tokens: int,
@@ -60,8 +60,6 @@ class Decoder:
                             config.sink + MIN_STREAMING_WINDOW)
         self.model, self.params, self.config, self.generator = model, params, config, generator
         self.notes: list[str] = []
-        self.rebuilds = 0
-        self.rebuild_seconds = 0.0
         self.stack = self._useful(stack, prompt_len)
         if model.windows is not None and self.stack.tree:
             raise TriforceError(f"draft trees (--tree, the sequoia method) are not supported yet for models with "
@@ -88,6 +86,7 @@ class Decoder:
         # level names in the stats: the kind, or kind:budget where the stack names a budget
         self.states: list[ModelState | None] = [KINDS[lvl.kind].state(build, lvl, str(lvl)) for lvl in self.stack.levels]
         self.full = self.states[-1]
+        self.rebuild_policy = RebuildPolicy(self.stack, self.states, config, max_rollback(self.stack))
         bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
         proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
                     else KINDS[bottom_spec.kind].drafter(build, bottom_spec))
@@ -104,7 +103,8 @@ class Decoder:
                 start = Route(tuple(range(n + 1)), self.stack.gammas)
                 self.adaptive = AdaptiveTop(kinds, names, self.states,
                                             proposer if bottom_state is None else None, start, generator,
-                                            self.catch_up, self.catch_up_ms, force=force_route)
+                                            self.rebuild_policy.catch_up, self.rebuild_policy.catch_up_ms,
+                                            force=force_route)
                 self.top = self.adaptive
                 return
             self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")
@@ -156,55 +156,12 @@ class Decoder:
             t = time.perf_counter()
             KINDS[lvl.kind].prefill(state, head, self.full, self.config)
             if lvl.kind in REBUILT:
-                self.rebuilds += 1
-                self.rebuild_seconds += time.perf_counter() - t
+                self.rebuild_policy.count(time.perf_counter() - t)
 
     def after_commit(self, seq: list[int], committed: int) -> None:
-        """Rebuild policy of the retrieval and H2O caches, run between rounds: after `rebuild_every` new
-        tokens, when a cache runs out of room, or when the top level's acceptance falls below
-        `rebuild_below`."""
+        """Between rounds: the rebuild policy over the levels in use."""
         in_use = self.adaptive.levels_in_use if self.adaptive is not None else range(len(self.states))
-        for i, (lvl, state) in enumerate(zip(self.stack.levels, self.states)):
-            if lvl.kind not in REBUILT or i not in in_use:  # a level sitting out is caught up when it runs again
-                continue
-            cache: Rebuildable = state.cache
-            since = committed - cache.built_at
-            room = cache.room(committed)
-            top = self.top
-            low = (self.config.rebuild_below > 0 and isinstance(top, Level) and len(top.recent) >= 4
-                   and sum(top.recent[-4:]) / 4 < self.config.rebuild_below and since >= 32)
-            if since >= self.config.rebuild_every or room < 2 * max_rollback(self.stack) or low:
-                self._rebuild(state, seq, committed)
-
-    def _rebuild(self, state: ModelState, seq: list[int], committed: int) -> None:
-        """Rebuild a retrieval or H2O level's cache from the full cache, counted in the stats."""
-        t = time.perf_counter()
-        self.full._sync(seq, committed)  # drop rejected drafts (a no-op when synced already); keeps all but the newest
-        rebuild(state, self.full)
-        self.rebuilds += 1
-        self.rebuild_seconds += time.perf_counter() - t
-
-    def catch_up(self, i: int, seq: list[int], committed: int) -> None:
-        """Before level i of an adaptive stack runs again: a retrieval or H2O level that sat out CATCH_UP or more
-        committed tokens, or whose cache has too little room left, is rebuilt from the full cache (re-feeding it
-        everything it missed would cost a long forward)."""
-        if self._behind(i, committed):
-            self._rebuild(self.states[i], seq, committed)
-
-    def _behind(self, i: int, committed: int) -> bool:
-        """Whether level i is a retrieval or H2O level that catch_up would rebuild now."""
-        state = self.states[i]
-        if self.stack.levels[i].kind not in REBUILT:
-            return False
-        cache: Rebuildable = state.cache
-        return committed - state.stable >= CATCH_UP or cache.room(committed) < 2 * max_rollback(self.stack)
-
-    def catch_up_ms(self, i: int, committed: int) -> float:
-        """What catch_up(i, ..., committed) would cost now: the mean of this run's rebuilds (its first, at the
-        prefill, included), or 0 when level i needs none."""
-        if not self._behind(i, committed) or self.rebuilds == 0:
-            return 0.0
-        return 1e3 * self.rebuild_seconds / self.rebuilds
+        self.rebuild_policy.after_commit(seq, committed, in_use, self.top)
 
     def stats(self) -> dict:
         if self.adaptive is not None:
@@ -219,9 +176,7 @@ class Decoder:
                "config": asdict(self.config)}
         if self.adaptive is not None:
             out["adaptive"] = self.adaptive.stats()
-        if any(lvl.kind in REBUILT for lvl in self.stack.levels):
-            out["retrieval_rebuilds"] = self.rebuilds
-            out["retrieval_rebuild_seconds"] = round(self.rebuild_seconds, 4)
+        out.update(self.rebuild_policy.stats())
         if self.notes:
             out["notes"] = self.notes
         return out
