@@ -358,6 +358,7 @@ def real_gemma3_file() -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_real_gemma3_270m_matches_transformers():
     """The real Gemma 3 270M GGUF (./install.sh gemma3, or TRIFORCE_GEMMA3_GGUF=path; docs/gemma3.md): against transformers
     loading the same file, teacher-forced on 1,024 tokens of the built-in corpus with BOS: argmax agreement
@@ -388,6 +389,7 @@ def test_real_gemma3_270m_matches_transformers():
     assert abs(ppl / ppl_ref - 1) < 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,n_prompt", [("prose", 8000), ("code", 4000)])
 def test_real_gemma3_270m_every_stack_equals_ar(kind, n_prompt):
     """The real Gemma 3 270M GGUF (./install.sh gemma3, or TRIFORCE_GEMMA3_GGUF=path): every named method and user stacks with

@@ -99,7 +99,8 @@ def find_converter() -> tuple[Path | None, str]:
 
 
 CONVERTER, WHY_NOT = find_converter()
-pytestmark = pytest.mark.skipif(CONVERTER is None, reason=WHY_NOT)
+# slow: each case converts a model and runs 450 positions and 200 greedy tokens (minutes in all)
+pytestmark = [pytest.mark.skipif(CONVERTER is None, reason=WHY_NOT), pytest.mark.slow]
 
 
 def tokenizer_dir() -> Path:
