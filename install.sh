@@ -20,8 +20,8 @@ cd "$(dirname "$0")"
 pip_install() { python -m pip install --disable-pip-version-check -q "$@"; }
 CACHE="${TRIFORCE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/triforce}"
 # Keep in step with the `llama` extra in pyproject.toml and LLAMA_CPP_PYTHON_VERSION in tests/test_real_converter.py.
-LLAMA_CPP_VERSION="0.3.36"
-LLAMA_CPP_PYTHON="llama-cpp-python==$LLAMA_CPP_VERSION"
+LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"
+LLAMA_CPP_VERSION="${LLAMA_CPP_PYTHON#*==}"
 # Native CPU code (-march=native), no BLAS, no GPU, no multimodal library.
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DLLAVA_BUILD=OFF"
 # ...but without ggml's AMX code on x86: on a Xeon with AMX it computed wrong prompt logits
