@@ -125,6 +125,35 @@ def test_every_stack_is_token_identical_to_ar(dtype):
     assert model.graphs.replays > 0
 
 
+# The kinds the stacks above leave out, as tests/test_speculation_greedy.py runs them on the CPU: kv4 (the
+# target reading its cache at 4 bits), h2o, a draft model, and Sequoia trees drafted by the bottom level
+# (levels, gammas, tree widths).
+KIND_STACKS = [("ngram,kv4,full", "3", None), ("kv4,streaming:24,full", "2,3", None), ("ngram,h2o:40,full", "2,4", None),
+               ("draft,retrieval:96,full", "2,3", None), ("streaming:24,full", "3", "3,2,1"),
+               ("h2o:40,full", "3", "2,2,1"), ("draft,full", "4", "4,1,1,1")]
+
+
+@pytest.fixture(scope="module")
+def kind_models():
+    target = _ours(hf_tiny("llama", seed=7, **KERNEL_SHAPE), torch.float32)
+    draft = _ours(hf_tiny("llama", seed=8, **{**KERNEL_SHAPE, "hidden_size": 64, "intermediate_size": 128,
+                                             "num_attention_heads": 1, "num_key_value_heads": 1}), torch.float32)
+    return target, draft
+
+
+@pytest.mark.parametrize("levels,gammas,tree", KIND_STACKS)
+def test_every_kind_is_token_identical_to_ar(kind_models, levels, gammas, tree):
+    """Greedy, fp32: stacks with kv4, h2o, draft-model and tree levels give ar's tokens, every level run."""
+    model, draft = kind_models
+    for seed, n in ((0, 400), (1, 257)):
+        prompt = _prompt(n, seed)
+        ref = generate_ar(model, prompt, 64, config=SPEC).tokens
+        stack = StackSpec.parse(levels, gammas, tree=tree)
+        res = generate(model, prompt, 64, stack=stack, config=SPEC, draft_model=draft)
+        assert res.tokens == ref, (levels, tree, seed)
+        assert all(lvl["rounds"] >= 1 for lvl in res.stats["levels"][:-1]), res.stats["levels"]
+
+
 def test_graph_rows_are_bitwise_independent():
     """The same token at the same position gets the same logits alone or among four others (bf16)."""
     model = _ours(hf_tiny("llama", seed=8, **KERNEL_SHAPE), torch.bfloat16)

@@ -339,13 +339,31 @@ def test_deep_gammas_are_refused_on_a_sliding_window_model(tiny_gemma):
                  config=GEMMA_SPEC)
 
 
+GEMMA3_ENV = "TRIFORCE_GEMMA3_GGUF"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"  # `./install.sh gemma3` puts it under the cache directory's gemma3/
+
+
+def real_gemma3_file() -> Path:
+    """The real Gemma 3 270M GGUF: $TRIFORCE_GEMMA3_GGUF, else where `./install.sh gemma3` puts it; skips if
+    neither is there (a set variable naming no file fails: a typo must not turn into a skip)."""
+    from triforce.storage import cache_root
+
+    env = os.environ.get(GEMMA3_ENV)
+    if env:
+        assert Path(env).is_file(), f"${GEMMA3_ENV} = {env} is not a file"
+        return Path(env)
+    path = cache_root() / "gemma3" / GEMMA3_FILE
+    if not path.is_file():
+        pytest.skip(f"the Gemma 3 270M file is not at {path}: ./install.sh gemma3 (or set ${GEMMA3_ENV}; docs/gemma3.md)")
+    return path
+
+
+@pytest.mark.slow
 def test_real_gemma3_270m_matches_transformers():
-    """The real Gemma 3 270M GGUF (TRIFORCE_GEMMA3_GGUF=path; see docs/gemma3.md): against transformers
+    """The real Gemma 3 270M GGUF (./install.sh gemma3, or TRIFORCE_GEMMA3_GGUF=path; docs/gemma3.md): against transformers
     loading the same file, teacher-forced on 1,024 tokens of the built-in corpus with BOS: argmax agreement
     >= 99% and perplexity within 1%."""
-    path = os.environ.get("TRIFORCE_GEMMA3_GGUF")
-    if not path or not Path(path).is_file():
-        pytest.skip("set TRIFORCE_GEMMA3_GGUF to the Gemma 3 270M GGUF (docs/gemma3.md)")
+    path = real_gemma3_file()
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     import transformers
 
@@ -353,7 +371,6 @@ def test_real_gemma3_270m_matches_transformers():
     from triforce.corpus import demo_text
     from triforce.loading import load_model
 
-    path = Path(path)
     loaded = load_model(path, progress=False)
     ids = model_tokens(loaded.tokenizer, demo_text(8000))[:1024]
     assert ids[0] == loaded.tokenizer.bos_token_id
@@ -372,21 +389,20 @@ def test_real_gemma3_270m_matches_transformers():
     assert abs(ppl / ppl_ref - 1) < 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,n_prompt", [("prose", 8000), ("code", 4000)])
 def test_real_gemma3_270m_every_stack_equals_ar(kind, n_prompt):
-    """The real Gemma 3 270M GGUF (TRIFORCE_GEMMA3_GGUF=path): every named method and user stacks with
+    """The real Gemma 3 270M GGUF (./install.sh gemma3, or TRIFORCE_GEMMA3_GGUF=path): every named method and user stacks with
     retrieval and streaming levels (over its 3 global layers; its 15 sliding-window layers keep the
     target's window) give ar's greedy tokens on prose (Shakespeare) and code (Python)."""
-    path = os.environ.get("TRIFORCE_GEMMA3_GGUF")
-    if not path or not Path(path).is_file():
-        pytest.skip("set TRIFORCE_GEMMA3_GGUF to the Gemma 3 270M GGUF (docs/gemma3.md)")
+    path = real_gemma3_file()
     from test_speculation_greedy import _code_tokens, assert_every_stack_equals_ar
 
     from triforce.corpus import demo_tokens
     from triforce.loading import load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
-    loaded = load_model(Path(path), progress=False)
+    loaded = load_model(path, progress=False)
     model = loaded.model
     prompt = (demo_tokens(loaded.tokenizer, n_prompt, offset_chars=100_000) if kind == "prose"
               else _code_tokens(loaded.tokenizer, n_prompt))

@@ -63,6 +63,8 @@ def test_variants_and_the_install_pins():
     # install.sh and the `llama` extra pin the same llama-cpp-python
     pin = re.search(r'LLAMA_CPP_PYTHON="(llama-cpp-python==[0-9.]+)"', (ROOT / "install.sh").read_text()).group(1)
     assert f'llama = ["{pin}"]' in (ROOT / "pyproject.toml").read_text()
+    # ...and the converter the real-converter tests run comes from that version's sdist (./install.sh converter)
+    assert f'LLAMA_CPP_PYTHON_VERSION = "{pin.split("==")[1]}"' in (ROOT / "tests" / "test_real_converter.py").read_text()
 
 
 def test_not_installed_says_how_to_install(no_llama_cpp):

@@ -7,9 +7,10 @@ sliding-window layers).
 Unlike tests/test_gguf_loading.py, which emulates the converter's layout with gguf-py's GGUFWriter, these
 run the converter itself (with its vendored gguf-py) as a user would. It is not a dependency: the tests
 skip unless it is found, at $TRIFORCE_LLAMA_CONVERTER (the path of convert_hf_to_gguf.py) or where
-`tests/fetch_llama_converter.sh` unpacks it (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, under
-${TRIFORCE_CACHE_DIR:-~/.cache/triforce}/llama-converter/). The converter needs `sentencepiece` importable
-(`pip install sentencepiece`) even for tokenizers without a tokenizer.model.
+`./install.sh converter` unpacks it (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, under the cache
+directory's llama-converter/: ${TRIFORCE_CACHE_DIR:-~/.cache/triforce}). The converter needs `sentencepiece`
+importable even for tokenizers without a tokenizer.model (the `test` extra has it; `./install.sh converter`
+installs it too).
 
 The converter needs a real tokenizer: the tiny models carry the embedded SmolLM2's (its tokenizer.json,
 from triforce's cached conversion of the embedded GGUF; the converter recognises its pre-tokenizer as
@@ -43,7 +44,7 @@ from triforce.caches import new_cache
 from triforce.errors import TriforceError
 
 CONVERTER_ENV = "TRIFORCE_LLAMA_CONVERTER"
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist tests/fetch_llama_converter.sh unpacks
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist `./install.sh converter` unpacks
 ORIGINAL_CONTEXT = 64  # the scaled RoPEs' original context: the comparisons run to position 449
 TOTAL, PROMPT = 450, 250  # logits over TOTAL positions; greedy: PROMPT tokens then TOTAL - PROMPT new ones
 ATOL = 1e-4
@@ -84,19 +85,22 @@ def find_converter() -> tuple[Path | None, str]:
         if not path.is_file():
             return None, f"${CONVERTER_ENV} = {env} is not a file"
     else:
-        root = Path(os.environ.get("TRIFORCE_CACHE_DIR") or Path.home() / ".cache" / "triforce") / "llama-converter"
+        from triforce.storage import cache_root
+
+        root = cache_root() / "llama-converter"
         found = sorted(glob.glob(str(root / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py")))
         if not found:
-            return None, (f"llama.cpp's convert_hf_to_gguf.py not found: run tests/fetch_llama_converter.sh "
+            return None, (f"llama.cpp's convert_hf_to_gguf.py not found: run ./install.sh converter "
                           f"(unpacks it under {root}) or set ${CONVERTER_ENV} to its path")
         path = Path(found[-1])
     if importlib.util.find_spec("sentencepiece") is None:
-        return None, "llama.cpp's converter imports sentencepiece: pip install sentencepiece"
+        return None, "llama.cpp's converter imports sentencepiece: ./install.sh converter (or pip install sentencepiece)"
     return path, ""
 
 
 CONVERTER, WHY_NOT = find_converter()
-pytestmark = pytest.mark.skipif(CONVERTER is None, reason=WHY_NOT)
+# slow: each case converts a model and runs 450 positions and 200 greedy tokens (minutes in all)
+pytestmark = [pytest.mark.skipif(CONVERTER is None, reason=WHY_NOT), pytest.mark.slow]
 
 
 def tokenizer_dir() -> Path:
