@@ -294,13 +294,16 @@ def ttft_test(args) -> int:
     return 0 if ok and code == 0 else 1
 
 
-def _prompts(args) -> tuple[str, list[str]]:
-    """The batch comparison's document (about --prompt-tokens tokens of the demo corpus) and its N prompts: the
-    document and a different question each, so that they share the document's prefix-cache blocks."""
+def _prompts(args, tokenizer) -> tuple[list[int], list[list[int]]]:
+    """The batch comparison's document (exactly --prompt-tokens tokens of the demo corpus, whole prefix-cache blocks
+    when it is a multiple of the prefill chunk) and its N prompts as token ids: the document and a different
+    question each. After a warm-up request has cached the document's blocks, each request prefills only its
+    question, so the comparison times decoding, not prefill."""
     from ..corpus import demo_text
 
-    doc = demo_text(int(args.prompt_tokens * CHARS_PER_TOKEN) + 1000)[:int(args.prompt_tokens * CHARS_PER_TOKEN)]
-    return doc, [f"{doc}\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n" for i in range(args.batch_compare)]
+    doc = tokenizer(demo_text(int(args.prompt_tokens * CHARS_PER_TOKEN) + 4000))["input_ids"][:args.prompt_tokens]
+    questions = [f"\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n" for i in range(args.batch_compare)]
+    return doc, [doc + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
 
 
 def _decode_union(results: list[dict]) -> float:
@@ -315,7 +318,7 @@ def _decode_union(results: list[dict]) -> float:
     return total
 
 
-async def _timed(client, url: str, prompt: str, max_tokens: int, t0: float) -> dict:
+async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0: float) -> dict:
     """One streamed greedy completion -> its text, tokens and the times (since t0) of its first and last tokens."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
@@ -341,7 +344,7 @@ async def _timed(client, url: str, prompt: str, max_tokens: int, t0: float) -> d
     return out
 
 
-async def _load_once(url: str, prompts: list[str], max_tokens: int, timeout: float) -> dict:
+async def _load_once(url: str, prompts: list, max_tokens: int, timeout: float) -> dict:
     import httpx
 
     async with httpx.AsyncClient(timeout=timeout) as client:
@@ -356,34 +359,41 @@ async def _load_once(url: str, prompts: list[str], max_tokens: int, timeout: flo
             "tokens_per_second": tokens / wall, "results": results}
 
 
-def references(args) -> int:
-    """`triforce generate`'s greedy text for each prompt of the batch comparison, one `triforce generate --json` run
-    per prompt (slow: a whole prefill each; needs no quiet machine) -> --references."""
-    _, prompts = _prompts(args)
+def references(args, loaded, prompts: list[list[int]]) -> list[str]:
+    """generate()'s greedy text (the function behind `triforce generate`, its default settings: the server's) for
+    each prompt, in this process (slow: a whole prefill each; needs no quiet machine)."""
+    from ..generate import generate
+    from ..speculation.config import SpecConfig
+    from ..speculation.stack import method_stack
+
+    config = SpecConfig()
+    stack = method_stack(args.method, config.gamma, config.gamma_draft, config.draft, adaptive=config.adapt)
     texts = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, prompt in enumerate(prompts):
-            f = Path(tmp) / f"prompt-{i}.txt"
-            f.write_text(prompt, encoding="utf-8")
-            cmd = [sys.executable, "-m", "triforce", "generate", "--prompt-file", str(f), "--max-new-tokens",
-                   str(args.max_tokens), "--method", args.method, "--temperature", "0", "--json",
-                   *(["--model", args.model] if args.model else [])]
-            out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            texts.append(out["text"])
-            print(f"reference {i}: {out['prompt_tokens']} prompt tokens, {out['generated_tokens']} generated", flush=True)
-    args.references.parent.mkdir(parents=True, exist_ok=True)
-    args.references.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                                           "method": args.method, "texts": texts}, indent=1))
-    print(f"wrote {args.references}")
-    return 0
+    for i, ids in enumerate(prompts):
+        res = generate(loaded.model, ids, args.max_tokens, stack=stack, config=config, eos_ids=loaded.eos_token_ids,
+                       tokenizer=loaded.tokenizer)
+        texts.append(res.text)
+        print(f"reference {i}: {len(ids)} prompt tokens, {len(res.tokens)} generated", flush=True)
+    return texts
 
 
 def batch_compare(args) -> int:
     """The batch-1 server and a --max-batch N server on the same N concurrent greedy requests, interleaved
     (A B A B ...) in one run: aggregate decode tokens/s, and every response equal across the two (and to
     `triforce generate`'s with --references)."""
+    from ..loading import load_model
+
     n = args.batch_compare
-    doc, prompts = _prompts(args)
+    loaded = load_model(args.model, progress=False)
+    doc, prompts = _prompts(args, loaded.tokenizer)
+    if args.references and not args.references.exists():
+        args.references.parent.mkdir(parents=True, exist_ok=True)
+        args.references.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                                               "method": args.method, "texts": references(args, loaded, prompts)}))
+        print(f"wrote {args.references}; run again (on a quiet machine) for the comparison")
+        return 0
+    del loaded
+    warm_prompt = doc + [doc[0]]  # (its blocks: the document's)
     tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-batch-"))
     common = ["--method", args.method, "--prefix-cache-bytes", args.prefix_cache_bytes, "--max-queue", str(2 * n),
               "--request-timeout", str(args.deadline), *(["--model", args.model] if args.model else [])]
@@ -393,7 +403,7 @@ def batch_compare(args) -> int:
         for label, batch in (("batch 1", 1), (f"batch {n}", n)):
             servers[label] = ServerProcess([*common, "--max-batch", str(batch)], tmp / f"server-{batch}.log")
             print(f"{label}: {servers[label].command} (ready in {servers[label].ready_seconds:.0f} s)", flush=True)
-            warm = asyncio.run(_single(servers[label].url, doc + "\n\nWarm-up.\n", 4, args.deadline))
+            warm = asyncio.run(_single(servers[label].url, warm_prompt, 4, args.deadline))
             if warm["status"] != 200 or warm["error"]:
                 raise SystemExit(f"{label}: the warm-up failed: {warm['status']} {warm['error']}")
         for rep in range(args.rounds):
@@ -463,8 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                         "times: aggregate decode tokens/s and identical responses")
     p.add_argument("--rounds", type=int, default=2, help="with --batch-compare: A B rounds (default 2)")
     p.add_argument("--references", type=Path, metavar="FILE.json",
-                   help="with --batch-compare: triforce generate's texts to compare with; computed (in this process, "
-                        "slow) and written when FILE.json does not exist yet, then the run stops")
+                   help="with --batch-compare: generate()'s texts to compare with; computed (in this process, "
+                        "slow, no quiet machine needed) and written when FILE.json does not exist yet, then the run "
+                        "stops")
     p.add_argument("--out", type=Path, metavar="DIR", help="with --batch-compare: write DIR/results.json")
     args = p.parse_args(argv)
     # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too
@@ -472,8 +483,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.ttft:
         return ttft_test(args)
     if args.batch_compare:
-        if args.references and not args.references.exists():
-            return references(args)
         return batch_compare(args)
     return load_test(args)
 
