@@ -167,9 +167,10 @@ async def _load(args, server: ServerProcess, doc: str) -> dict:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(run(i) for i in range(args.requests)))
         wall = time.perf_counter() - t0
-        # a burst past the queue: max_queue + 3 at once (one runs, max_queue wait, the rest must get 429)
+        # a burst past the queue: max_batch + max_queue + 3 at once (max_batch run, max_queue wait, the rest
+        # must get 429)
         burst = await asyncio.gather(*(_one(client, server.url, f"{doc}\n\nBurst {i}.\n", 8, None, 0.0, i)
-                                       for i in range(args.max_queue + 3)))
+                                       for i in range(args.max_batch + args.max_queue + 3)))
     return {"results": results, "wall": wall, "burst": burst}
 
 
@@ -177,7 +178,8 @@ def load_test(args) -> int:
     from ..corpus import demo_text
 
     tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-serve-"))
-    server = ServerProcess(["--max-queue", str(args.max_queue), "--method", args.method, "--prefix-cache-bytes",
+    server = ServerProcess(["--max-queue", str(args.max_queue), "--max-batch", str(args.max_batch),
+                            "--method", args.method, "--prefix-cache-bytes",
                             args.prefix_cache_bytes, *(["--model", args.model] if args.model else [])],
                            tmp / "server.log")
     print(f"server: {server.command} (ready in {server.ready_seconds:.0f} s; log {server.log_path})")
@@ -215,7 +217,7 @@ def load_test(args) -> int:
             print(f"  error: status {r['status']}: {r['error']}")
         n429 = [r for r in burst if r["status"] == 429]
         other = [r for r in burst if r["status"] not in (200, 429) or (r["status"] == 200 and r["error"])]
-        print(f"burst: {len(burst)} at once with --max-queue {args.max_queue}: {len(burst) - len(n429)} answered, "
+        print(f"burst: {len(burst)} at once with --max-batch {args.max_batch} --max-queue {args.max_queue}: {len(burst) - len(n429)} answered, "
               f"{len(n429)} got 429 (Retry-After {n429[0].get('retry_after') if n429 else '-'} s)")
         checks += [("no errors but the cancelled requests", not errors),
                    ("some requests cancelled mid-stream", bool(cancelled) or not args.cancel_every),
@@ -461,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1500, help="about this many tokens of shared document per prompt")
     p.add_argument("--cancel-every", type=int, default=8, help="every Nth request is cancelled after 2 chunks (0: none)")
     p.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue (default 4)")
+    p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (default 8)")
     p.add_argument("--prefix-cache-bytes", default="1G")
     p.add_argument("--deadline", type=float, default=1800.0, help="stop (as failed) after this many seconds")
     p.add_argument("--ttft", type=int, metavar="TOKENS",
