@@ -92,12 +92,12 @@ def _together(run, jobs: list, gate: ForwardGate) -> list:
 
 def test_greedy_generations_batched_together_equal_each_alone(model):
     config = SpecConfig(chunk_size=8, recent=8, prefill_chunk=32)
-    stacks = ["ngram,retrieval:48,full", "full", "ngram,full", "retrieval:48,full"]
+    stacks = ["ngram,retrieval:48,full", "full", "ngram,full", "retrieval:48,full", "ngram,streaming:64,full"]
     g = torch.Generator().manual_seed(5)
     base = torch.randint(0, 300, (40,), generator=g).tolist()
     prompts = [(base * 5)[:150 + 13 * i] if i % 2 else torch.randint(0, 300, (120 + 7 * i,), generator=g).tolist()
                for i in range(8)]
-    jobs = [(p, stacks[i % len(stacks)]) for i, p in enumerate(prompts)]
+    jobs = [(p, stacks[i % len(stacks)]) for i, p in enumerate(prompts)]  # (a streaming window runs alone)
 
     def run(job):
         prompt, stack = job

@@ -222,10 +222,12 @@ class Transformer(nn.Module):
 
     def _batch_layout(self, T: int, cache: KVCache):
         """Where a T-token chain through `cache` sits for forward_batch, or None where forward_batch does not take it
-        (FusedDecode.layout: the one call through every layer over a cache with slots, on the CPU)."""
+        (FusedDecode.layout: the one call through every layer over a cache with fixed slots, on the CPU; asked before
+        the cache is prepared)."""
         if cache.windows != self.windows or self.windows is not None:
             return None
-        return self.execution.fused.layout(self.backend.ops, self.cfg, self.layers, T, self.dtype, cache)
+        return self.execution.fused.layout(self.backend.ops, self.cfg, self.layers, T, self.dtype, cache,
+                                           prepared=False)
 
     def forward_batch(self, calls: list[tuple[torch.Tensor, KVCache, int]]) -> list[torch.Tensor]:
         """Several sequences' decode-sized chains in one forward, each over its own cache: calls (tokens [1, T], its

@@ -70,17 +70,20 @@ class FusedDecode:
         self._stacks[layers] = (ops, stack)
         return stack
 
-    def layout(self, ops, cfg, layers, T: int, dtype: torch.dtype, cache):
-        """The slot layout a T-token forward through `cache` runs the one call over (decode_layers_batch), or None
-        where it does not (no kernels, too many rows, a quantized cache (decode_layers_quant's, run alone), a tree,
-        a cache without slots, a layer without the fused form)."""
+    def layout(self, ops, cfg, layers, T: int, dtype: torch.dtype, cache, prepared: bool = True):
+        """The slot layout a T-token chain through `cache` runs the one call over (decode_layers_batch), or None
+        where it does not (no kernels, too many rows, a quantized cache (decode_layers_quant's), a tree, a cache
+        without slots, a layer without the fused form). `prepared`: False when asked before the forward prepares
+        the cache (a serving batch's gate asks first): then only a cache with fixed slots (the full and retrieval
+        caches), whose layout does not depend on what is prepared (a StreamingLLM window's is known only after)."""
         g = cfg.n_heads // cfg.n_kv_heads
         if ops is None or T > PANEL_MAX_ROWS or dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
             return None
         if isinstance(cache, QuantizedCache) or not capabilities(ops).decode_layers_batch:
             return None
         layout = cache.slot_layout  # a chain in slots: causal, or a StreamingLLM window less each token's gap
-        if layout is None or not layout.chain or layout.k.shape[1] != 1 or layout.k.device.type != "cpu":
+        if (layout is None or not layout.chain or not (prepared or layout.fixed) or layout.k.shape[1] != 1
+                or layout.k.device.type != "cpu"):
             return None
         return layout if self.stack(layers, ops) is not None else None
 
