@@ -289,7 +289,7 @@ def test_memory_stays_bounded_over_many_generated_tokens(loaded):
 
     body = {"max_tokens": 10000, "temperature": 0.8, "seed": 3}
     endless = WithoutEOS(loaded.model, loaded.tokenizer, loaded.config, loaded.source, loaded.directory)
-    with serving(endless, StackSpec.parse("ngram,full", "4"), max_batch=2) as (url, server):
+    with serving(endless, StackSpec.parse("full"), max_batch=2) as (url, server):
         def run_two():
             replies = []
             threads = [threading.Thread(target=lambda i=i: replies.append(httpx.post(
