@@ -79,7 +79,8 @@ class FusedDecode:
         g = cfg.n_heads // cfg.n_kv_heads
         if ops is None or T > PANEL_MAX_ROWS or dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
             return None
-        if isinstance(cache, QuantizedCache) or not capabilities(ops).decode_layers_batch:
+        caps = capabilities(ops)
+        if isinstance(cache, QuantizedCache) or not caps.decode_layers or not (prepared or caps.decode_layers_batch):
             return None
         layout = cache.slot_layout  # a chain in slots: causal, or a StreamingLLM window less each token's gap
         if (layout is None or not layout.chain or not (prepared or layout.fixed) or layout.k.shape[1] != 1
@@ -120,10 +121,17 @@ class FusedDecode:
         B, T, _ = x.shape
         if B != 1:
             return None
-        if not isinstance(cache, QuantizedCache):
-            if self.layout(ops, cfg, layers, T, x.dtype, cache) is None:
+        if not isinstance(cache, QuantizedCache):  # (decode_layers: decode_layers_batch's one-sequence case)
+            layout = self.layout(ops, cfg, layers, T, x.dtype, cache)
+            if layout is None:
                 return None
-            return self.run_batch(ops, cfg, layers, [(x, rope, cache)])[0]
+            record = cache.recorder is not None
+            window = {} if layout.gap is None else {"gap": layout.gap}  # (a causal chain's call as without one)
+            out = ops.decode_layers(x, self.stack(layers, ops), *rope, cfg.n_heads, cfg.n_kv_heads, layout.k, layout.v,
+                                    layout.first, record, **window)
+            if record:  # as FullCache.update records them
+                cache.recorder.record_all(out[1:])
+            return out[0]
         g = cfg.n_heads // cfg.n_kv_heads
         if ops is None or T > PANEL_MAX_ROWS or x.dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
             return None
