@@ -302,7 +302,7 @@ def slow_rounds(monkeypatch):
 
 def test_queue_full_429_cancel_and_timeout(tiny, slow_rounds):
     gate = threading.Event()
-    with serving(tiny, max_queue=1) as (url, server):
+    with serving(tiny, max_queue=1, max_batch=1) as (url, server):
         engine = server.engine
         real_run = engine._run
         engine._run = lambda job: (gate.wait(30), real_run(job))  # hold the engine on the first job

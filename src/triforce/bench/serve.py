@@ -2,6 +2,8 @@
 
     python -m triforce.bench.serve                 # 40 requests, 4 at a time, some cancelled mid-stream
     python -m triforce.bench.serve --ttft 8192     # first token: no cache, in-memory cache, after a restart
+    python -m triforce.bench.serve --batch-compare 8 --prompt-tokens 8192 --max-tokens 128 --out DIR
+                                                   # --max-batch 8 against the batch-1 server, same load, one run
 
 Both start `triforce serve` as a child process on 127.0.0.1 (a free port; loopback only), drive it
 over HTTP, stop it with SIGTERM (a graceful shutdown: exit code 0 expected) and stop by themselves
@@ -165,9 +167,10 @@ async def _load(args, server: ServerProcess, doc: str) -> dict:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(run(i) for i in range(args.requests)))
         wall = time.perf_counter() - t0
-        # a burst past the queue: max_queue + 3 at once (one runs, max_queue wait, the rest must get 429)
+        # a burst past the queue: max_batch + max_queue + 3 at once (max_batch run, max_queue wait, the rest
+        # must get 429)
         burst = await asyncio.gather(*(_one(client, server.url, f"{doc}\n\nBurst {i}.\n", 8, None, 0.0, i)
-                                       for i in range(args.max_queue + 3)))
+                                       for i in range(args.max_batch + args.max_queue + 3)))
     return {"results": results, "wall": wall, "burst": burst}
 
 
@@ -175,7 +178,8 @@ def load_test(args) -> int:
     from ..corpus import demo_text
 
     tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-serve-"))
-    server = ServerProcess(["--max-queue", str(args.max_queue), "--method", args.method, "--prefix-cache-bytes",
+    server = ServerProcess(["--max-queue", str(args.max_queue), "--max-batch", str(args.max_batch),
+                            "--method", args.method, "--prefix-cache-bytes",
                             args.prefix_cache_bytes, *(["--model", args.model] if args.model else [])],
                            tmp / "server.log")
     print(f"server: {server.command} (ready in {server.ready_seconds:.0f} s; log {server.log_path})")
@@ -213,7 +217,7 @@ def load_test(args) -> int:
             print(f"  error: status {r['status']}: {r['error']}")
         n429 = [r for r in burst if r["status"] == 429]
         other = [r for r in burst if r["status"] not in (200, 429) or (r["status"] == 200 and r["error"])]
-        print(f"burst: {len(burst)} at once with --max-queue {args.max_queue}: {len(burst) - len(n429)} answered, "
+        print(f"burst: {len(burst)} at once with --max-batch {args.max_batch} --max-queue {args.max_queue}: {len(burst) - len(n429)} answered, "
               f"{len(n429)} got 429 (Retry-After {n429[0].get('retry_after') if n429 else '-'} s)")
         checks += [("no errors but the cancelled requests", not errors),
                    ("some requests cancelled mid-stream", bool(cancelled) or not args.cancel_every),
@@ -292,6 +296,162 @@ def ttft_test(args) -> int:
     return 0 if ok and code == 0 else 1
 
 
+def _prompts(args, tokenizer) -> tuple[list[int], list[list[int]]]:
+    """The batch comparison's document (exactly --prompt-tokens tokens of the demo corpus, whole prefix-cache blocks
+    when it is a multiple of the prefill chunk) and its N prompts as token ids: the document and a different
+    question each. After a warm-up request has cached the document's blocks, each request prefills only its
+    question, so the comparison times decoding, not prefill."""
+    from ..corpus import demo_text
+
+    doc = tokenizer(demo_text(int(args.prompt_tokens * CHARS_PER_TOKEN) + 4000))["input_ids"][:args.prompt_tokens]
+    questions = [f"\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n" for i in range(args.batch_compare)]
+    return doc, [doc + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
+
+
+def _decode_union(results: list[dict]) -> float:
+    """Seconds during which at least one request was decoding: the union of each one's first-to-last-token
+    interval (disjoint for the batch-1 server, overlapping when batched)."""
+    spans = sorted((r["first_at"], r["last_at"]) for r in results if r["first_at"] is not None)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0: float) -> dict:
+    """One streamed greedy completion -> its text, tokens and the times (since t0) of its first and last tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    out = {"text": "", "tokens": 0, "first_at": None, "last_at": None, "status": None, "error": None, "server": None}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        out["status"] = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                out["error"] = obj["error"]["message"]
+                break
+            now = time.perf_counter() - t0
+            if obj.get("usage"):
+                out["tokens"] = obj["usage"]["completion_tokens"]
+            if obj.get("triforce"):
+                out["server"] = obj["triforce"]
+            if obj["choices"] and obj["choices"][0]["text"]:
+                out["text"] += obj["choices"][0]["text"]
+                out["first_at"] = now if out["first_at"] is None else out["first_at"]
+                out["last_at"] = now
+    return out
+
+
+async def _load_once(url: str, prompts: list, max_tokens: int, timeout: float) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_timed(client, url, p, max_tokens, t0) for p in prompts))
+        wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    decode = _decode_union(results)
+    after_first = sum(max(0, r["tokens"] - 1) for r in results)
+    return {"wall": wall, "tokens": tokens, "decode_seconds": decode,
+            "decode_tokens_per_second": after_first / decode if decode > 0 else float("nan"),
+            "tokens_per_second": tokens / wall, "results": results}
+
+
+def references(args, loaded, prompts: list[list[int]]) -> list[str]:
+    """generate()'s greedy text (the function behind `triforce generate`, its default settings: the server's) for
+    each prompt, in this process (slow: a whole prefill each; needs no quiet machine)."""
+    from ..generate import generate
+    from ..speculation.config import SpecConfig
+    from ..speculation.stack import method_stack
+
+    config = SpecConfig()
+    stack = method_stack(args.method, config.gamma, config.gamma_draft, config.draft, adaptive=config.adapt)
+    texts = []
+    for i, ids in enumerate(prompts):
+        res = generate(loaded.model, ids, args.max_tokens, stack=stack, config=config, eos_ids=loaded.eos_token_ids,
+                       tokenizer=loaded.tokenizer)
+        texts.append(res.text)
+        print(f"reference {i}: {len(ids)} prompt tokens, {len(res.tokens)} generated", flush=True)
+    return texts
+
+
+def batch_compare(args) -> int:
+    """The batch-1 server and a --max-batch N server on the same N concurrent greedy requests, interleaved
+    (A B A B ...) in one run: aggregate decode tokens/s, and every response equal across the two (and to
+    `triforce generate`'s with --references)."""
+    from ..loading import load_model
+
+    n = args.batch_compare
+    loaded = load_model(args.model, progress=False)
+    doc, prompts = _prompts(args, loaded.tokenizer)
+    if args.references and not args.references.exists():
+        args.references.parent.mkdir(parents=True, exist_ok=True)
+        args.references.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                                               "method": args.method, "texts": references(args, loaded, prompts)}))
+        print(f"wrote {args.references}; run again (on a quiet machine) for the comparison")
+        return 0
+    del loaded
+    warm_prompt = doc + [doc[0]]  # (its blocks: the document's)
+    tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-batch-"))
+    common = ["--method", args.method, "--prefix-cache-bytes", args.prefix_cache_bytes, "--max-queue", str(2 * n),
+              "--request-timeout", str(args.deadline), *(["--model", args.model] if args.model else [])]
+    servers = {}
+    rows: dict[str, list[dict]] = {"batch 1": [], f"batch {n}": []}
+    try:
+        for label, batch in (("batch 1", 1), (f"batch {n}", n)):
+            servers[label] = ServerProcess([*common, "--max-batch", str(batch)], tmp / f"server-{batch}.log")
+            print(f"{label}: {servers[label].command} (ready in {servers[label].ready_seconds:.0f} s)", flush=True)
+            warm = asyncio.run(_single(servers[label].url, warm_prompt, 4, args.deadline))
+            if warm["status"] != 200 or warm["error"]:
+                raise SystemExit(f"{label}: the warm-up failed: {warm['status']} {warm['error']}")
+        for rep in range(args.rounds):
+            for label in rows:
+                run = asyncio.run(_load_once(servers[label].url, prompts, args.max_tokens, args.deadline))
+                bad = [r for r in run["results"] if r["status"] != 200 or r["error"]]
+                if bad:
+                    raise SystemExit(f"{label}: {len(bad)} requests failed: {bad[0]['status']} {bad[0]['error']}")
+                rows[label].append(run)
+                print(f"round {rep + 1}, {label}: {run['tokens']} tokens; decode {run['decode_tokens_per_second']:.1f} "
+                      f"tokens/s over {run['decode_seconds']:.1f} s; overall {run['tokens_per_second']:.1f} tokens/s "
+                      f"in {run['wall']:.1f} s", flush=True)
+    finally:
+        codes = {label: server.stop() for label, server in servers.items()}
+    one, many = rows["batch 1"], rows[f"batch {n}"]
+    ratios = [m["decode_tokens_per_second"] / o["decode_tokens_per_second"] for o, m in zip(one, many)]
+    overall = [m["tokens_per_second"] / o["tokens_per_second"] for o, m in zip(one, many)]
+    texts = [r["text"] for r in one[0]["results"]]
+    same = all([r["text"] for r in run["results"]] == texts for run in one + many)
+    checks = [("every response identical across servers and rounds", same)]
+    ref = None
+    if args.references and args.references.exists():
+        ref = json.loads(args.references.read_text())["texts"]
+        checks.append(("every response equals triforce generate's (--references)", ref == texts))
+    checks.append(("graceful shutdowns", all(c == 0 for c in codes.values())))
+    print(f"\n| round | batch-1 decode tokens/s | batch-{n} decode tokens/s | ratio | overall ratio |")
+    print("|---|---|---|---|---|")
+    for i, (o, m) in enumerate(zip(one, many)):
+        print(f"| {i + 1} | {o['decode_tokens_per_second']:.1f} | {m['decode_tokens_per_second']:.1f} | "
+              f"{ratios[i]:.2f}x | {overall[i]:.2f}x |")
+    for name, ok in checks:
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        strip = lambda run: {**run, "results": [{k: v for k, v in r.items() if k != "text"} for r in run["results"]]}
+        (args.out / "results.json").write_text(json.dumps({
+            "command": "python -m triforce.bench.serve " + " ".join(sys.argv[1:]),
+            "prompt_tokens": [r["server"]["prefilled_tokens"] + r["server"]["prefix_cache_tokens"] + 1
+                              for r in one[0]["results"] if r["server"]],
+            "max_tokens": args.max_tokens, "method": args.method, "requests": n,
+            "decode_ratio": ratios, "overall_ratio": overall, "checks": dict(checks), "texts": texts,
+            "runs": {"batch 1": [strip(r) for r in one], f"batch {n}": [strip(r) for r in many]}}, indent=1))
+        print(f"wrote {args.out / 'results.json'}")
+    return 0 if all(ok for _, ok in checks) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m triforce.bench.serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -303,17 +463,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1500, help="about this many tokens of shared document per prompt")
     p.add_argument("--cancel-every", type=int, default=8, help="every Nth request is cancelled after 2 chunks (0: none)")
     p.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue (default 4)")
+    p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (default 8)")
     p.add_argument("--prefix-cache-bytes", default="1G")
     p.add_argument("--deadline", type=float, default=1800.0, help="stop (as failed) after this many seconds")
     p.add_argument("--ttft", type=int, metavar="TOKENS",
                    help="instead: first-token times for a TOKENS-long prompt with no cache, the in-memory cache, "
                         "and after a restart from --kv-cache-dir")
     p.add_argument("--kv-cache-dir", help="with --ttft: the directory (default: a fresh temporary one)")
+    p.add_argument("--batch-compare", type=int, metavar="N",
+                   help="instead: N concurrent greedy requests (--prompt-tokens of one document and a question each, "
+                        "--max-tokens) against a --max-batch 1 server and a --max-batch N one, interleaved --rounds "
+                        "times: aggregate decode tokens/s and identical responses")
+    p.add_argument("--rounds", type=int, default=2, help="with --batch-compare: A B rounds (default 2)")
+    p.add_argument("--references", type=Path, metavar="FILE.json",
+                   help="with --batch-compare: generate()'s texts to compare with; computed (in this process, "
+                        "slow, no quiet machine needed) and written when FILE.json does not exist yet, then the run "
+                        "stops")
+    p.add_argument("--out", type=Path, metavar="DIR", help="with --batch-compare: write DIR/results.json")
     args = p.parse_args(argv)
     # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.ttft:
         return ttft_test(args)
+    if args.batch_compare:
+        return batch_compare(args)
     return load_test(args)
 
 

@@ -12,8 +12,9 @@ HELP = "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)
 DESCRIPTION = ("Serve the model over HTTP with the OpenAI API (POST /v1/completions and "
                "/v1/chat/completions, streamed or not; GET /v1/models, /health and /metrics) "
                "with any speculation stack: the output equals `triforce generate`'s for the "
-               "same prompt, stack, settings and seed. One request runs at a time, in arrival "
-               "order; a request sharing a prompt prefix with an earlier one reuses its K/V "
+               "same prompt, stack, settings and seed. Up to --max-batch requests run at once, "
+               "their decode steps and verifications batched into shared forwards (each keeps its own stack, "
+               "caches and acceptance; its output is what it gets alone); more wait in arrival order. A request sharing a prompt prefix with an earlier one reuses its K/V "
                "(the prefix cache) and skips that part of the prefill. Needs the serve extra. "
                "With --replicas N, N engines run on Ray Serve (a local Ray instance, or the cluster "
                "of --ray-address) behind this one endpoint, each request routed to the replica "
@@ -28,8 +29,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
                                                        "0.0.0.0 for every interface: there is no authentication)")
     n.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    n.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
+                   help="requests generated at once, their forwards batched (continuous batching: a request joins "
+                        "when a place and its KV memory are free, and leaves when done); 1: one at a time "
+                        "(default 8)")
     n.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
-                   help="requests that may wait while one runs; more get 429 with Retry-After (default 16)")
+                   help="requests that may wait for a place; more get 429 with Retry-After (default 16)")
+    n.add_argument("--kv-memory", type=byte_size, default=None, metavar="BYTES",
+                   help="memory the running requests' KV caches may take together; a request waits until its "
+                        "caches fit, and one that could never fit gets a 400; suffixes K, M, G (default: 90%% of "
+                        "the memory available once the model is loaded, less --prefix-cache-bytes)")
+    n.add_argument("--prefill-budget", type=positive_int, default=512, metavar="N",
+                   help="prompt tokens prefilled per batched decode forward while others decode: a long new prompt "
+                        "is prefilled in --prefill-chunk chunks between the running requests' steps (default 512)")
     n.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="a request still unfinished this many seconds after it arrived (queue time included) "
                         "is stopped with a 504 (default 600)")

@@ -70,34 +70,79 @@ class FusedDecode:
         self._stacks[layers] = (ops, stack)
         return stack
 
+    def layout(self, ops, cfg, layers, T: int, dtype: torch.dtype, cache, prepared: bool = True):
+        """The slot layout a T-token chain through `cache` runs the one call over (decode_layers_batch), or None
+        where it does not (no kernels, too many rows, a quantized cache (decode_layers_quant's), a tree, a cache
+        without slots, a layer without the fused form). `prepared`: False when asked before the forward prepares
+        the cache (a serving batch's gate asks first): then only a cache with fixed slots (the full and retrieval
+        caches), whose layout does not depend on what is prepared (a StreamingLLM window's is known only after)."""
+        g = cfg.n_heads // cfg.n_kv_heads
+        if ops is None or T > PANEL_MAX_ROWS or dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
+            return None
+        caps = capabilities(ops)
+        if isinstance(cache, QuantizedCache) or not caps.decode_layers or not (prepared or caps.decode_layers_batch):
+            return None
+        layout = cache.slot_layout  # a chain in slots: causal, or a StreamingLLM window less each token's gap
+        if (layout is None or not layout.chain or not (prepared or layout.fixed) or layout.k.shape[1] != 1
+                or layout.k.device.type != "cpu"):
+            return None
+        return layout if self.stack(layers, ops) is not None else None
+
+    def run_batch(self, ops, cfg, layers, items: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], object]]
+                  ) -> list[torch.Tensor]:
+        """Several sequences' forwards in one call: items (x [1, T_i, hidden], (cos, sin) [T_i, D], a prepared cache
+        whose `layout` is not None) -> each x after every layer [1, T_i, hidden]. The linear layers run over all
+        rows at once (the weights read once); RoPE, the cache writes and attention per sequence, over its own cache.
+        Each sequence's rows are bit for bit what its forward alone computes (kernels/decode_layer.cpp)."""
+        layouts = [cache.slot_layout for _, _, cache in items]
+        rows = [x.shape[1] for x, _, _ in items]
+        one = len(items) == 1
+        x = items[0][0] if one else torch.cat([x for x, _, _ in items], dim=1)
+        cos = items[0][1][0] if one else torch.cat([r[0] for _, r, _ in items])
+        sin = items[0][1][1] if one else torch.cat([r[1] for _, r, _ in items])
+        record = any(cache.recorder is not None for _, _, cache in items)
+        gaps = [torch.empty(0, dtype=torch.long) if lay.gap is None else lay.gap for lay in layouts]
+        out = ops.decode_layers_batch(x, self.stack(layers, ops), cos, sin, cfg.n_heads, cfg.n_kv_heads,
+                                      [lay.k for lay in layouts], [lay.v for lay in layouts],
+                                      [lay.first for lay in layouts], rows, record,
+                                      gaps if any(lay.gap is not None for lay in layouts) else [])
+        if record:  # as FullCache.update records them: per layer, each sequence's queries (layer-major)
+            n = len(items)
+            for s, (_, _, cache) in enumerate(items):
+                if cache.recorder is not None:
+                    cache.recorder.record_all(out[1 + s::n])
+        return [out[0]] if one else list(out[0].split(rows, dim=1))
+
     def run(self, ops, cfg, layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache
             ) -> torch.Tensor | None:
         """x [B, T, hidden] through every layer for a decode-sized forward through a slot-causal cache, a quantized
         one or a StreamingLLM one (its window's gap) on CPU, where each layer has the fused form and the attention
         kernel runs -> [B, T, hidden]; None otherwise (the layers then run one by one)."""
         B, T, _ = x.shape
-        g = cfg.n_heads // cfg.n_kv_heads
-        if ops is None or T > PANEL_MAX_ROWS or B != 1 or x.dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
+        if B != 1:
             return None
-        quantized = isinstance(cache, QuantizedCache) and cache.batch == 1
-        layout = None
-        if quantized:  # its attention kernel takes any length (the buffer's keys by the per-row path)
-            if not capabilities(ops).decode_layers_quant or x.device.type != "cpu":
+        if not isinstance(cache, QuantizedCache):  # (decode_layers: decode_layers_batch's one-sequence case)
+            layout = self.layout(ops, cfg, layers, T, x.dtype, cache)
+            if layout is None:
                 return None
-        else:  # a chain in slots: causal, or a StreamingLLM window less each token's gap (KVCache.slot_layout)
-            layout = cache.slot_layout
-            if layout is None or not layout.chain:
-                return None
+            record = cache.recorder is not None
+            window = {} if layout.gap is None else {"gap": layout.gap}  # (a causal chain's call as without one)
+            out = ops.decode_layers(x, self.stack(layers, ops), *rope, cfg.n_heads, cfg.n_kv_heads, layout.k, layout.v,
+                                    layout.first, record, **window)
+            if record:  # as FullCache.update records them
+                cache.recorder.record_all(out[1:])
+            return out[0]
+        g = cfg.n_heads // cfg.n_kv_heads
+        if ops is None or T > PANEL_MAX_ROWS or x.dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
+            return None
+        # a quantized cache: its attention kernel takes any length (the buffer's keys by the per-row path)
+        if cache.batch != 1 or not capabilities(ops).decode_layers_quant or x.device.type != "cpu":
+            return None
         stack = self.stack(layers, ops)
         if stack is None:
             return None
         record = cache.recorder is not None
-        if quantized:
-            out = ops.decode_layers_quant(x, stack, *rope, cfg.n_heads, cfg.n_kv_heads, *cache.fused_inputs(g), record)
-        else:
-            window = {} if layout.gap is None else {"gap": layout.gap}  # (a causal chain's call as without one)
-            out = ops.decode_layers(x, stack, *rope, cfg.n_heads, cfg.n_kv_heads, layout.k, layout.v, layout.first,
-                                    record, **window)
+        out = ops.decode_layers_quant(x, stack, *rope, cfg.n_heads, cfg.n_kv_heads, *cache.fused_inputs(g), record)
         if record:  # as FullCache.update records them
             cache.recorder.record_all(out[1:])
         return out[0]

@@ -76,6 +76,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "written at `slot` (model.Block.forward's kernel path) -> [x] + (each layer's rotated q if `queries`)",
         py::arg("x"), py::arg("stack"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"), py::arg("n_kv_heads"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot"), py::arg("queries"), py::arg("gap") = py::none());
+  m.def("decode_layers_batch", &triforce::decode_layers_batch,
+        "decode_layers over several sequences at once: x [1, R, hidden] holds each segment's rows in order, each "
+        "over its own cache (k_caches[s], v_caches[s], slots[s], rows[s], gaps: [] or one per segment, empty for "
+        "none); linear layers over all R rows, attention per segment -> [x] + (per layer, each segment's rotated q)",
+        py::arg("x"), py::arg("stack"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"), py::arg("n_kv_heads"),
+        py::arg("k_caches"), py::arg("v_caches"), py::arg("slots"), py::arg("rows"), py::arg("queries"),
+        py::arg("gaps"));
   m.def("decode_layers_quant", &triforce::decode_layers_quant,
         "decode_layers over a quantized cache (caches/quantized.py QuantizedCache.fused_inputs) -> [x] + (each "
         "layer's rotated q if `queries`)",

@@ -22,6 +22,8 @@ class Capabilities:
         self.unpack_rows = hasattr(ops, "unpack_rows")
         # every layer of a decode-sized forward in one call (execution/fused.py), over a K/V cache ...
         self.decode_layers = hasattr(ops, "decode_layers") and hasattr(ops, "LayerStack")
+        # ... and over several sequences' caches at once (a serving batch; execution/batching.py)
+        self.decode_layers_batch = self.decode_layers and hasattr(ops, "decode_layers_batch")
         # ... and over an int8 cache's planes
         self.decode_layers_quant = self.decode_layers and hasattr(ops, "decode_layers_quant")
         # a quantized cache's attention over its planes (caches/quantized.py)

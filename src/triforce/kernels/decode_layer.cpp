@@ -30,51 +30,102 @@ torch::Tensor add_into(torch::Tensor y, const torch::Tensor& x) {
   return y;
 }
 
-// One layer over its cache layer k_cache / v_cache [1, Hkv, capacity, D], written at `slot` -> {x, q}; `attend`
-// (q [Hkv, g T, D], T) -> [Hkv, g T, D] reads the cache.
+// One segment of a forward's rows: one sequence's T consecutive rows of x, over its own cache layer k_cache /
+// v_cache [1, Hkv, capacity, D], written at `slot`. A forward over several sequences (a serving batch:
+// decode_layers_batch) has one segment per sequence; a single sequence's forward has one.
+struct Segment {
+  torch::Tensor k_cache, v_cache;
+  int64_t slot, rows;
+};
+
+// One layer over the segments' rows -> {x, then each segment's rotated q [1, Hq, T, D]}. The linear layers, norms
+// and the MLP run over every row at once (the weights read once for all segments); RoPE, the cache write and
+// attention per segment, over its own cache. Every operation is row-wise or per segment, and the kernels compute a
+// row the same way whatever rows come with it (linear_panels, linear_packed: the same sums in the same order), so a
+// segment's output is bit for bit what the same layer gives it alone. `attend` (segment index, q [Hkv, g T, D], T)
+// -> [Hkv, g T, D] reads that segment's cache.
 template <typename Attend>
 std::vector<torch::Tensor> layer_forward(torch::Tensor x, const LayerWeights& w, const torch::Tensor& cos,
                                          const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
-                                         const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t slot,
-                                         const Attend& attend) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && k_cache.dim() == 4 && k_cache.size(0) == 1,
-              "decode_layers: x [1, T, hidden], k/v cache [n_layers, 1, Hkv, capacity, D]");
-  const int64_t T = x.size(1), D = k_cache.size(3), g = n_heads / n_kv_heads;
-  TORCH_CHECK(slot + T <= k_cache.size(2), "decode_layers: the cache is full");
+                                         const std::vector<Segment>& segments, const Attend& attend) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "decode_layers: x [1, rows, hidden]");
+  const int64_t R = x.size(1), g = n_heads / n_kv_heads;
   auto qkv = linear(rms_norm(x, w.attn_norm, w.eps), w.qkv, w.qkv_bias);
-  // q [1, Hq, T, D]; k and v written into the cache's slots in its dtype, as FullCache.update stores them
-  auto q = rope_store(qkv, cos, sin, n_heads, n_kv_heads, k_cache.select(0, 0).narrow(1, slot, T),
-                      v_cache.select(0, 0).narrow(1, slot, T));
-  auto attn = attend(q.view({n_kv_heads, g * T, D}), T);
-  attn = T == 1 ? attn.view({1, 1, n_heads * D})  // [Hq, 1, D] is already [1, Hq * D]
-                : attn.view({1, n_heads, T, D}).transpose(1, 2).reshape({1, T, n_heads * D});
+  std::vector<torch::Tensor> out{torch::Tensor()};
+  torch::Tensor attn;  // [1, R, Hq * D]: each segment's attention output at its rows
+  int64_t r0 = 0;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const auto& seg = segments[s];
+    const int64_t T = seg.rows, D = seg.k_cache.size(3);
+    TORCH_CHECK(seg.k_cache.dim() == 4 && seg.k_cache.size(0) == 1 && seg.slot + T <= seg.k_cache.size(2),
+                "decode_layers: k/v cache [n_layers, 1, Hkv, capacity, D] with room for the rows");
+    // q [1, Hq, T, D]; k and v written into the cache's slots in its dtype, as FullCache.update stores them
+    auto q = rope_store(segments.size() == 1 ? qkv : qkv.narrow(1, r0, T).contiguous(),
+                        segments.size() == 1 ? cos : cos.narrow(0, r0, T).contiguous(),
+                        segments.size() == 1 ? sin : sin.narrow(0, r0, T).contiguous(), n_heads, n_kv_heads,
+                        seg.k_cache.select(0, 0).narrow(1, seg.slot, T), seg.v_cache.select(0, 0).narrow(1, seg.slot, T));
+    auto a = attend(s, q.view({n_kv_heads, g * T, D}), T);
+    a = T == 1 ? a.view({1, 1, n_heads * D})  // [Hq, 1, D] is already [1, Hq * D]
+               : a.view({1, n_heads, T, D}).transpose(1, 2).reshape({1, T, n_heads * D});
+    if (segments.size() == 1) {
+      attn = a;
+    } else {
+      if (!attn.defined()) attn = torch::empty({1, R, n_heads * D}, x.options());
+      attn.narrow(1, r0, T).copy_(a);
+    }
+    out.push_back(q);
+    r0 += T;
+  }
+  TORCH_CHECK(r0 == R, "decode_layers: the segments' rows must add up to x's");
   x = add_into(linear(attn, w.o, c10::nullopt), x);
   auto m = linear(silu_mul(linear(rms_norm(x, w.mlp_norm, w.eps), w.gate_up, c10::nullopt)), w.down, c10::nullopt);
-  return {add_into(m, x), q};
+  out[0] = add_into(m, x);
+  return out;
 }
 
 }  // namespace
+
+std::vector<torch::Tensor> decode_layers_batch(torch::Tensor x, const LayerStack& stack, torch::Tensor cos,
+                                               torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
+                                               std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                               std::vector<int64_t> slots, std::vector<int64_t> rows, bool queries,
+                                               std::vector<torch::Tensor> gaps) {
+  const int64_t L = static_cast<int64_t>(stack.layers.size());
+  const size_t S = k_caches.size();
+  TORCH_CHECK(S > 0 && v_caches.size() == S && slots.size() == S && rows.size() == S && (gaps.empty() || gaps.size() == S),
+              "decode_layers_batch: one k/v cache, slot and row count (and gap, if any) per segment");
+  for (size_t s = 0; s < S; ++s)
+    TORCH_CHECK(k_caches[s].dim() == 5 && k_caches[s].size(0) == L && v_caches[s].sizes() == k_caches[s].sizes(),
+                "decode_layers: k/v cache [n_layers, 1, Hkv, capacity, D], one layer per LayerWeights");
+  std::vector<torch::Tensor> out{x};
+  std::vector<Segment> segments(S);
+  for (int64_t i = 0; i < L; ++i) {
+    for (size_t s = 0; s < S; ++s)
+      segments[s] = {k_caches[s].select(0, i), v_caches[s].select(0, i), slots[s], rows[s]};
+    const double scale = stack.layers[i].scale;
+    const auto attend = [&](size_t s, const torch::Tensor& q, int64_t T) {
+      const auto& seg = segments[s];
+      c10::optional<torch::Tensor> gap;
+      if (!gaps.empty() && gaps[s].numel() > 0) gap = gaps[s];
+      return decode_attention(q, seg.k_cache.narrow(2, 0, seg.slot + T).select(0, 0),
+                              seg.v_cache.narrow(2, 0, seg.slot + T).select(0, 0), T, T > 1, scale, 0, c10::nullopt,
+                              gap);
+    };
+    auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, segments, attend);
+    out[0] = xq[0];
+    if (queries) out.insert(out.end(), xq.begin() + 1, xq.end());
+  }
+  return out;
+}
 
 std::vector<torch::Tensor> decode_layers(torch::Tensor x, const LayerStack& stack, torch::Tensor cos, torch::Tensor sin,
                                          int64_t n_heads, int64_t n_kv_heads, torch::Tensor k_cache,
                                          torch::Tensor v_cache, int64_t slot, bool queries,
                                          c10::optional<torch::Tensor> gap) {
-  const int64_t L = static_cast<int64_t>(stack.layers.size());
-  TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes(),
-              "decode_layers: k/v cache [n_layers, 1, Hkv, capacity, D], one layer per LayerWeights");
-  std::vector<torch::Tensor> out{x};
-  for (int64_t i = 0; i < L; ++i) {
-    const auto kc = k_cache.select(0, i), vc = v_cache.select(0, i);
-    const double scale = stack.layers[i].scale;
-    const auto attend = [&](const torch::Tensor& q, int64_t T) {
-      return decode_attention(q, kc.narrow(2, 0, slot + T).select(0, 0), vc.narrow(2, 0, slot + T).select(0, 0), T,
-                              T > 1, scale, 0, c10::nullopt, gap);
-    };
-    auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, kc, vc, slot, attend);
-    out[0] = xq[0];
-    if (queries) out.push_back(xq[1]);
-  }
-  return out;
+  std::vector<torch::Tensor> gaps;
+  if (gap.has_value()) gaps.push_back(*gap);
+  return decode_layers_batch(x, stack, cos, sin, n_heads, n_kv_heads, {k_cache}, {v_cache}, {slot}, {x.size(1)},
+                             queries, gaps);
 }
 
 std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack& stack, torch::Tensor cos,
@@ -138,10 +189,10 @@ std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack
     ql.fv = static_cast<const char*>(fv.data_ptr()) + i * fv.stride(0) * fv.element_size();
     ql.fk_s = fk.stride(2), ql.fv_s = fv.stride(2), ql.F = F;
     ql.kv = fk.scalar_type();
-    const auto attend = [&](const torch::Tensor& q, int64_t T) {
+    const auto attend = [&](size_t, const torch::Tensor& q, int64_t T) {
       return quant_attention_layer(q, ql, lim, fmask, T, scale);
     };
-    auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, kc, vc, slot, attend);
+    auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, {{kc, vc, slot, T}}, attend);
     out[0] = xq[0];
     if (queries) out.push_back(xq[1]);
   }

@@ -106,6 +106,16 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, const LayerStack& stac
                                          int64_t n_heads, int64_t n_kv_heads, torch::Tensor k_cache,
                                          torch::Tensor v_cache, int64_t slot, bool queries,
                                          c10::optional<torch::Tensor> gap = c10::nullopt);
+// decode_layer.cpp: every layer over several sequences' rows at once (a serving batch): x [1, R, hidden] holds
+// segment s's rows[s] rows in order, cos / sin [R, D] their RoPE, each over its own cache k_caches[s] / v_caches[s]
+// [n_layers, 1, Hkv, capacity, D] written at slots[s] (gaps: none, or one per segment, empty for none) -> {x} and,
+// if `queries`, each layer's rotated q of each segment (layer-major). Each segment's rows are bit for bit what
+// decode_layers gives that segment alone (decode_layers is this with one segment).
+std::vector<torch::Tensor> decode_layers_batch(torch::Tensor x, const LayerStack& stack, torch::Tensor cos,
+                                               torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
+                                               std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                               std::vector<int64_t> slots, std::vector<int64_t> rows, bool queries,
+                                               std::vector<torch::Tensor> gaps);
 // decode_layer.cpp: the same over a quantized cache (caches/quantized.py): planes = its 8 tensors k_hi, k_lo, k_scale,
 // k_zero, v_hi, v_lo, v_scale, v_zero [n_layers, 1, Hkv, ...] (the lower planes empty for the 4-bit reading), read
 // below q_end; the full-precision buffer fk / fv [n_layers, 1, Hkv, slots, D] written at `slot`; lim and fmask as

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Engine, Job, QueueFull, ShuttingDown
+from .engine import Engine, Job, PromptTooLarge, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import BadRequest, GenerationRequest, ResponseShape, error_body, parse
 
@@ -155,6 +155,8 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
             return _error(429, f"the server is busy: {engine.s.max_queue} requests are waiting; retry after "
                                f"{e.retry_after} s", "rate_limit_error", code="queue_full",
                           headers={"Retry-After": str(e.retry_after)})
+        except PromptTooLarge as e:
+            return _error(400, str(e), param="max_tokens", code="kv_budget_exceeded")
         except ShuttingDown:
             return _error(503, "the server is shutting down", "service_unavailable", code="shutting_down")
         shape = ResponseShape(req.kind, model_id)

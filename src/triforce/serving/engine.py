@@ -1,5 +1,14 @@
-"""One engine (batch size 1): requests wait in a FIFO queue of bounded length and a worker thread
-generates them one at a time with `generate_stream`, the full-cache prefill reusing the prefix cache.
+"""One engine that generates up to `max_batch` requests at once (continuous batching): requests wait in a FIFO
+queue of bounded length, and each admitted request runs `generate_stream` (its own speculation stack, caches,
+acceptance and sampling; the full-cache prefill reusing the prefix cache) on a thread of its own whose model forwards
+go through one ForwardGate (execution/batching.py): the decode-sized forwards of every running request run as one
+batched forward, prefill chunks in turn under a token budget. A request joins as soon as a place and its memory are
+free, and leaves when it finishes or is cancelled; the others go on.
+
+Admission by memory: a request holds, from admission to its end, the bytes of its KV caches (`request_bytes`: its
+full cache for prompt + max_tokens, its drafting levels' caches) out of `kv_budget`; one that cannot be admitted
+waits in the queue, and one that could never fit (more than the whole budget) is refused when it arrives
+(PromptTooLarge, a 400).
 
 A request (`Job`) reports through `job.deliver(event)`, called on the worker thread, in order:
     {"type": "delta", "text": str, "tokens": [ids]}          one per speculation round (text may be "")
@@ -28,6 +37,7 @@ from ..model import Transformer
 from ..sampling import SamplingParams
 from ..speculation.config import SpecConfig
 from ..speculation.stack import ROUND_SLACK, StackSpec
+from ..execution.batching import ForwardGate
 from .metrics import ServerMetrics
 from .prefill import CachedPrefill, Stopped
 from .prefix_cache import PrefixCache
@@ -47,6 +57,17 @@ class ShuttingDown(Exception):
     pass
 
 
+class PromptTooLarge(Exception):
+    """A request whose KV caches need more than the server's whole KV budget: it can never run here."""
+
+    def __init__(self, need: int, budget: int):
+        from ..memory import gib
+
+        super().__init__(f"the request's KV caches would take {gib(need)}, more than this server's KV budget of "
+                         f"{gib(budget)} (--kv-memory): shorten the prompt or max_tokens")
+        self.need, self.budget = need, budget
+
+
 @dataclass(eq=False)
 class Job:
     prompt: list[int]
@@ -60,6 +81,7 @@ class Job:
     started: float | None = None  # when the worker took it
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
+    need: int = 0  # bytes of its KV caches (request_bytes), held from admission to its end
 
     def __post_init__(self):
         if self.seed is None:  # OpenAI's default: a fresh draw; the seed used is reported, to reproduce it
@@ -80,6 +102,30 @@ class EngineSettings:
     draft_model: Transformer | None = None
     max_queue: int = 16
     request_timeout: float = 600.0
+    max_batch: int = 8  # requests generated at once
+    prefill_budget: int = 512  # prefill tokens per batched forward (ForwardGate.prefill_budget)
+    kv_budget: int | None = None  # bytes of KV caches the running requests may hold together (None: no limit)
+
+
+def request_bytes(s: EngineSettings, prompt_tokens: int, max_tokens: int) -> int:
+    """The bytes of one request's KV caches: the full cache (prompt, max_tokens and the round's lookahead, as the
+    engine allocates it) and each model-drafting level's own cache (a retrieval or H2O level's budget, a streaming
+    level's window, a draft model's whole context), in the model's KV dtype (memory.kv_bytes)."""
+    from ..memory import kv_bytes, kv_value_bytes
+    from ..speculation.builder import full_capacity
+
+    model = s.model
+    value = kv_value_bytes(model.kv_dtype)
+    capacity = full_capacity(prompt_tokens, max_tokens, s.stack)
+    total = kv_bytes(model.cfg, capacity, value)
+    for lvl in s.stack.levels[:-1]:
+        if lvl.kind in ("retrieval", "h2o"):
+            total += kv_bytes(model.cfg, (lvl.budget or s.config.budget) + 2 * s.config.chunk_size, value)
+        elif lvl.kind == "streaming":
+            total += kv_bytes(model.cfg, (lvl.budget or s.config.streaming_budget) + 2 * s.config.chunk_size, value)
+        elif lvl.kind == "draft" and s.draft_model is not None:
+            total += kv_bytes(s.draft_model.cfg, capacity, kv_value_bytes(s.draft_model.kv_dtype))
+    return total
 
 
 class Engine:
@@ -88,15 +134,19 @@ class Engine:
         self.s, self.prefix_cache, self.metrics = settings, prefix_cache, metrics
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
-        self._running: Job | None = None
+        self._running: dict[Job, threading.Thread] = {}
+        self._held: dict[Job, int] = {}  # bytes each running request holds (request_bytes)
         self._closing = False
-        self._seconds_per_job = 5.0  # moving average, for Retry-After
-        self._thread = threading.Thread(target=self._work, name="triforce-engine", daemon=True)
+        self._seconds_per_job = 5.0  # moving average of a request's time, for Retry-After
+        self.gate = ForwardGate(settings.prefill_budget)
+        self._thread = threading.Thread(target=self._admit, name="triforce-engine", daemon=True)
         # the prefix cache needs a FullCache whose blocks are contiguous slices (not a sliding-window ring)
         self._reuse = settings.model.windows is None
         if metrics is not None:
-            metrics.watch(lambda: len(self._queue), lambda: int(self._running is not None),
-                          prefix_cache.stats if prefix_cache is not None else None)
+            metrics.watch(lambda: len(self._queue), lambda: len(self._running),
+                          prefix_cache.stats if prefix_cache is not None else None,
+                          kv_usage=self.kv_usage)
+            self.gate.on_batch = metrics.batch
 
     # ---- the API side (any thread) -----------------------------------------------------------
 
@@ -104,15 +154,20 @@ class Engine:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue a job; QueueFull when --max-queue jobs wait already, ShuttingDown after stop()."""
+        """Queue a job; QueueFull when --max-queue jobs wait already, PromptTooLarge when it could never fit in the
+        KV budget, ShuttingDown after stop()."""
         job.deadline = job.arrived + self.s.request_timeout
+        job.need = request_bytes(self.s, len(job.prompt), job.max_tokens)
+        if self.s.kv_budget is not None and job.need > self.s.kv_budget:
+            raise PromptTooLarge(job.need, self.s.kv_budget)
         with self._cv:
             if self._closing:
                 raise ShuttingDown()
             if len(self._queue) >= self.s.max_queue:
-                raise QueueFull(max(1, math.ceil(self._seconds_per_job * (len(self._queue) + 1))))
+                ahead = len(self._queue) + len(self._running) + 1
+                raise QueueFull(max(1, math.ceil(self._seconds_per_job * ahead / self.s.max_batch)))
             self._queue.append(job)
-            self._cv.notify()
+            self._cv.notify_all()
 
     def cancel(self, job: Job) -> None:
         """Forget a job (its client left): out of the queue now, or stopped at its next chunk or round."""
@@ -124,46 +179,69 @@ class Engine:
 
     def depth(self) -> tuple[int, int]:
         """(waiting, running)."""
-        return len(self._queue), int(self._running is not None)
+        return len(self._queue), len(self._running)
+
+    def kv_usage(self) -> float:
+        """The fraction of the KV budget the running requests hold (0 without a budget)."""
+        budget = self.s.kv_budget
+        return sum(self._held.values()) / budget if budget else 0.0
 
     def stop(self, timeout: float = 30.0) -> None:
-        """No new jobs; queued ones get a 503; the running one is cancelled; the worker exits."""
+        """No new jobs; queued ones get a 503; the running ones are cancelled; the threads exit."""
         with self._cv:
             self._closing = True
             waiting, self._queue = list(self._queue), collections.deque()
-            running = self._running
+            running = list(self._running.items())
             self._cv.notify_all()
         for job in waiting:
             self._error(job, 503, "shutting_down", "the server is shutting down: retry on another server or later")
-        if running is not None:
-            running.cancelled.set()
+        for job, _ in running:
+            job.cancelled.set()
+        deadline = time.perf_counter() + timeout
+        for _, thread in running:
+            thread.join(max(0.0, deadline - time.perf_counter()))
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join(max(0.0, deadline - time.perf_counter()))
         if self.prefix_cache is not None:
             self.prefix_cache.close()
 
-    # ---- the worker thread -------------------------------------------------------------------
+    # ---- admission and the request threads ---------------------------------------------------
 
-    def _work(self) -> None:
+    def _admit(self) -> None:
+        """Start the queue's first job whenever a place and its memory are free (first come, first served: a job
+        that does not fit yet keeps the ones behind it waiting, so a long prompt is not starved by short ones)."""
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
+                while not self._closing and not (self._queue and self._fits(self._queue[0])):
                     self._cv.wait()
                 if self._closing:
                     return
                 job = self._queue.popleft()
-                self._running = job
-            t0 = time.perf_counter()
-            try:
+                self._held[job] = job.need
+                thread = threading.Thread(target=self._serve, args=(job,), name="triforce-request", daemon=True)
+                self._running[job] = thread
+            thread.start()
+
+    def _fits(self, job: Job) -> bool:
+        if len(self._running) >= self.s.max_batch:
+            return False
+        return self.s.kv_budget is None or sum(self._held.values()) + job.need <= self.s.kv_budget
+
+    def _serve(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            with self.gate.join():
                 self._run(job)
-            except Exception:  # noqa: BLE001 - a bug must not take the engine down: log it, answer 500
-                log.exception("generation failed")
-                self._error(job, 500, "internal_error", "internal error while generating (see the server log)")
-            finally:
-                with self._cv:
-                    self._running = None
+        except Exception:  # noqa: BLE001 - a bug must not take the engine down: log it, answer 500
+            log.exception("generation failed")
+            self._error(job, 500, "internal_error", "internal error while generating (see the server log)")
+        finally:
+            with self._cv:
+                del self._running[job]
+                del self._held[job]
                 self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * (time.perf_counter() - t0)
-                _release_memory()
+                self._cv.notify_all()
+            _release_memory()
 
     def _run(self, job: Job) -> None:
         s, m = self.s, self.metrics

@@ -16,6 +16,9 @@ changed: counters are exposed with `_total`, histograms with `_bucket`/`_sum`/`_
     triforce:spec_decode_num_draft_tokens{level}       tokens drafted for that level to verify
     triforce:spec_decode_num_accepted_tokens{level}    ... of which it accepted
     triforce:num_requests_waiting / _running           (gauges)
+    triforce:kv_cache_usage_perc                       the running requests' KV caches / --kv-memory (0 to 1)
+    triforce:iteration_tokens_total                    rows fed per batched forward (histogram)
+    triforce:batch_size                                requests per batched forward (histogram)
 
 The speculation counters add up the `levels` stats of completed generations (the `triforce.stats`
 field of the responses): a cancelled or timed-out generation's rounds are not counted.
@@ -30,6 +33,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 NS = "triforce:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+BATCH_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280)
 
 
@@ -73,12 +78,23 @@ class ServerMetrics:
         self.planner_seconds = Counter(NS + "spec_decode_planner_seconds", "Time the adaptive stack spent planning",
                                        registry=r)
         self.waiting = Gauge(NS + "num_requests_waiting", "Requests in the queue", registry=r)
-        self.running = Gauge(NS + "num_requests_running", "Requests being generated (0 or 1)", registry=r)
+        self.running = Gauge(NS + "num_requests_running", "Requests being generated (at most --max-batch)",
+                             registry=r)
+        self.kv_usage = Gauge(NS + "kv_cache_usage_perc", "Fraction of the KV budget (--kv-memory) the running "
+                              "requests' caches hold (0 to 1)", registry=r)
+        self.iteration_tokens = Histogram(NS + "iteration_tokens_total", "Token rows fed per batched forward (every "
+                                          "running request's decode step, verification or draft in one forward)",
+                                          buckets=BATCH_ROW_BUCKETS, registry=r)
+        self.batch_size = Histogram(NS + "batch_size", "Requests per batched forward", buckets=BATCH_SIZE_BUCKETS,
+                                    registry=r)
 
-    def watch(self, waiting: Callable[[], int], running: Callable[[], int], prefix_stats: Callable[[], dict] | None):
+    def watch(self, waiting: Callable[[], int], running: Callable[[], int], prefix_stats: Callable[[], dict] | None,
+              kv_usage: Callable[[], float] | None = None):
         """Gauges read at scrape time from the engine and the prefix cache."""
         self.waiting.set_function(waiting)
         self.running.set_function(running)
+        if kv_usage is not None:
+            self.kv_usage.set_function(kv_usage)
         if prefix_stats is not None:
             self.prefix_bytes.set_function(lambda: prefix_stats()["bytes"])
             self.prefix_blocks.set_function(lambda: prefix_stats()["blocks"])
@@ -96,6 +112,11 @@ class ServerMetrics:
                 self.route_rounds.labels(route).inc(rounds)
             self.route_changes.inc(ad["route_changes"])
             self.planner_seconds.inc(ad["planner_seconds"])
+
+    def batch(self, requests: int, rows: int) -> None:
+        """One batched forward of `requests` requests' `rows` token rows (ForwardGate.on_batch)."""
+        self.batch_size.observe(requests)
+        self.iteration_tokens.observe(rows)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -55,7 +55,8 @@ class Server:
 
 def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue: int = 16,
           prefix_cache_bytes: int = 2 << 30, kv_cache_dir=None, request_timeout: float = 600.0,
-          default_max_tokens: int = 256, model_id: str | None = None, shutdown_timeout: float = 30.0) -> Server:
+          default_max_tokens: int = 256, model_id: str | None = None, shutdown_timeout: float = 30.0,
+          max_batch: int = 8, prefill_budget: int = 512, kv_memory: int | None = None) -> Server:
     """The app over a loaded model (loading.LoadedModel) and a stack (its engine starts with the app)."""
     _require_extra()
     from .app import create_app
@@ -73,12 +74,32 @@ def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue
             prefix_cache = PrefixCache(model, config.prefill_chunk, prefix_cache_bytes, kv_cache_dir)
     metrics = ServerMetrics()
     settings = EngineSettings(model, loaded.tokenizer, stack, stack_name, config, loaded.eos_token_ids, draft_model,
-                              max_queue, request_timeout)
+                              max_queue, request_timeout, max_batch, prefill_budget,
+                              kv_budget(kv_memory, prefix_cache_bytes if prefix_cache is not None else 0))
     engine = Engine(settings, prefix_cache, metrics)
     model_id = model_id or default_model_id(loaded)
     app = create_app(engine, loaded.tokenizer, model_id=model_id, max_context=loaded.config.max_context,
                      default_max_tokens=default_max_tokens, metrics=metrics, shutdown_timeout=shutdown_timeout)
     return Server(app, engine, prefix_cache, metrics, model_id)
+
+
+def kv_budget(kv_memory: int | None, prefix_cache_bytes: int) -> int | None:
+    """The bytes the running requests' KV caches may take together: --kv-memory, or 90% of the memory available
+    now (the model loaded) less the prefix cache's budget and memory.HEADROOM; None where the available memory is
+    unknown (no limit)."""
+    from ..memory import HEADROOM, available_bytes, gib
+
+    if kv_memory is not None:
+        return kv_memory
+    avail = available_bytes()
+    if avail is None:
+        return None
+    budget = int(0.9 * (avail - prefix_cache_bytes - HEADROOM))
+    if budget <= 0:
+        raise TriforceError(f"no memory left for requests' KV caches: {gib(avail)} available, of which "
+                            f"--prefix-cache-bytes takes {gib(prefix_cache_bytes)}: lower --prefix-cache-bytes or "
+                            f"give --kv-memory")
+    return budget
 
 
 def default_model_id(loaded) -> str:
@@ -133,12 +154,15 @@ def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
     server = build(loaded, stack, stack_name, config, draft_model=draft_model, max_queue=args.max_queue,
                    prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_dir=args.kv_cache_dir,
                    request_timeout=args.request_timeout, default_max_tokens=args.default_max_tokens,
-                   model_id=args.served_model_name, shutdown_timeout=args.shutdown_timeout)
+                   model_id=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+                   max_batch=args.max_batch, prefill_budget=args.prefill_budget, kv_memory=args.kv_memory)
     cache = (f"prefix cache {args.prefix_cache_bytes / 2**30:g} GiB" + (f" in {args.kv_cache_dir}" if args.kv_cache_dir
                                                                       else " (in memory)")
              if server.prefix_cache is not None else "no prefix cache")
-    log.info("serving %s as %r on http://%s:%d/v1 (stack %s; %s; queue %d)", loaded.source, server.model_id,
-             args.host, args.port, stack, cache, args.max_queue)
+    budget = server.engine.s.kv_budget
+    log.info("serving %s as %r on http://%s:%d/v1 (stack %s; %s; batch %d; queue %d; KV budget %s)", loaded.source,
+             server.model_id, args.host, args.port, stack, cache, args.max_batch, args.max_queue,
+             "unlimited" if budget is None else f"{budget / 2**30:.2f} GiB")
     return _run_uvicorn(server.app, args)
 
 
@@ -166,7 +190,8 @@ def replica_spec(args, stack, stack_name: str, config, draft_path: str | None, d
     build_kw = {"max_queue": args.max_queue, "prefix_cache_bytes": args.prefix_cache_bytes,
                 "kv_cache_dir": args.kv_cache_dir, "request_timeout": args.request_timeout,
                 "default_max_tokens": args.default_max_tokens, "model_id": args.served_model_name,
-                "shutdown_timeout": args.shutdown_timeout}
+                "shutdown_timeout": args.shutdown_timeout, "max_batch": getattr(args, "max_batch", 8),
+                "prefill_budget": getattr(args, "prefill_budget", 512), "kv_memory": getattr(args, "kv_memory", None)}
     return ReplicaSpec(args.model, stack, stack_name, config, draft_path, load, build_kw,
                        threads=args.threads or args.cpus_per_replica, log_level=args.log_level)
 

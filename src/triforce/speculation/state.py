@@ -9,6 +9,7 @@ import torch
 
 from ..caches import KVCache, new_cache
 from ..caches.base import TokenBlock
+from ..execution import batching
 from ..model import Transformer
 from ..sampling import SamplingParams, Scores, probs_from_logits
 from .tree import DraftTree
@@ -167,7 +168,7 @@ class ModelState:
                 out, hidden = out
                 self._store_features(n, hidden[0])
             logits = out[0]
-        dt = time.perf_counter() - t
+        dt = batching.forward_seconds(t)  # in a serving batch: its batch's time, not the wait for the others
         self.seconds += dt
         self.forwards += 1
         if self.on_forward is not None:

@@ -1,0 +1,190 @@
+"""Forwards of several sequences batched into one: the gate that a serving batch's request threads pass their model
+forwards through (serving/engine.py).
+
+Each request runs its own generation (its own speculation stack, caches, acceptance and sampling) on a thread of its
+own that has `join`ed the gate. Every model forward of such a thread (Transformer.forward) waits at the gate instead
+of running. When no member thread is running (each waits at the gate, or has left), the gate runs the waiting
+forwards:
+
+- decode-sized chains over a cache with slots (decode steps, verifications, drafting levels' forwards: what the one
+  call through every layer takes, FusedDecode.layout) of one model's weights run as one forward
+  (Transformer.forward_batch: the linear layers over every row, the weights read once; attention per request over its
+  own cache). Each request's logits are bit for bit its forward's alone (kernels/decode_layer.cpp);
+- any other forward (a prefill chunk, a draft tree, a quantized cache) runs alone, "solo". Solo forwards are
+  interleaved with the batched ones under a token budget: a batched forward earns `prefill_budget` tokens of credit,
+  and solo forwards run while the credit lasts (at least one when nothing else waits), so a long new prompt's prefill
+  does not stall the others' decoding, nor do they stall it.
+
+The group run is the one with the most waiting forwards (ties: the fewest rows): requests whose drafting forwards
+are done wait at their verification until the others get there, so the top-level verifications of different
+requests batch together (MagicDec's setting), and drafting levels over the same weights batch with each other.
+
+Which forwards share a batch changes only how fast they run, never what they compute: the output of each request is
+exactly its output alone. A thread that has not joined a gate runs its forwards directly (`current()` is None)."""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+_local = threading.local()
+
+
+def current() -> ForwardGate | None:
+    """The gate this thread's forwards go through, or None (run them directly)."""
+    return getattr(_local, "gate", None)
+
+
+def forward_seconds(started: float) -> float:
+    """The time of this thread's last forward, begun at `started` (perf_counter): through a gate, the time its batch
+    ran (not the wait for the other requests); else the time since `started`."""
+    seconds = getattr(_local, "seconds", None)
+    _local.seconds = None
+    return time.perf_counter() - started if seconds is None else seconds
+
+
+@dataclass(eq=False)
+class _Waiting:
+    key: object  # forwards with equal keys (not None) run as one batch
+    rows: int
+    run: object  # solo: () -> result; batched: the arguments for `batch`
+    batch: object = None  # callable(list of run) -> list of results, for batched forwards
+    done: bool = False
+    result: object = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    arrived: int = 0
+
+
+@dataclass
+class GateStats:
+    batches: int = 0  # batched forwards run
+    batched_rows: int = 0  # rows they fed
+    batched_requests: int = 0  # forwards they held (the batch sizes, summed)
+    solo: int = 0  # forwards run alone (prefill chunks, trees, ...)
+    solo_rows: int = 0
+    last_batch: int = 0  # forwards in the last batched forward
+    sizes: dict = field(default_factory=dict)  # batch size -> batched forwards of that size
+
+
+class ForwardGate:
+    def __init__(self, prefill_budget: int = 512):
+        self.prefill_budget = prefill_budget
+        self._cv = threading.Condition()
+        self._running = 0  # member threads not waiting at the gate
+        self._members = 0
+        self._waiting: list[_Waiting] = []
+        self._executing = False
+        self._credit = 0  # solo tokens the batched forwards have earned (see the module docstring)
+        self._arrivals = 0
+        self.stats = GateStats()
+        self.on_batch = None  # called with (forwards, rows) after each batched forward (the server's metrics)
+
+    @contextmanager
+    def join(self):
+        """This thread's forwards go through the gate until the block ends."""
+        assert current() is None, "a thread joins one gate once"
+        with self._cv:
+            self._members += 1
+            self._running += 1
+        _local.gate = self
+        try:
+            yield self
+        finally:
+            _local.gate = None
+            with self._cv:
+                self._members -= 1
+                self._running -= 1
+                self._drain()
+
+    @property
+    def members(self) -> int:
+        return self._members
+
+    def solo(self, fn, rows: int):
+        """Run fn() (a forward that is not batched) when the gate's turn comes -> its result."""
+        return self._wait(_Waiting(None, rows, fn))
+
+    def batched(self, key, args, rows: int, batch):
+        """Run `args` in one call batch([args, ...]) with the other waiting forwards of the same key -> its result."""
+        return self._wait(_Waiting(key, rows, args, batch))
+
+    def _wait(self, w: _Waiting):
+        with self._cv:
+            self._arrivals += 1
+            w.arrived = self._arrivals
+            self._waiting.append(w)
+            self._running -= 1
+            self._drain()
+            while not w.done:
+                self._cv.wait()
+        _local.seconds = w.seconds
+        if w.error is not None:
+            raise w.error
+        return w.result
+
+    def _choose(self) -> list[_Waiting]:
+        solo = [w for w in self._waiting if w.key is None]
+        groups: dict[object, list[_Waiting]] = {}
+        for w in self._waiting:
+            if w.key is not None:
+                groups.setdefault(w.key, []).append(w)
+        if solo and (not groups or self._credit >= solo[0].rows):
+            self._credit = max(0, self._credit - solo[0].rows)
+            return [solo[0]]
+        group = max(groups.values(), key=lambda g: (len(g), -sum(w.rows for w in g), -g[0].arrived))
+        if solo:
+            self._credit += self.prefill_budget
+        return group
+
+    def _drain(self) -> None:
+        """With the lock held: while no member runs and forwards wait, run them (on this thread)."""
+        while self._running <= 0 and self._waiting and not self._executing:
+            chosen = self._choose()
+            for w in chosen:
+                self._waiting.remove(w)
+            self._executing = True
+            self._cv.release()
+            try:
+                self._execute(chosen)
+            finally:
+                self._cv.acquire()
+                self._executing = False
+            for w in chosen:
+                w.done = True
+            self._running += len(chosen)  # they run again from now (before this loop could run a next group)
+            self._cv.notify_all()
+
+    def _execute(self, chosen: list[_Waiting]) -> None:
+        t = time.perf_counter()
+        member, _local.gate = getattr(_local, "gate", None), None  # (the forwards run here, not through the gate)
+        try:
+            with torch.inference_mode():
+                if chosen[0].key is None:
+                    chosen[0].result = chosen[0].run()
+                else:
+                    for w, r in zip(chosen, chosen[0].batch([w.run for w in chosen])):
+                        w.result = r
+        except BaseException as e:  # noqa: BLE001 - each waiting thread raises it as its own
+            for w in chosen:
+                w.error = e
+        finally:
+            _local.gate = member
+        dt = time.perf_counter() - t
+        s = self.stats
+        if chosen[0].key is None:
+            s.solo += 1
+            s.solo_rows += chosen[0].rows
+        else:
+            s.batches += 1
+            s.batched_rows += sum(w.rows for w in chosen)
+            s.batched_requests += len(chosen)
+            s.last_batch = len(chosen)
+            s.sizes[len(chosen)] = s.sizes.get(len(chosen), 0) + 1
+            if self.on_batch is not None:
+                self.on_batch(len(chosen), sum(w.rows for w in chosen))
+        for w in chosen:
+            w.seconds = dt

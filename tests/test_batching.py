@@ -1,0 +1,312 @@
+"""Batched serving: several requests' forwards in one (execution/batching.py, Transformer.forward_batch,
+kernels/decode_layer.cpp's decode_layers_batch) give each request exactly what it gets alone.
+
+- A batched forward's logits are bit for bit each request's forward alone, for decode steps and verifications
+  (and the caches it writes, and the queries it records for retrieval builds).
+- Greedy generations of several requests run together through one gate are token-identical to each alone, with
+  their forwards really batched.
+- Sampled generations through the gate follow the target's distribution (chi-square against the exact marginals,
+  tests/test_speculation_distribution.py's check), and a wrong acceptance rule is caught by the same check.
+
+The models have head_dim 64, so that their forwards take the compiled one-call path that batching runs on.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import triforce.speculation.level as level_mod
+from conftest import hf_tiny, ours_from_hf
+from test_speculation_distribution import CFG, POSITIONS, exact_marginals, p_values, wrong_verify
+from triforce.caches import new_cache
+from triforce.execution.batching import ForwardGate
+from triforce.generate import generate
+from triforce.sampling import SamplingParams
+from triforce.speculation.config import SpecConfig
+from triforce.speculation.stack import StackSpec
+
+KERNEL_SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = ours_from_hf(hf_tiny("llama", seed=3, vocab_size=300, max_position_embeddings=2048, **KERNEL_SHAPE))
+    if m.backend.ops is None:
+        pytest.skip("the CPU kernels are not built here: batched forwards run on them")
+    return m
+
+
+def _prefilled(model, n: int, seed: int):
+    cache = new_cache(model, 512, record_queries=True)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    model(ids, cache)
+    return cache
+
+
+@torch.inference_mode()
+def test_batched_forward_logits_equal_each_requests_forward_alone(model):
+    lengths = [5, 40, 100, 17, 63]
+    rows = [1, 5, 3, 9, 1]  # decode steps and verifications of several drafts
+    g = torch.Generator().manual_seed(1)
+    calls = [torch.randint(0, 300, (1, t), generator=g) for t in rows]
+    alone_caches = [_prefilled(model, n, i) for i, n in enumerate(lengths)]
+    batch_caches = [_prefilled(model, n, i) for i, n in enumerate(lengths)]
+    alone = [model(tokens, cache, last=t) for tokens, cache, t in zip(calls, alone_caches, rows)]
+    batched = model.forward_batch([(tokens, cache, t) for tokens, cache, t in zip(calls, batch_caches, rows)])
+    for a, b in zip(alone, batched):
+        assert a.shape == b.shape and torch.equal(a, b)
+    for a, b in zip(alone_caches, batch_caches):
+        assert a.length == b.length
+        assert torch.equal(a.k[..., :a.length, :], b.k[..., :b.length, :])
+        assert torch.equal(a.v[..., :a.length, :], b.v[..., :b.length, :])
+        assert all(torch.equal(x, y) for x, y in zip(a.recorder.layers, b.recorder.layers))
+    # and a batch of one is the plain forward's own path (decode_layers is decode_layers_batch with one segment)
+    one = _prefilled(model, 30, 9)
+    again = _prefilled(model, 30, 9)
+    assert torch.equal(model(calls[1], one, last=2), model.forward_batch([(calls[1], again, 2)])[0])
+
+
+def _together(run, jobs: list, gate: ForwardGate) -> list:
+    """run(job) for every job at once, each on a thread of its own that joined `gate` -> their results in order."""
+    out = [None] * len(jobs)
+    errors = []
+
+    def one(i, job):
+        try:
+            with gate.join():
+                out[i] = run(job)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i, j)) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_greedy_generations_batched_together_equal_each_alone(model):
+    config = SpecConfig(chunk_size=8, recent=8, prefill_chunk=32)
+    stacks = ["ngram,retrieval:48,full", "full", "ngram,full", "retrieval:48,full", "ngram,streaming:64,full"]
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 300, (40,), generator=g).tolist()
+    prompts = [(base * 5)[:150 + 13 * i] if i % 2 else torch.randint(0, 300, (120 + 7 * i,), generator=g).tolist()
+               for i in range(8)]
+    jobs = [(p, stacks[i % len(stacks)]) for i, p in enumerate(prompts)]  # (a streaming window runs alone)
+
+    def run(job):
+        prompt, stack = job
+        return generate(model, prompt, 40, stack=StackSpec.parse(stack, "3,4" if stack.count(",") == 2 else "4"),
+                        config=config).tokens
+
+    alone = [run(j) for j in jobs]
+    gate = ForwardGate(prefill_budget=32)
+    together = _together(run, jobs, gate)
+    assert together == alone
+    assert gate.stats.batches > 0 and max(gate.stats.sizes) > 1, gate.stats  # they did share forwards
+    assert gate.stats.solo > 0  # the prefill chunks ran alone, in turn
+
+
+V = 8
+N_SAMPLES = 600
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    target = ours_from_hf(hf_tiny("llama", seed=21, vocab_size=V, initializer_range=0.5, max_position_embeddings=256,
+                                  **KERNEL_SHAPE))
+    if target.backend.ops is None:
+        pytest.skip("the CPU kernels are not built here")
+    draft = ours_from_hf(hf_tiny("llama", seed=22, vocab_size=V, initializer_range=0.5, max_position_embeddings=256,
+                                 **KERNEL_SHAPE))
+    prompt = (torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(0)).tolist() * 4)[:48]
+    return (target, draft), prompt, exact_marginals(target, prompt, SamplingParams(temperature=1.0))
+
+
+def _batched_counts(models, prompt, gate: ForwardGate) -> torch.Tensor:
+    """Counts [POSITIONS, V] of the first generated tokens over N_SAMPLES seeds, 8 generations at a time through
+    the gate (n-gram lookup, a draft model and the target: every forward but the prefill batched)."""
+    target, draft = models
+    stack = StackSpec.parse("ngram,draft,full", "2,3")
+    counts = torch.zeros(POSITIONS, V)
+
+    def run(seed):
+        return generate(target, prompt, POSITIONS, SamplingParams(temperature=1.0), stack=stack, config=CFG,
+                        draft_model=draft, seed=seed).tokens
+
+    for start in range(0, N_SAMPLES, 8):
+        for tokens in _together(run, list(range(start, start + 8)), gate):
+            for i, t in enumerate(tokens):
+                counts[i, t] += 1
+    return counts
+
+
+def test_batched_sampling_follows_target_distribution(small_vocab):
+    target, prompt, exact = small_vocab
+    gate = ForwardGate()
+    pv = p_values(_batched_counts(target, prompt, gate), exact)
+    assert min(pv) > 1e-3, f"chi-square p-values {pv}"
+    assert max(gate.stats.sizes) > 1
+
+
+def test_batched_check_detects_a_wrong_sampler(small_vocab, monkeypatch):
+    """The research code's bug (a rejection resampled from p, not the residual) at the boundary that has draft
+    distributions (draft -> full; the n-gram level's drafts are one-hot and keep the real rule)."""
+    target, prompt, exact = small_vocab
+    right = level_mod.verify_tree
+    monkeypatch.setattr(level_mod, "verify_tree", lambda tree, q, p, generator: (
+        right if q is None else wrong_verify)(tree, q, p, generator))
+    pv = p_values(_batched_counts(target, prompt, ForwardGate()), exact)
+    assert min(pv) < 1e-6, f"the wrong sampler went undetected: p-values {pv}"
+
+
+# ---- the server: continuous batching, cancellation, admission, memory ---------------------------------------------
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from test_serving import CONFIG, DOC, char_tokenizer, serving, wait_for  # noqa: E402
+from triforce.loading import LoadedModel  # noqa: E402
+
+SERVE_STACK = StackSpec.parse("ngram,retrieval:48,full", "3,4")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from pathlib import Path
+
+    tok = char_tokenizer()
+    m = ours_from_hf(hf_tiny("llama", seed=1, vocab_size=len(tok), max_position_embeddings=12000, **KERNEL_SHAPE))
+    if m.backend.ops is None:
+        pytest.skip("the CPU kernels are not built here")
+    return LoadedModel(m, tok, m.cfg, "tiny", Path("."))
+
+
+def _reference(loaded, prompt: str, max_tokens: int) -> str:
+    ids = loaded.tokenizer(prompt)["input_ids"]
+    return generate(loaded.model, ids, max_tokens, SamplingParams(temperature=0), stack=SERVE_STACK, config=CONFIG,
+                    eos_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer).text
+
+
+async def _stream(client, url: str, prompt: str, max_tokens: int, cancel_after: int | None) -> dict:
+    import json
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    out = {"text": "", "finished": None, "cancelled": False, "status": None}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        out["status"] = r.status_code
+        chunks = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            choice = obj["choices"][0]
+            out["text"] += choice["text"]
+            out["finished"] = choice["finish_reason"] or out["finished"]
+            chunks += 1
+            if cancel_after is not None and chunks >= cancel_after:
+                out["cancelled"] = True
+                break
+    return out
+
+
+def test_forty_concurrent_streams_with_cancellations_lose_nothing(loaded):
+    import asyncio
+    import random
+
+    rng = random.Random(45)
+    prompts = [DOC[:60 + 7 * i] + f" Q{i}:" for i in range(40)]
+    cancel = {i: rng.randint(1, 4) for i in rng.sample(range(40), 10)}
+    with serving(loaded, SERVE_STACK, max_batch=8, max_queue=40) as (url, server):
+        async def main():
+            async with httpx.AsyncClient(timeout=300) as client:
+                return await asyncio.gather(*(_stream(client, url, p, 24, cancel.get(i)) for i, p in enumerate(prompts)))
+
+        results = asyncio.run(main())
+        wait_for(lambda: server.engine.depth() == (0, 0), 60)
+        gate = server.engine.gate.stats
+        cancelled = server.metrics.finished.labels("cancelled")._value.get()
+        usage = server.engine.kv_usage()
+    for i, r in enumerate(results):
+        assert r["status"] == 200
+        if not r["cancelled"]:
+            assert r["finished"] in ("stop", "length") and r["text"] == _reference(loaded, prompts[i], 24), i
+    assert sum(r["cancelled"] for r in results) >= 1 and cancelled >= sum(r["cancelled"] for r in results) - 2
+    assert max(gate.sizes) > 1  # requests shared forwards
+    assert usage == 0.0  # every request gave its memory back
+
+
+def test_admission_by_memory_400_and_429(loaded):
+    from triforce.serving.engine import request_bytes
+
+    with serving(loaded, SERVE_STACK, max_batch=1, max_queue=1) as (url, server):
+        s = server.engine.s
+        s.kv_budget = request_bytes(s, 80, 16)  # room for one short request at a time
+        r = httpx.post(url + "/v1/completions", json={"prompt": DOC * 3, "max_tokens": 200})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "kv_budget_exceeded"
+        assert "--kv-memory" in r.json()["error"]["message"]
+        hold = threading.Event()
+        real_run = server.engine._run
+        server.engine._run = lambda job: (hold.wait(30), real_run(job))
+        replies = []
+        threads = [threading.Thread(target=lambda: replies.append(httpx.post(
+            url + "/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0}, timeout=60)))
+            for _ in range(2)]
+        threads[0].start()
+        wait_for(lambda: server.engine.depth() == (0, 1))
+        threads[1].start()
+        wait_for(lambda: server.engine.depth() == (1, 1))
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        hold.set()
+        for t in threads:
+            t.join(60)
+        assert [x.status_code for x in replies] == [200, 200]
+        metrics = httpx.get(url + "/metrics").text
+    for name in ("triforce:num_requests_running", "triforce:num_requests_waiting", "triforce:kv_cache_usage_perc",
+                 "triforce:batch_size_bucket", "triforce:iteration_tokens_total_bucket",
+                 "triforce:spec_decode_num_accepted_tokens_total"):
+        assert name in metrics, name
+
+
+def test_memory_stays_bounded_over_many_generated_tokens(loaded):
+    """Two requests of 10K tokens each, batched: the server's resident memory after them is what it was after a
+    warm-up of the same shape (every request's caches freed), and the KV budget is all given back."""
+    import os
+
+    def rss() -> int:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+    class WithoutEOS(LoadedModel):  # so that every request runs its 10K tokens
+        eos_token_ids = ()
+
+    body = {"max_tokens": 10000, "temperature": 0.8, "seed": 3}
+    endless = WithoutEOS(loaded.model, loaded.tokenizer, loaded.config, loaded.source, loaded.directory)
+    with serving(endless, StackSpec.parse("full"), max_batch=2) as (url, server):
+        def run_two():
+            replies = []
+            threads = [threading.Thread(target=lambda i=i: replies.append(httpx.post(
+                url + "/v1/completions", json={**body, "prompt": DOC[:20 + i]}, timeout=600)))
+                for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(600)
+            return replies
+
+        warm = run_two()
+        before = rss()
+        replies = run_two()
+        after = rss()
+        usage = server.engine.kv_usage()
+    assert all(r.status_code == 200 for r in warm + replies), [r.text[:200] for r in warm + replies]
+    assert [r.json()["usage"]["completion_tokens"] for r in replies] == [10000] * 2
+    assert after - before < 64 << 20, (before, after)
+    assert usage == 0.0
