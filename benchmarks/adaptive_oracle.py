@@ -96,7 +96,8 @@ for _ in range(repeats):
         assert list(r.tokens) == reference, f"{g}: not ar's greedy output"
         measured[g].append(r.decode_seconds / len(r.tokens) * 1e3)
         st = r.stats
-        levels = [(lv["level"], lv["role"], lv.get("forwards"), round(lv.get("seconds", 0) * 1e3)) for lv in st["levels"]]
+        levels = [(lv["level"], lv["role"], lv.get("forwards"), round(lv.get("seconds", 0) * 1e3))
+                  for lv in st["levels"]]
         line = f"  {g}: decode {r.decode_seconds * 1e3:.0f} ms; levels (name, role, forwards, ms) {levels}"
         if g == "adaptive":
             a = st["adaptive"]
@@ -105,7 +106,8 @@ for _ in range(repeats):
                      f" tokens/round by gamma 1-8) {plans[-2:]}")
         print(line, flush=True)
 medians = {k: statistics.median(v) for k, v in full_ms.items()}
-print("full forward ms by tokens fed (median, count):", {k: (round(medians[k], 1), len(full_ms[k])) for k in sorted(medians)})
+print("full forward ms by tokens fed (median, count):",
+      {k: (round(medians[k], 1), len(full_ms[k])) for k in sorted(medians)})
 for g in gammas:
     feeds = simulated_feeds(g)
     priced = sum(medians.get(k, float("nan")) for k in feeds) / new

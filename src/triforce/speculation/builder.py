@@ -109,8 +109,8 @@ class BuiltStack:
                 return
             self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")
         tree = fixed_tree(self.stack.tree) if self.stack.tree else None  # drafted by the bottom level only
-        # the top level's n-gram shortcut past the levels between (shortcut.NGramShortcut); below a draft head, an n-gram
-        # drafter of its own: repeated text is then verified directly, new text drafted by the head
+        # the top level's n-gram shortcut past the levels between (shortcut.NGramShortcut); below a draft head, an
+        # n-gram drafter of its own: repeated text is then verified directly, new text drafted by the head
         shortcut = None
         if config.ngram_shortcut > 0 and bottom_spec.kind == "ngram" and len(self.stack.levels) > 2:
             shortcut = NGramShortcut(proposer, config.ngram_shortcut)

@@ -141,7 +141,8 @@ class NGramDrafter:
 
     def lookup(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], int]:
         """-> (up to k tokens that followed the latest earlier occurrence of the longest matching n-gram, n);
-        ([], 0) without a match. No bookkeeping: propose() is the proposal (shortcut.NGramShortcut looks ahead with this)."""
+        ([], 0) without a match. No bookkeeping: propose() is the proposal (shortcut.NGramShortcut looks ahead with
+        this)."""
         self._update_index(ctx, committed)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(ctx) < n:

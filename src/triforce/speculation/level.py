@@ -12,6 +12,7 @@ their distributions, so a level is itself a drafter (`propose`) for the level ab
 from __future__ import annotations
 
 import time
+
 import torch
 
 from ..sampling import Scores, sample
