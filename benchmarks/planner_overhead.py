@@ -8,7 +8,7 @@ from triforce import load_model
 from triforce.corpus import genre_tokens, GENRES
 from triforce.generate import generate
 from triforce.speculation.state import PrefilledPrompt
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.tuning.measure import sampling_params
 from triforce.commands.common import default_draft_kv as _default_draft_kv
 n = int(sys.argv[1])

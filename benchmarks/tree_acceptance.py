@@ -6,7 +6,7 @@ torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 from triforce.loading import load_model
 from triforce.corpus import demo_tokens
 from triforce.generate import generate
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.builder import full_capacity
 from triforce.speculation.stack import StackSpec
 from triforce.speculation.state import PrefilledPrompt

@@ -12,7 +12,7 @@ from conftest import hf_tiny, ours_from_hf
 from test_speculation_distribution import ALPHA, POSITIONS, V, exact_marginals, p_values
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.cost_model import expected_tokens
 from triforce.speculation.planner import MIN_ROUNDS, PROBE_HORIZON, PROBE_MAX, AdaptiveTop, Planner, Route
 from triforce.speculation.stack import StackSpec, method_stack

@@ -24,7 +24,7 @@ from triforce.caches import new_cache
 from triforce.execution.batching import ForwardGate
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.stack import StackSpec
 
 KERNEL_SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from triforce.tuning import flags
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 
 
 @pytest.fixture

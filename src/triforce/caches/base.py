@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -161,6 +161,15 @@ class Windowed(Protocol):
 
     def skip_to(self, position: int) -> None:
         """Continue at `position` without feeding the tokens in between."""
+
+
+@runtime_checkable
+class PlanesCache(Protocol):
+    """A cache whose attention reads quantized planes (int8, kv4): a forward of every layer in one call takes its
+    planes from fused_inputs() (kernels' decode_layers_quant), not a slot layout."""
+
+    def fused_inputs(self, g: int) -> tuple:
+        """The planes and buffers that call reads, after prepare (g: query heads per KV head)."""
 
 
 class Checkpointable(Protocol):
