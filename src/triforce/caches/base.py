@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
@@ -82,6 +82,9 @@ class KVCache:
     windows: tuple[int | None, ...] | None = None
     # The queries of the last forward, for the builds that select keys by them (None: not recorded)
     recorder: QueryRecorder | None = None
+    # Whether attention reads quantized planes (int8, kv4): a forward of every layer in one call then takes them
+    # from fused_inputs() (kernels' decode_layers_quant), not from a slot layout
+    quantized_planes: bool = False
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         raise NotImplementedError
@@ -161,15 +164,6 @@ class Windowed(Protocol):
 
     def skip_to(self, position: int) -> None:
         """Continue at `position` without feeding the tokens in between."""
-
-
-@runtime_checkable
-class PlanesCache(Protocol):
-    """A cache whose attention reads quantized planes (int8, kv4): a forward of every layer in one call takes its
-    planes from fused_inputs() (kernels' decode_layers_quant), not a slot layout."""
-
-    def fused_inputs(self, g: int) -> tuple:
-        """The planes and buffers that call reads, after prepare (g: query heads per KV head)."""
 
 
 class Checkpointable(Protocol):
