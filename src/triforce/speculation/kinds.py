@@ -13,18 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import TriforceError
-from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
+from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache, new_cache
 from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
+from ..errors import TriforceError
 from ..loading.weights import draft_weights
 from ..model import Transformer
 from ..sampling import SamplingParams
-from .settings import SpecConfig
 from .drafters import NGramDrafter
+from .settings import SpecConfig
 from .stack import KIND_GRAMMAR, LevelSpec
 from .state import ModelState, prefill
-from ..caches import new_cache
 
 _DRAFT_WEIGHTS: weakref.WeakKeyDictionary[Transformer, Transformer] = weakref.WeakKeyDictionary()
 
