@@ -21,8 +21,8 @@ from triforce.commands.common import default_draft_kv
 from triforce.corpus import genre_tokens
 from triforce.generate import generate
 from triforce.loading import load_model
-from triforce.speculation.config import SpecConfig
 from triforce.speculation.drafters import NGramDrafter
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.state import ModelState, PrefilledPrompt
 from triforce.tuning.measure import sampling_params
 

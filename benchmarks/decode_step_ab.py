@@ -48,7 +48,7 @@ def linear_formats(kern, bandwidth: float, rounds: int = 4, n: int = 4096, k: in
     than any cache holds, so read from DRAM), 1 and 5 rows of x, best of `rounds`."""
     import numpy as np
 
-    from triforce.quantized import FORMATS, pack_rows, packable, random_blocks
+    from triforce.ggml_blocks import FORMATS, pack_rows, packable, random_blocks
 
     rng = np.random.default_rng(0)
     print(f"| format | kernel | rows of x | ms per {n} x {k} | G weights/s | GB/s (of {bandwidth / 1e9:.0f}) |")

@@ -30,10 +30,9 @@ def main() -> int:
     from triforce.generate import generate
     from triforce.loading import load_model
     from triforce.sampling import SamplingParams
-    from triforce.speculation.config import SpecConfig
     from triforce.speculation.builder import full_capacity
+    from triforce.speculation.settings import SpecConfig
     from triforce.speculation.stack import StackSpec, method_stack
-
     from triforce.speculation.state import PrefilledPrompt
 
     config = SpecConfig()

@@ -4,13 +4,15 @@ short context, where decode steps are cheapest).
     python benchmarks/planner_overhead.py 8192
 """
 import sys
+
 from triforce import load_model
-from triforce.corpus import genre_tokens, GENRES
-from triforce.generate import generate
-from triforce.speculation.state import PrefilledPrompt
-from triforce.speculation.config import SpecConfig
-from triforce.tuning.measure import sampling_params
 from triforce.commands.common import default_draft_kv as _default_draft_kv
+from triforce.corpus import GENRES, genre_tokens
+from triforce.generate import generate
+from triforce.speculation.settings import SpecConfig
+from triforce.speculation.state import PrefilledPrompt
+from triforce.tuning.measure import sampling_params
+
 n = int(sys.argv[1])
 m = load_model(); model = m.model
 cfg = SpecConfig(draft_kv_dtype=_default_draft_kv(type("Args", (), {"device": "cpu"})))  # as the CLI sets it

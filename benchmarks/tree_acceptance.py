@@ -1,16 +1,22 @@
 #!/usr/bin/env python
 """Tokens per top-level round (timing-free) of chains vs Sequoia trees, embedded model, 8K prompt."""
-import json, sys, time, statistics
+import json
+import statistics
+import sys
+import time
+
 import torch
+
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
-from triforce.loading import load_model
 from triforce.corpus import demo_tokens
 from triforce.generate import generate
-from triforce.speculation.config import SpecConfig
+from triforce.loading import load_model
+from triforce.sampling import SamplingParams
 from triforce.speculation.builder import full_capacity
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.stack import StackSpec
 from triforce.speculation.state import PrefilledPrompt
-from triforce.sampling import SamplingParams
+
 n_ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 lm = load_model(progress=False)
 model = lm.model

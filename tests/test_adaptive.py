@@ -6,15 +6,15 @@ import random
 
 import pytest
 import torch
-
-import triforce.speculation.builder as builder_mod
 from conftest import hf_tiny, ours_from_hf
 from test_speculation_distribution import ALPHA, POSITIONS, V, exact_marginals, p_values
+
+import triforce.speculation.builder as builder_mod
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
-from triforce.speculation.config import SpecConfig
 from triforce.speculation.cost_model import expected_tokens
 from triforce.speculation.planner import MIN_ROUNDS, PROBE_HORIZON, PROBE_MAX, AdaptiveTop, Planner, Route
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.stack import StackSpec, method_stack
 
 CFG = SpecConfig(gamma=3, gamma_draft=2, budget=20, chunk_size=4, recent=4, rebuild_every=8, sink=2, window=6,

@@ -13,6 +13,7 @@ The models have head_dim 64, so that their forwards take the compiled one-call p
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from triforce.caches import new_cache
 from triforce.execution.batching import ForwardGate
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.stack import StackSpec
 
 KERNEL_SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
@@ -305,7 +306,11 @@ def test_memory_stays_bounded_over_many_generated_tokens(loaded):
         before = rss()
         replies = run_two()
         after = rss()
-        usage = server.engine.kv_usage()
+        # a request's reservation is given back just after its last event is sent, so the client may see the
+        # reply first: wait (bounded) for the engine's request threads to finish
+        deadline = time.monotonic() + 60
+        while (usage := server.engine.kv_usage()) and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert all(r.status_code == 200 for r in warm + replies), [r.text[:200] for r in warm + replies]
     assert [r.json()["usage"]["completion_tokens"] for r in replies] == [10000] * 2
     assert after - before < 64 << 20, (before, after)

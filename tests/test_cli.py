@@ -11,7 +11,7 @@ import pytest
 
 from conftest import embedded_available
 
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 
 
 def run(*args, input=None):

@@ -13,7 +13,7 @@ import torch
 from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate, generate_ar
 from triforce.sampling import SamplingParams
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.stack import StackSpec
 from triforce.caches import new_cache
 

@@ -18,7 +18,7 @@ from triforce.drafthead.train import Trainer, TrainSettings
 from triforce.errors import TriforceError
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 
 CFG = dict(gamma=3, gamma_draft=2, budget=20, chunk_size=4, recent=4, rebuild_every=8, sink=2, window=6, ngram=2,
            prefill_chunk=64, adapt=False)

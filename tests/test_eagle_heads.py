@@ -21,7 +21,7 @@ from triforce.drafthead.head import DraftHead, load_head
 from triforce.errors import TriforceError
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.caches import new_cache
 
 CFG = dict(gamma=3, gamma_draft=2, budget=20, chunk_size=4, recent=4, rebuild_every=8, sink=2, window=6, ngram=2,

@@ -26,7 +26,7 @@ from triforce.loading import build_model
 from triforce.loading.gguf_file import check_gguf_architecture, read_gguf
 from triforce.loading.hf import load_hf_checkpoint
 from triforce.sampling import SamplingParams
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.caches import new_cache
 
 V, WINDOW, T = 96, 16, 200  # positions 0..199: twelve windows

@@ -8,7 +8,7 @@ from conftest import embedded_available, hf_tiny, ours_from_hf
 from triforce.detokenize import TextDeltas
 from triforce.errors import TriforceError
 from triforce.generate import generate, generate_ar, generate_stream
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 
 TINY_SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=8, recent=8, rebuild_every=16,
                        sink=4, window=16, ngram=3, prefill_chunk=64)

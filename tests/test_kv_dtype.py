@@ -24,7 +24,7 @@ from triforce.errors import TriforceError
 from triforce.generate import generate, generate_ar
 from triforce.loading import build_model, load_model
 from triforce.sampling import SamplingParams, make_generator
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.builder import BuiltStack
 from triforce.speculation.stack import StackSpec
 from triforce.caches import new_cache

@@ -100,7 +100,7 @@ def test_mistral_with_a_sliding_window_matches_transformers_past_the_window(tmp_
     from triforce.generate import generate
     from triforce.loading import build_model
     from triforce.loading.hf import load_hf_checkpoint
-    from triforce.speculation.config import SpecConfig
+    from triforce.speculation.settings import SpecConfig
     from triforce.speculation.stack import StackSpec
 
     hf = hf_tiny("mistral", sliding_window=16)

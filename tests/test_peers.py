@@ -49,7 +49,7 @@ def no_llama_cpp(monkeypatch):
 
 
 def _bench(loaded, peer_names, temperatures=(0.0, 0.6), n_ctx=128, max_new=4):
-    from triforce.speculation.config import SpecConfig
+    from triforce.speculation.settings import SpecConfig
 
     return methods.run_bench(loaded, [n_ctx], ["ar"], list(temperatures), 1, max_new, SpecConfig(),
                              progress=False, log=lambda *a, **k: None, peers=list(peer_names))

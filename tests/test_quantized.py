@@ -1,4 +1,4 @@
-"""Weights kept in GGML block formats (quantized.py, kernels/quant_linear.cpp, model.QuantLinear): the
+"""Weights kept in GGML block formats (ggml_blocks.py, kernels/quant_linear.cpp, execution.QuantLinear): the
 model computed from a GGUF file's stored blocks is the model of their dequantized fp32 values (logits
 within 1e-4, the same greedy tokens, every speculation stack still exact), in the file's bytes of memory.
 
@@ -25,8 +25,8 @@ from triforce.generate import generate, generate_ar
 from triforce.loading import build_model, default_kv_dtype, load_model
 from triforce.loading.gguf_file import read_gguf
 from triforce.execution import KERNEL_CHUNKS_MAX_ROWS, QuantLinear
-from triforce.quantized import FORMATS, QuantTensor, dequantize, pack_rows, random_blocks, unpack_rows
-from triforce.speculation.config import SpecConfig
+from triforce.ggml_blocks import FORMATS, QuantTensor, dequantize, pack_rows, random_blocks, unpack_rows
+from triforce.speculation.settings import SpecConfig
 from triforce.caches import new_cache
 from triforce.loading.weights import pack_weights, weights_to_bf16
 

@@ -372,7 +372,7 @@ def test_a_prefilled_prompt_comes_back_after_generations(model):
     generations drop its old groups; restore() still brings back the prompt exactly (and in place, outside
     inference mode), so every run from it gives the same tokens as a run from scratch."""
     from triforce.generate import generate
-    from triforce.speculation.config import SpecConfig
+    from triforce.speculation.settings import SpecConfig
     from triforce.speculation.state import PrefilledPrompt
 
     m = copy.copy(model)

@@ -9,12 +9,12 @@ import logging
 import multiprocessing
 import random
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import hf_tiny, ours_from_hf
+from triforce.caches import FullCache
 from triforce.serving.prefix_cache import PrefixCache, block_keys
 
 C = 8  # tokens per block
@@ -29,15 +29,16 @@ def kv_of(model, tokens: list[int]):
     """Deterministic K/V and last-token queries for `tokens` (what a prefill forward would give:
     a function of the token prefix only), shaped as a FullCache of batch 1."""
     cfg, n = model.cfg, len(tokens)
-    k = torch.empty(cfg.n_layers, 1, cfg.n_kv_heads, n, cfg.head_dim, dtype=model.kv_dtype)
-    v = torch.empty_like(k)
+    cache = FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, dtype=model.kv_dtype)
+    cache.length = n
+    k, v = cache.k, cache.v
     queries = {}
     for i, key in enumerate(block_keys(tokens, C)):
         g = torch.Generator().manual_seed(int(key[:12], 16))
         k[:, 0, :, i * C:(i + 1) * C] = torch.randn(k[:, 0, :, :C].shape, generator=g).to(k.dtype)
         v[:, 0, :, i * C:(i + 1) * C] = torch.randn(k[:, 0, :, :C].shape, generator=g).to(k.dtype)
         queries[i] = torch.randn(cfg.n_layers, cfg.n_heads, cfg.head_dim, generator=g)
-    return SimpleNamespace(k=k, v=v, length=n), queries
+    return cache, queries
 
 
 def prompt(doc: int, blocks: int) -> list[int]:

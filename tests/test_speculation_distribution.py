@@ -17,7 +17,7 @@ import triforce.speculation.level as level_mod
 from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate
 from triforce.sampling import SamplingParams, Scores, make_generator, probs_from_logits, sample
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.shortcut import NGramShortcut
 from triforce.caches import new_cache
 

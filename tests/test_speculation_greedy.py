@@ -10,7 +10,7 @@ import torch
 from conftest import hf_tiny, ours_from_hf
 from triforce.errors import TriforceError
 from triforce.generate import generate, generate_ar
-from triforce.speculation.config import SpecConfig
+from triforce.speculation.settings import SpecConfig
 from triforce.speculation.stack import METHODS, StackSpec
 
 TINY_SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=8, recent=8, rebuild_every=16,

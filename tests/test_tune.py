@@ -103,7 +103,7 @@ def test_interleaved_forward_timing_takes_turns_and_leaves_the_cache_as_found(mo
 
 
 def test_tune_records_the_fastest_checked_setting_or_the_defaults():
-    from triforce.speculation.config import SpecConfig
+    from triforce.speculation.settings import SpecConfig
 
     best = {"budget": 2048, "gamma": 4, "gamma_draft": 3, "predicted_ms_per_token": 7.3}
     config = SpecConfig(budget=4096, gamma=4, gamma_draft=3)

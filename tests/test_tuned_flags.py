@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from triforce.speculation.settings import SpecConfig
 from triforce.tuning import flags
-from triforce.speculation.config import SpecConfig
 
 
 @pytest.fixture
@@ -88,8 +88,8 @@ def test_tuned_run_gives_the_named_methods_their_flags(loaded):
 
 
 def test_flags_the_user_set_win():
-    from triforce.tuning.flags import tuned_allowed
     from triforce.cli import build_parser
+    from triforce.tuning.flags import tuned_allowed
 
     parse = lambda *a: build_parser().parse_args(["generate", "--prompt", "x", *a])  # noqa: E731
     assert tuned_allowed(parse(), "triforce") and tuned_allowed(parse(), "sequoia")

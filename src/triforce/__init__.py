@@ -5,7 +5,7 @@ from .generate import GenerationResult, StreamChunk, generate, generate_ar, gene
 from .loading import LoadedModel, load_model
 from .model import Transformer
 from .sampling import SamplingParams
-from .speculation.config import SpecConfig
+from .speculation.settings import SpecConfig
 from .speculation.stack import LevelSpec, StackSpec, method_stack
 from .speculation.state import PrefilledPrompt, prefill
 

@@ -31,7 +31,7 @@ FLOAT_KV_DTYPES = ("fp32", "bf16", "fp16")
 DEFAULT_KV_DTYPE = "fp16"
 DEFAULT_DRAFT_KV_DTYPE = "fp16"
 
-# How a model's weights are held (--weights): native keeps a GGUF file's blocks as stored (quantized.py).
+# How a model's weights are held (--weights): native keeps a GGUF file's blocks as stored (ggml_blocks.py).
 WEIGHTS = ("native", "bf16", "fp32")
 WEIGHTS_HELP = ("how the weights are held: native (default) keeps a GGUF file's quantized blocks as stored "
                 "(memory = the file's tensor bytes; kernels dequantize them in registers); bf16 holds every "

@@ -16,7 +16,7 @@ import torch
 from .errors import TriforceError
 from .model import Transformer
 from .sampling import SamplingParams, make_generator
-from .speculation.config import SpecConfig
+from .speculation.settings import SpecConfig
 from .speculation.builder import BuiltStack
 from .speculation.stack import StackSpec, method_stack
 from .speculation.state import PrefilledPrompt

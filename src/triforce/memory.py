@@ -56,9 +56,9 @@ def held_bytes(values: int, stored: int, matrix: bool, weights: str) -> int:
 
 
 def weight_bytes(state: dict, weights: str) -> int:
-    """Bytes the tensors of `state` (torch tensors or quantized.QuantTensor, as read_gguf gives them)
+    """Bytes the tensors of `state` (torch tensors or ggml_blocks.QuantTensor, as read_gguf gives them)
     take when held as `weights` (held_bytes)."""
-    from .quantized import QuantTensor
+    from .ggml_blocks import QuantTensor
 
     total = 0
     for t in state.values():

@@ -11,17 +11,21 @@ RoPE, whose window the KV cache implements (caches/sliding.py).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
 from .caches.base import KVCache, TokenBlock, kv_dtype
-from .caches.static import StaticView
 from .config import ModelConfig
 from .errors import TriforceError
 from .execution import PANEL_MAX_ROWS, Execution, Linear, QuantLinear, attention, batching
 from .rope import Rotary, apply_rotary
+
+if TYPE_CHECKING:  # (a CUDA graph's view of a cache: graphs.py makes it)
+    from .caches.static import StaticView
 
 
 class RMSNorm(nn.Module):

@@ -251,7 +251,7 @@ def measure_generation(model, row: dict, ctx: int, n_new: int, gamma: int, gamma
     then `ar` and triforce for n_new tokens from it: ms/token with every host cost, and whether triforce's
     tokens are ar's (bf16, near-uniform logits of random weights: any row dependence would show)."""
     from ..generate import generate
-    from ..speculation.config import SpecConfig
+    from ..speculation.settings import SpecConfig
     from ..speculation.state import PrefilledPrompt
 
     g = torch.Generator().manual_seed(1)

@@ -18,6 +18,7 @@ import torch
 from ..caches import new_cache
 from ..errors import TriforceError
 from ..speculation.level import verify_rates
+from ..speculation.stack import REBUILT
 from ..storage import atomic_file, atomic_write, remove_stale_temporaries
 from ..tuning.measure import sampling_params
 
@@ -40,7 +41,7 @@ def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: st
         m, n, kv = model, n_ctx, kv_value_bytes(model.kv_dtype)
     elif spec.kind == "kv4":  # the upper planes (the 4-bit codes' bytes and the groups' scales)
         m, n, kv = drafting_model(model, config), n_ctx, kv_value_bytes("int4")
-    elif spec.kind in ("retrieval", "h2o"):
+    elif spec.kind in REBUILT:
         m, n = drafting_model(model, config), min(n_ctx, (spec.budget or config.budget) + config.recent)
     else:
         m, n = drafting_model(model, config), min(n_ctx, spec.budget or config.streaming_budget)

@@ -101,7 +101,7 @@ def local_cluster(*, routing: str = "prefix", replicas: int = 2, threads: int = 
 
     from ..serving import replicas as ray_replicas
     from ..serving.server import build_front, replica_spec
-    from ..speculation.config import SpecConfig
+    from ..speculation.settings import SpecConfig
     from ..speculation.stack import StackSpec
 
     stack, config = StackSpec.parse(STACK, GAMMAS), SpecConfig(prefill_chunk=prefill_chunk)

@@ -365,7 +365,7 @@ def references(args, loaded, prompts: list[list[int]]) -> list[str]:
     """generate()'s greedy text (the function behind `triforce generate`, its default settings: the server's) for
     each prompt, in this process (slow: a whole prefill each; needs no quiet machine)."""
     from ..generate import generate
-    from ..speculation.config import SpecConfig
+    from ..speculation.settings import SpecConfig
     from ..speculation.stack import method_stack
 
     config = SpecConfig()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..quantized import random_blocks
+from ..ggml_blocks import random_blocks
 
 LLAMA_1B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "num_hidden_layers": 16,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,

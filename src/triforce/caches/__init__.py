@@ -4,11 +4,12 @@ the 4-bit planes of kv4)."""
 from .base import KVCache
 from .full import FullCache
 from .h2o import H2OCache
-from .new import new_cache
+from .new import new_cache, new_window_cache
 from .quantized import QuantizedCache
 from .retrieval import RetrievalCache
 from .sliding import SlidingWindowCache
 from .streaming import StreamingCache
 
 __all__ = ["KVCache", "FullCache", "H2OCache", "QuantizedCache", "RetrievalCache", "SlidingWindowCache", "StreamingCache",
-           "new_cache"]
+           "new_cache",
+           "new_window_cache"]

@@ -82,6 +82,9 @@ class KVCache:
     windows: tuple[int | None, ...] | None = None
     # The queries of the last forward, for the builds that select keys by them (None: not recorded)
     recorder: QueryRecorder | None = None
+    # Whether attention reads quantized planes (int8, kv4): a forward of every layer in one call then takes them
+    # from fused_inputs() (kernels' decode_layers_quant), not from a slot layout
+    quantized_planes: bool = False
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         raise NotImplementedError

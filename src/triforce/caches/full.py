@@ -55,6 +55,18 @@ class FullCache(KVCache):
         """Keys and values [B, Hkv, n, D] of positions 0 .. n - 1 of `layer` (views, as stored)."""
         return self.k[layer, :, :, :n], self.v[layer, :, :, :n]
 
+    def read_positions(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of positions [lo, hi) of sequence 0, every layer: [layers, Hkv, hi - lo, D]
+        each (what a serving prefix cache stores of a block)."""
+        return self.k[:, 0, :, lo:hi].clone(), self.v[:, 0, :, lo:hi].clone()
+
+    def write_positions(self, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values [layers, Hkv, n, D] (read_positions') into positions lo .. lo + n - 1 of sequence 0;
+        commit() then makes them part of the sequence."""
+        n = k.shape[2]
+        self.k[:, 0, :, lo:lo + n] = k
+        self.v[:, 0, :, lo:lo + n] = v
+
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length

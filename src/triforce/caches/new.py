@@ -9,6 +9,7 @@ from .base import kv_dtype
 from .full import FullCache
 from .quantized import QuantizedCache
 from .sliding import SlidingWindowCache
+from .streaming import StreamingCache
 
 # The full-precision buffer of an int8 KV cache (its newest one or two groups of 64 tokens).
 INT8_BUFFER_DTYPE = torch.float16
@@ -43,3 +44,11 @@ def new_cache(model, capacity: int | None = None, *, record_queries: bool = Fals
     if model.windows is not None:
         return SlidingWindowCache(model.windows, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
     return FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
+
+
+def new_window_cache(n_layers: int, n_kv_heads: int, head_dim: int, window: int, max_rollback: int, *,
+                     dtype: torch.dtype, device) -> StreamingCache:
+    """A cache of the newest `window` positions and no sinks, that rolls back up to `max_rollback` tokens (a draft
+    head's own cache: drafthead/drafter.py)."""
+    return StreamingCache(n_layers, n_kv_heads, head_dim, sink=0, window=window, max_rollback=max_rollback,
+                          slack=window + max_rollback, dtype=dtype, device=device)

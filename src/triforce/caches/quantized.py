@@ -159,6 +159,8 @@ class QuantizedCache(KVCache):
     planes and the rest from its own buffer, which keeps every position `shared` has not quantized yet (the
     draft's boundary depends on the target's progress; exactness does not, the target verifies)."""
 
+    quantized_planes = True  # (fused_inputs)
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, bits: int = 8,
                  max_rollback: int = 256, batch: int = 1, dtype: torch.dtype = torch.float16,
                  device: torch.device | str = "cpu", record_queries: bool = False,

@@ -6,7 +6,7 @@ import argparse
 
 from ..config import DEFAULT_KV_DTYPE, FLOAT_KV_DTYPES, KV_DTYPES, WEIGHTS, WEIGHTS_HELP, kv_dtype_name
 from ..errors import TriforceError
-from ..speculation.config import SpecConfig
+from ..speculation.settings import SpecConfig
 from ..speculation.stack import METHOD_DOC, METHODS, StackSpec, method_stack
 
 

@@ -22,8 +22,8 @@ import weakref
 
 import torch
 
-from ..caches import StreamingCache
-from ..caches.base import TokenBlock
+from ..caches import new_window_cache
+from ..caches.base import KVCache, TokenBlock
 from ..model import Transformer
 from ..sampling import SamplingParams, probs_from_logits, sample
 from ..speculation.tree import DraftTree
@@ -62,7 +62,7 @@ class HeadDrafter:
         self.window, self.max_rollback, self.kv_dtype = head.cfg.window, max_rollback + 8, kv_dtype
         self.sources: list = []
         self.feature_layers = head.feature_layers  # the target layers whose inputs it reads (None: final norm's output)
-        self.cache: StreamingCache | None = None
+        self.cache: KVCache | None = None
         self.start = 0  # the cache's first position
         self.tokens: list[int] = []  # x[p] at positions start ..
         self.real = 0  # positions start .. start + real - 1 are real
@@ -73,9 +73,8 @@ class HeadDrafter:
 
     def _reset(self, start: int) -> None:
         c = self.head.cfg
-        self.cache = StreamingCache(1, c.n_kv_heads, c.head_dim, sink=0, window=self.window,
-                                    max_rollback=self.max_rollback, slack=self.window + self.max_rollback,
-                                    dtype=self.kv_dtype, device=self.model.device)
+        self.cache = new_window_cache(1, c.n_kv_heads, c.head_dim, self.window, self.max_rollback,
+                                      dtype=self.kv_dtype, device=self.model.device)
         if start:
             self.cache.skip_to(start)
         self.start, self.tokens, self.real = start, [], 0

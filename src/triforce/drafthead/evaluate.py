@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..corpus import genre_tokens
 from ..model import Transformer
 from ..sampling import SamplingParams
-from ..speculation.config import SpecConfig
+from ..speculation.settings import SpecConfig
 from ..speculation.state import PrefilledPrompt
 
 EVAL_GENRES = ("prose", "code", "dialogue")

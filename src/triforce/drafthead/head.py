@@ -27,8 +27,8 @@ from ..caches.base import SlotKV
 from ..config import ModelConfig
 from ..errors import TriforceError
 from ..execution import Linear, QuantLinear
+from ..ggml_blocks import dequantize
 from ..model import Block, Transformer
-from ..quantized import dequantize
 from ..rope import Rotary
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "head.safetensors"
@@ -163,7 +163,9 @@ def load_head(directory: str | os.PathLike, model: Transformer) -> DraftHead:
 
     d = Path(directory)
     if (d / CONFIG_FILE).is_file() and not (d / WEIGHTS_FILE).is_file():
-        from .eagle import load_eagle  # a published EAGLE checkpoint (its own config.json and weight names)
+        from .eagle import (
+            load_eagle,  # a published EAGLE checkpoint (its own config.json and weight names)
+        )
 
         return load_eagle(d, model)
     if not (d / CONFIG_FILE).is_file():

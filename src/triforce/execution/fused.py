@@ -7,7 +7,6 @@ import weakref
 
 import torch
 
-from ..caches.quantized import QuantizedCache
 from ..kernels.capabilities import capabilities
 from .attention import KERNEL_HEAD_DIMS, KERNEL_MAX_ROWS
 from .linear import PANEL_MAX_ROWS, Linear, QuantLinear
@@ -80,7 +79,7 @@ class FusedDecode:
         if ops is None or T > PANEL_MAX_ROWS or dtype != torch.float32 or g * T > KERNEL_MAX_ROWS:
             return None
         caps = capabilities(ops)
-        if isinstance(cache, QuantizedCache) or not caps.decode_layers or not (prepared or caps.decode_layers_batch):
+        if cache.quantized_planes or not caps.decode_layers or not (prepared or caps.decode_layers_batch):
             return None
         layout = cache.slot_layout  # a chain in slots: causal, or a StreamingLLM window less each token's gap
         if (layout is None or not layout.chain or not (prepared or layout.fixed) or layout.k.shape[1] != 1
@@ -121,7 +120,7 @@ class FusedDecode:
         B, T, _ = x.shape
         if B != 1:
             return None
-        if not isinstance(cache, QuantizedCache):  # (decode_layers: decode_layers_batch's one-sequence case)
+        if not cache.quantized_planes:  # (decode_layers: decode_layers_batch's one-sequence case)
             layout = self.layout(ops, cfg, layers, T, x.dtype, cache)
             if layout is None:
                 return None

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..quantized import FORMATS, QuantTensor, dequantize, pack_rows, packable, release, unpack_rows
+from ..ggml_blocks import FORMATS, QuantTensor, dequantize, pack_rows, packable, release, unpack_rows
 from ..kernels.capabilities import capabilities
 
 
@@ -65,7 +65,7 @@ class Linear(nn.Linear):
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight stays in GGML block formats (quantized.py): `parts`, [N_i, K] each
+    """A linear layer whose weight stays in GGML block formats (ggml_blocks.py): `parts`, [N_i, K] each
     in its own type (a fused projection may mix them: Q4_K_M files keep some V in Q6_K), outputs
     concatenated. Up to KERNEL_CHUNKS_MAX_ROWS rows of fp32 x go through a compiled kernel,
     PANEL_MAX_ROWS at a time: once `pack()`ed on a CPU with the kernels, Q4_0 / Q4_1 / Q5_0 / Q5_1 /

@@ -1012,8 +1012,8 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
 constexpr int64_t QB = 64;  // caches/quantized.py GROUP_K
 constexpr int QTILE = 3;  // rows per register tile of a group's scores and p v (6 on AVX-512 spilled accumulators:
                           // 32K, 15 rows, 3 measured 10-15% faster than 6 on Zen 5, 4 level with 3)
-constexpr int64_t LANE_BYTES = 4 * QB;  // one lane of 8 channels for a group's 64 tokens (quantized.py pack_keys)
-constexpr float TINY = 0x1p-100f;  // a largest value below this rounds to all zeros (quantized.py TINY: 1 / it stays finite)
+constexpr int64_t LANE_BYTES = 4 * QB;  // one lane of 8 channels for a group's 64 tokens (caches/quantized.py pack_keys)
+constexpr float TINY = 0x1p-100f;  // a largest value below this rounds to all zeros (caches/quantized.py TINY: 1 / it stays finite)
 
 ALWAYS_INLINE float vmax_all(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return vmax(a, b); }, v);
@@ -1387,7 +1387,7 @@ torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch
           for (int64_t r = 0; r < R; ++r)
             for (int64_t j = std::max<int64_t>(0, limp[r] - j0); j < QB; ++j) s[r * QB + j] = NEG_INF;
         group_softmax(s.data(), R, mb, lb);
-        const c10::Half* vs = vsp + h * vs_s + j0 * NB;  // [NB, QB] per group (quantized.py's storage order)
+        const c10::Half* vs = vsp + h * vs_s + j0 * NB;  // [NB, QB] per group (caches/quantized.py's storage order)
         const c10::Half* vz = vzp + h * vs_s + j0 * NB;
         for (int64_t i = 0; i < NB * QB; i += W) {
           load(vs + i).store(vsf.data() + i);

@@ -69,7 +69,7 @@ torch::Tensor linear_panels(torch::Tensor x, torch::Tensor panels, int64_t out_f
 torch::Tensor linear_quant(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types);
 torch::Tensor dequantize_rows(torch::Tensor raw, int64_t type);
 
-// quant_packed.cpp: the same for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K parts repacked 16 rows at a time (quantized.py
+// quant_packed.cpp: the same for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K parts repacked 16 rows at a time (ggml_blocks.py
 // pack_rows): [ceil(N_i / 16), row_bytes * 16] uint8 holding `rows[i]` rows each.
 torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                             std::vector<int64_t> rows);

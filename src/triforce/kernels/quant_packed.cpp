@@ -1,4 +1,4 @@
-// y = x W^T for W in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K repacked 16 rows at a time (quantized.py pack_rows: the same
+// y = x W^T for W in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K repacked 16 rows at a time (ggml_blocks.py pack_rows: the same
 // bytes, interleaved), with integer dot products: llama.cpp's approach, made accurate to 16 bits of x.
 //
 // Why: the block kernel (quant_linear.cpp) turns every weight into an fp32 lane before its fma; at one

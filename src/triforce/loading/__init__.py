@@ -258,7 +258,7 @@ def holds_quantized(device) -> bool:
 
 def dequantized_state_dict(sd: dict, dtype: torch.dtype) -> dict:
     """`sd` with every QuantTensor dequantized to `dtype` (one tensor at a time in fp32)."""
-    from ..quantized import QuantTensor, dequantize
+    from ..ggml_blocks import QuantTensor, dequantize
 
     return {name: dequantize(t).to(dtype) if isinstance(t, QuantTensor) else t for name, t in sd.items()}
 
@@ -299,13 +299,13 @@ def default_kv_dtype(dtype: torch.dtype, device: str | torch.device = "cpu", bui
 
 
 def _refuse_types_without_kernels(path: Path, sd: dict) -> None:
-    from .. import quantized
+    from .. import ggml_blocks
 
-    types = sorted({quantized.type_name(t.qtype) for t in sd.values()
-                    if isinstance(t, quantized.QuantTensor) and not t.kernel_ready()})
+    types = sorted({ggml_blocks.type_name(t.qtype) for t in sd.values()
+                    if isinstance(t, ggml_blocks.QuantTensor) and not t.kernel_ready()})
     if types:
         raise TriforceError(f"{path} holds weights in {', '.join(types)}, which triforce cannot compute with as stored "
-                            f"(supported: {quantized.SUPPORTED_NAMES}): load it with --weights bf16 (2 bytes per "
+                            f"(supported: {ggml_blocks.SUPPORTED_NAMES}): load it with --weights bf16 (2 bytes per "
                             f"weight) or --weights fp32 (4), or use a file in a supported type")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import quantized
+from .. import ggml_blocks
 from ..config import GEMMA3_LOCAL_ROPE_THETA, GEMMA3_SLIDING_WINDOW_PATTERN, SUPPORTED_ARCHITECTURES
 from ..errors import TriforceError
 
@@ -266,7 +266,7 @@ def _gemma3_config(meta: _Metadata, rp: dict, n_layers: int, hidden: int, n_head
 
 class _PlainMaps:
     """numpy, as gguf's reader module sees it inside open_reader: `memmap` gives a plain ndarray view of the
-    map (its base, which keeps the map alive and is what quantized.QuantTensor looks for)."""
+    map (its base, which keeps the map alive and is what ggml_blocks.QuantTensor looks for)."""
 
     def __getattr__(self, name):
         return getattr(np, name)
@@ -400,9 +400,9 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
     from tqdm.auto import tqdm
 
     def kept(t) -> bool:
-        return keep_quantized and len(t.shape) == 2 and int(t.tensor_type) != quantized.F32
+        return keep_quantized and len(t.shape) == 2 and int(t.tensor_type) != ggml_blocks.F32
 
-    sd: dict[str, torch.Tensor | quantized.QuantTensor] = {}
+    sd: dict[str, torch.Tensor | ggml_blocks.QuantTensor] = {}
     for t in tqdm(reader.tensors, desc="reading GGUF" if keep_quantized else "dequantising GGUF", unit="tensor",
                   disable=not progress):
         if t.name == _ROPE_FREQS:
@@ -420,7 +420,7 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
         if gemma and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # the converter stored 1 + w; Hugging Face's Gemma3RMSNorm holds w
         if kept(t):
-            sd[key] = quantized.QuantTensor.from_numpy(w, int(t.tensor_type), int(t.shape[0]))
+            sd[key] = ggml_blocks.QuantTensor.from_numpy(w, int(t.tensor_type), int(t.shape[0]))
         else:
             sd[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     return hf, sd

@@ -43,9 +43,9 @@ class Inventory:
 
 def inventory(path: str | os.PathLike | None, rope_theta: float | None = None,
               max_context: int | None = None) -> Inventory:
+    from ..ggml_blocks import QuantTensor, type_name
     from . import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, gguf_file_of
     from .gguf_file import check_gguf_architecture, read_gguf
-    from ..quantized import QuantTensor, type_name
 
     gguf_path = gguf_file_of(path)
     if gguf_path is not None:

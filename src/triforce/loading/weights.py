@@ -10,8 +10,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..execution import Linear, QuantEmbedding, QuantLinear
+from ..ggml_blocks import BF16, QuantTensor, dequantize, to_bf16
 from ..model import Transformer
-from ..quantized import BF16, QuantTensor, dequantize, to_bf16
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # a Block's linear layers
 

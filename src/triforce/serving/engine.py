@@ -32,12 +32,12 @@ from typing import Callable
 
 import torch
 
+from ..execution.batching import ForwardGate
 from ..generate import generate_stream
 from ..model import Transformer
 from ..sampling import SamplingParams
-from ..speculation.config import SpecConfig
-from ..speculation.stack import ROUND_SLACK, StackSpec
-from ..execution.batching import ForwardGate
+from ..speculation.settings import SpecConfig
+from ..speculation.stack import REBUILT, ROUND_SLACK, StackSpec
 from .metrics import ServerMetrics
 from .prefill import CachedPrefill, Stopped
 from .prefix_cache import PrefixCache
@@ -119,7 +119,7 @@ def request_bytes(s: EngineSettings, prompt_tokens: int, max_tokens: int) -> int
     capacity = full_capacity(prompt_tokens, max_tokens, s.stack)
     total = kv_bytes(model.cfg, capacity, value)
     for lvl in s.stack.levels[:-1]:
-        if lvl.kind in ("retrieval", "h2o"):
+        if lvl.kind in REBUILT:
             total += kv_bytes(model.cfg, (lvl.budget or s.config.budget) + 2 * s.config.chunk_size, value)
         elif lvl.kind == "streaming":
             total += kv_bytes(model.cfg, (lvl.budget or s.config.streaming_budget) + 2 * s.config.chunk_size, value)

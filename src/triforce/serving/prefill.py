@@ -51,8 +51,7 @@ class CachedPrefill(PrefilledPrompt):
             blocks = prefix_cache.lookup(self.head) if prefix_cache is not None else []
             n = 0
             for b in blocks:  # block_size == chunk (the engine makes the prefix cache with its prefill chunk)
-                self.cache.k[:, 0, :, n:n + chunk] = b.k
-                self.cache.v[:, 0, :, n:n + chunk] = b.v
+                self.cache.write_positions(n, b.k, b.v)
                 n += chunk
             self.cache.commit(n)
             last_q = blocks[-1].q_last if blocks else None  # [n_layers, n_heads, D]

@@ -224,8 +224,8 @@ class PrefixCache:
                 if b is None:
                     if i not in block_queries:
                         break
-                    b = Block(key, parent, i, part, cache.k[:, 0, :, i * C:(i + 1) * C].clone(),
-                              cache.v[:, 0, :, i * C:(i + 1) * C].clone(), block_queries[i].clone())
+                    b = Block(key, parent, i, part, *cache.read_positions(i * C, (i + 1) * C),
+                              block_queries[i].clone())
                     if b.nbytes > self.budget:
                         break
                     self.blocks[key] = b

@@ -16,12 +16,12 @@ from ..caches.sliding import DEFAULT_EXTRA
 from ..errors import TriforceError
 from ..model import Transformer
 from ..sampling import SamplingParams
-from .config import SpecConfig
 from .drafters import ModelDrafter
 from .kinds import KINDS, BuildContext
 from .level import Level
 from .planner import AdaptiveTop, Route
 from .rebuild import RebuildPolicy
+from .settings import SpecConfig
 from .shortcut import NGramShortcut
 from .stack import REBUILT, ROLLBACK_SLACK, StackSpec
 from .state import ModelState, PrefilledPrompt

@@ -1,6 +1,6 @@
 """Level kinds: how each kind of level gets its model state, fills it from the prompt, and keeps
-it up to date. Adding a kind means one class here and one entry in KINDS (and its name in
-stack.KINDS).
+it up to date. Adding a kind means its grammar (stack.KIND_GRAMMAR: torch-free, the CLI checks stacks
+before loading anything) and one class here, in KINDS; importing this module checks the two agree.
 
 Every kind but ngram gives a ModelState (a model with a KV cache): such a level can draft at the
 bottom (ModelDrafter) or verify the level below. ngram has no model: it can only draft. The full
@@ -13,18 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import TriforceError
-from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache
+from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache, new_cache
 from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
+from ..errors import TriforceError
 from ..loading.weights import draft_weights
 from ..model import Transformer
 from ..sampling import SamplingParams
-from .config import SpecConfig
 from .drafters import NGramDrafter
-from .stack import LevelSpec
+from .settings import SpecConfig
+from .stack import KIND_GRAMMAR, LevelSpec
 from .state import ModelState, prefill
-from ..caches import new_cache
 
 _DRAFT_WEIGHTS: weakref.WeakKeyDictionary[Transformer, Transformer] = weakref.WeakKeyDictionary()
 
@@ -242,3 +241,5 @@ def rebuild(state: ModelState, full: ModelState) -> None:
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), H2O(), KV4(), Head())}
+if set(KINDS) != set(KIND_GRAMMAR):  # a kind the grammar accepts and nothing builds, or the reverse
+    raise ImportError(f"speculation kinds out of step: classes for {sorted(KINDS)}, grammar for {sorted(KIND_GRAMMAR)}")

@@ -149,6 +149,9 @@ class Level:
         self.position_accepted: list[int] = []
 
     def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
+        """draft -> verify -> accept -> roll back: the accepted tokens and the bonus token, with the verifier's
+        rows as their distributions (None when greedy)."""
+        # draft: a chain of k tokens (or a tree) after ctx, with the drafter's q rows
         if self.tree is not None:
             tree, q = self.drafter.propose_tree(ctx, committed, self.tree)
         else:
@@ -158,8 +161,12 @@ class Level:
             if q is not None:
                 q = torch.cat([q, torch.zeros_like(q[:1])])  # the last node is a leaf: no children
         t = time.perf_counter()
+        # verify: one forward of the verifier over the draft, its cache extended by every drafted token
         p = self.verifier.score(ctx, committed, tree)
+        # accept: the longest path the rule takes, and the next token (recovered from the residual, or the bonus)
         path, nxt = verify_tree(tree, q, p, self.generator)
+        # roll back (llama.cpp's seq_rm): the verifier's cache keeps ctx and the accepted path only. A drafter
+        # below rolls back its own state when it drafts next: it keeps what still matches the context.
         self.verifier.keep_path(path)
         j = len(path)
         self.seconds += time.perf_counter() - t

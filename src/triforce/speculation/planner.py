@@ -44,6 +44,7 @@ import torch
 from .cost_model import Boundary, chain_ms, expected_tokens
 from .drafters import ModelDrafter, NGramDrafter
 from .level import Level, verify_rates
+from .stack import DRAFT_ONLY
 from .state import ModelState
 
 PLAN_EVERY = 12  # generated tokens between re-plans
@@ -512,7 +513,7 @@ class AdaptiveTop:
         if chain is None:
             fam = route.levels
             b = fam[0]
-            if self.kinds[b] in ("ngram", "head"):
+            if self.kinds[b] in DRAFT_ONLY:
                 chain = self.ngram or self.head
             else:
                 chain = self._drafters.setdefault(b, ModelDrafter(self.states[b], self.generator))

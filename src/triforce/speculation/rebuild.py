@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 
 from ..caches.base import Rebuildable
-from .config import SpecConfig
 from .kinds import rebuild
 from .level import Level
 from .planner import CATCH_UP
+from .settings import SpecConfig
 from .stack import REBUILT, StackSpec
 from .state import ModelState
 

@@ -27,15 +27,40 @@ from dataclasses import dataclass, replace
 
 from ..errors import TriforceError
 
-KINDS = ("ngram", "head", "streaming", "retrieval", "h2o", "kv4", "draft", "full")
-DRAFT_ONLY = ("ngram", "head")  # kinds that cannot verify (no model of their own over the sequence)
-BUDGETED = ("streaming", "retrieval", "h2o")
-REBUILT = ("retrieval", "h2o")  # built from the full cache, rebuilt by the decoder's policy
+
+@dataclass(frozen=True)
+class KindGrammar:
+    """What the grammar knows of a level kind: the one declaration of each kind's properties (kinds.py
+    holds the classes that build them, keyed by these names; both registries are checked equal there)."""
+
+    name: str
+    usage: str  # how the grammar message names it
+    draft_only: bool = False  # cannot verify (no model of its own over the sequence): the bottom level only
+    budgeted: bool = False  # takes :BUDGET (tokens its cache keeps)
+    rebuilt: bool = False  # built from the full cache, rebuilt by the rebuild policy
+    drafts_trees: bool = True  # can draft a --tree (a model at the bottom)
+
+
+KIND_GRAMMAR: dict[str, KindGrammar] = {g.name: g for g in (
+    KindGrammar("ngram", "ngram (bottom only)", draft_only=True, drafts_trees=False),
+    KindGrammar("head", "head (bottom only: a trained draft head, --head DIR)", draft_only=True),
+    KindGrammar("streaming", "streaming[:BUDGET]", budgeted=True),
+    KindGrammar("retrieval", "retrieval[:BUDGET]", budgeted=True, rebuilt=True),
+    KindGrammar("h2o", "h2o[:BUDGET]", budgeted=True, rebuilt=True),
+    KindGrammar("kv4", "kv4"),
+    KindGrammar("draft", "draft (needs --draft PATH)"),
+    KindGrammar("full", "full (last, exactly once)", drafts_trees=False),
+)}
+KINDS = tuple(KIND_GRAMMAR)
+DRAFT_ONLY = tuple(k for k, g in KIND_GRAMMAR.items() if g.draft_only)
+BUDGETED = tuple(k for k, g in KIND_GRAMMAR.items() if g.budgeted)
+REBUILT = tuple(k for k, g in KIND_GRAMMAR.items() if g.rebuilt)
+TREE_DRAFTERS = tuple(k for k, g in KIND_GRAMMAR.items() if g.drafts_trees)
 MIN_LEVELS, MAX_LEVELS = 1, 5
-GRAMMAR = ("valid stacks: KIND[:BUDGET],...,full, bottom to top, 1 to 5 levels; kinds ngram (bottom only), head (bottom only: a trained draft head, --head DIR), "
-           "streaming[:BUDGET], retrieval[:BUDGET], h2o[:BUDGET], kv4, draft (needs --draft PATH), and full (last, exactly once); "
-           "--gammas N or one value per boundary; e.g. --levels ngram,retrieval:4096,full --gammas 3,4 or "
-           "--levels ngram,kv4,full")
+GRAMMAR = (f"valid stacks: KIND[:BUDGET],...,full, bottom to top, {MIN_LEVELS} to {MAX_LEVELS} levels; kinds "
+           f"{', '.join(g.usage for g in KIND_GRAMMAR.values() if g.name != 'full')}, and "
+           f"{KIND_GRAMMAR['full'].usage}; --gammas N or one value per boundary; e.g. --levels "
+           "ngram,retrieval:4096,full --gammas 3,4 or --levels ngram,kv4,full")
 
 # A round feeds a cache at most gamma_top tokens past the committed sequence, plus the token fed
 # with the first draft and the bonus token: every cache keeps this much room beyond its content.
@@ -157,9 +182,10 @@ class StackSpec:
         if self.tree:
             if any(w < 1 for w in self.tree):
                 raise TriforceError(f"--tree widths must be >= 1, got {','.join(map(str, self.tree))}")
-            if len(kinds) < 2 or kinds[0] == "ngram":
-                raise TriforceError(f"--tree needs a model at the bottom of the stack to draft the tree (head, streaming, "
-                                    f"retrieval, h2o or draft), not {self.levels_text}; e.g. --levels streaming,full --tree 3,2")
+            if len(kinds) < 2 or kinds[0] not in TREE_DRAFTERS:
+                raise TriforceError(f"--tree needs a model at the bottom of the stack to draft the tree "
+                                    f"({', '.join(TREE_DRAFTERS)}), not {self.levels_text}; e.g. --levels "
+                                    f"streaming,full --tree 3,2")
             if self.tree_nodes > MAX_TREE_NODES:
                 raise TriforceError(f"--tree {','.join(map(str, self.tree))} has {self.tree_nodes} nodes: at most "
                                     f"{MAX_TREE_NODES} (every node is a row of the verification)")
