@@ -680,7 +680,8 @@ def peer_compare(args) -> int:
                     stats = _side_stats(run)
                     rows[side][c].append({**stats, "texts": [r["text"] for r in run["results"]],
                                           "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
-                                                        "tokens": r["tokens"]} for r in run["results"]]})
+                                                        "tokens": r["tokens"], "server": r.get("server")}
+                                                       for r in run["results"]]})
                     print(f"round {rep + 1}, N={c}, {side}: {stats}", flush=True)
     finally:
         codes = {side: server.stop() for side, server in servers.items()}
