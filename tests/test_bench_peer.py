@@ -43,3 +43,11 @@ def test_side_stats_from_stream_timings():
     assert s["chunks_per_token"] == 0.75
     failed = {**run, "results": [one, {**two, "status": 429, "error": "busy"}]}
     assert serve._side_stats(failed)["completed"] == 1 and serve._side_stats(failed)["errors"] == ["429 busy"]
+
+
+@pytest.mark.parametrize("clients", ["1,x", "0", ""])
+def test_bad_client_counts_are_one_line(clients, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIFORCE_CACHE_DIR", str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "triforce.bench.serve", "--peer", "vllm", "--clients", clients],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "give request counts" in r.stderr and "Traceback" not in r.stderr

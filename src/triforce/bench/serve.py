@@ -620,17 +620,29 @@ def peer_compare(args) -> int:
     interleaved. Cold prefill of the document (each side's warm-up) reported too."""
     from transformers import AutoTokenizer
 
-    from ..loading import DEFAULT_MAX_CONTEXT
+    from ..errors import TriforceError
+    from ..loading import DEFAULT_MAX_CONTEXT, gguf_file_of
     from ..storage import cache_root
     from .hf_export import export_hf
 
     if args.peer != "vllm":
         raise SystemExit(f"unknown --peer {args.peer!r}: the peer is vllm")
-    counts = sorted({int(c) for c in args.clients.split(",")})
+    try:
+        counts = sorted({int(c) for c in args.clients.split(",")})
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"--clients {args.clients!r}: give request counts, e.g. 1,4,8")
     n = max(counts)
     python, version = _vllm_python(args)
-    name = Path(args.model).stem if args.model else "embedded"
-    model_dir = export_hf(cache_root() / "hf-export" / name, args.model)
+    if args.model and gguf_file_of(args.model) is None:
+        model_dir = Path(args.model)  # a Hugging Face directory already: vLLM reads it as it is
+    else:
+        name = Path(args.model).stem if args.model else "embedded"
+        try:
+            model_dir = export_hf(cache_root() / "hf-export" / name, args.model)
+        except TriforceError as e:
+            raise SystemExit(f"cannot write the model for vLLM: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     doc, prompts = _prompts(args, tokenizer, n)
     max_len = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", DEFAULT_MAX_CONTEXT)
