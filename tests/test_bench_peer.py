@@ -1,0 +1,53 @@
+"""bench/serve.py's vLLM peer, the parts that need no vLLM: a missing install is one clear line naming the fix, and
+the figures reported from streamed timings."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from triforce.bench import serve
+
+
+def test_missing_vllm_names_the_install_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIFORCE_CACHE_DIR", str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "triforce.bench.serve", "--peer", "vllm", "--clients", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "run ./install.sh vllm" in r.stderr and "Traceback" not in r.stderr
+    assert str(tmp_path / "vllm-venv" / "bin" / "python") in r.stderr
+
+
+def test_a_python_without_vllm_is_refused_clearly(tmp_path):
+    with pytest.raises(SystemExit, match="cannot import vLLM .*run ./install.sh vllm again"):
+        serve._vllm_python(type("Args", (), {"peer_python": sys.executable if not _has_vllm() else "/bin/false"}))
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def test_side_stats_from_stream_timings():
+    """Two requests: one chunk per token (a plain decoder) and chunks of two tokens (a speculating server)."""
+    one = {"status": 200, "error": None, "first_at": 1.0, "last_at": 1.3, "tokens": 4, "times": [1.0, 1.1, 1.2, 1.3]}
+    two = {"status": 200, "error": None, "first_at": 2.0, "last_at": 2.4, "tokens": 4, "times": [2.0, 2.4]}
+    run = {"results": [one, two], "tokens": 8, "wall": 2.5, "decode_tokens_per_second": 6 / 0.7,
+           "tokens_per_second": 8 / 2.5}
+    s = serve._side_stats(run)
+    assert s["completed"] == 2 and s["ttft_p50_s"] in (1.0, 2.0) and s["ttft_p99_s"] == 2.0
+    assert s["itl_p50_ms"] == 100.0 and s["itl_p99_ms"] == 400.0  # gaps between chunks: 0.1, 0.1, 0.1, 0.4
+    assert s["tpot_mean_ms"] == pytest.approx(1000 * (0.1 + 0.4 / 3) / 2, abs=0.1)
+    assert s["chunks_per_token"] == 0.75
+    failed = {**run, "results": [one, {**two, "status": 429, "error": "busy"}]}
+    assert serve._side_stats(failed)["completed"] == 1 and serve._side_stats(failed)["errors"] == ["429 busy"]
+
+
+@pytest.mark.parametrize("clients", ["1,x", "0", ""])
+def test_bad_client_counts_are_one_line(clients, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIFORCE_CACHE_DIR", str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "triforce.bench.serve", "--peer", "vllm", "--clients", clients],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "give request counts" in r.stderr and "Traceback" not in r.stderr
