@@ -1,9 +1,9 @@
 """Property tests (Hypothesis) of the tree acceptance rule, greedy (speculation/level.py: verify_tree).
 
-With the verifier's argmax ids p [n + 1] (slot 0: the root, slot s: node s - 1), on random small trees:
+With the verifier's argmax ids p [n + 1] (vertex 0: the root, vertex s: node s - 1), on random small trees:
 - the accepted nodes form a chain from the root down (each one's parent is the one before it);
-- each accepted node's token is p at its parent's slot, and it is the first child in order that has it;
-- the walk ends where no child of the end slot carries p there, and the next token is p at the end slot.
+- each accepted node's token is p at its parent's vertex, and it is the first child in order that has it;
+- the walk ends where no child of the end vertex carries p there, and the next token is p at the end vertex.
 """
 from __future__ import annotations
 
@@ -28,28 +28,28 @@ def tree_and_argmax(draw):
 
 
 def reference_walk(tree: DraftTree, p: list[int]) -> tuple[list[int], int]:
-    path, slot = [], 0
+    path, vertex = [], 0
     while True:
-        match = [c for c in tree.children[slot] if tree.tokens[c] == p[slot]]
+        match = [c for c in tree.children[vertex] if tree.tokens[c] == p[vertex]]
         if not match:
-            return path, p[slot]
+            return path, p[vertex]
         path.append(match[0])
-        slot = match[0] + 1
+        vertex = match[0] + 1
 
 
 @given(tree_and_argmax())
 def test_greedy_tree_verification_walks_the_argmax(case):
     tree, p = case
     path, nxt = verify_tree(tree, None, Scores(ids=torch.tensor(p)), None)
-    slot = 0
+    vertex = 0
     for node in path:
         parent = tree.parents[node]
-        assert parent + 1 == slot  # a chain from the root: each node a child of the previous one
-        assert tree.tokens[node] == p[slot]  # the verifier's argmax at its parent's slot
-        assert node == next(c for c in tree.children[slot] if tree.tokens[c] == p[slot])  # the first such child
-        slot = node + 1
-    assert all(tree.tokens[c] != p[slot] for c in tree.children[slot])  # nothing more to accept
-    assert nxt == p[slot]
+        assert parent + 1 == vertex  # a chain from the root: each node a child of the previous one
+        assert tree.tokens[node] == p[vertex]  # the verifier's argmax at its parent's vertex
+        assert node == next(c for c in tree.children[vertex] if tree.tokens[c] == p[vertex])  # the first such child
+        vertex = node + 1
+    assert all(tree.tokens[c] != p[vertex] for c in tree.children[vertex])  # nothing more to accept
+    assert nxt == p[vertex]
     assert (path, nxt) == reference_walk(tree, p)
     assert path == tree.path_to(path[-1] if path else -1)
 

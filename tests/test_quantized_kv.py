@@ -354,10 +354,10 @@ def test_tree_forward_and_keep_equal_plain_decoding(model, seed):
     before = copy.deepcopy(state)
     tree = random_tree(rng, max_depth=8, max_width=4)
     rows = state.score(ctx, len(prompt), tree).probs
-    for slot in range(len(tree) + 1):
-        path = [tree.tokens[i] for i in tree.path_to(slot - 1)]
+    for vertex in range(len(tree) + 1):
+        path = [tree.tokens[i] for i in tree.path_to(vertex - 1)]
         ref = copy.deepcopy(before).score(ctx + path, len(prompt), []).probs[-1]
-        torch.testing.assert_close(rows[slot], ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(rows[vertex], ref, atol=2e-5, rtol=1e-4)
     leaves = [i for i in range(len(tree)) if not tree.children[i + 1]]
     path = tree.path_to(rng.choice(leaves))[: rng.randint(0, 8)]
     state.keep_path(path)

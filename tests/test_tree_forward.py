@@ -71,10 +71,10 @@ def test_tree_forward_equals_brute_force_and_keep_equals_ar(model, kind, seed):
     before = copy.deepcopy(state)
     rows = state.score(ctx, len(prompt), tree).probs
     assert rows.shape == (len(tree) + 1, 96)
-    for slot in range(len(tree) + 1):  # brute force: plain decoding down the path to each node
-        path = [tree.tokens[i] for i in tree.path_to(slot - 1)]
+    for vertex in range(len(tree) + 1):  # brute force: plain decoding down the path to each node
+        path = [tree.tokens[i] for i in tree.path_to(vertex - 1)]
         ref = copy.deepcopy(before).score(ctx + path, len(prompt), []).probs[-1]
-        torch.testing.assert_close(rows[slot], ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(rows[vertex], ref, atol=2e-5, rtol=1e-4)
     leaves = [i for i in range(len(tree)) if not tree.children[i + 1]]
     path = tree.path_to(rng.choice(leaves))[: rng.randint(0, 8)]  # an accepted path: any root-to-node prefix
     state.keep_path(path)
@@ -151,8 +151,8 @@ def test_tree_forward_on_the_attention_kernel(kern, long_model, kind):
 
     with torch.inference_mode(), kernels.override(kern):  # plain decoding on the kernels too: float order apart,
         before = state_for()                                 # the same arithmetic
-        want = [copy.deepcopy(before).ranked(ctx + [tree.tokens[i] for i in tree.path_to(slot - 1)], len(prompt), [])[-1]
-                for slot in range(len(tree) + 1)]
+        want = [copy.deepcopy(before).ranked(ctx + [tree.tokens[i] for i in tree.path_to(vertex - 1)], len(prompt), [])[-1]
+                for vertex in range(len(tree) + 1)]
     calls = []
 
     class Spy:  # the kernel module, recording whether each attention call carried a token block (or dropping it)

@@ -181,7 +181,7 @@ class HeadDrafter:
         return tokens, (torch.stack(rows) if rows else None)
 
     def _row(self, prediction: torch.Tensor) -> torch.Tensor:
-        """A slot's row for sample_children: its logits when greedy (top-k), else its probabilities."""
+        """A vertex's row for sample_children: its logits when greedy (top-k), else its probabilities."""
         logits = self._logits(prediction)
         return logits if self.params.greedy else probs_from_logits(logits, self.params)
 
@@ -201,7 +201,7 @@ class HeadDrafter:
     def propose_tree(self, ctx: list[int], committed: int, template: tuple[int, ...]
                      ) -> tuple[DraftTree, torch.Tensor | None]:
         """A draft tree in the shape of `template` (speculation.drafters.draft_tree): each depth the tree so far is
-        fed as one token block, each node reading its parent's prediction as its feature; a slot's children come
+        fed as one token block, each node reading its parent's prediction as its feature; a vertex's children come
         from the LM head over its prediction."""
         from ..speculation.drafters import draft_tree
 

@@ -16,9 +16,9 @@ from .tree import DraftTree
 
 
 def sample_children(row: torch.Tensor, m: int, greedy: bool, generator: torch.Generator | None) -> list[int]:
-    """Up to m distinct children of a slot, in the order they are tried: greedy, the top-m of the logits
+    """Up to m distinct children of a vertex, in the order they are tried: greedy, the top-m of the logits
     row; else m draws without replacement from the probabilities row (Gumbel top-k: the order of
-    sequential sampling without replacement, with fresh randomness for every slot), never a token of
+    sequential sampling without replacement, with fresh randomness for every vertex), never a token of
     probability 0 (so fewer than m where fewer are possible)."""
     if greedy:
         return row.topk(m).indices.tolist()
@@ -31,16 +31,16 @@ def sample_children(row: torch.Tensor, m: int, greedy: bool, generator: torch.Ge
 def draft_tree(template: tuple[int, ...], root_row: torch.Tensor, rows_after, greedy: bool,
                generator: torch.Generator | None) -> tuple[DraftTree, torch.Tensor | None, int]:
     """A draft tree in the shape of `template` (parents, tree.fixed_tree / best_tree), made depth by depth: each
-    slot's children are drawn from the row after it (sample_children: logits when greedy, else probabilities);
-    `rows_after(tree so far, nodes)` gives the rows after those nodes of the tree (a drafter's forward). A slot with
+    vertex's children are drawn from the row after it (sample_children: logits when greedy, else probabilities);
+    `rows_after(tree so far, nodes)` gives the rows after those nodes of the tree (a drafter's forward). A vertex with
     fewer possible children than the template asks drops the missing subtrees. -> (the tree, q [len + 1, V]: the row
-    each slot's children came from, zeros at leaves, None when greedy; the depths drafted)."""
+    each vertex's children came from, zeros at leaves, None when greedy; the depths drafted)."""
     kids: list[list[int]] = [[] for _ in range(len(template) + 1)]
     for node, parent in enumerate(template):
         kids[parent + 1].append(node)
     tokens: list[int] = []
     parents: list[int] = []
-    rows = {0: root_row}  # actual slot -> its row
+    rows = {0: root_row}  # actual vertex -> its row
     frontier = [(-1, -1)]  # (template node, actual node) whose children come next
     depths = 0
     while True:
@@ -62,8 +62,8 @@ def draft_tree(template: tuple[int, ...], root_row: torch.Tensor, rows_after, gr
     q = None
     if not greedy:
         q = torch.zeros(len(tokens) + 1, root_row.shape[-1], device=root_row.device)
-        for slot, row in rows.items():
-            q[slot] = row
+        for vertex, row in rows.items():
+            q[vertex] = row
     return DraftTree(tuple(tokens), tuple(parents)), q, depths
 
 

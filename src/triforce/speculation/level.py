@@ -25,30 +25,30 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: Scores,
                 generator: torch.Generator | None) -> tuple[list[int], int]:
     """The acceptance rule, for a tree of drafted tokens (a chain is the tree with one child per node).
 
-    tree: n drafted nodes. Rows are per slot (0: the root, the context's last token; s: node s - 1):
-    q [n + 1, V]: the distribution the slot's children were drawn from (without replacement, in their
+    tree: n drafted nodes. Rows are per vertex (0: the root, the context's last token; s: node s - 1):
+    q [n + 1, V]: the distribution the vertex's children were drawn from (without replacement, in their
     order), or None for point masses at each child's token (deterministic drafts: n-gram lookup);
-    p: the verifier's Scores after each slot: [n + 1, V] distributions, or [n + 1] argmax ids when greedy (a
+    p: the verifier's Scores after each vertex: [n + 1, V] distributions, or [n + 1] argmax ids when greedy (a
     one-hot p, compared as ids). -> (the accepted nodes, root to leaf; the next token).
 
-    Sequoia's rule at each slot: try its children in order; accept child s with probability
+    Sequoia's rule at each vertex: try its children in order; accept child s with probability
     min(1, p(s) / q(s)); on a rejection p <- norm(max(p - q, 0)) and q <- q without s, renormalised;
     if every child is rejected, sample from the residual p; at a leaf (no children), the bonus token
-    from p. With one child per slot this is the rule of speculative sampling (Leviathan et al.), and
-    the output follows p exactly either way. Decisions at different slots use independent draws, so
-    every slot is resolved at once on tensors, the walk from the root along accepted children too,
-    and only the slot where it ends is sampled; the `.tolist()` is the only host synchronisation.
+    from p. With one child per vertex this is the rule of speculative sampling (Leviathan et al.), and
+    the output follows p exactly either way. Decisions at different vertices use independent draws, so
+    every vertex is resolved at once on tensors, the walk from the root along accepted children too,
+    and only the vertex where it ends is sampled; the `.tolist()` is the only host synchronisation.
     """
     n, dev = len(tree), p.device
     kids = tree.children
     width = max(1, max(len(c) for c in kids))
     child = torch.full((n + 1, width), -1, dtype=torch.long)
-    for slot, c in enumerate(kids):
-        child[slot, :len(c)] = torch.tensor(c, dtype=torch.long)
+    for vertex, c in enumerate(kids):
+        child[vertex, :len(c)] = torch.tensor(c, dtype=torch.long)
     child = child.to(dev)
     token = torch.tensor(tree.tokens + (0,), device=dev)  # child -1 reads token 0; never used
     chosen = torch.full((n + 1,), -1, dtype=torch.long, device=dev)
-    slots = torch.arange(n + 1, device=dev)
+    vertices = torch.arange(n + 1, device=dev)
     if p.greedy:
         for b in range(width):  # greedy: the child equal to the argmax; else the argmax itself
             c = child[:, b]
@@ -59,31 +59,31 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: Scores,
             c = child[:, b]
             live = (c >= 0) & (chosen < 0)
             x = token[c]
-            px = P[slots, x]
-            qx = Q[slots, x] if Q is not None else torch.ones_like(px)
+            px = P[vertices, x]
+            qx = Q[vertices, x] if Q is not None else torch.ones_like(px)
             u = torch.rand(n + 1, generator=generator, device=dev)
             accepted = live & (u * qx < px)  # P(accept) = min(1, px / qx); qx > 0 since x came from q
             chosen = torch.where(accepted, c, chosen)
             rejected = live & ~accepted
-            if b + 1 == width:  # the last residual is needed at the walk's last slot only: made below
+            if b + 1 == width:  # the last residual is needed at the walk's last vertex only: made below
                 break
-            P = _residual(P, Q, slots, x, rejected[:, None])
+            P = _residual(P, Q, vertices, x, rejected[:, None])
             if Q is not None:  # sampling without replacement: the next child came from q without x
                 rest = Q.clone()
-                rest[slots, x] = 0.0
+                rest[vertices, x] = 0.0
                 rest_total = rest.sum(-1, keepdim=True)
                 Q = torch.where(rejected[:, None] & (rest_total > 0), rest / rest_total.clamp(min=1e-30), Q)
-    # walk from the root along accepted children, on the device: only the last slot needs a sample
+    # walk from the root along accepted children, on the device: only the last vertex needs a sample
     depth = max(tree.depths, default=-1) + 1
     path = torch.full((depth,), -1, dtype=torch.long, device=dev)
-    slot = torch.zeros((), dtype=torch.long, device=dev)
+    vertex = torch.zeros((), dtype=torch.long, device=dev)
     for d in range(depth):
-        path[d] = chosen[slot]
-        slot = torch.where(path[d] >= 0, path[d] + 1, slot)
+        path[d] = chosen[vertex]
+        vertex = torch.where(path[d] >= 0, path[d] + 1, vertex)
     if p.greedy:
-        nxt = p.ids[slot]
+        nxt = p.ids[vertex]
     else:  # the residual after the last tried child (none at a leaf: its bonus row)
-        one = slot.view(1)
+        one = vertex.view(1)
         row = _residual(P[one], Q[one] if Q is not None else None, one.new_zeros(1), x[one], rejected[one][:, None])
         nxt = sample(row[0], generator)
     *path, nxt = torch.cat([path, nxt.view(1)]).tolist()
@@ -110,7 +110,7 @@ def accept(draft: list[int], q: torch.Tensor | None, p: Scores,
     Scores [k + 1]. -> (j accepted drafts, the next token: the residual sample
     at j, or the bonus token if j == k). The tree rule (verify_tree) with one child per node."""
     if q is not None:
-        q = torch.cat([q, torch.zeros_like(q[:1])])  # the last slot is a leaf: no children
+        q = torch.cat([q, torch.zeros_like(q[:1])])  # the last vertex is a leaf: no children
     path, nxt = verify_tree(DraftTree.chain(draft), q, p, generator)
     return len(path), nxt
 
@@ -140,7 +140,7 @@ class Level:
         self.rounds = self.drafted = self.accepted = self.syncs = 0
         self.seconds = 0.0
         self.recent: list[float] = []  # acceptance of the last rounds, for rebuild policies
-        # trees: per child rank, how often a child of that rank was tried / accepted at the slots of the
+        # trees: per child rank, how often a child of that rank was tried / accepted at the vertices of the
         # accepted path (Sequoia's positional acceptance vector: accepted / tried, `triforce tune --trees`)
         self.rank_tried: list[int] = []
         self.rank_accepted: list[int] = []
@@ -185,16 +185,16 @@ class Level:
         tokens = [tree.tokens[i] for i in path] + [nxt]  # a tree may give more than k + 1: callers cut
         if self.shortcut is not None:
             self.shortcut.remember(tokens)
-        slots = [0] + [i + 1 for i in path]  # the verifier's rows after the context and each accepted node
-        return tokens, (None if p.greedy else p.probs[slots][:len(tokens)])
+        vertices = [0] + [i + 1 for i in path]  # the verifier's rows after the context and each accepted node
+        return tokens, (None if p.greedy else p.probs[vertices][:len(tokens)])
 
     def _count_ranks(self, tree: DraftTree, path: list[int]) -> None:
-        """At each slot of the accepted path (the root, then each accepted node): its children up to the
-        accepted one were tried, that one accepted; at the last slot every child was tried and rejected."""
-        slots = [-1] + path
-        for i, slot in enumerate(slots):
-            kids = tree.children[slot + 1]
-            accepted = kids.index(slots[i + 1]) if i + 1 < len(slots) else None
+        """At each vertex of the accepted path (the root, then each accepted node): its children up to the
+        accepted one were tried, that one accepted; at the last vertex every child was tried and rejected."""
+        nodes = [-1] + path  # the root (-1) and the accepted nodes: node n's children are at vertex n + 1
+        for i, node in enumerate(nodes):
+            kids = tree.children[node + 1]
+            accepted = kids.index(nodes[i + 1]) if i + 1 < len(nodes) else None
             tried = len(kids) if accepted is None else accepted + 1
             while len(self.rank_tried) < len(kids):
                 self.rank_tried.append(0)

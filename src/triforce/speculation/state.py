@@ -140,7 +140,7 @@ class ModelState:
 
     @torch.inference_mode()
     def ranked(self, ctx: list[int], committed: int, draft: list[int] | DraftTree) -> torch.Tensor:
-        """The same forward as score's -> rows [len(draft) + 1, V] a tree drafter ranks each slot's children by:
+        """The same forward as score's -> rows [len(draft) + 1, V] a tree drafter ranks each vertex's children by:
         the fp32 logits when greedy (their top-k), else the distributions score gives (sampled)."""
         logits = self._forward(ctx, committed, draft)
         return logits if self.params.greedy else probs_from_logits(logits, self.params)

@@ -3,7 +3,7 @@
 Node indices 0..n-1 are the drafted tokens; -1 is the root, the last token of the context (whose
 next-token distribution is the first row the verifier computes). A node's children are ordered (the
 order the drafter made them: for Sequoia, its samples without replacement) and are tried in that
-order by the verifier. Rows of per-node tensors are indexed "slot" = node + 1, slot 0 being the root.
+order by the verifier. Rows of per-node tensors are indexed "vertex" = node + 1, vertex 0 being the root.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class DraftTree:
 
     @cached_property
     def children(self) -> list[list[int]]:
-        """children[slot]: the ordered children of the root (slot 0) and of node slot - 1."""
+        """children[vertex]: the ordered children of the root (vertex 0) and of node vertex - 1."""
         out: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
         for i, p in enumerate(self.parents):
             out[p + 1].append(i)
@@ -112,7 +112,7 @@ def tree_value(parents, acceptance) -> float:
 
 def best_tree(acceptance, n_nodes: int, max_depth: int) -> tuple[int, ...]:
     """Sequoia's tree for a positional acceptance vector: acceptance[r] is the probability that the
-    (r + 1)-th child tried at a slot is accepted given the ones before it were rejected. A node's chance
+    (r + 1)-th child tried at a vertex is accepted given the ones before it were rejected. A node's chance
     of being reached and accepted is the product, along its path, of P(its rank is tried and accepted)
     = prod(1 - a[s] for s < r) * a[r]; the expected accepted tokens of a tree is the sum over its nodes.
     Every candidate node is worth no more than its parent and its earlier sibling, so adding the most
