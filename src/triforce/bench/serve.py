@@ -43,6 +43,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(server, what: str, t0: float, seconds: float, poll: float) -> float:
+    """Poll `server.url`/health until it answers 200 -> seconds since t0. SystemExit naming `what` and the end of its
+    log if its process (`server.proc`) exits first, or if `seconds` pass (the server is stopped then)."""
+    import httpx
+
+    while time.perf_counter() - t0 < seconds:
+        if server.proc.poll() is not None:
+            tail = "\n".join(server.log_path.read_text(errors="replace").splitlines()[-15:])
+            raise SystemExit(f"{what} exited with code {server.proc.returncode} while starting; the end of its log "
+                             f"({server.log_path}):\n{tail}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    server.stop()
+    raise SystemExit(f"{what} did not start within {seconds:.0f} s; its log: {server.log_path}")
+
+
 class ServerProcess:
     """`python -m triforce serve ...` on 127.0.0.1; stderr goes to a log file."""
 
@@ -55,21 +75,7 @@ class ServerProcess:
         self.log = open(log_path, "ab")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        import httpx
-
-        while time.perf_counter() - t0 < ready_seconds:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited with code {self.proc.returncode} while starting; its log: {log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            self.stop()
-            raise SystemExit(f"the server did not start within {ready_seconds:.0f} s; its log: {log_path}")
-        self.ready_seconds = time.perf_counter() - t0
+        self.ready_seconds = wait_until_healthy(self, "the server", t0, ready_seconds, 0.5)
 
     def rss(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -517,23 +523,7 @@ class VllmProcess:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                      start_new_session=True)
-        import httpx
-
-        while time.perf_counter() - t0 < args.peer_ready_seconds:
-            if self.proc.poll() is not None:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-                raise SystemExit(f"vLLM exited with code {self.proc.returncode} while starting; the end of its log "
-                                 f"({log_path}):\n{tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        else:
-            self.stop()
-            raise SystemExit(f"vLLM did not start within {args.peer_ready_seconds:.0f} s; its log: {log_path}")
-        self.ready_seconds = time.perf_counter() - t0
+        self.ready_seconds = wait_until_healthy(self, "vLLM", t0, args.peer_ready_seconds, 1.0)
 
     def settings(self) -> dict:
         """What its engine ran with, from its startup log (the settings that decide a fair comparison)."""
