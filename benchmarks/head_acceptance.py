@@ -16,7 +16,7 @@ import time
 import torch
 
 from triforce.drafthead.evaluate import acceptance, table
-from triforce.drafthead.head import EMBEDDED_HEAD, head_for
+from triforce.drafthead.loading import EMBEDDED_HEAD, head_for
 from triforce.generate import generate
 from triforce.loading import load_model
 from triforce.sampling import SamplingParams

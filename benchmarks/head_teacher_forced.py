@@ -19,7 +19,8 @@ import torch
 
 from triforce.caches import new_cache
 from triforce.corpus import genre_tokens
-from triforce.drafthead.head import EMBEDDED_HEAD, embed_tokens, load_head
+from triforce.drafthead.head import embed_tokens
+from triforce.drafthead.loading import EMBEDDED_HEAD, load_head
 from triforce.drafthead.train import _logits, dense_lm_head
 from triforce.generate import generate
 from triforce.loading import load_model

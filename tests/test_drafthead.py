@@ -13,7 +13,8 @@ from conftest import hf_tiny, ours_from_hf
 from test_speculation_distribution import ALPHA, POSITIONS, V, exact_marginals, p_values
 from triforce.drafthead.drafter import HeadDrafter
 from triforce.drafthead.data import generate_shard, save_atomic
-from triforce.drafthead.head import DraftHead, HeadConfig, load_head
+from triforce.drafthead.head import DraftHead, HeadConfig
+from triforce.drafthead.loading import load_head
 from triforce.drafthead.train import Trainer, TrainSettings
 from triforce.errors import TriforceError
 from triforce.generate import generate

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from conftest import hf_tiny, ours_from_hf
 from test_speculation_distribution import ALPHA, V, exact_marginals, p_values, sample_counts
 from triforce.drafthead.eagle import Eagle3Head
-from triforce.drafthead.head import DraftHead, load_head
+from triforce.drafthead.head import DraftHead
+from triforce.drafthead.loading import load_head
 from triforce.errors import TriforceError
 from triforce.generate import generate
 from triforce.sampling import SamplingParams

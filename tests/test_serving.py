@@ -25,7 +25,7 @@ from triforce.bench.routing import uvicorn_thread  # noqa: E402
 from triforce.loading import LoadedModel  # noqa: E402
 from triforce.serving import engine as engine_module  # noqa: E402
 from triforce.serving.prefix_cache import PrefixCache  # noqa: E402
-from triforce.serving.server import build  # noqa: E402
+from triforce.serving.assembly import build  # noqa: E402
 from triforce.speculation.settings import SpecConfig  # noqa: E402
 from triforce.speculation.stack import StackSpec  # noqa: E402
 from triforce.caches import new_cache

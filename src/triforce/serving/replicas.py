@@ -60,7 +60,7 @@ class ReplicaSpec:
     config: object  # SpecConfig
     draft_path: str | None = None
     load: dict = field(default_factory=dict)  # load_model's keyword arguments
-    build: dict = field(default_factory=dict)  # server.build's keyword arguments
+    build: dict = field(default_factory=dict)  # assembly.build's keyword arguments
     threads: int | None = None
     log_level: str = "info"
 
@@ -72,11 +72,11 @@ class TriforceReplica:
         import torch
 
         from ..loading import load_model
-        from .server import _configure_logging, build
+        from .assembly import build, configure_logging
 
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        _configure_logging(spec.log_level)
+        configure_logging(spec.log_level)
         loaded = load_model(spec.model, progress=False, **spec.load)
         draft = None
         if spec.draft_path is not None and any(lvl.kind == "draft" for lvl in spec.stack.levels):

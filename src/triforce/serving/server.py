@@ -9,23 +9,11 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import TriforceError
+from .assembly import build, configure_logging, require_extra
 
 log = logging.getLogger("triforce.serve")
-
-
-def _require_extra() -> None:
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise TriforceError(f"`triforce serve` needs the serve extra ({e.name} is missing): "
-                            f"pip install -e '.[serve]' (or ./install.sh)") from None
 
 
 RAY_INSTALL = "pip install 'triforce[ray]' (or ./install.sh ray)"
@@ -42,86 +30,9 @@ def require_ray() -> None:
                             f"({e.name} is missing): {RAY_INSTALL}") from None
 
 
-@dataclass
-class Server:
-    """What `build` made: the app and the pieces behind it (tests and the load test reach in)."""
-
-    app: object
-    engine: object
-    prefix_cache: object
-    metrics: object
-    model_id: str
-
-
-def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue: int = 16,
-          prefix_cache_bytes: int = 2 << 30, kv_cache_dir=None, request_timeout: float = 600.0,
-          default_max_tokens: int = 256, model_id: str | None = None, shutdown_timeout: float = 30.0,
-          max_batch: int = 8, prefill_budget: int = 512, kv_memory: int | None = None) -> Server:
-    """The app over a loaded model (loading.LoadedModel) and a stack (its engine starts with the app)."""
-    _require_extra()
-    from .app import create_app
-    from .engine import Engine, EngineSettings
-    from .metrics import ServerMetrics
-    from .prefix_cache import PrefixCache
-
-    model = loaded.model
-    prefix_cache = None
-    if prefix_cache_bytes > 0:
-        if model.windows is not None:
-            log.warning("the prefix cache is off for models with sliding-window layers (%s): every request "
-                        "prefills its whole prompt", model.cfg.arch)
-        else:
-            prefix_cache = PrefixCache(model, config.prefill_chunk, prefix_cache_bytes, kv_cache_dir)
-    metrics = ServerMetrics()
-    settings = EngineSettings(model, loaded.tokenizer, stack, stack_name, config, loaded.eos_token_ids, draft_model,
-                              max_queue, request_timeout, max_batch, prefill_budget,
-                              kv_budget(kv_memory, prefix_cache_bytes if prefix_cache is not None else 0))
-    engine = Engine(settings, prefix_cache, metrics)
-    model_id = model_id or default_model_id(loaded)
-    app = create_app(engine, loaded.tokenizer, model_id=model_id, max_context=loaded.config.max_context,
-                     default_max_tokens=default_max_tokens, metrics=metrics, shutdown_timeout=shutdown_timeout)
-    return Server(app, engine, prefix_cache, metrics, model_id)
-
-
-def kv_budget(kv_memory: int | None, prefix_cache_bytes: int) -> int | None:
-    """The bytes the running requests' KV caches may take together: --kv-memory, or 90% of the memory available
-    now (the model loaded) less the prefix cache's budget and memory.HEADROOM; None where the available memory is
-    unknown (no limit)."""
-    from ..memory import HEADROOM, available_bytes, gib
-
-    if kv_memory is not None:
-        return kv_memory
-    avail = available_bytes()
-    if avail is None:
-        return None
-    budget = int(0.9 * (avail - prefix_cache_bytes - HEADROOM))
-    if budget <= 0:
-        raise TriforceError(f"no memory left for requests' KV caches: {gib(avail)} available, of which "
-                            f"--prefix-cache-bytes takes {gib(prefix_cache_bytes)}: lower --prefix-cache-bytes or "
-                            f"give --kv-memory")
-    return budget
-
-
-def default_model_id(loaded) -> str:
-    if loaded.gguf_path is not None and "embedded" in loaded.source:
-        return "SmolLM2-135M-Instruct"
-    return Path(loaded.source).stem if loaded.source else "model"
-
-
-def _configure_logging(level: str) -> None:
-    """The server's own log lines on stderr as `triforce: ...` (uvicorn logs its own)."""
-    logger = logging.getLogger("triforce")
-    logger.setLevel(level.upper())
-    if not any(getattr(h, "_triforce", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("triforce: %(message)s"))
-        handler._triforce = True
-        logger.addHandler(handler)
-
-
 def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
     """The `serve` command (arguments checked by the CLI)."""
-    _require_extra()
+    require_extra()
     from ..loading import configure_device, load_model, resolve_dtype
 
     if args.kv_dtype == "int8":  # its prefix cache stores and restores float K/V blocks
@@ -140,7 +51,7 @@ def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
     except OSError as e:
         raise TriforceError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}): pick another --port "
                             f"or --host") from None
-    _configure_logging(args.log_level)
+    configure_logging(args.log_level)
     if replicas > 1:
         return _serve_replicas(args, stack, stack_name, config, draft_path, dtype)
     loaded = load_model(args.model, rope_theta=args.rope_theta, max_context=args.max_context, dtype=dtype,

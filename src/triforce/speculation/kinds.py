@@ -211,7 +211,7 @@ class Head(Kind):
 
     def drafter(self, build, spec):
         from ..drafthead.drafter import HeadDrafter
-        from ..drafthead.head import head_for
+        from ..drafthead.loading import head_for
 
         head = head_for(build.model, build.config.head)
         return HeadDrafter(head, build.model, build.params, build.generator, build.max_rollback,

@@ -84,7 +84,7 @@ def tune_head(model, shared, prompt, cost_full: dict, max_gamma: int, config, to
     """A draft head under the full level (head,full): its time per drafted token and the full level's per-token
     acceptance of its drafts from runs at gamma max_gamma (no n-gram shortcut: the head's drafts alone); the
     predicted ms/token for every gamma, best first. None when no head is available for the model (--head)."""
-    from ..drafthead.head import head_for
+    from ..drafthead.loading import head_for
     from ..generate import generate
     from ..speculation.stack import StackSpec
 
