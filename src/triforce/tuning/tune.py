@@ -111,8 +111,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
 
     from ..corpus import demo_tokens
     from ..generate import generate
-    from ..caches import RetrievalCache
-    from ..speculation.kinds import drafting_cache, drafting_model
+    from ..speculation.kinds import KINDS, drafting_cache, drafting_model
     from ..speculation.state import PrefilledPrompt
 
     config = replace(config, adapt=False)  # fixed stacks are what is measured
@@ -131,8 +130,8 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
                  for k in tqdm(ks, desc="full-cache forwards", disable=not progress, leave=False)}
     cost_retr: dict[int, dict[int, float]] = {}
     for b in budgets:
-        rc = drafting_cache(drafting, config, lambda n_layers, **kw: RetrievalCache(
-            n_layers, budget=b, chunk_size=config.chunk_size, recent=config.recent, max_new=64, **kw))
+        rc = drafting_cache(drafting, config, lambda n_layers, **kw: KINDS["retrieval"].new_cache(  # the level's own
+            n_layers, budget=b, recent=config.recent, max_new=64, model=drafting, config=config, **kw))
         shared.restore(prompt)  # the timed forwards replaced the recorded queries
         with torch.inference_mode():
             rc.build(full)
