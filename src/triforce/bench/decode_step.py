@@ -38,12 +38,11 @@ def time_ours(model, n_ctx: int, steps: int, tokens: int = 1) -> float:
 def time_kv4(model, n_ctx: int, steps: int) -> float:
     """Median seconds of a kv4 level's draft step at n_ctx over an int8 target: the bf16 draft weights reading
     the upper planes of the target's (random) cache."""
-    from ..caches import QuantizedCache
+    from ..caches import new_plane_view
     from ..speculation.kinds import draft_weights_model
 
     target = random_cache(model, n_ctx, 1)
-    view = QuantizedCache(target.n_layers, target.n_kv_heads, target.head_dim, target.capacity, max_rollback=64,
-                          shared=target)
+    view = new_plane_view(target, max_rollback=64)
     view.build(target)
     return time_forwards(draft_weights_model(model), view, n_ctx, 1, steps, warmup=2)
 

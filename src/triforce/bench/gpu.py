@@ -196,7 +196,8 @@ def measure_shape(name: str, contexts: list[int], gamma: int, gamma_draft: int, 
 @torch.inference_mode()
 def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamma: int, gamma_draft: int,
                     budget: int, hbm: float, log, breakdown_too: bool) -> None:
-    from ..caches import RetrievalCache
+    from ..speculation.kinds import KINDS
+    from ..speculation.settings import SpecConfig
 
     cfg = model.cfg
     cache = new_cache(model, ctx + 256, record_queries=True)
@@ -225,8 +226,9 @@ def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamm
     row["ar_over_floor"] = row["ar_graph_ms"] / row["hbm_floor_ms"]
     # the retrieval level: built from the full cache's recorded queries (the last graph step's)
     graphs.forward(tok, cache, last=1)
-    retr = RetrievalCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, budget=budget, chunk_size=8, recent=64,
-                          max_new=256, dtype=model.dtype, device="cuda")
+    retr = KINDS["retrieval"].new_cache(cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, budget=budget,
+                                        recent=64, max_new=256, dtype=model.dtype, device="cuda", model=model,
+                                        config=SpecConfig(chunk_size=8))
     retr.build(cache)  # once to warm up (kernels' first launches), then timed
     torch.cuda.synchronize()
     t0 = time.perf_counter()

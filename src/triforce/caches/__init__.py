@@ -4,7 +4,7 @@ the 4-bit planes of kv4)."""
 from .base import KVCache
 from .full import FullCache
 from .h2o import H2OCache
-from .new import new_cache, new_window_cache
+from .new import new_cache, new_plane_view, new_window_cache
 from .quantized import QuantizedCache
 from .retrieval import RetrievalCache
 from .sliding import SlidingWindowCache
@@ -12,4 +12,4 @@ from .streaming import StreamingCache
 
 __all__ = ["KVCache", "FullCache", "H2OCache", "QuantizedCache", "RetrievalCache", "SlidingWindowCache", "StreamingCache",
            "new_cache",
-           "new_window_cache"]
+           "new_plane_view", "new_window_cache"]

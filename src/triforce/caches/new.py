@@ -52,3 +52,10 @@ def new_window_cache(n_layers: int, n_kv_heads: int, head_dim: int, window: int,
     head's own cache: drafthead/drafter.py)."""
     return StreamingCache(n_layers, n_kv_heads, head_dim, sink=0, window=window, max_rollback=max_rollback,
                           slack=window + max_rollback, dtype=dtype, device=device)
+
+
+def new_plane_view(target: QuantizedCache, max_rollback: int) -> QuantizedCache:
+    """A cache reading `target`'s (an int8 cache's) planes, shared, with a buffer of its own (kv4's draft level
+    over an int8 target: speculation/kinds.py; bench/decode_step.py times it)."""
+    return QuantizedCache(target.n_layers, target.n_kv_heads, target.head_dim, target.capacity,
+                          max_rollback=max_rollback, shared=target)
