@@ -3,7 +3,7 @@ requests, each with its own KV cache of CTX random tokens (caches/synthetic.py),
 decode step; 5: a verification of 4 drafts). A and B alternate, so both come from the same minutes of a drifting
 host; the medians and their ratio are printed, with the weight and KV bytes each reads.
 
-    /work/lab/quiet python benchmarks/batched_forward.py --context 8192 --requests 8 --rows 1,5
+    python benchmarks/batched_forward.py --context 8192 --requests 8 --rows 1,5
 """
 from __future__ import annotations
 
