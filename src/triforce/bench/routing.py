@@ -26,11 +26,9 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -307,12 +305,9 @@ def kv_bytes_per_token() -> int:
 
 
 def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-        name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "")
-    except (OSError, subprocess.SubprocessError):
-        name = platform.processor()
-    return f"{name}, {os.cpu_count()} cores"
+    from ..kernels.build import cpu_model
+
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def main(argv: list[str] | None = None) -> int:

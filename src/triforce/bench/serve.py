@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..storage import atomic_write
+
 QUESTIONS = ("Who speaks first in this scene?", "Summarise the last speech.", "Which characters are named above?",
              "What is the mood of this passage?", "Quote one line spoken by a king.", "Where does the scene happen?",
              "Which words are repeated most?", "What happens next?")
@@ -453,7 +455,7 @@ def batch_compare(args) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         strip = lambda run: {**run, "results": [{k: v for k, v in r.items() if k != "text"} for r in run["results"]]}
-        (args.out / "results.json").write_text(json.dumps({
+        atomic_write(args.out / "results.json", json.dumps({
             "command": "python -m triforce.bench.serve " + " ".join(sys.argv[1:]),
             "prompt_tokens": [r["server"]["prefilled_tokens"] + r["server"]["prefix_cache_tokens"] + 1
                               for r in one[0]["results"] if r["server"]],
@@ -597,12 +599,6 @@ async def _load_guarded(url: str, prompts: list, max_tokens: int, timeout: float
                              "tokens": 0, "text": ""} for _ in prompts]}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def peer_compare(args) -> int:
     """`triforce serve --max-batch N` and vLLM's CPU server, both running, on the same loads: for each count of
     --clients, that many concurrent streamed greedy requests (the document and a question each: every prompt
@@ -716,7 +712,7 @@ def peer_compare(args) -> int:
                   "rounds": args.rounds, "method": args.method, "settings": settings, "cold_prefill": cold,
                   "runs": {side: {str(c): rows[side][c] for c in counts} for side in sides},
                   "identical_responses": {str(c): v for c, v in same.items()}, "exit_codes": codes}
-        _write_atomic(args.out / "results.json", json.dumps(result, indent=1))
+        atomic_write(args.out / "results.json", json.dumps(result, indent=1))
         md = [f"# triforce serve vs vLLM CPU {settings['vllm'].get('version', version)}", "",
               f"Command: `{command}`", "", f"Machine: {result['machine']}", "",
               f"Load: N concurrent streamed greedy requests of {len(doc)} document tokens and a question each "
@@ -729,8 +725,8 @@ def peer_compare(args) -> int:
               "vLLM settings: `" + json.dumps(settings["vllm"]) + "`", ""]
         if "triforce" in sides:
             md.append("triforce settings: `" + json.dumps(settings["triforce"]) + "`")
-        _write_atomic(args.out / "results.md", "\n".join(md) + "\n")
-        _write_atomic(args.out / "command.txt", command + "\n")
+        atomic_write(args.out / "results.md", "\n".join(md) + "\n")
+        atomic_write(args.out / "command.txt", command + "\n")
         print(f"wrote {args.out / 'results.json'}, results.md, command.txt")
     ok = all(s["completed"] == s["requests"] for side in sides for c in counts for s in rows[side][c])
     return 0 if ok else 1
@@ -749,13 +745,13 @@ def _our_kv_dtype(args) -> str:
 
 
 def _machine() -> str:
-    import platform
+    from ..kernels import cpu_flags
+    from ..kernels.build import cpu_model
 
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    flags = cpu_flags()
     isa = ", ".join(name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX"))
-                    if f" {flag}" in flags) or "no AVX-512 BF16"
+                    if flag in flags) or "no AVX-512 BF16"
+    model = cpu_model()
     return (f"{model} ({isa}), {os.cpu_count()} CPUs, "
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
 
