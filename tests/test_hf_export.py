@@ -64,3 +64,19 @@ def test_export_computes_our_logits_with_the_profile(tiny_q5_gguf, tmp_path):
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
     with pytest.raises(TriforceError, match="remove it or choose another directory"):
         export_hf(out, str(tiny_q5_gguf), rope_theta=1.0e5, max_context=CONTEXT, cache_dir=cache, progress=False)
+
+
+def test_an_export_killed_mid_write_leaves_nothing_the_next_one_keeps(tiny_q5_gguf, tmp_path):
+    """A killed export leaves its temporary folder (`.tmp-<pid>-...`, its pid gone): the next export beside it
+    removes it and writes a whole directory."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".tmp-{int(dead.stdout)}-killed"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half written")
+    out = export_hf(tmp_path / "hf", str(tiny_q5_gguf), rope_theta=THETA, max_context=CONTEXT,
+                    cache_dir=tmp_path / "cache", progress=False)
+    assert not stale.exists() and (out / "model.safetensors").stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "hf"]

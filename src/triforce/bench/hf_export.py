@@ -62,6 +62,7 @@ def export_hf(out: str | Path, model: str | None = None, *, rope_theta: float | 
         config.max_position_embeddings = int(max_context)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(source), config=config, dtype=torch.float32)
     out.parent.mkdir(parents=True, exist_ok=True)
+    storage.remove_stale_temporaries(out.parent)  # a killed export's half-written folder (its weights: 0.5 GB)
     with storage.atomic_directory(out) as tmp:
         hf.save_pretrained(str(tmp))
         for name in TOKENIZER_FILES:
