@@ -69,14 +69,17 @@ def pending(blocks, request_id="r"):
 
 
 def choose(r, replicas, blocks):
-    return [[x.replica_id.unique_id for x in rank] for rank in asyncio.run(r.choose_replicas(replicas, pending(blocks)))]
+    """The ranks `r` would try for a request of `blocks` (its reservation dropped: a question only)."""
+    ranks = asyncio.run(r.choose_replicas(replicas, pending(blocks, "question")))
+    r._reserved.pop("question", None)
+    return [[x.replica_id.unique_id for x in rank] for rank in ranks]
 
 
 def test_prefix_router_prefers_the_longest_held_prefix_unless_load_is_uneven():
     a, b = fake_replica("a", ["k1"]), fake_replica("b", ["k1", "k2", "k3"])
     r = router(R.PrefixAffinityRouter, balance=2)
     assert choose(r, [a, b], ["k1", "k2", "k3", "k4"])[0] == ["b"]
-    assert choose(r, [a, b], ["k1", "x2"])[0] in (["a", "b"], ["b", "a"])  # both hold 1 block: a tie
+    assert choose(r, [a, b], ["k1", "x2"])[0] in (["a"], ["b"])  # both hold 1 block: a tie
     # b busy by more than `balance` requests: the least loaded replica instead
     for i in range(3):
         r.on_request_routed(pending([], f"busy{i}"), b.replica_id, None)
@@ -94,7 +97,7 @@ def test_prefix_router_counts_what_it_sent_before_the_replica_reports_it():
     r.on_request_completed(a.replica_id, "first")
     assert choose(r, [a, b], ["d1", "d2", "q"])[0] == ["a"]  # ended just now: a report is due
     r._sent[a.replica_id] = {k: time.monotonic() - R.OPTIMISTIC_SECONDS - 1 for k in ("d1", "d2")}
-    assert sorted(choose(r, [a, b], ["d1", "d2", "q"])[0]) == ["a", "b"]  # stale and unreported: no preference
+    assert r.held(a, ["d1", "d2", "q"]) == 0  # stale and unreported: a holds nothing as far as the router knows
 
 
 def test_prefix_router_puts_a_new_prefix_on_the_replica_with_the_most_room():
@@ -103,6 +106,30 @@ def test_prefix_router_puts_a_new_prefix_on_the_replica_with_the_most_room():
     assert choose(r, [a, b], ["new1", "new2"]) == [["b"], ["a"]]  # equal load: b caches fewer blocks
     r.on_request_routed(pending([], "busy"), b.replica_id, None)
     assert choose(r, [a, b], ["new1", "new2"]) == [["a"], ["b"]]  # load first
+
+
+def test_prefix_router_spreads_requests_chosen_together_before_ray_reports_them():
+    """Ray Serve reports a request routed only after probing the replica's queue (an await), so
+    requests arriving together are chosen before any is reported: each choice must count at once."""
+    a, b = fake_replica("a"), fake_replica("b")
+    r = router(R.PrefixAffinityRouter)
+    docs = [[f"doc{d}-{i}" for i in range(3)] for d in range(4)]
+    firsts = [asyncio.run(r.choose_replicas([a, b], pending(docs[d], f"req{d}")))[0] for d in range(4)]
+    assert all(len(rank) == 1 for rank in firsts)  # one replica named first (the one reserved)
+    names = [rank[0].replica_id.unique_id for rank in firsts]
+    assert sorted(names) == ["a", "a", "b", "b"]  # four new documents: two on each
+    # the same document again, still not reported routed: where its first request was reserved
+    again = asyncio.run(r.choose_replicas([a, b], pending(docs[0] + ["q"], "req0-again")))[0][0]
+    assert again.replica_id.unique_id == names[0]
+    # Ray reports req0 routed to the other replica (its probe found the first full): counted there
+    other = b if names[0] == "a" else a
+    r.on_request_routed(pending(docs[0], "req0"), other.replica_id, None)
+    assert "req0" not in r._reserved and r.in_flight[other.replica_id] == 1
+    # a reservation Ray never reports (a cancelled request) stops counting after RESERVE_SECONDS
+    rid, (where, keys, _) = next(iter(r._reserved.items()))
+    r._reserved[rid] = (where, keys, time.monotonic() - R.RESERVE_SECONDS - 1)
+    r.reservations(where)
+    assert rid not in r._reserved
 
 
 def test_round_robin_router_takes_turns():

@@ -14,6 +14,11 @@ plus the blocks of requests the router sent it and that are still running or end
 OPTIMISTIC_SECONDS ago (not reported yet). The replica that holds the most wins, unless it has more
 than `balance` requests more in flight than the least loaded one: then the least loaded.
 
+A choice counts at once: Ray Serve probes the chosen replica's queue (an await) before it reports the
+request routed, so requests arriving together would all see the same empty replicas and pile onto
+one. The router therefore names one replica first and reserves it for the request (its load and its
+blocks) until Ray reports where the request went (or RESERVE_SECONDS pass).
+
 A replica that dies: Ray Serve starts another. A request that had received nothing from it is sent
 again (to another replica, up to `attempts` times); one that had streamed part of its answer ends
 with a 503 error `replica_died` (retry it). Needs Ray Serve: `pip install 'triforce[ray]'`.
@@ -48,6 +53,7 @@ log = logging.getLogger("triforce.serve")
 DEPLOYMENT = "triforce"
 OPTIMISTIC_SECONDS = 10.0  # a sent request's blocks count as held this long after it ends (then the report rules)
 STATS_PERIOD = 1.0  # seconds between a replica's reports of its cached blocks
+RESERVE_SECONDS = 5.0  # a choice not yet reported routed (Ray probing, retrying) counts this long
 
 
 @dataclass
@@ -159,16 +165,33 @@ def _blocks_of(pending: PendingRequest | None) -> list[str]:
 
 
 class _CountingRouter(RequestRouter):
-    """Counts the requests it has in flight on each replica (its view of the load)."""
+    """Counts the requests it has in flight on each replica (its view of the load), and the ones it
+    has chosen a replica for that Ray has not reported routed yet (reservations)."""
 
     def initialize_state(self, **kwargs):
         self.in_flight: dict[ReplicaID, int] = {}
         self._requests: dict[str, tuple[ReplicaID, list[str]]] = {}
+        self._reserved: dict[str, tuple[ReplicaID, list[str], float]] = {}  # request -> (replica, blocks, when)
+
+    def reserve(self, pending_request, replica: RunningReplica) -> None:
+        """Count `pending_request` on `replica` now, before Ray reports it routed (choices made in the
+        meantime see it); a later choice for the same request replaces this one."""
+        if pending_request is not None:
+            self._reserved[pending_request.metadata.internal_request_id] = (
+                replica.replica_id, _blocks_of(pending_request), time.monotonic())
+
+    def reservations(self, replica_id: ReplicaID) -> list[list[str]]:
+        """The blocks of each live reservation on `replica_id` (expired ones dropped)."""
+        now = time.monotonic()
+        for rid in [rid for rid, (_, _, t) in self._reserved.items() if now - t > RESERVE_SECONDS]:
+            del self._reserved[rid]
+        return [keys for rid, (where, keys, _) in self._reserved.items() if where == replica_id]
 
     def load(self, replica: RunningReplica) -> int:
-        return self.in_flight.get(replica.replica_id, 0)
+        return self.in_flight.get(replica.replica_id, 0) + len(self.reservations(replica.replica_id))
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self._reserved.pop(pending_request.metadata.internal_request_id, None)
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
         self._requests[pending_request.metadata.internal_request_id] = (replica_id, _blocks_of(pending_request))
 
@@ -178,6 +201,8 @@ class _CountingRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id):
         self.in_flight.pop(replica_id, None)
+        for rid in [rid for rid, (where, _, _) in self._reserved.items() if where == replica_id]:
+            del self._reserved[rid]
         super().on_replica_actor_died(replica_id)
 
     def least_loaded_ranks(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
@@ -245,40 +270,50 @@ class PrefixAffinityRouter(_CountingRouter):
         self._sent.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
 
-    def tie_break(self, replica: RunningReplica) -> int:
-        """Between equally loaded replicas, a new prefix goes to the one caching the fewest blocks
-        (the most room: documents spread over the replicas' caches rather than pile up on one)."""
-        reported = set((replica.routing_stats or {}).get("blocks") or ())
-        return len(reported | set(self._sent.get(replica.replica_id, ())))
-
-    def held(self, replica: RunningReplica, keys: list[str]) -> int:
-        """How many of `keys` (a prompt's blocks, root first) the replica holds, from the first on."""
-        reported = set((replica.routing_stats or {}).get("blocks") or ())
+    def claimed(self, replica: RunningReplica) -> set[str]:
+        """The block keys `replica` holds as far as the router knows: reported by the replica, sent to it
+        lately (OPTIMISTIC_SECONDS after their request ended) or reserved on it."""
         sent, now = self._sent.get(replica.replica_id, {}), time.monotonic()
         for stale in [k for k, t in sent.items() if now - t > OPTIMISTIC_SECONDS]:
             del sent[stale]
-        n = 0
+        keys = set((replica.routing_stats or {}).get("blocks") or ()) | set(sent)
+        for reserved in self.reservations(replica.replica_id):
+            keys.update(reserved)
+        return keys
+
+    def tie_break(self, replica: RunningReplica) -> int:
+        """Between equally loaded replicas, a new prefix goes to the one caching the fewest blocks
+        (the most room: documents spread over the replicas' caches rather than pile up on one)."""
+        return len(self.claimed(replica))
+
+    def held(self, replica: RunningReplica, keys: list[str]) -> int:
+        """How many of `keys` (a prompt's blocks, root first) the replica holds, from the first on."""
+        claimed, n = self.claimed(replica), 0
         for key in keys:
-            if key not in reported and key not in sent:
+            if key not in claimed:
                 break
             n += 1
         return n
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        """-> ranks of replicas to try, the first a single replica, reserved for the request."""
         keys = _blocks_of(pending_request)
         if not candidate_replicas:
             return []
         least = min(self.load(r) for r in candidate_replicas)
         held = {r.replica_id: self.held(r, keys) for r in candidate_replicas} if keys else {}
         best = max(held.values(), default=0)
-        if best > 0:
-            holders = [r for r in candidate_replicas
-                       if held[r.replica_id] == best and self.load(r) - least <= self.balance]
-            if holders:
-                rest = [r for r in candidate_replicas if r not in holders]
-                rest.sort(key=lambda r: (-held[r.replica_id], self.load(r)))
-                return [sorted(holders, key=self.load)] + [[r] for r in rest]
-        return self.least_loaded_ranks(candidate_replicas)
+        holders = [r for r in candidate_replicas
+                   if best > 0 and held[r.replica_id] == best and self.load(r) - least <= self.balance]
+        if holders:
+            holders.sort(key=self.load)
+            rest = [r for r in candidate_replicas if r not in holders]
+            rest.sort(key=lambda r: (-held[r.replica_id], self.load(r)))
+            order = holders + rest
+        else:
+            order = [r for rank in self.least_loaded_ranks(candidate_replicas) for r in rank]
+        self.reserve(pending_request, order[0])
+        return [[r] for r in order]
 
 
 ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter}
