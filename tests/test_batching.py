@@ -12,6 +12,7 @@ The models have head_dim 64, so that their forwards take the compiled one-call p
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -22,6 +23,7 @@ import triforce.speculation.level as level_mod
 from conftest import hf_tiny, ours_from_hf
 from test_speculation_distribution import CFG, POSITIONS, exact_marginals, p_values, wrong_verify
 from triforce.caches import new_cache
+from triforce.execution import batching
 from triforce.execution.batching import ForwardGate
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
@@ -67,6 +69,38 @@ def test_batched_forward_logits_equal_each_requests_forward_alone(model):
     one = _prefilled(model, 30, 9)
     again = _prefilled(model, 30, 9)
     assert torch.equal(model(calls[1], one, last=2), model.forward_batch([(calls[1], again, 2)])[0])
+
+
+def _solo_order(prompts: list[tuple[str, int]]) -> list[str]:
+    """Each (name, chunks) a thread that prefills `chunks` 100-token chunks through one gate, the threads' first
+    chunks arriving in list order; -> the names in the order the gate ran their chunks."""
+    gate, order = ForwardGate(), []
+    joined = threading.Barrier(len(prompts), timeout=30)
+
+    def prompt(k, name, chunks):
+        with gate.join():
+            joined.wait()
+            wait_until = time.monotonic() + 30
+            while len(gate._waiting) < k and time.monotonic() < wait_until:  # arrive in list order
+                time.sleep(0.001)
+            for i in range(chunks):
+                with batching.prefilling((chunks - i) * 100):
+                    gate.solo(lambda: order.append(name), 100)
+
+    threads = [threading.Thread(target=prompt, args=(k, *p)) for k, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return order
+
+
+def test_gate_runs_the_shortest_remaining_prefill_first_without_starving_a_long_one(monkeypatch):
+    # a one-chunk prompt that arrives behind a three-chunk one is prefilled first
+    assert _solo_order([("long", 3), ("short", 1)]) == ["short", "long", "long", "long"]
+    # two shorter prompts may pass a waiting chunk, the third may not
+    monkeypatch.setattr(batching, "STARVATION", 2)
+    assert _solo_order([("long", 2), ("a", 1), ("b", 1), ("c", 1)]) == ["a", "b", "long", "c", "long"]
 
 
 def _together(run, jobs: list, gate: ForwardGate) -> list:
@@ -315,3 +349,48 @@ def test_memory_stays_bounded_over_many_generated_tokens(loaded):
     assert [r.json()["usage"]["completion_tokens"] for r in replies] == [10000] * 2
     assert after - before < 64 << 20, (before, after)
     assert usage == 0.0
+
+
+def test_requests_for_one_document_arriving_together_prefill_it_once(loaded):
+    """Four requests with one long document and different questions, sent at once to a batching server: one
+    prefills the document, the other three wait for its blocks and reuse them (rather than computing the same K/V
+    beside it), and every answer equals `triforce generate`'s."""
+    doc = DOC * 2  # ~380 tokens: 23 whole 16-token blocks
+    prompts = [doc + f" Q{i}:" for i in range(4)]
+    with serving(loaded, SERVE_STACK, max_batch=8) as (url, server):
+        together = threading.Barrier(4, timeout=60)  # all four admitted before any starts (a tiny model is quick)
+        real_serve = server.engine._serve
+        server.engine._serve = lambda job: (together.wait(), real_serve(job))
+        replies = [None] * 4
+
+        def ask(i):
+            replies[i] = httpx.post(url + "/v1/completions", timeout=300,
+                                    json={"prompt": prompts[i], "max_tokens": 12, "temperature": 0})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert server.engine._prefilling == {}  # every claim released
+        # the document is cached now: two requests that differ only after it claim their own tails, neither waits
+        from triforce.serving.engine import Job
+
+        engine = server.engine
+        tails = [doc + f" Question {w}, with words enough to fill a block or two:" for w in ("eight", "nine")]
+        a, b = (Job(loaded.tokenizer(t)["input_ids"], 4, SamplingParams(temperature=0), 0, (), lambda ev: None)
+                for t in tails)
+        b.deadline = time.perf_counter() + 5  # (were it to wait for a, it would give up and claim nothing)
+        engine._claim_prefill(a)
+        engine._claim_prefill(b)
+        claimed = collections.Counter(engine._prefilling.values())
+        assert claimed[a.claim] >= 2 and claimed[b.claim] == claimed[a.claim]
+        engine._release_prefill(a)
+        engine._release_prefill(b)
+        assert engine._prefilling == {}
+    assert all(r.status_code == 200 for r in replies), [r.text[:200] for r in replies]
+    reused = sorted(r.json()["triforce"]["prefix_cache_tokens"] for r in replies)
+    whole = (len(loaded.tokenizer(doc)["input_ids"]) // CONFIG.prefill_chunk) * CONFIG.prefill_chunk
+    assert reused == [0, whole, whole, whole]
+    for i, r in enumerate(replies):
+        assert r.json()["choices"][0]["text"] == _reference(loaded, prompts[i], 12), i

@@ -5,6 +5,11 @@ go through one ForwardGate (execution/batching.py): the decode-sized forwards of
 batched forward, prefill chunks in turn under a token budget. A request joins as soon as a place and its memory are
 free, and leaves when it finishes or is cancelled; the others go on.
 
+One prefill per prefix: a request whose prompt starts with blocks that a running request is prefilling (not in
+the prefix cache yet) waits, before it joins the batch, until that request has prefilled and cached them, and then
+reuses them, instead of computing the same K/V beside it. A request caches its prompt's blocks as soon as its
+prefill ends (before decoding).
+
 Admission by memory: a request holds, from admission to its end, the bytes of its KV caches (`request_bytes`: its
 full cache for prompt + max_tokens, its drafting levels' caches) out of `kv_budget`; one that cannot be admitted
 waits in the queue, and one that could never fit (more than the whole budget) is refused when it arrives
@@ -40,7 +45,7 @@ from ..speculation.settings import SpecConfig
 from ..speculation.stack import REBUILT, ROUND_SLACK, StackSpec
 from .metrics import ServerMetrics
 from .prefill import CachedPrefill, Stopped
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, block_keys
 
 log = logging.getLogger("triforce.serve")
 
@@ -82,6 +87,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
     need: int = 0  # bytes of its KV caches (request_bytes), held from admission to its end
+    claim: threading.Event | None = None  # set once the prompt blocks it claimed are cached (Engine._claim_prefill)
 
     def __post_init__(self):
         if self.seed is None:  # OpenAI's default: a fresh draw; the seed used is reported, to reproduce it
@@ -103,7 +109,7 @@ class EngineSettings:
     max_queue: int = 16
     request_timeout: float = 600.0
     max_batch: int = 8  # requests generated at once
-    prefill_budget: int = 512  # prefill tokens per batched forward (ForwardGate.prefill_budget)
+    prefill_budget: int | None = None  # prefill tokens per batched forward (ForwardGate.prefill_budget); None: a chunk
     kv_budget: int | None = None  # bytes of KV caches the running requests may hold together (None: no limit)
 
 
@@ -138,7 +144,8 @@ class Engine:
         self._held: dict[Job, int] = {}  # bytes each running request holds (request_bytes)
         self._closing = False
         self._seconds_per_job = 5.0  # moving average of a request's time, for Retry-After
-        self.gate = ForwardGate(settings.prefill_budget)
+        self._prefilling: dict[str, threading.Event] = {}  # block key -> set once the request prefilling it cached it
+        self.gate = ForwardGate(settings.prefill_budget or settings.config.prefill_chunk)
         self._thread = threading.Thread(target=self._admit, name="triforce-engine", daemon=True)
         # the prefix cache needs a FullCache whose blocks are contiguous slices (not a sliding-window ring)
         self._reuse = settings.model.windows is None
@@ -230,18 +237,49 @@ class Engine:
     def _serve(self, job: Job) -> None:
         t0 = time.perf_counter()
         try:
+            # outside the gate: a member thread that waits for anything but its forwards would stall the batch
+            self._claim_prefill(job)
             with self.gate.join():
                 self._run(job)
         except Exception:  # noqa: BLE001 - a bug must not take the engine down: log it, answer 500
             log.exception("generation failed")
             self._error(job, 500, "internal_error", "internal error while generating (see the server log)")
         finally:
+            self._release_prefill(job)
             with self._cv:
                 del self._running[job]
                 del self._held[job]
                 self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * (time.perf_counter() - t0)
                 self._cv.notify_all()
             _release_memory()
+
+    def _claim_prefill(self, job: Job) -> None:
+        """Wait while another running request prefills blocks that `job`'s prompt starts with and the prefix cache
+        does not hold yet (until it cached them, or ended, or `job` is stopped); then claim the prompt's blocks the
+        cache does not hold: requests for the same prefix wait for `job`, not for each other's uncached tails."""
+        if self.prefix_cache is None or not self._reuse:
+            return
+        keys = block_keys(job.prompt[:-1], self.s.config.prefill_chunk)  # what CachedPrefill looks up
+        job.claim = threading.Event()
+        while not job.stopped():
+            todo = keys[self.prefix_cache.held(keys):]  # (the cached ones are nobody's to compute)
+            with self._cv:
+                busy = next((self._prefilling[k] for k in reversed(todo) if k in self._prefilling), None)
+                if busy is None:
+                    for k in todo:
+                        self._prefilling[k] = job.claim
+                    return
+            busy.wait(0.05)  # (in steps: a cancelled or timed-out job stops waiting)
+
+    def _release_prefill(self, job: Job) -> None:
+        """The blocks `job` claimed are cached (or it ended): the requests waiting for them go on."""
+        claim = job.claim
+        if claim is None or claim.is_set():
+            return
+        with self._cv:
+            for k in [k for k, c in self._prefilling.items() if c is claim]:
+                del self._prefilling[k]
+        claim.set()
 
     def _run(self, job: Job) -> None:
         s, m = self.s, self.metrics
@@ -265,12 +303,11 @@ class Engine:
                     m.prefix_hit_tokens.inc(prefilled.reused_tokens)
                 if m is not None:
                     m.prefilled_tokens.inc(prefilled.computed_tokens)
-            try:
-                self._generate(job, prefilled)
-            finally:
-                if prefilled is not None and self.prefix_cache is not None:
-                    # after the answer (not delaying it); the prompt's K/V is untouched by decoding
+                if self.prefix_cache is not None:
+                    # now, not after the answer: requests for this prefix wait for it (a copy of the new blocks' K/V)
                     self.prefix_cache.insert(prefilled.head, prefilled.cache, prefilled.block_queries)
+                self._release_prefill(job)
+            self._generate(job, prefilled)
 
     def _generate(self, job: Job, prefilled: CachedPrefill | None) -> None:
         s = self.s

@@ -242,6 +242,17 @@ class PrefixCache:
             self._writer.submit(self._persist, new, evicted)
         return len(new)
 
+    def held(self, keys: list[str]) -> int:
+        """How many of `keys` (a prompt's block keys, root first) are cached in memory, from the first on
+        (any thread; counts no hit and touches nothing)."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in self.blocks:
+                    break
+                n += 1
+        return n
+
     def keys(self) -> list[str]:
         """The keys of the cached blocks (any thread)."""
         with self._lock:
