@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="memory the running requests' KV caches may take together; a request waits until its "
                         "caches fit, and one that could never fit gets a 400; suffixes K, M, G (default: 90%% of "
                         "the memory available once the model is loaded, less --prefix-cache-bytes)")
-    n.add_argument("--prefill-budget", type=positive_int, default=512, metavar="N",
+    n.add_argument("--prefill-budget", type=positive_int, default=None, metavar="N",
                    help="prompt tokens prefilled per batched decode forward while others decode: a long new prompt "
-                        "is prefilled in --prefill-chunk chunks between the running requests' steps (default 512)")
+                        "is prefilled in --prefill-chunk chunks between the running requests' steps; more prefills "
+                        "sooner, fewer makes the others' tokens come sooner (default: one chunk, --prefill-chunk)")
     n.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="a request still unfinished this many seconds after it arrived (queue time included) "
                         "is stopped with a 504 (default 600)")

@@ -14,6 +14,11 @@ forwards:
   interleaved with the batched ones under a token budget: a batched forward earns `prefill_budget` tokens of credit,
   and solo forwards run while the credit lasts (at least one when nothing else waits), so a long new prompt's prefill
   does not stall the others' decoding, nor do they stall it.
+- among waiting solo forwards, the one whose prompt has the fewest tokens left to prefill runs first (a forward that
+  is not a prefill chunk counts none left; see `prefilling`): the shortest remaining prefill first gives the lowest
+  mean time to first token, so a short prompt, or one whose prefix was cached, is not kept waiting behind a long
+  cold prefill, and two long prefills run one after the other rather than both finishing late. A solo forward
+  passed over STARVATION times runs next whatever is left of it, so a long prompt is never starved.
 
 The group run is the one with the most waiting forwards (ties: the fewest rows): requests whose drafting forwards
 are done wait at their verification until the others get there, so the top-level verifications of different
@@ -31,11 +36,23 @@ from dataclasses import dataclass, field
 import torch
 
 _local = threading.local()
+STARVATION = 16  # solo forwards that may run ahead of a waiting one (shorter prefills first) before it runs
 
 
 def current() -> ForwardGate | None:
     """The gate this thread's forwards go through, or None (run them directly)."""
     return getattr(_local, "gate", None)
+
+
+@contextmanager
+def prefilling(tokens_left: int):
+    """This thread's forwards in the block are a prefill chunk of a prompt that has `tokens_left` tokens left to
+    prefill, this chunk's included (the gate's order among solo forwards)."""
+    _local.prefill_left = tokens_left
+    try:
+        yield
+    finally:
+        _local.prefill_left = 0
 
 
 def forward_seconds(started: float) -> float:
@@ -57,6 +74,8 @@ class _Waiting:
     error: BaseException | None = None
     seconds: float = 0.0
     arrived: int = 0
+    prefill_left: int = 0  # a solo prefill chunk: its prompt's tokens left to prefill (`prefilling`); else 0
+    passed: int = 0  # solo forwards run ahead of this one while it waited
 
 
 @dataclass
@@ -106,7 +125,7 @@ class ForwardGate:
 
     def solo(self, fn, rows: int):
         """Run fn() (a forward that is not batched) when the gate's turn comes -> its result."""
-        return self._wait(_Waiting(None, rows, fn))
+        return self._wait(_Waiting(None, rows, fn, prefill_left=getattr(_local, "prefill_left", 0)))
 
     def batched(self, key, args, rows: int, batch):
         """Run `args` in one call batch([args, ...]) with the other waiting forwards of the same key -> its result."""
@@ -132,9 +151,13 @@ class ForwardGate:
         for w in self._waiting:
             if w.key is not None:
                 groups.setdefault(w.key, []).append(w)
-        if solo and (not groups or self._credit >= solo[0].rows):
-            self._credit = max(0, self._credit - solo[0].rows)
-            return [solo[0]]
+        if solo:
+            first = min(solo, key=lambda w: (w.passed < STARVATION, w.prefill_left, w.arrived))
+        if solo and (not groups or self._credit >= first.rows):
+            self._credit = max(0, self._credit - first.rows)
+            for w in solo:
+                w.passed += w is not first and w.arrived < first.arrived
+            return [first]
         group = max(groups.values(), key=lambda g: (len(g), -sum(w.rows for w in g), -g[0].arrived))
         if solo:
             self._credit += self.prefill_budget

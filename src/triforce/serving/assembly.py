@@ -36,7 +36,7 @@ class Server:
 def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue: int = 16,
           prefix_cache_bytes: int = 2 << 30, kv_cache_dir=None, request_timeout: float = 600.0,
           default_max_tokens: int = 256, model_id: str | None = None, shutdown_timeout: float = 30.0,
-          max_batch: int = 8, prefill_budget: int = 512, kv_memory: int | None = None) -> Server:
+          max_batch: int = 8, prefill_budget: int | None = None, kv_memory: int | None = None) -> Server:
     """The app over a loaded model (loading.LoadedModel) and a stack (its engine starts with the app)."""
     require_extra()
     from .app import create_app

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..caches import new_cache
+from ..execution import batching
 from ..model import Transformer
 from ..speculation.state import PrefilledPrompt
 from .prefix_cache import PrefixCache
@@ -60,7 +61,8 @@ class CachedPrefill(PrefilledPrompt):
                 if should_stop():
                     raise Stopped(self)
                 end = min(start + chunk, len(self.head))
-                model(ids[:, start:end], self.cache, last=1)  # the call state.prefill makes per chunk
+                with batching.prefilling(len(self.head) - start):
+                    model(ids[:, start:end], self.cache, last=1)  # the call state.prefill makes per chunk
                 last_q = torch.stack([q[0, :, -1] for q in self.cache.recorder.layers])
                 if end - start == chunk:
                     self.block_queries[start // chunk] = last_q

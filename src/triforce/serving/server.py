@@ -102,7 +102,7 @@ def replica_spec(args, stack, stack_name: str, config, draft_path: str | None, d
                 "kv_cache_dir": args.kv_cache_dir, "request_timeout": args.request_timeout,
                 "default_max_tokens": args.default_max_tokens, "model_id": args.served_model_name,
                 "shutdown_timeout": args.shutdown_timeout, "max_batch": getattr(args, "max_batch", 8),
-                "prefill_budget": getattr(args, "prefill_budget", 512), "kv_memory": getattr(args, "kv_memory", None)}
+                "prefill_budget": getattr(args, "prefill_budget", None), "kv_memory": getattr(args, "kv_memory", None)}
     return ReplicaSpec(args.model, stack, stack_name, config, draft_path, load, build_kw,
                        threads=args.threads or args.cpus_per_replica, log_level=args.log_level)
 

@@ -30,11 +30,12 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
     with tqdm(total=n, desc="prefill", unit="tok", disable=not progress or n <= chunk_size, leave=False) as bar:
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            if features is not None and end == n:
-                logits, hidden = model(ids[:, start:end], cache, last=1, hidden=True, layers=layers)
-                features[:] = [hidden[0]]
-            else:
-                logits = model(ids[:, start:end], cache, last=1)
+            with batching.prefilling(n - start):
+                if features is not None and end == n:
+                    logits, hidden = model(ids[:, start:end], cache, last=1, hidden=True, layers=layers)
+                    features[:] = [hidden[0]]
+                else:
+                    logits = model(ids[:, start:end], cache, last=1)
             bar.update(end - start)
     return None if logits is None else logits[:, -1]
 
