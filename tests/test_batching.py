@@ -103,6 +103,41 @@ def test_gate_runs_the_shortest_remaining_prefill_first_without_starving_a_long_
     assert _solo_order([("long", 2), ("a", 1), ("b", 1), ("c", 1)]) == ["a", "b", "long", "c", "long"]
 
 
+def test_gate_runs_a_request_s_forwards_before_its_first_token_ahead_of_prefill_chunks():
+    """A request past its prefill, before its first token, does not wait a prefill chunk per forward."""
+    gate, order = ForwardGate(prefill_budget=100), []
+    joined = threading.Barrier(2, timeout=30)
+
+    def prefill():  # arrives first
+        with gate.join():
+            joined.wait()
+            for i in range(3):
+                with batching.prefilling((3 - i) * 100):
+                    gate.solo(lambda: order.append("chunk"), 100)
+
+    def first_round(due: bool):
+        with gate.join():
+            joined.wait()
+            wait_until = time.monotonic() + 30
+            while not gate._waiting and time.monotonic() < wait_until:
+                time.sleep(0.001)
+            batching.first_token_due(due)
+            try:
+                for _ in range(3):
+                    gate.batched("model", None, 1, lambda runs: [order.append("round")] * len(runs))
+            finally:
+                batching.first_token_due(False)
+
+    for due, expected in ((True, ["round"] * 3 + ["chunk"] * 3), (False, ["round", "chunk"] * 3)):
+        order.clear()
+        threads = [threading.Thread(target=prefill), threading.Thread(target=first_round, args=(due,))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert order == expected, due
+
+
 def _together(run, jobs: list, gate: ForwardGate) -> list:
     """run(job) for every job at once, each on a thread of its own that joined `gate` -> their results in order."""
     out = [None] * len(jobs)

@@ -19,6 +19,9 @@ forwards:
   mean time to first token, so a short prompt, or one whose prefix was cached, is not kept waiting behind a long
   cold prefill, and two long prefills run one after the other rather than both finishing late. A solo forward
   passed over STARVATION times runs next whatever is left of it, so a long prompt is never starved.
+- the batched forwards of a request whose first token is still to come (`first_token_due`: its prefill is done, its
+  first round is not) run before any solo forward, whatever the credit: a round takes a few forwards, and waiting a
+  prefill chunk before each would add seconds to that request's time to first token on a slow machine.
 
 The group run is the one with the most waiting forwards (ties: the fewest rows): requests whose drafting forwards
 are done wait at their verification until the others get there, so the top-level verifications of different
@@ -55,6 +58,11 @@ def prefilling(tokens_left: int):
         _local.prefill_left = 0
 
 
+def first_token_due(due: bool) -> None:
+    """Mark this thread's next forwards as those of a request whose first token is still to come (or no longer)."""
+    _local.first_token_due = due
+
+
 def forward_seconds(started: float) -> float:
     """The time of this thread's last forward, begun at `started` (perf_counter): through a gate, the time its batch
     ran (not the wait for the other requests); else the time since `started`."""
@@ -76,6 +84,7 @@ class _Waiting:
     arrived: int = 0
     prefill_left: int = 0  # a solo prefill chunk: its prompt's tokens left to prefill (`prefilling`); else 0
     passed: int = 0  # solo forwards run ahead of this one while it waited
+    first_token_due: bool = False  # a batched forward of a request whose first token is still to come
 
 
 @dataclass
@@ -129,7 +138,7 @@ class ForwardGate:
 
     def batched(self, key, args, rows: int, batch):
         """Run `args` in one call batch([args, ...]) with the other waiting forwards of the same key -> its result."""
-        return self._wait(_Waiting(key, rows, args, batch))
+        return self._wait(_Waiting(key, rows, args, batch, first_token_due=getattr(_local, "first_token_due", False)))
 
     def _wait(self, w: _Waiting):
         with self._cv:
@@ -151,15 +160,17 @@ class ForwardGate:
         for w in self._waiting:
             if w.key is not None:
                 groups.setdefault(w.key, []).append(w)
+        due = any(w.first_token_due for g in groups.values() for w in g)
         if solo:
             first = min(solo, key=lambda w: (w.passed < STARVATION, w.prefill_left, w.arrived))
-        if solo and (not groups or self._credit >= first.rows):
+        if solo and not due and (not groups or self._credit >= first.rows):
             self._credit = max(0, self._credit - first.rows)
             for w in solo:
                 w.passed += w is not first and w.arrived < first.arrived
             return [first]
-        group = max(groups.values(), key=lambda g: (len(g), -sum(w.rows for w in g), -g[0].arrived))
-        if solo:
+        group = max(groups.values(), key=lambda g: (any(w.first_token_due for w in g), len(g),
+                                                    -sum(w.rows for w in g), -g[0].arrived))
+        if solo and not due:  # (a forward run out of turn earns no prefill credit)
             self._credit += self.prefill_budget
         return group
 

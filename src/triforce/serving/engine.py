@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from ..execution import batching
 from ..execution.batching import ForwardGate
 from ..generate import generate_stream
 from ..model import Transformer
@@ -332,21 +333,26 @@ class Engine:
         m = self.metrics
         first = last = None
         n = 0
-        for chunk in rounds:
-            now = time.perf_counter()
-            if chunk.tokens:
-                if first is None:
-                    first = now
-                    if m is not None:
-                        m.ttft.observe(now - job.arrived)
-                elif m is not None:
-                    for _ in chunk.tokens:
-                        m.itl.observe((now - last) / len(chunk.tokens))
-                last = now
-                n += len(chunk.tokens)
-            job.deliver({"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens)})
-            if job.stopped():
-                break
+        batching.first_token_due(True)  # this thread's forwards until its first token: ahead of prefill chunks
+        try:
+            for chunk in rounds:
+                now = time.perf_counter()
+                if chunk.tokens:
+                    if first is None:
+                        first = now
+                        batching.first_token_due(False)
+                        if m is not None:
+                            m.ttft.observe(now - job.arrived)
+                    elif m is not None:
+                        for _ in chunk.tokens:
+                            m.itl.observe((now - last) / len(chunk.tokens))
+                    last = now
+                    n += len(chunk.tokens)
+                job.deliver({"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens)})
+                if job.stopped():
+                    break
+        finally:
+            batching.first_token_due(False)
         return first, n
 
     def _done(self, job: Job, res, first: float | None, prefilled: CachedPrefill | None) -> None:
