@@ -139,6 +139,69 @@ def test_round_robin_router_takes_turns():
     assert firsts == ["a", "b", "a", "b"]
 
 
+# ---- the front end's re-send (no cluster: a fake handle whose replicas die on cue) ----------------
+
+class _DyingHandle:
+    """A deployment handle whose n-th call's replica dies after sending `sent[n]` events (None: it answers)."""
+
+    def __init__(self, sent: list[int | None]):
+        self.sent, self.calls = sent, 0
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, request):
+        dies_after = self.sent[self.calls]
+        self.calls += 1
+
+        class Response:
+            def cancel(self):
+                pass
+
+            async def __aiter__(self):
+                events = [{"type": "delta", "text": "a", "tokens": [1]}, {"type": "delta", "text": "b", "tokens": [2]},
+                          {"type": "done", "finish_reason": "length", "usage": {}, "triforce": {}}]
+                for i, ev in enumerate(events):
+                    if dies_after is not None and i == dies_after:
+                        raise ray.exceptions.ActorDiedError()
+                    yield ev
+
+        return Response()
+
+
+def _drive(sent: list[int | None]) -> tuple[list[dict], R.RayEngine]:
+    from triforce.sampling import SamplingParams
+    from triforce.serving.engine import Job
+
+    events = []
+    engine = R.RayEngine(_DyingHandle(sent), block_size=None, max_queue=4)
+
+    async def go():
+        engine.submit(Job([1, 2, 3], 2, SamplingParams(), 0, (), events.append))
+        while engine._tasks:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(go())
+    return events, engine
+
+
+def test_front_end_sends_again_a_request_whose_replica_died_before_answering():
+    events, engine = _drive([0, 0, None])  # two replicas die before their first event, the third answers
+    assert [e["type"] for e in events] == ["delta", "delta", "done"] and engine.retried == 2
+    events, engine = _drive([0, 0, 0])  # three in a row: a retryable error, no answer
+    assert [e.get("code") for e in events] == ["replica_died"] and events[0]["status"] == 503
+
+
+def test_front_end_ends_with_replica_died_when_the_replica_died_mid_answer():
+    events, engine = _drive([1, None])  # one token streamed, then the replica died: not sent again
+    assert [e["type"] for e in events] == ["delta", "error"] and events[1]["code"] == "replica_died"
+    assert engine.retried == 0 and engine.handle.calls == 1
+
+
 # ---- a local Ray instance: 2 replicas, 1 thread each -----------------------------------------------
 
 from conftest import embedded_available  # noqa: E402
