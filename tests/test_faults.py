@@ -12,6 +12,7 @@ end of the session (docs/faults.md holds a copy).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -474,3 +475,80 @@ def test_unwritable_kernel_cache_builds_for_this_run(tmp_path, reference):
     no_traceback(r)
     assert tokens_of(r) == reference[1]
     TABLE.append(("kernel cache not writable", "kernel build", "built for this run only, same output", r.seconds))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serving(env, *args) -> tuple[Run, str]:
+    """`triforce serve` on a free loopback port, once it answers /health -> (the run, its URL)."""
+    import httpx
+
+    port = _free_port()
+    r = Run(["serve", "--port", str(port), "--max-batch", "1", *args], env)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    r.wait_for(healthy, timeout=300)
+    return r, url
+
+
+@needs_model
+@pytest.mark.faults
+def test_sigkill_while_a_server_writes_its_prefix_cache(tmp_path):
+    """A server killed (SIGKILL) while it writes a prompt's prefix-cache blocks to --kv-cache-dir: the next server
+    on that folder starts, removes what the kill left half-written, and answers the prompt exactly as a server
+    without a cache did."""
+    import httpx
+
+    from triforce.corpus import demo_text
+
+    env = env_for(tmp_path / "cache")
+    folder = tmp_path / "kv"
+    body = {"prompt": demo_text()[:9000], "max_tokens": 16, "temperature": 0}  # ~2.6K tokens: 5 blocks of 512
+
+    def answer(url: str) -> dict:
+        return httpx.post(url + "/v1/completions", json=body, timeout=600).json()
+
+    plain, url = _serving(env)
+    reference = answer(url)["choices"][0]["text"]
+    plain.signal(signal.SIGTERM)
+    assert plain.finish() == 0, plain.stderr
+
+    # the kill: as soon as a block file is being written (its temporary exists)
+    writing, url = _serving(env, "--kv-cache-dir", str(folder))
+    def ask_and_lose_the_answer():
+        with contextlib.suppress(httpx.HTTPError):  # (the server dies before it answers)
+            httpx.post(url + "/v1/completions", json=body, timeout=600)
+
+    threading.Thread(target=ask_and_lose_the_answer, daemon=True).start()
+    writing.wait_for(lambda: leftovers(folder), timeout=600)
+    t = writing.signal(signal.SIGKILL)
+    writing.finish()
+    left = leftovers(folder)
+    assert left, "the kill should have left a half-written block file"
+
+    again, url = _serving(env, "--kv-cache-dir", str(folder))
+    took = time.monotonic() - t
+    assert not leftovers(folder)  # the start-up removed the dead writer's temporaries
+    first, second = answer(url), answer(url)
+    again.signal(signal.SIGTERM)
+    assert again.finish() == 0, again.stderr
+    no_traceback(again)
+    assert first["choices"][0]["text"] == reference and second["choices"][0]["text"] == reference
+    assert second["triforce"]["prefix_cache_tokens"] > 0  # the folder works again: the prompt's blocks are reused
+    manifest = json.loads(next(folder.glob("*/manifest.json")).read_text())
+    for entry in manifest["blocks"].values():  # every block listed has its whole file
+        assert (next(folder.glob("*/")) / entry["file"]).stat().st_size == entry["bytes"]
+    TABLE.append(("SIGKILL", "server writing its prefix cache (--kv-cache-dir)",
+                  "next server started, half-written block removed, same answer", took))
