@@ -161,9 +161,8 @@ class ForwardGate:
             if w.key is not None:
                 groups.setdefault(w.key, []).append(w)
         due = any(w.first_token_due for g in groups.values() for w in g)
-        if solo:
-            first = min(solo, key=lambda w: (w.passed < STARVATION, w.prefill_left, w.arrived))
-        if solo and not due and (not groups or self._credit >= first.rows):
+        first = min(solo, key=lambda w: (w.passed < STARVATION, w.prefill_left, w.arrived)) if solo else None
+        if first is not None and not due and (not groups or self._credit >= first.rows):
             self._credit = max(0, self._credit - first.rows)
             for w in solo:
                 w.passed += w is not first and w.arrived < first.arrived

@@ -40,6 +40,7 @@ the budgets of the servers sharing it together.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -123,6 +124,12 @@ def chain_hash(parent: str | None, tokens) -> str:
     h = hashlib.sha256((parent or "root").encode())
     h.update(b"|" + ",".join(map(str, tokens)).encode())
     return h.hexdigest()[:32]
+
+
+def leading(keys, present) -> int:
+    """How many of `keys` (a prompt's block keys, root first) are in `present`, from the first on: the blocks a
+    cache holding `present` would reuse."""
+    return sum(1 for _ in itertools.takewhile(present.__contains__, keys))
 
 
 def block_keys(tokens, block_size: int) -> list[str]:
@@ -245,13 +252,8 @@ class PrefixCache:
     def held(self, keys: list[str]) -> int:
         """How many of `keys` (a prompt's block keys, root first) are cached in memory, from the first on
         (any thread; counts no hit and touches nothing)."""
-        n = 0
         with self._lock:
-            for key in keys:
-                if key not in self.blocks:
-                    break
-                n += 1
-        return n
+            return leading(keys, self.blocks)
 
     def keys(self) -> list[str]:
         """The keys of the cached blocks (any thread)."""

@@ -46,7 +46,7 @@ from ray.serve.request_router import (
 )
 
 from .engine import QueueFull, ShuttingDown
-from .prefix_cache import block_keys
+from .prefix_cache import block_keys, leading
 
 log = logging.getLogger("triforce.serve")
 
@@ -288,12 +288,7 @@ class PrefixAffinityRouter(_CountingRouter):
 
     def held(self, replica: RunningReplica, keys: list[str]) -> int:
         """How many of `keys` (a prompt's blocks, root first) the replica holds, from the first on."""
-        claimed, n = self.claimed(replica), 0
-        for key in keys:
-            if key not in claimed:
-                break
-            n += 1
-        return n
+        return leading(keys, self.claimed(replica))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         """-> ranks of replicas to try, the first a single replica, reserved for the request."""
