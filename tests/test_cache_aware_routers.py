@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,20 +22,15 @@ pytest.importorskip("vllm_router")
 
 import test_serving  # noqa: E402
 from test_serving import CONFIG, DOC, STACK, serving  # noqa: E402
+from triforce.bench.serve import free_port  # noqa: E402
 
 tiny = test_serving.tiny  # the tiny model and character tokenizer fixture
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def router(workers: list[str], policy: str = "cache_aware"):
     """vllm-router on 127.0.0.1 in front of `workers`; yields its URL once it answers."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, "--worker-urls", *workers, "--worker-startup-timeout-secs", "60",
            "--worker-startup-check-interval", "1", "--log-level", "warning"]

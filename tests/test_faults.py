@@ -477,30 +477,18 @@ def test_unwritable_kernel_cache_builds_for_this_run(tmp_path, reference):
     TABLE.append(("kernel cache not writable", "kernel build", "built for this run only, same output", r.seconds))
 
 
-def _free_port() -> int:
-    import socket
+def _serving(env, log: Path, *args):
+    """`triforce serve` (one request at a time) on a free loopback port, once it answers /health."""
+    from triforce.bench.serve import ServerProcess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ServerProcess(["--max-batch", "1", *args], log, ready_seconds=300, env=env)
 
 
-def _serving(env, *args) -> tuple[Run, str]:
-    """`triforce serve` on a free loopback port, once it answers /health -> (the run, its URL)."""
-    import httpx
-
-    port = _free_port()
-    r = Run(["serve", "--port", str(port), "--max-batch", "1", *args], env)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    r.wait_for(healthy, timeout=300)
-    return r, url
+def _manifest_files(folder: Path) -> dict[str, int]:
+    """The block files the prefix cache's manifest under `folder` lists -> their bytes ({} without a manifest)."""
+    manifest = next(folder.glob("*/manifest.json"), None)
+    entries = json.loads(manifest.read_text())["blocks"].values() if manifest else ()
+    return {e["file"]: e["bytes"] for e in entries}
 
 
 @needs_model
@@ -520,41 +508,40 @@ def test_sigkill_while_a_server_writes_its_prefix_cache(tmp_path):
     def answer(url: str) -> dict:
         return httpx.post(url + "/v1/completions", json=body, timeout=600).json()
 
-    plain, url = _serving(env)
-    reference = answer(url)["choices"][0]["text"]
-    plain.signal(signal.SIGTERM)
-    assert plain.finish() == 0, plain.stderr
+    plain = _serving(env, tmp_path / "plain.log")
+    reference = answer(plain.url)["choices"][0]["text"]
+    assert plain.stop() == 0, (tmp_path / "plain.log").read_text()
 
     # the kill: as soon as the first block file is being written or written (the manifest listing the blocks is
     # written after all of them, so the folder is caught half-done)
-    writing, url = _serving(env, "--kv-cache-dir", str(folder))
+    writing = _serving(env, tmp_path / "writing.log", "--kv-cache-dir", str(folder))
+
     def ask_and_lose_the_answer():
         with contextlib.suppress(httpx.HTTPError):  # (the server dies before it answers)
-            httpx.post(url + "/v1/completions", json=body, timeout=600)
+            httpx.post(writing.url + "/v1/completions", json=body, timeout=600)
 
     threading.Thread(target=ask_and_lose_the_answer, daemon=True).start()
     deadline = time.monotonic() + 600
     while not (leftovers(folder) or any(folder.glob("*/*.safetensors"))):  # (polled tightly: writes are quick)
-        assert time.monotonic() < deadline and writing.p.poll() is None, writing.stderr
+        assert time.monotonic() < deadline and writing.proc.poll() is None, (tmp_path / "writing.log").read_text()
         time.sleep(0.001)
-    t = writing.signal(signal.SIGKILL)
-    writing.finish()
-    manifest = next(folder.glob("*/manifest.json"), None)
-    listed = {e["file"] for e in json.loads(manifest.read_text())["blocks"].values()} if manifest else set()
+    t = time.monotonic()
+    writing.proc.kill()
+    writing.stop()
+    listed = _manifest_files(folder)
     unlisted = [f for f in folder.glob("*/*.safetensors") if f.name not in listed]
     assert leftovers(folder) or unlisted, "the kill should have left the folder half-written"
 
-    again, url = _serving(env, "--kv-cache-dir", str(folder))
+    again = _serving(env, tmp_path / "again.log", "--kv-cache-dir", str(folder))
     took = time.monotonic() - t
     assert not leftovers(folder)  # the start-up removed the dead writer's temporaries
-    first, second = answer(url), answer(url)
-    again.signal(signal.SIGTERM)
-    assert again.finish() == 0, again.stderr
-    no_traceback(again)
+    first, second = answer(again.url), answer(again.url)
+    log = tmp_path / "again.log"
+    assert again.stop() == 0, log.read_text()
+    assert "Traceback" not in log.read_text(), log.read_text()
     assert first["choices"][0]["text"] == reference and second["choices"][0]["text"] == reference
     assert second["triforce"]["prefix_cache_tokens"] > 0  # the folder works again: the prompt's blocks are reused
-    manifest = json.loads(next(folder.glob("*/manifest.json")).read_text())
-    for entry in manifest["blocks"].values():  # every block listed has its whole file
-        assert (next(folder.glob("*/")) / entry["file"]).stat().st_size == entry["bytes"]
+    for name, size in _manifest_files(folder).items():  # every block listed has its whole file
+        assert (next(folder.glob("*/")) / name).stat().st_size == size
     TABLE.append(("SIGKILL", "server writing its prefix cache (--kv-cache-dir)",
                   "next server started, unlisted block files removed, same answer", took))

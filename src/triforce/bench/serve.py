@@ -39,7 +39,7 @@ MEMORY_SLACK_BYTES = 96 << 20  # allocator noise allowed over the baseline
 CHARS_PER_TOKEN = 3.3  # the demo corpus with SmolLM2's tokenizer (the responses' usage gives the exact count)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -66,17 +66,18 @@ def wait_until_healthy(server, what: str, t0: float, seconds: float, poll: float
 
 
 class ServerProcess:
-    """`python -m triforce serve ...` on 127.0.0.1; stderr goes to a log file."""
+    """`python -m triforce serve ...` on 127.0.0.1 (in `env`, default this process's environment); stderr goes to a
+    log file."""
 
-    def __init__(self, extra: list[str], log_path: Path, ready_seconds: float = 600.0):
-        self.port = _free_port()
+    def __init__(self, extra: list[str], log_path: Path, ready_seconds: float = 600.0, env: dict | None = None):
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "triforce", "serve", "--host", "127.0.0.1", "--port", str(self.port), *extra]
         self.command = " ".join(cmd[1:])
         self.log = open(log_path, "ab")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.ready_seconds = wait_until_healthy(self, "the server", t0, ready_seconds, 0.5)
 
     def rss(self) -> int:
@@ -509,7 +510,7 @@ class VllmProcess:
     group (its engine runs in child processes); its output goes to a log file."""
 
     def __init__(self, python: str, model_dir: Path, args, max_len: int, max_seqs: int, log_path: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
