@@ -14,7 +14,7 @@ from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate, generate_ar
 from triforce.sampling import SamplingParams
 from triforce.speculation.settings import SpecConfig
-from triforce.speculation.stack import StackSpec
+from triforce.speculation.stack import METHODS, StackSpec
 from triforce.caches import new_cache
 
 pytestmark = [pytest.mark.cuda,
@@ -141,6 +141,18 @@ def kind_models():
     return target, draft
 
 
+def _head_for(hf, path):
+    """A draft head for `hf`'s model (tests/test_drafthead.py's make_head: the identity, perturbed), saved to path."""
+    from test_drafthead import make_head
+
+    return str(make_head(ours_from_hf(hf), path))
+
+
+@pytest.fixture(scope="module")
+def kind_head(tmp_path_factory):
+    return _head_for(hf_tiny("llama", seed=7, **KERNEL_SHAPE), tmp_path_factory.mktemp("head"))
+
+
 @pytest.mark.parametrize("levels,gammas,tree", KIND_STACKS)
 def test_every_kind_is_token_identical_to_ar(kind_models, levels, gammas, tree):
     """Greedy, fp32: stacks with kv4, h2o, draft-model and tree levels give ar's tokens, every level run."""
@@ -152,6 +164,48 @@ def test_every_kind_is_token_identical_to_ar(kind_models, levels, gammas, tree):
         res = generate(model, prompt, 64, stack=stack, config=SPEC, draft_model=draft)
         assert res.tokens == ref, (levels, tree, seed)
         assert all(lvl["rounds"] >= 1 for lvl in res.stats["levels"][:-1]), res.stats["levels"]
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+def test_every_named_method_is_token_identical_to_ar(kind_models, method):
+    """Greedy, fp32: each method of the README's table (`draft` with a small model) gives ar's tokens."""
+    model, draft = kind_models
+    for seed, n in ((0, 400), (1, 257)):
+        prompt = _prompt(n, seed)
+        ref = generate_ar(model, prompt, 64, config=SPEC).tokens
+        assert generate(model, prompt, 64, method=method, config=SPEC, draft_model=draft).tokens == ref, (method, seed)
+
+
+# the draft head (`head`) at the bottom: a chain, under a retrieval level, and drafting trees
+HEAD_STACKS = [("head,full", "3", None), ("head,retrieval:96,full", "2,3", None), ("head,full", "3", "3,2")]
+
+
+@pytest.mark.parametrize("levels,gammas,tree", HEAD_STACKS)
+def test_head_stacks_are_token_identical_to_ar(kind_models, kind_head, levels, gammas, tree):
+    """Greedy, fp32: stacks with a draft head at the bottom (the head on the GPU, reading the target's features)
+    give ar's tokens, and the head drafts and gets some drafts accepted."""
+    model, _ = kind_models
+    config = SpecConfig(**{**SPEC.__dict__, "head": kind_head})
+    for seed, n in ((0, 400), (1, 257)):
+        prompt = _prompt(n, seed)
+        ref = generate_ar(model, prompt, 64, config=SPEC).tokens
+        res = generate(model, prompt, 64, stack=StackSpec.parse(levels, gammas, tree=tree), config=config)
+        assert res.tokens == ref, (levels, tree, seed)
+        assert res.stats["levels"][0]["rounds"] >= 1, res.stats["levels"]
+
+
+@pytest.mark.parametrize("levels,gammas", [("ngram,retrieval:96,full", "2,4"), ("ngram,kv4,retrieval:96,full", "2,2,3"),
+                                           ("streaming:24,full", "3")])
+def test_int8_kv_stacks_are_token_identical_to_ar(levels, gammas):
+    """Greedy: a target keeping its KV cache in int8 (caches/quantized.py, eager on the GPU) gives the tokens of
+    its own `ar` through every level kind that reads that cache."""
+    model = _ours(hf_tiny("llama", seed=7, **KERNEL_SHAPE), torch.float32)
+    model.kv_dtype = "int8"
+    for seed, n in ((0, 400), (1, 257)):
+        prompt = _prompt(n, seed)
+        ref = generate_ar(model, prompt, 64, config=SPEC).tokens
+        res = generate(model, prompt, 64, stack=StackSpec.parse(levels, gammas), config=SPEC)
+        assert res.tokens == ref, (levels, seed)
 
 
 def test_graph_rows_are_bitwise_independent():
@@ -232,18 +286,30 @@ def dist_models():
     return target, draft
 
 
-@pytest.mark.parametrize("method,levels,gammas,params", [
-    ("triforce", None, None, SamplingParams(temperature=1.0)),
-    (None, "ngram,streaming:8,retrieval:12,full", "2,2,3", SamplingParams(temperature=0.8, top_k=5)),
-    (None, "draft,retrieval:12,full", "2,3", SamplingParams(temperature=1.0, top_p=0.8)),
+@pytest.fixture(scope="module")
+def dist_head(tmp_path_factory):
+    from test_speculation_distribution import V
+
+    return _head_for(hf_tiny("llama", seed=21, vocab_size=V, initializer_range=0.5, max_position_embeddings=256),
+                     tmp_path_factory.mktemp("dist_head"))
+
+
+@pytest.mark.parametrize("method,levels,gammas,tree,params", [
+    ("triforce", None, None, None, SamplingParams(temperature=1.0)),
+    (None, "ngram,streaming:8,retrieval:12,full", "2,2,3", None, SamplingParams(temperature=0.8, top_k=5)),
+    (None, "draft,retrieval:12,full", "2,3", None, SamplingParams(temperature=1.0, top_p=0.8)),
+    (None, "streaming:8,full", "2", "3,2", SamplingParams(temperature=1.0)),  # Sequoia trees
+    (None, "kv4,full", "3", None, SamplingParams(temperature=0.8)),
+    (None, "head,full", "2", "3,2", SamplingParams(temperature=1.0)),  # a draft head's trees
 ])
-def test_sampling_is_exact_on_cuda(dist_models, method, levels, gammas, params):
+def test_sampling_is_exact_on_cuda(dist_models, dist_head, method, levels, gammas, tree, params):
     from test_speculation_distribution import ALPHA, CFG, exact_marginals, p_values, sample_counts
 
     prompt = _dist_prompt()
     exact = exact_marginals(dist_models[0], prompt, params)
-    stack = StackSpec.parse(levels, gammas) if levels else None
-    counts = sample_counts(dist_models, prompt, method, CFG, n=N_CUDA_SAMPLES, params=params, stack=stack)
+    stack = StackSpec.parse(levels, gammas, tree=tree) if levels else None
+    cfg = SpecConfig(**{**CFG.__dict__, "head": dist_head})
+    counts = sample_counts(dist_models, prompt, method, cfg, n=N_CUDA_SAMPLES, params=params, stack=stack)
     pv = p_values(counts, exact)
     assert min(pv) > ALPHA, (method or levels, pv)
 

@@ -17,5 +17,5 @@ cp benchmarks/gpu/check.sh .gpu/run.sh
 [ "$(cat .gpu/a/part .gpu/b/part | sha256sum | cut -d' ' -f1)" = "$(sha256sum "$gguf" | cut -d' ' -f1)" ]
 echo "ready: .gpu/whl, .gpu/a/part, .gpu/b/part ($size bytes in two halves), .gpu/run.sh"
 echo "device calls, back to back (the machine stays warm 30 s between them):"
-echo "  carry [.gpu/whl, .gpu/a, .gpu/run.sh]: mkdir -p /root/tf && cp .gpu/a/part /root/tf/a && if [ -f /root/tf/b ]; then bash .gpu/run.sh; fi"
-echo "  carry [.gpu/whl, .gpu/b, .gpu/run.sh]: mkdir -p /root/tf && cp .gpu/b/part /root/tf/b && if [ -f /root/tf/a ]; then bash .gpu/run.sh; fi"
+echo "  carry [.gpu/whl, .gpu/a, .gpu/run.sh]: mkdir -p /root/tf && cp .gpu/a/part /root/tf/a && bash .gpu/run.sh 1"
+echo "  carry [.gpu/whl, .gpu/b, .gpu/run.sh]: mkdir -p /root/tf && cp .gpu/b/part /root/tf/b && bash .gpu/run.sh 2"

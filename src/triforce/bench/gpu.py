@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -153,6 +154,71 @@ def breakdown(model, cache, hbm: float, log, sweep: bool = False) -> dict:
     return out
 
 
+# launch settings tried by --kernel-sweep: programs per multiprocessor, whole waves, (warps, pipeline stages)
+SWEEP_PER_SM = (1, 2, 4)
+SWEEP_LAUNCH = ((4, 3), (8, 3), (4, 2), (4, 4), (8, 2))
+
+
+@torch.inference_mode()
+def decode_kernel_sweep(contexts: list[int], hbm: float, log, layers: int = 4, tokens: int = 16) -> list[dict]:
+    """The decode kernel alone (kernels/cuda_decode.py) for the KV-head counts of the 7B/8B shapes (Llama-3-8B: 8 KV
+    heads of 4 query heads; Llama-2-7B: 32 of 1; head dim 128, bf16), `tokens` query rows per KV-head group as every
+    graph forward has, over `layers` distinct caches of context + 256 slots (each far beyond L2) filled up to the
+    context: every launch setting against the floor (K/V bytes read / copy bandwidth), beside PyTorch's SDPA over the
+    same keys for one token (what the eager step runs). One row per (shape, context)."""
+    import torch.nn.functional as F
+
+    from ..kernels import cuda_decode
+
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name in ("llama3-8b", "llama2-7b"):
+        shape = SHAPES[name]
+        Hkv = shape["num_key_value_heads"]
+        g = shape["num_attention_heads"] // Hkv
+        D = shape["hidden_size"] // shape["num_attention_heads"]
+        for ctx in contexts:
+            C = ctx + 256
+            ks = [torch.randn(Hkv, C, D, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+            vs = [torch.randn(Hkv, C, D, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+            q = torch.randn(Hkv, g * tokens, D, device="cuda", dtype=torch.bfloat16)
+            last = torch.full((g * tokens,), ctx - 1, dtype=torch.int32, device="cuda")
+            bm = cuda_decode.block_rows(g * tokens)
+            row = {"shape": name, "kv_heads": Hkv, "group": g, "context": ctx, "layers": layers, "tokens": tokens,
+                   "floor_ms": 2 * layers * Hkv * ctx * D * 2 / hbm / 1e6, "settings": {}}
+
+            def run(split, warps, stages):
+                return _graph_ms(lambda: [cuda_decode.decode_attention(q, ks[i], vs[i], last, D ** -0.5, bm, split,
+                                                                       warps, stages) for i in range(layers)], reps=10)
+
+            row["default_ms"] = run(cuda_decode.split_size(C, Hkv, n_sm), None, None)
+            for per_sm in SWEEP_PER_SM:
+                for whole in (False, True):
+                    split = cuda_decode.split_size(C, Hkv, n_sm, per_sm=per_sm, whole_waves=whole)
+                    for warps, stages in SWEEP_LAUNCH:
+                        key = f"sm{per_sm}{'_whole' if whole else ''}_w{warps}_s{stages}"
+                        try:
+                            row["settings"][key] = run(split, warps, stages)
+                        except Exception as e:  # a setting that does not compile (resources)
+                            log(f"{name} {ctx} {key}: {type(e).__name__}")
+            qs = torch.randn(1, Hkv * g, 1, D, device="cuda", dtype=torch.bfloat16)
+            try:
+                row["sdpa_1_token_ms"] = _graph_ms(lambda: [F.scaled_dot_product_attention(
+                    qs, ks[i][None, :, :ctx], vs[i][None, :, :ctx], enable_gqa=g > 1) for i in range(layers)], reps=10)
+            except Exception as e:
+                log(f"{name} {ctx} sdpa: {type(e).__name__}: {e}")
+            best = min(row["settings"], key=row["settings"].get)
+            row["best"], row["best_ms"] = best, row["settings"][best]
+            log(f"decode kernel {name} {ctx}: default {row['default_ms']:.3f} ms, best {best} {row['best_ms']:.3f} ms, "
+                f"sdpa(1 token) {row.get('sdpa_1_token_ms', math.nan):.3f} ms, floor {row['floor_ms']:.3f} ms: "
+                f"default {row['default_ms'] / row['floor_ms']:.2f}x, best {row['best_ms'] / row['floor_ms']:.2f}x")
+            rows.append(row)
+            ks.clear()
+            vs.clear()
+            torch.cuda.empty_cache()
+    return rows
+
+
 def weight_bytes(model) -> int:
     seen, total = set(), 0
     for p in model.parameters():
@@ -245,6 +311,68 @@ def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamm
     row[f"retrieval_{gamma_draft + 1}_ms"] = _events_ms(lambda: retr_step(gamma_draft + 1), 20)
     retr_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * budget * 2
     row["retrieval_floor_ms"] = (wbytes + retr_bytes) / hbm / 1e6
+    for level, measure in (("streaming", measure_streaming_level), ("head", measure_head_level)):
+        try:  # a drafting level's failure is logged, not fatal: the rows above stand
+            measure(model, row, budget, wbytes, hbm)
+        except Exception as e:
+            log(f"{level} level at {ctx}: {type(e).__name__}: {e}")
+
+
+def measure_streaming_level(model, row: dict, budget: int, wbytes: int, hbm: float) -> None:
+    """The bottom level of the paper's stack on our side: the target with a StreamingLLM cache of `budget` tokens
+    (4 sinks), forwards of 1 and 4 tokens; eager (streaming windows are not captured in graphs)."""
+    from ..caches.streaming import StreamingCache
+
+    cfg = model.cfg
+    cache = StreamingCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, sink=4, window=budget - 4, max_rollback=16,
+                           slack=512, dtype=model.dtype, device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (1, budget), device="cuda")
+    for i in range(0, budget, 512):
+        model(ids[:, i:i + 512], cache)
+    at = cache.length
+
+    def step(n):
+        model(ids[:, :n], cache)
+        cache.rollback(at)
+
+    row["streaming_1_ms"] = _events_ms(lambda: step(1), 20)
+    row["streaming_4_ms"] = _events_ms(lambda: step(4), 20)
+    row["streaming_floor_ms"] = (wbytes + 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * budget * 2) / hbm / 1e6
+
+
+def measure_head_level(model, row: dict, budget: int, wbytes: int, hbm: float, window: int = 1024) -> None:
+    """A draft head (drafthead/, EAGLE's design: one decoder layer over [embedding, feature], then the target's LM
+    head) of this shape, random weights, on the GPU as a head runs there (fp32, eager): one drafted token = one
+    head forward of 1 position with a full `window` cache + the LM head over its prediction."""
+    from ..caches import new_window_cache
+    from ..drafthead.drafter import prepare_for_drafting
+    from ..drafthead.head import DraftHead, HeadConfig, embed_tokens
+
+    cfg = model.cfg
+    with torch.device("cuda"):
+        head = DraftHead(HeadConfig.for_target(model, window=window), cfg).eval()
+    prepare_for_drafting(head, model)
+    hc = head.cfg
+    cache = new_window_cache(1, hc.n_kv_heads, hc.head_dim, window, 24, dtype=torch.float32, device="cuda")
+    feats = torch.randn(1, window - 32, cfg.hidden_size, device="cuda")
+    emb = embed_tokens(model, torch.randint(0, cfg.vocab_size, (1, window - 32), device="cuda"))
+    cache.prepare(window - 32, None)
+    head(feats, emb, torch.arange(window - 32, device="cuda"), cache)
+    cache.commit(window - 32)
+    at = cache.length
+
+    def draft_one():
+        cache.prepare(1, None)
+        pred = head(feats[:, :1], emb[:, :1], torch.tensor([at], device="cuda"), cache)
+        cache.commit(1)
+        head.logits(pred[0, -1], model).argmax()
+        cache.rollback(at)
+
+    row["head_1_ms"] = _events_ms(draft_one, 20)
+    head_bytes = sum(p.numel() * p.element_size() for p in head.parameters())
+    lm = model.lm_head.weight
+    row["head_floor_ms"] = (head_bytes + lm.numel() * lm.element_size()
+                            + 2 * hc.n_kv_heads * hc.head_dim * window * 4) / hbm / 1e6
 
 
 @torch.inference_mode()
@@ -331,6 +459,13 @@ def print_repriced(priced: list[dict]) -> None:
                  f"({r['offload_speedup']:.1f}x)" if "offload_ar_ms" in r else ""))
 
 
+def _write_json(path: str, result: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m triforce.bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -350,6 +485,8 @@ def main(argv=None) -> int:
     p.add_argument("--reprice", metavar="FILE",
                    help="no GPU needed: re-price the rows of an earlier --json FILE with --acceptance (and --host-ms)")
     p.add_argument("--host-ms", type=float, default=0.0, help="host time per forward added when re-pricing")
+    p.add_argument("--kernel-sweep", action="store_true",
+                   help="only the decode kernel alone at --contexts, both KV-head counts, every launch setting")
     args = p.parse_args(argv)
     acceptance = {}
     for part in filter(None, args.acceptance.split(",")):
@@ -373,17 +510,23 @@ def main(argv=None) -> int:
     info = {"gpu": props.name, "memory_GiB": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count,
             "torch": torch.__version__, "hbm_copy_GBps": hbm, "pcie_h2d_GBps": pcie}
     log(json.dumps(info))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.kernel_sweep:
+        kernel = decode_kernel_sweep(contexts, hbm, log)
+        if args.json:
+            _write_json(args.json, {"device": info, "kernel": kernel})
+        return 0
     rows = []
-    for name in args.shapes.split(","):
-        rows += measure_shape(name, [int(c) for c in args.contexts.split(",")], args.gamma, args.gamma_draft,
-                              args.budget, args.offload, hbm, pcie, log, "sweep" if args.sweep else args.breakdown,
-                              args.generate)
-    priced = reprice(rows, acceptance, args.gamma, args.gamma_draft, args.host_ms) if acceptance else []
     result = {"device": info, "gamma": args.gamma, "gamma_draft": args.gamma_draft, "budget": args.budget,
-              "rows": rows, "repriced": priced, "acceptance": acceptance}
+              "rows": rows, "repriced": [], "acceptance": acceptance}
+    for name in args.shapes.split(","):
+        rows += measure_shape(name, contexts, args.gamma, args.gamma_draft, args.budget, args.offload, hbm, pcie, log,
+                              "sweep" if args.sweep else args.breakdown, args.generate)
+        if args.json:  # after each shape: a run cut short keeps what it measured
+            _write_json(args.json, result)
+    result["repriced"] = priced = reprice(rows, acceptance, args.gamma, args.gamma_draft, args.host_ms) if acceptance else []
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        _write_json(args.json, result)
     print(f"{info['gpu']}: HBM copy {hbm:.0f} GB/s, PCIe H2D {pcie:.1f} GB/s")
     print(f"{'shape':10} {'ctx':>7} {'ar eager':>9} {'ar graph':>9} {'floor':>7} {'x':>5} {'verify':>7} "
           f"{'retr1':>6} {'retrN':>6} {'build':>6} {'off.ver':>8} {'pcie fl':>8}")

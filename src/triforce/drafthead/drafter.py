@@ -31,15 +31,15 @@ from .head import DraftHead, embed_tokens
 
 
 def prepare_for_drafting(head: DraftHead, model: Transformer) -> None:
-    """Once per head: its layer and linear layers run on the target's CPU kernels, the weights as bf16 panels
-    (half the bytes; the head only drafts)."""
+    """Once per head: on the target's device (fp32, as the features it reads); on a CPU its layer and linear layers
+    run on the target's kernels, the weights as bf16 panels (half the bytes; the head only drafts)."""
     prepared = getattr(head, "_prepared_for", None)
     if prepared is not None and prepared() is model:
         return
     head._prepared_for = weakref.ref(model)  # (the head outlives no model it was loaded for: head_for's cache)
+    head.to(model.device)
     if model.device.type != "cpu":
         return
-    head.to(model.device)
     head.layer.backend = model.backend
     for lin in (head.fc, head.layer.wqkv, head.layer.wo, head.layer.w_gate_up, head.layer.w_down):
         lin.backend = model.backend if model.backend.enabled else lin.backend

@@ -4,7 +4,7 @@ Why ours: speculative decoding is lossless only if the verifier scores a token e
 would. On a GPU a kernel's arithmetic order usually follows the problem's shape (cuBLAS and
 PyTorch pick kernels by the number of rows), so a token verified among 5 would get other logits
 than the same token decoded alone. Here a program always takes BLOCK_M query rows (the fixed row
-count of every graph forward, padded) and keys in fixed SPLIT-sized ranges, so row r's result is
+count of every graph forward, padded) and keys in fixed split-sized ranges, so row r's result is
 the same whatever the other rows hold or how many are real: masked keys contribute exactly 0 and
 leave the running max alone.
 
@@ -13,7 +13,7 @@ leave the running max alone.
 
 Only keys up to max(last) are read (not the capacity): the cost is the length's. Pass 1: one
 program per (KV head, split) keeps an unnormalised output, its max and its sum per row; pass 2
-combines the splits in order. Scores and sums in fp32; P is rounded to V's dtype before P @ V, as
+combines the splits in order, one program per (KV head, COMBINE_ROWS rows). Scores and sums in fp32; P is rounded to V's dtype before P @ V, as
 flash attention does.
 """
 from __future__ import annotations
@@ -37,15 +37,22 @@ def available() -> bool:
 # programs per multiprocessor over all KV heads, warps per program, software-pipelining stages of the
 # key loop. Llama-3-8B's 8 KV heads: 2.20 ms for 32 layers against 2.69 with (2, 4, 2) and a 1.43 ms
 # floor; Llama-2-7B's 32 heads: 6.02 ms against 6.05, floor 5.72.
+# WHOLE_WAVES: round the splits per KV head down, so that no multiprocessor gets one program more than the others
+# (8 KV heads on 132 multiprocessors: 16 splits, 128 programs, instead of 17 and 136).
 PER_SM = 1
 WARPS = 4
 STAGES = 3
+WHOLE_WAVES = False
+COMBINE_ROWS = 16  # query rows per program of the combine pass
 
 
-def split_size(capacity: int, n_kv_heads: int, n_sm: int = 132, per_sm: int | None = None) -> int:
+def split_size(capacity: int, n_kv_heads: int, n_sm: int = 132, per_sm: int | None = None,
+               whole_waves: bool | None = None) -> int:
     """Keys per split for a cache of `capacity` slots: about `per_sm` programs per multiprocessor over all
     KV heads, in whole blocks (fixed per cache, so a row's arithmetic never changes with the length)."""
-    splits = max(1, ((per_sm or PER_SM) * n_sm + n_kv_heads - 1) // n_kv_heads)
+    programs = (per_sm or PER_SM) * n_sm
+    down = WHOLE_WAVES if whole_waves is None else whole_waves
+    splits = max(1, programs // n_kv_heads if down else -(-programs // n_kv_heads))
     size = -(-capacity // splits)
     return max(BLOCK_N, -(-size // BLOCK_N) * BLOCK_N)
 
@@ -53,8 +60,8 @@ def split_size(capacity: int, n_kv_heads: int, n_sm: int = 132, per_sm: int | No
 if triton is not None:
     @triton.jit
     def _split_pass(Q, K, V, LAST, O, ML, R, scale,
-                    sq_h, sq_r, sk_h, sk_c, sv_h, sv_c, so_h, so_s, sml_h, sml_s,
-                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                    sq_h, sq_r, sk_h, sk_c, sv_h, sv_c, so_h, so_s, sml_h, sml_s, split,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                     IEEE: tl.constexpr):
         h = tl.program_id(0)
         s = tl.program_id(1)
@@ -64,8 +71,8 @@ if triton is not None:
         q = tl.load(Q + h * sq_h + rows[:, None] * sq_r + dims[None, :], mask=live[:, None], other=0.0)
         last = tl.load(LAST + rows, mask=live, other=-1)
         n_keys = tl.max(last, axis=0) + 1
-        start = s * SPLIT
-        end = tl.minimum(start + SPLIT, n_keys)
+        start = s * split
+        end = tl.minimum(start + split, n_keys)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -95,13 +102,13 @@ if triton is not None:
 
     @triton.jit
     def _combine_pass(O, ML, OUT, R, n_splits, so_h, so_s, sml_h, sml_s, sout_h, sout_r,
-                      BLOCK_M: tl.constexpr, D: tl.constexpr):
+                      BLOCK_M: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
         h = tl.program_id(0)
-        rows = tl.arange(0, BLOCK_M)
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
         dims = tl.arange(0, D)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
         for s in range(0, n_splits):
             m_s = tl.load(ML + h * sml_h + s * sml_s + rows)
             l_s = tl.load(ML + h * sml_h + s * sml_s + BLOCK_M + rows)
@@ -136,11 +143,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: to
     out = torch.empty(Hkv, R, D, dtype=q.dtype, device=q.device)
     _split_pass[(Hkv, n_splits)](q, k, v, last, partial, ml, R, scale,
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                 partial.stride(0), partial.stride(1), ml.stride(0), ml.stride(1),
-                                 SPLIT=split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D,
+                                 partial.stride(0), partial.stride(1), ml.stride(0), ml.stride(1), split,
+                                 BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D,
                                  IEEE=q.dtype == torch.float32, num_warps=warps or WARPS,
                                  num_stages=stages or STAGES)
-    _combine_pass[(Hkv,)](partial, ml, out, R, n_splits, partial.stride(0), partial.stride(1),
-                          ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
-                          BLOCK_M=block_m, D=D, num_warps=4)
+    rows = min(COMBINE_ROWS, block_m)  # combine programs per KV head: block_m // rows (each row combines alone)
+    _combine_pass[(Hkv, block_m // rows)](partial, ml, out, R, n_splits, partial.stride(0), partial.stride(1),
+                                          ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
+                                          BLOCK_M=block_m, ROWS=rows, D=D, num_warps=4)
     return out
