@@ -38,6 +38,7 @@ def prepare_for_drafting(head: DraftHead, model: Transformer) -> None:
         return
     head._prepared_for = weakref.ref(model)  # (the head outlives no model it was loaded for: head_for's cache)
     head.to(model.device)
+    head.rotary.inv_freq = head.rotary.inv_freq.to(model.device)  # (rope.Rotary holds a plain tensor, not a buffer)
     if model.device.type != "cpu":
         return
     head.layer.backend = model.backend
