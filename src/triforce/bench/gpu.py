@@ -427,21 +427,31 @@ def measure_offloaded(model, row: dict, ctx: int, kv_bytes: int, gamma: int, pci
 
 def reprice(rows: list[dict], acceptance: dict, gamma: int, gamma_draft: int, host_ms: float = 0.0) -> list[dict]:
     """ms/token of ar and of triforce (ngram -> retrieval -> full; on-chip and offloaded) from the measured
-    costs and per-token acceptances {"T=0": (a_full, a_retr), ...}: cost_model.predict_ms, the i.i.d.
-    acceptance model. `host_ms`: host time per forward outside the graph (sampling, the token's copy),
-    added to every forward, ar's included. Rows without on-chip costs (offloaded only) are skipped."""
-    from ..speculation.cost_model import predict_ms
+    costs and per-token acceptances {"T=0": (a_full, a_retr[, a_head]), ...}: cost_model.predict_ms, the i.i.d.
+    acceptance model; with a_head and a measured head level, also a draft head's stacks: head -> full (gamma_draft
+    drafts) and head -> retrieval -> full (the head's acceptance taken as the same against either level).
+    `host_ms`: host time per forward outside the graph (sampling, the token's copy), added to every forward, ar's
+    and each drafted token's included. Rows without on-chip costs (offloaded only) are skipped."""
+    from ..speculation.cost_model import Boundary, Step, ms_per_token, predict_ms
 
     out = []
     for r in rows:
         if "verify_ms" not in r:
             continue
-        for temp, (a_full, a_retr) in acceptance.items():
+        for temp, (a_full, a_retr, *a_head) in acceptance.items():
             cost_retr = {gamma_draft + 1: r[f"retrieval_{gamma_draft + 1}_ms"] + host_ms}
-            tri = predict_ms({gamma + 1: r["verify_ms"] + host_ms}, cost_retr, a_full, a_retr, gamma, gamma_draft)
+            cost_full = {gamma + 1: r["verify_ms"] + host_ms, gamma_draft + 1: r["verify_ms"] + host_ms}
+            tri = predict_ms(cost_full, cost_retr, a_full, a_retr, gamma, gamma_draft)
             ar = r["ar_graph_ms"] + host_ms
             rec = {"shape": r["shape"], "context": r["context"], "temperature": temp, "ar_ms": ar,
                    "triforce_ms": tri, "speedup": ar / tri}
+            if a_head and "head_1_ms" in r:
+                head = r["head_1_ms"] + host_ms
+                two = ms_per_token(head, [Step(cost_full, Boundary.iid(a_head[0]), gamma_draft)])
+                three = ms_per_token(head, [Step(cost_retr, Boundary.iid(a_head[0]), gamma_draft),
+                                            Step(cost_full, Boundary.iid(a_full), gamma)])
+                rec.update(head_full_ms=two, head_full_speedup=ar / two, head_retrieval_ms=three,
+                           head_retrieval_speedup=ar / three)
             if "offload_verify_ms" in r:
                 off = predict_ms({gamma + 1: r["offload_verify_ms"] + host_ms}, cost_retr, a_full, a_retr, gamma,
                                  gamma_draft)
@@ -456,7 +466,9 @@ def print_repriced(priced: list[dict]) -> None:
         print(f"{r['shape']:10} {r['context']:>7} {r['temperature']:>6} ar {r['ar_ms']:.2f} triforce "
               f"{r['triforce_ms']:.2f} ms/token ({r['speedup']:.2f}x)"
               + (f"; offloaded ar {r['offload_ar_ms']:.0f} triforce {r['offload_triforce_ms']:.1f} "
-                 f"({r['offload_speedup']:.1f}x)" if "offload_ar_ms" in r else ""))
+                 f"({r['offload_speedup']:.1f}x)" if "offload_ar_ms" in r else "")
+              + (f"; head,full {r['head_full_ms']:.2f} ({r['head_full_speedup']:.2f}x), head,retrieval,full "
+                 f"{r['head_retrieval_ms']:.2f} ({r['head_retrieval_speedup']:.2f}x)" if "head_full_ms" in r else ""))
 
 
 def _write_json(path: str, result: dict) -> None:
@@ -480,7 +492,8 @@ def main(argv=None) -> int:
     p.add_argument("--generate", type=int, default=0, metavar="N",
                    help="at the first context: a real prefill, then ar and triforce for N tokens (host costs included)")
     p.add_argument("--acceptance", default="",
-                   help="per-token acceptances for re-pricing: 'T=0:A_FULL/A_RETR,T=0.6:A_FULL/A_RETR'")
+                   help="per-token acceptances for re-pricing: 'T=0:A_FULL/A_RETR,T=0.6:A_FULL/A_RETR' (a third "
+                        "value, /A_HEAD, also prices the draft head's stacks)")
     p.add_argument("--json", metavar="FILE", help="write every measurement here")
     p.add_argument("--reprice", metavar="FILE",
                    help="no GPU needed: re-price the rows of an earlier --json FILE with --acceptance (and --host-ms)")
@@ -491,8 +504,7 @@ def main(argv=None) -> int:
     acceptance = {}
     for part in filter(None, args.acceptance.split(",")):
         temp, pair = part.split(":")
-        a, b = pair.split("/")
-        acceptance[temp] = (float(a), float(b))
+        acceptance[temp] = tuple(float(x) for x in pair.split("/"))
     if args.reprice:
         with open(args.reprice) as f:
             earlier = json.load(f)
