@@ -230,10 +230,12 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
             prefill_s = time.perf_counter() - t
             log(f"context {n_ctx}, prompt {pi} ({prompt_name}): prefill {prefill_s:.1f} s")
             if not warmed:  # first calls of every code path (kernels, oneDNN, allocator) stay untimed
+                t = time.perf_counter()
                 for stack in stacks:
                     generate(model, prompt, 4, sampling_params(0.0), stack=stack, config=config,
                              draft_model=draft_model, prefilled=shared)
                 warmed = True
+                log(f"warm-up (4 tokens of each of {len(stacks)} stacks, untimed): {time.perf_counter() - t:.1f} s")
             ar_by_temp = {}  # temperature -> (ar's tokens, ar's ms/token), for the llama.cpp rows
             for temp in temperatures:
                 params = sampling_params(temp)
