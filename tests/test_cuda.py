@@ -226,19 +226,59 @@ def test_decode_kernel_matches_float64():
     if not cuda_decode.available():
         pytest.skip("no Triton")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for Hkv, rows, D, C, dtype in ((8, 4, 128, 5000, torch.bfloat16), (32, 16, 128, 3000, torch.float16),
-                                   (2, 48, 64, 700, torch.float32)):
+    for Hkv, rows, D, C, dtype, window, sink in ((8, 4, 128, 5000, torch.bfloat16, 0, 0),
+                                                 (32, 16, 128, 3000, torch.float16, 0, 0),
+                                                 (2, 48, 64, 700, torch.float32, 0, 0),
+                                                 (8, 16, 128, 5000, torch.bfloat16, 1000, 4)):  # a StreamingLLM window
         q = torch.randn(Hkv, rows, D, device="cuda", generator=g).to(dtype)
         k = torch.randn(Hkv, C, D, device="cuda", generator=g).to(dtype)
         v = torch.randn(Hkv, C, D, device="cuda", generator=g).to(dtype)
         last = torch.randint(0, C - 100, (rows,), device="cuda", generator=g).int()
         out = cuda_decode.decode_attention(q, k, v, last, D ** -0.5, cuda_decode.block_rows(rows),
-                                           cuda_decode.split_size(C, Hkv))
+                                           cuda_decode.split_size(C, Hkv), window=window, sink=sink)
         s = (q.double() @ k.double().transpose(1, 2)) * D ** -0.5
-        s = s.masked_fill(torch.arange(C, device="cuda")[None, None] > last[None, :, None].long(), float("-inf"))
+        cols, ends = torch.arange(C, device="cuda")[None, None], last[None, :, None].long()
+        hidden = (cols > ends) | ((cols >= sink) & (cols <= ends - window)) if window else cols > ends
+        s = s.masked_fill(hidden, float("-inf"))
         ref = torch.softmax(s, -1) @ v.double()
         tol = 2e-5 if dtype == torch.float32 else 1e-2
         assert _rel(out, ref) < tol, (dtype, _rel(out, ref))
+
+
+@torch.no_grad()
+def test_streaming_level_replays_graphs_with_its_window():
+    """A StreamingLLM cache's chains replay CUDA graphs (the window derived from each row's slot) and give the
+    eager forward's logits through a twin cache, across compactions and rollbacks (fp32)."""
+    from triforce.caches import StreamingCache
+
+    model = _ours(hf_tiny("llama", seed=7, **KERNEL_SHAPE), torch.float32)
+    c = model.cfg
+
+    def streaming():
+        return StreamingCache(c.n_layers, c.n_kv_heads, c.head_dim, sink=4, window=48, max_rollback=8, slack=40,
+                              device="cuda")
+
+    ids = _prompt(400, 5)
+    eager, graphed = streaming(), streaming()
+    for cache in (eager, graphed):
+        for i in range(0, 100, 20):
+            model(torch.tensor([ids[i:i + 20]], device="cuda"), cache)
+    replays, pos = model.graphs.replays, 100
+    for step, n in enumerate([1, 5, 3, 1, 6] * 30):
+        if pos + n > 400:
+            break
+        if step % 4 == 0:  # a rejected draft
+            for cache in (eager, graphed):
+                model(torch.tensor([ids[:n]], device="cuda"), cache)
+                cache.rollback(pos)
+        a = model(torch.tensor([ids[pos:pos + n]], device="cuda"), eager)[0]
+        if model.graphs.usable(graphed, None, n):
+            b = model.graphs.forward(ids[pos:pos + n], graphed, last=n)
+        else:
+            b = model(torch.tensor([ids[pos:pos + n]], device="cuda"), graphed)[0]
+        assert _rel(b, a) < 1e-5, (step, _rel(b, a))
+        pos += n
+    assert model.graphs.replays - replays >= 40 and graphed.start > graphed.sink
 
 
 def test_offloaded_cache_is_exact():

@@ -102,6 +102,55 @@ def test_streaming_cache_rollback_keeps_window(tiny_llama):
         cache.rollback(pos - 40)  # deeper than max_rollback: refused, not silently wrong
 
 
+def _static_forward(model, cache, tokens: list[int], rows: int = 16) -> torch.Tensor | None:
+    """What a CUDA graph replays through a StreamingLLM cache (graphs.py), on the CPU: `rows` token rows at fixed
+    slots (the real ones first, padding after), the window given in slots (SlotMask.window; the bias form here);
+    None where graphs.usable would refuse (the padding would run past the capacity)."""
+    from triforce.caches.static import StaticView
+
+    n, first = len(tokens), cache.length
+    if cache._slot(first) + rows > cache.capacity:
+        return None
+    cache.prepare(n)
+    slot = cache._slot(first)  # after a compaction
+    view = StaticView(cache.k, cache.v, torch.arange(slot, slot + rows), model.cfg.n_heads, record_queries=False,
+                      window=cache.window, sink=cache.sink)
+    tok = torch.tensor([tokens + [0] * (rows - n)])
+    logits = model.forward_static(tok, torch.arange(first, first + rows), view)[:, :n]
+    cache.commit(n)
+    return logits
+
+
+@pytest.mark.parametrize("sink,window", [(4, 16), (0, 8), (2, 1)])
+@torch.no_grad()
+def test_streaming_cache_in_fixed_slots_equals_the_mask(tiny_llama, sink, window):
+    """The forward a CUDA graph replays through a streaming cache (fixed slots, the window derived from each row's
+    slot), with rollbacks of rejected drafts and compactions along the way, gives the StreamingLLM mask's logits."""
+    ids = _ids(150, seed=3)
+    ref = tiny_llama(ids, MaskedFullCache(tiny_llama, sink, window, 160))
+    cache = _streaming(tiny_llama, sink, window, max_rollback=6, slack=40)
+    got, pos, static = [], 0, 0
+    tiny_llama(ids[:, :20], cache)
+    got.append(ref[:, :20])
+    pos = 20
+    for step, n in enumerate([1, 5, 3, 1, 6] * 40):
+        if pos >= 150:
+            break
+        n = min(n, 150 - pos)
+        if step % 3 == 0:  # a draft, all rejected
+            _static_forward(tiny_llama, cache, _ids(n, seed=200 + pos)[0].tolist())
+            cache.rollback(pos)
+        out = _static_forward(tiny_llama, cache, ids[0, pos:pos + n].tolist())
+        if out is None:
+            out = tiny_llama(ids[:, pos:pos + n], cache)
+        else:
+            static += 1
+        got.append(out)
+        pos += n
+    torch.testing.assert_close(torch.cat(got, dim=1), ref, atol=1e-4, rtol=1e-4)
+    assert static >= 20 and cache.start > cache.sink  # mostly fixed-slot forwards, and compactions happened
+
+
 class _GapSpy:
     """The compiled module, counting the attention calls that get a StreamingLLM window's gap."""
 

@@ -16,8 +16,8 @@ token-identical on a GPU too. The padding is free where decoding is bound by mem
 weight matrix cost what 1 does).
 
 Used by ModelState.score for chains through caches with fixed slots (SlotLayout.fixed: the full level, ar, retrieval
-levels) when the model is on CUDA; trees, streaming windows, int8 and offloaded caches, and
-forwards of more than GRAPH_ROWS tokens (prefill) run eagerly.
+and streaming levels) when the model is on CUDA; trees, int8 and offloaded caches, and forwards of more than
+GRAPH_ROWS tokens (prefill) run eagerly.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class _Graph:
         self.tokens = self.inputs[0].view(1, P)
         self.positions = self.inputs[1]
         self.view = StaticView(layout.k, layout.v, self.inputs[2], model.cfg.n_heads,
-                               record_queries=cache.recorder is not None)
+                               record_queries=cache.recorder is not None, window=layout.window, sink=layout.sink)
         self.model = model
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None

@@ -320,7 +320,7 @@ def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamm
 
 def measure_streaming_level(model, row: dict, budget: int, wbytes: int, hbm: float) -> None:
     """The bottom level of the paper's stack on our side: the target with a StreamingLLM cache of `budget` tokens
-    (4 sinks), forwards of 1 and 4 tokens; eager (streaming windows are not captured in graphs)."""
+    (4 sinks), forwards of 1 and 4 tokens as CUDA graphs (its window in slots) and eagerly."""
     from ..caches.streaming import StreamingCache
 
     cfg = model.cfg
@@ -335,8 +335,15 @@ def measure_streaming_level(model, row: dict, budget: int, wbytes: int, hbm: flo
         model(ids[:, :n], cache)
         cache.rollback(at)
 
-    row["streaming_1_ms"] = _events_ms(lambda: step(1), 20)
-    row["streaming_4_ms"] = _events_ms(lambda: step(4), 20)
+    def graph_step(n):
+        model.graphs.forward(ids[0, :n].tolist(), cache, last=n)
+        cache.rollback(at)
+
+    row["streaming_eager_1_ms"] = _events_ms(lambda: step(1), 20)
+    row["streaming_eager_4_ms"] = _events_ms(lambda: step(4), 20)
+    if model.graphs is not None and model.graphs.usable(cache, None, 4):
+        row["streaming_1_ms"] = _events_ms(lambda: graph_step(1), 20)
+        row["streaming_4_ms"] = _events_ms(lambda: graph_step(4), 20)
     row["streaming_floor_ms"] = (wbytes + 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * budget * 2) / hbm / 1e6
 
 

@@ -285,8 +285,9 @@ class SlotLayout:
         the slots from there on, each seeing every older slot (but `gap`'s) and the new ones up to its own.
     gap: the prepared forward's StreamingLLM window (WindowGap.gap), or None.
     chain: the prepared forward is a chain, not a draft tree (the one call through every layer takes chains).
-    fixed: visibility is causal over slots with no gap, whatever was prepared, in buffers that stay put: a CUDA
-        graph captured once may replay through them."""
+    fixed: visibility is causal over slots, whatever was prepared, in buffers that stay put: a CUDA graph captured
+        once may replay through them; with `window`, past the `sink` slots a token at slot s sees only the slots
+        from s - window + 1 on (a StreamingLLM window over a region kept contiguous in slots)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -294,6 +295,8 @@ class SlotLayout:
     gap: torch.Tensor | None = None
     chain: bool = True
     fixed: bool = False
+    window: int = 0
+    sink: int = 0
 
 
 def causal_mask(n_new: int, n_past: int, device: torch.device) -> torch.Tensor:

@@ -5,8 +5,8 @@ state such as the cache's length: the new tokens' storage slots arrive as a devi
 slot of the capacity is attended to, and a [T, capacity] bias hides the slots a token may not see.
 That needs caches whose visibility is causal over slots (`SlotLayout.fixed`): new token i sees every
 slot up to and including its own, nothing after it. FullCache (slot = position) and RetrievalCache
-(slot = selected count + tokens appended since the build) are; a streaming window, a ring or an
-int8 cache are not, and run eagerly.
+(slot = selected count + tokens appended since the build) are, and so is a StreamingLLM cache's contiguous region
+with its window given in slots (SlotMask.window); a draft tree, a ring or an int8 cache are not, and run eagerly.
 """
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ class SlotMask:
     """The mask of a fixed-shape forward (execution.slot_attention reads it): `last` [g*T] int32, the last
     slot each query row (query head in group, then token) sees, for the CUDA kernel
     (kernels/cuda_decode.py, with its row tile `block_m` and keys per split `split`); or, without it,
-    `bias` [T, capacity] fp32, 0 where new token i sees slot j and -inf elsewhere."""
+    `bias` [T, capacity] fp32, 0 where new token i sees slot j and -inf elsewhere. `window`, `sink`: a StreamingLLM
+    window in slots (SlotLayout.window), in both forms."""
 
     last: torch.Tensor | None
     block_m: int
     split: int
     bias: torch.Tensor | None
+    window: int = 0  # > 0: past the first `sink` slots, a row sees only the slots from last - window + 1 on
+    sink: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,12 @@ class StaticView:
     graph must not keep a dead cache alive). With `record_queries` each layer's queries are copied to
     `queries[layer]` [B, Hq, T, D] (fixed buffers: the graph's caller hands them to the cache's QueryRecorder)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, n_heads: int, record_queries: bool):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, n_heads: int, record_queries: bool,
+                 window: int = 0, sink: int = 0):
         from ..kernels import cuda_decode
 
         self.k, self.v, self.slots = k, v, slots
+        self.window, self.sink = window, sink
         n_layers, B, n_kv_heads, capacity, D = k.shape
         T = slots.shape[0]
         self.groups = n_heads // n_kv_heads
@@ -57,11 +62,11 @@ class StaticView:
             self.last = torch.zeros(self.groups * T, dtype=torch.int32, device=k.device)
             n_sm = torch.cuda.get_device_properties(k.device).multi_processor_count
             self.mask = SlotMask(self.last, cuda_decode.block_rows(self.groups * T),
-                                 cuda_decode.split_size(capacity, n_kv_heads, n_sm), None)
+                                 cuda_decode.split_size(capacity, n_kv_heads, n_sm), None, window, sink)
         else:
             self.key_slots = torch.arange(capacity, device=k.device)
             self.bias = torch.zeros(T, capacity, dtype=torch.float32, device=k.device)
-            self.mask = SlotMask(None, 0, 0, self.bias)
+            self.mask = SlotMask(None, 0, 0, self.bias, window, sink)
         self.queries = ([torch.zeros(B, n_heads, T, D, dtype=k.dtype, device=k.device) for _ in range(n_layers)]
                         if record_queries else None)
 
@@ -71,6 +76,9 @@ class StaticView:
             self.last.copy_(self.slots.repeat(self.groups))
         else:
             hidden = self.key_slots[None, :] > self.slots[:, None]
+            if self.window:
+                hidden |= (self.key_slots[None, :] >= self.sink) & (
+                    self.key_slots[None, :] <= self.slots[:, None] - self.window)
             self.bias.zero_().masked_fill_(hidden, float("-inf"))
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

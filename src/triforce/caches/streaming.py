@@ -12,7 +12,8 @@ window semantics.
 
 On the CPU kernels a forward's mask goes as a WindowGap (caches/base.py): the slots between the sinks and each
 new token's window are hidden from it, which the attention kernel skips or masks, so chains take the one C++
-call through every layer (execution.FusedDecode); PyTorch's attention gets the same mask dense.
+call through every layer (execution.FusedDecode); PyTorch's attention gets the same mask dense. On a GPU a chain
+replays a CUDA graph (graphs.py) whose mask is the window in slots (SlotLayout.window).
 """
 from __future__ import annotations
 
@@ -85,7 +86,12 @@ class StreamingCache(KVCache):
 
     @property
     def slot_layout(self) -> SlotLayout | None:
-        """Where a prepared forward with a WindowGap writes (no CUDA graph: visibility has a gap); None otherwise."""
+        """On a GPU, fixed slots with the window (a CUDA graph's mask derives each token's window from its slot: the
+        region is contiguous, so positions and slots differ by one offset); on the CPU, where a prepared forward with
+        a WindowGap writes (its gap is known only once prepared); None otherwise."""
+        if self.k.is_cuda:
+            return SlotLayout(self.k, self.v, self._slot(self.length), chain=self._block is None, fixed=True,
+                              window=self.window, sink=self.sink)
         if self._window is None:
             return None
         return SlotLayout(self.k, self.v, self._slot(self.length), gap=self._window.gap, chain=self._block is None)

@@ -187,7 +187,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Slot
         from ..kernels import cuda_decode
 
         out = cuda_decode.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], mask.last, scale,
-                                           mask.block_m, mask.split)
+                                           mask.block_m, mask.split, window=mask.window, sink=mask.sink)
         return out.view(B, Hq, T, D)
     qg = (q * scale).reshape(B * Hkv, g * T, D)  # rows (head in group, token): K is never repeated
     s = _scores(qg, k.reshape(B * Hkv, C, D)).view(B * Hkv, g, T, C) + mask.bias

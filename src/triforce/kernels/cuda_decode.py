@@ -9,7 +9,8 @@ the same whatever the other rows hold or how many are real: masked keys contribu
 leave the running max alone.
 
     q [Hkv, R, D] (rows: query head in group, then token), k / v [Hkv, C, D] (a cache layer's whole
-    capacity, one batch), last [R] int32 (the last slot row r sees) -> [Hkv, R, D] in q's dtype.
+    capacity, one batch), last [R] int32 (the last slot row r sees; with a StreamingLLM window, the sink
+    slots and those past last[r] - window) -> [Hkv, R, D] in q's dtype.
 
 Only keys up to max(last) are read (not the capacity): the cost is the length's. Pass 1: one
 program per (KV head, split) keeps an unnormalised output, its max and its sum per row; pass 2
@@ -61,7 +62,7 @@ def split_size(capacity: int, n_kv_heads: int, n_sm: int = 132, per_sm: int | No
 if triton is not None:
     @triton.jit
     def _split_pass(Q, K, V, LAST, O, ML, R, scale,
-                    sq_h, sq_r, sk_h, sk_c, sv_h, sv_c, so_h, so_s, sml_h, sml_s, split,
+                    sq_h, sq_r, sk_h, sk_c, sv_h, sv_c, so_h, so_s, sml_h, sml_s, split, window, sink,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                     IEEE: tl.constexpr):
         h = tl.program_id(0)
@@ -86,7 +87,8 @@ if triton is not None:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 scores = tl.dot(q, tl.trans(k)) * scale
-            scores = tl.where(cols[None, :] <= last[:, None], scores, float("-inf"))
+            seen = (cols[None, :] <= last[:, None]) & ((cols[None, :] < sink) | (cols[None, :] > last[:, None] - window))
+            scores = tl.where(seen, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(scores - m_safe[:, None])
@@ -133,10 +135,14 @@ def block_rows(rows: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor, scale: float,
-                     block_m: int, split: int, warps: int | None = None, stages: int | None = None) -> torch.Tensor:
-    """See the module docstring. block_m >= R (block_rows), split a multiple of BLOCK_N (split_size)."""
+                     block_m: int, split: int, warps: int | None = None, stages: int | None = None,
+                     window: int = 0, sink: int = 0) -> torch.Tensor:
+    """See the module docstring. block_m >= R (block_rows), split a multiple of BLOCK_N (split_size). `window` > 0:
+    a StreamingLLM window in slots: past the first `sink` slots, row r sees only the slots last[r] - window + 1 on."""
     Hkv, R, D = q.shape
     C = k.shape[1]
+    if window <= 0:
+        window, sink = C + 1, 0  # every slot up to last[r]
     assert R <= block_m and split % BLOCK_N == 0 and k.stride(2) == 1 and v.stride(2) == 1 and q.stride(2) == 1
     n_splits = -(-C // split)
     partial = torch.empty(Hkv, n_splits, block_m, D, dtype=torch.float32, device=q.device)
@@ -144,8 +150,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: to
     out = torch.empty(Hkv, R, D, dtype=q.dtype, device=q.device)
     _split_pass[(Hkv, n_splits)](q, k, v, last, partial, ml, R, scale,
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                 partial.stride(0), partial.stride(1), ml.stride(0), ml.stride(1), split,
-                                 BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D,
+                                 partial.stride(0), partial.stride(1), ml.stride(0), ml.stride(1), split, window,
+                                 sink, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D,
                                  IEEE=q.dtype == torch.float32, num_warps=warps or WARPS,
                                  num_stages=stages or STAGES)
     rows = min(COMBINE_ROWS, block_m)  # combine programs per KV head: block_m // rows (each row combines alone)
