@@ -183,7 +183,7 @@ HEAD_STACKS = [("head,full", "3", None), ("head,retrieval:96,full", "2,3", None)
 @pytest.mark.parametrize("levels,gammas,tree", HEAD_STACKS)
 def test_head_stacks_are_token_identical_to_ar(kind_models, kind_head, levels, gammas, tree):
     """Greedy, fp32: stacks with a draft head at the bottom (the head on the GPU, reading the target's features)
-    give ar's tokens, and the head drafts and gets some drafts accepted."""
+    give ar's tokens, the levels above verifying the head's drafts."""
     model, _ = kind_models
     config = SpecConfig(**{**SPEC.__dict__, "head": kind_head})
     for seed, n in ((0, 400), (1, 257)):
