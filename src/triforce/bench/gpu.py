@@ -16,15 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from ..caches import new_cache
 from ..caches.synthetic import fill_random
+from ..storage import atomic_write
 
 SHAPES = {
     "llama2-7b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
@@ -478,13 +479,6 @@ def print_repriced(priced: list[dict]) -> None:
                  f"{r['head_retrieval_ms']:.2f} ({r['head_retrieval_speedup']:.2f}x)" if "head_full_ms" in r else ""))
 
 
-def _write_json(path: str, result: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m triforce.bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -533,7 +527,7 @@ def main(argv=None) -> int:
     if args.kernel_sweep:
         kernel = decode_kernel_sweep(contexts, hbm, log)
         if args.json:
-            _write_json(args.json, {"device": info, "kernel": kernel})
+            atomic_write(Path(args.json), json.dumps({"device": info, "kernel": kernel}, indent=1))
         return 0
     rows = []
     result = {"device": info, "gamma": args.gamma, "gamma_draft": args.gamma_draft, "budget": args.budget,
@@ -542,10 +536,10 @@ def main(argv=None) -> int:
         rows += measure_shape(name, contexts, args.gamma, args.gamma_draft, args.budget, args.offload, hbm, pcie, log,
                               "sweep" if args.sweep else args.breakdown, args.generate)
         if args.json:  # after each shape: a run cut short keeps what it measured
-            _write_json(args.json, result)
+            atomic_write(Path(args.json), json.dumps(result, indent=1))
     result["repriced"] = priced = reprice(rows, acceptance, args.gamma, args.gamma_draft, args.host_ms) if acceptance else []
     if args.json:
-        _write_json(args.json, result)
+        atomic_write(Path(args.json), json.dumps(result, indent=1))
     print(f"{info['gpu']}: HBM copy {hbm:.0f} GB/s, PCIe H2D {pcie:.1f} GB/s")
     print(f"{'shape':10} {'ctx':>7} {'ar eager':>9} {'ar graph':>9} {'floor':>7} {'x':>5} {'verify':>7} "
           f"{'retr1':>6} {'retrN':>6} {'build':>6} {'off.ver':>8} {'pcie fl':>8}")

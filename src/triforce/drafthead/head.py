@@ -119,10 +119,7 @@ class DraftHead(nn.Module):
 
     def logits(self, prediction: torch.Tensor, lm_model: Transformer) -> torch.Tensor:
         """The next-token logits [V] of a prediction [hidden]: the target's LM head (and softcap) over it."""
-        x = prediction[None]
-        if x.device.type != "cpu":  # the head is fp32, a GPU target's LM head bf16 (CPU kernels take fp32 input)
-            x = x.to(lm_model.dtype)
-        return lm_model._head_logits(x)[0]
+        return lm_model._head_logits(prediction[None].to(lm_model.dtype))[0]  # the head is fp32, a GPU target bf16
 
     def init_from(self, model: Transformer, layer: int | None = None) -> None:
         """Start the layer from one of the target's (default its last), its output projections zeroed, and fc as
