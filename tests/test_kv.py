@@ -341,3 +341,30 @@ def test_slot_layout_says_where_the_one_call_writes_and_what_it_hides():
     assert slot == stream._slot(20) and layout.chain and not layout.fixed
     # hidden from new token t: slots gap[0] .. gap[1 + t] - 1, past the 2 sinks up to its window of 4
     assert gap.tolist() == [2, 2 + 17 - stream.start, 2 + 18 - stream.start]
+
+
+def test_drafting_caches_do_not_ask_for_huge_pages(monkeypatch):
+    """The full cache streams the whole context every step and asks for transparent huge pages; the drafting
+    caches, built afresh for every generation and bounded by their budget, do not (first touching huge pages cost
+    more than they returned there). Checked on the madvise calls themselves."""
+    import sys
+
+    import triforce.caches.base as base_mod
+
+    if sys.platform != "linux":
+        pytest.skip("huge pages are asked for on Linux only")
+    calls = []
+
+    class Libc:
+        def madvise(self, start, length, advice):
+            calls.append(advice)
+            return 0
+
+    monkeypatch.setattr(base_mod.ctypes, "CDLL", lambda name: Libc())
+    shape = dict(n_layers=4, n_kv_heads=2, head_dim=64)  # 4 x 2 x 4096 x 64 fp32: 8 MB per buffer
+    FullCache(capacity=4096, **shape)
+    assert calls == [base_mod._MADV_HUGEPAGE] * 2
+    calls.clear()
+    RetrievalCache(budget=4096 - 64, max_new=64, **shape)
+    StreamingCache(sink=16, window=4096, slack=0, **shape)
+    assert calls == []

@@ -679,7 +679,10 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
         except TriforceError as e:
             raise TriforceError(f"--reference-kv-dtype {reference_kv}: {e}") from e
     bandwidth = measure_bandwidth(device=loaded.model.device)  # floors on a GPU are its HBM's
+    ops = loaded.model.backend.ops
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            # the compiled CPU build (TRIFORCE_ISA), or none (PyTorch's, or a GPU's)
+            "kernels": ops.ISA if ops is not None else f"none ({loaded.model.device.type})",
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
             "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."), "reference_kv_dtype": reference_kv,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}

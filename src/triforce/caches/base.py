@@ -45,14 +45,17 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
 
-def kv_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
+def kv_buffer(shape, dtype: torch.dtype, device, huge_pages: bool = True) -> torch.Tensor:
     """A zeroed K or V buffer. On Linux, a CPU buffer of a few MB or more asks for transparent huge
     pages (madvise(MADV_HUGEPAGE) before its pages are first touched: kernels' default THP mode is
     "madvise"): decode attention streams the whole cache, and with 4 KB pages 30 layers of fp16 K/V
-    read 6-12% slower (8K: 12.0-12.9 -> 10.8 ms; 32K: 47-49 -> 44-45 ms, docs/performance.md)."""
+    read 6-12% slower (8K: 12.0-12.9 -> 10.8 ms; 32K: 47-49 -> 44-45 ms, docs/performance.md).
+    `huge_pages=False` for the drafting caches, built afresh for every generation and bounded by their
+    budget: first touching huge pages can cost more than they return there (AMD Zen 5, a 4,096-token
+    retrieval cache's 49 MB K: 43-51 ms with huge pages, 8.5 ms without; its attention 2.29 against 2.30 ms)."""
     t = torch.empty(shape, dtype=dtype, device=device)
     nbytes = t.numel() * t.element_size()
-    if t.device.type == "cpu" and sys.platform == "linux" and nbytes >= 4 * _HUGE_PAGE:
+    if huge_pages and t.device.type == "cpu" and sys.platform == "linux" and nbytes >= 4 * _HUGE_PAGE:
         start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the 2 MB-aligned interior
         end = (t.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
         try:

@@ -36,8 +36,8 @@ class RetrievalCache(KVCache):
         self.budget, self.chunk_size, self.recent, self.max_new = budget, chunk_size, recent, max_new
         self.capacity = budget + max_new
         shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
-        self.k = kv_buffer(shape, dtype, device)
-        self.v = kv_buffer(shape, dtype, device)
+        self.k = kv_buffer(shape, dtype, device, huge_pages=False)  # (a drafting cache: kv_buffer)
+        self.v = kv_buffer(shape, dtype, device, huge_pages=False)
         self.n_layers, self.length = n_layers, 0
         self.built_at = 0  # sequence length at the last build
         self.base = 0  # tokens selected at the last build

@@ -34,8 +34,8 @@ class StreamingCache(KVCache):
         self.slack = slack if slack is not None else max(window, 512)
         self.capacity = sink + self.retained + self.slack
         shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
-        self.k = kv_buffer(shape, dtype, device)
-        self.v = kv_buffer(shape, dtype, device)
+        self.k = kv_buffer(shape, dtype, device, huge_pages=False)  # (a drafting cache: kv_buffer)
+        self.v = kv_buffer(shape, dtype, device, huge_pages=False)
         self.pos = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
         self.n_layers, self.length, self.start = n_layers, 0, sink
         self.skipped_to = sink  # skip_to's position: the region's start until a compaction moves it
