@@ -321,6 +321,40 @@ def test_kernel_rejects_what_it_cannot_do(kern):
         kern.decode_attention(torch.randn(2, 6, 64), k, k, 2, True, 0.1, 0, visible=torch.ones(3, 3, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_chunk_scores_match_pytorch(kern, kv_dtype, D):
+    """The retrieval cache's chunk scores (q . each chunk's mean key) against PyTorch's widened copy, sum and product,
+    over keys that are a slice of a longer buffer (as a cache's are), with keys past the last whole chunk ignored;
+    and the retrieval cache scores through it (caches.retrieval.chunk_scores)."""
+    from types import SimpleNamespace
+
+    from triforce.caches import retrieval
+
+    torch.manual_seed(5)
+    H, N, c = 3, 1003, 8
+    buf = torch.randn(1, H, N + 40, D).to(kv_dtype)
+    keys = buf[:, :, :N]  # head stride (N + 40) D
+    q = torch.randn(1, H, D)
+    n = N // c * c
+    want = torch.einsum("bhd,bhnd->bhn", q, keys[:, :, :n].float().reshape(1, H, n // c, c, D).sum(dim=3) / c)
+    got = kern.chunk_scores(keys[0], q[0], c)
+    assert got.shape == (H, N // c)
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-4)
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return kern.chunk_scores(*args)
+    with kernels.override(SimpleNamespace(chunk_scores=spy)):
+        torch.testing.assert_close(retrieval.chunk_scores(keys[:, :, :n], q, c), want, rtol=1e-5, atol=1e-4)
+    assert len(calls) == 1
+    with kernels.override(None):  # PyTorch's
+        torch.testing.assert_close(retrieval.chunk_scores(keys[:, :, :n], q, c), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="head dim"):
+        kern.chunk_scores(torch.randn(H, 64, 96), torch.randn(H, 96), c)
+
+
 ZEN3 = frozenset("fpu sse2 avx avx2 fma f16c bmi1 bmi2 aes".split())  # AVX2 + FMA, no AVX-512
 SPR = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
 

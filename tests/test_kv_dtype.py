@@ -361,11 +361,13 @@ def test_kv_bytes_are_what_the_quantized_caches_hold():
 
 
 def test_default_kv_dtype_follows_the_machine(monkeypatch):
-    """fp32 weights: bf16 where the CPU kernels run a bf16 cache's attention on dot products, AMX tiles or
-    AVX512-BF16 (the target's cache and the CLI's drafting caches), else fp16; other weights keep their dtype; a
-    CUDA target does not ask the CPU kernels."""
+    """fp32 weights: bf16 where the CPU kernels run a bf16 cache's attention on dot products faster than fp16's
+    FMAs, AMX tiles (any vendor) or AVX512-BF16 on AMD (Intel's cores run vdpbf16ps at half an FMA's rate), for
+    the target's cache and the CLI's drafting caches, else fp16; other weights keep their dtype; a CUDA target
+    does not ask the CPU kernels."""
     from types import SimpleNamespace
 
+    from triforce.kernels import build
     from triforce.loading import default_kv_dtype
 
     from triforce.commands.common import default_draft_kv as _default_draft_kv
@@ -375,11 +377,15 @@ def test_default_kv_dtype_follows_the_machine(monkeypatch):
         monkeypatch.setattr(kernels, "cpu", lambda: module)
 
     cpu_args = SimpleNamespace(device="cpu")
-    built(SimpleNamespace(amx_attention=lambda: True, bf16_dot_attention=lambda: True))  # AMX (its dot products)
-    assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
-    assert default_kv_dtype(torch.float16) == "fp16"
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        monkeypatch.setattr(build, "cpu_vendor", lambda vendor=vendor: vendor)
+        built(SimpleNamespace(amx_attention=lambda: True, bf16_dot_attention=lambda: True))  # AMX (its dot products)
+        assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
+        assert default_kv_dtype(torch.float16) == "fp16"
     built(SimpleNamespace(amx_attention=lambda: False, bf16_dot_attention=lambda: True))  # AVX512-BF16, no AMX
-    assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"
+    assert default_kv_dtype(torch.float32) == "bf16" and _default_draft_kv(cpu_args) == "bf16"  # AMD
+    monkeypatch.setattr(build, "cpu_vendor", lambda: "GenuineIntel")  # vdpbf16ps at half an FMA's rate
+    assert default_kv_dtype(torch.float32) == "fp16" and _default_draft_kv(cpu_args) == "fp16"
     built(SimpleNamespace(amx_attention=lambda: False, bf16_dot_attention=lambda: False))
     assert default_kv_dtype(torch.float32) == "fp16" and _default_draft_kv(cpu_args) == "fp16"
     built(SimpleNamespace())  # a module built before AMX was known
@@ -399,6 +405,8 @@ def test_amx_prediction_does_not_build_the_kernels(monkeypatch):
     TRIFORCE_AMX and TRIFORCE_ISA, without compiling the kernels; once they are built, from them."""
     from types import SimpleNamespace
 
+    from triforce.kernels import build
+
     def no_build():
         raise AssertionError("built the kernels")
     avx512 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
@@ -416,6 +424,10 @@ def test_amx_prediction_does_not_build_the_kernels(monkeypatch):
     assert not kernels.amx_attention(build=False) and not kernels.bf16_dot_attention(build=False)
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(avx512 | {"avx512_bf16"}))  # AMD Zen 4: no AMX
     assert not kernels.amx_attention(build=False) and kernels.bf16_dot_attention(build=False)
+    monkeypatch.setattr(build, "cpu_vendor", lambda: "AuthenticAMD")
+    assert kernels.bf16_cache_faster(build=False)
+    monkeypatch.setattr(build, "cpu_vendor", lambda: "GenuineIntel")  # an Intel Xeon whose VM hides AMX
+    assert not kernels.bf16_cache_faster(build=False)
     monkeypatch.setenv("TRIFORCE_ISA", "avx2")  # the AVX2 build has neither
     assert not kernels.bf16_dot_attention(build=False)
     monkeypatch.delenv("TRIFORCE_ISA")
@@ -439,7 +451,7 @@ def test_info_does_not_build_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "cpu", no_build)
     monkeypatch.delenv("TRIFORCE_KERNELS", raising=False)
     text = report(inventory(None), "native", None, 4096)
-    default = "bf16" if kernels.bf16_dot_attention(build=False) else "fp16"
+    default = "bf16" if kernels.bf16_cache_faster(build=False) else "fp16"
     assert f"--kv-dtype {default}:" in text
 
 

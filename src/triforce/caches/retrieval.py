@@ -21,6 +21,24 @@ from .base import KVCache, SlotKV, SlotLayout, TokenBlock, check_capacity, kv_bu
 from .full import FullCache
 
 
+def chunk_scores(keys: torch.Tensor, q: torch.Tensor, c: int) -> torch.Tensor:
+    """keys [B, Hkv, N, D] (N a multiple of c), q [B, Hkv, D] fp32 -> [B, Hkv, N / c]: q . the mean of each chunk of
+    c keys, in fp32 whatever the keys' dtype. On the CPU the compiled kernels read each key once (kernels/retrieval.cpp:
+    the embedded model's 30 layers at 32K in 20-26 ms against 63-70 for the PyTorch below, which writes a widened copy
+    of every key and reads it back; benchmarks/chunk_scores_ab.py)."""
+    B, Hkv, N, D = keys.shape
+    if keys.device.type == "cpu" and B == 1 and D in (64, 128, 256) and keys[0].stride(-2) == D and keys.stride(-1) == 1:
+        from .. import kernels
+        from ..kernels.capabilities import capabilities
+
+        ops = kernels.cpu()
+        if capabilities(ops).chunk_scores:
+            return ops.chunk_scores(keys[0], q[0].contiguous(), c).unsqueeze(0)
+    # converted first, then summed (sum(dtype=float32) of bf16 keys took twice as long at 32K)
+    means = keys.float().reshape(B, Hkv, N // c, c, D).sum(dim=3) / c
+    return torch.einsum("bhd,bhnd->bhn", q, means)
+
+
 class RetrievalCache(KVCache):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, budget: int, chunk_size: int = 8,
@@ -56,11 +74,8 @@ class RetrievalCache(KVCache):
         n_sel = (N - self.recent) // c * c
         n_chunks = n_sel // c
         k_top = min((self.budget - c - (N - n_sel)) // c, n_chunks - 1)
-        # chunk means in fp32 whatever the cache's dtype: converted first, then summed (sum(dtype=float32) of
-        # bf16 keys took twice as long at 32K: the rebuild's largest part)
-        means = keys[:, :, :n_sel].float().reshape(B, Hkv, n_chunks, c, D).sum(dim=3) / c
         q = query.reshape(B, Hkv, -1, D).float().sum(dim=2)
-        scores = torch.einsum("bhd,bhnd->bhn", q, means)
+        scores = chunk_scores(keys[:, :, :n_sel], q, c)
         top = scores[..., 1:].topk(k_top, dim=-1, sorted=False).indices.add_(1).sort(dim=-1).values
         offsets = torch.arange(c, device=keys.device)
         chunk_tokens = (top[..., None] * c + offsets).flatten(-2)

@@ -137,7 +137,7 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
 
 def default_draft_kv(args) -> str:
     """CPU: the measured default (config.DEFAULT_DRAFT_KV_DTYPE), bf16 where the CPU kernels run a bf16 cache's
-    attention on dot products, as for the target's cache (loading.default_kv_dtype): a drafting level's
+    attention on dot products faster than fp16's (kernels.bf16_cache_faster), as for the target's cache (loading.default_kv_dtype): a drafting level's
     multi-token forwards then run on them (AMX tiles: 5 tokens over a 4K cache 11.1 ms instead of 13.9; AMD Zen 5's
     AVX512-BF16: 7.5 instead of 9.2, and the 32K bench's retrieval forwards 8.3-8.7 ms instead of 9.3-9.6);
     CUDA: the weights' dtype (the GPU attention kernel reads K/V in the activations' dtype: another would be
@@ -146,7 +146,7 @@ def default_draft_kv(args) -> str:
         from .. import kernels
 
         # (not built here: a bad model is refused before the kernels are compiled)
-        return "bf16" if kernels.bf16_dot_attention(build=False) else SpecConfig.draft_kv_dtype
+        return "bf16" if kernels.bf16_cache_faster(build=False) else SpecConfig.draft_kv_dtype
     return kv_dtype_name(getattr(args, "dtype", None) or "bfloat16")
 
 

@@ -22,7 +22,7 @@ from ..errors import TriforceError
 
 _HERE = Path(__file__).parent
 _SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "quant_linear.cpp", "quant_packed.cpp",
-            "decode_layer.cpp", "bindings.cpp")
+            "decode_layer.cpp", "retrieval.cpp", "bindings.cpp")
 _HEADERS = ("ops.h", "simd.h")
 ISAS = ("avx512", "avx2")  # best first
 # what each variant needs from the CPU (/proc/cpuinfo names) and how it is compiled: -march=x86-64-v3
@@ -162,6 +162,20 @@ def bf16_dot_attention(build: bool = True) -> bool:
         return amx_attention(build=False) or (isa is not None and _BF16_CFLAG in _optional_cflags(isa))
     ops = cpu()
     return ops is not None and bool(getattr(ops, "bf16_dot_attention", lambda: False)())
+
+
+def bf16_cache_faster(build: bool = True) -> bool:
+    """Whether a bf16 KV cache is faster here than an fp16 one, which makes bf16 the default (docs/kv_dtype.md): its
+    multi-token attention (verifications, trees, prefill) on AMX's tiles (amx_attention), or on AVX512-BF16's dot
+    products (bf16_dot_attention) where the cores run vdpbf16ps at an FMA's rate with twice its multiply-adds, as AMD's
+    Zen 4 and Zen 5 do. Intel's cores run it at half that rate: on an Intel Xeon without AMX (a VM that hides it) an
+    fp16 cache was as fast or faster in every measured case, its 8K prefill 27% faster. build=False: from the CPU's
+    flags until the kernels are built, as amx_attention."""
+    if amx_attention(build):
+        return True
+    from .build import cpu_vendor
+
+    return bf16_dot_attention(build) and cpu_vendor() == "AuthenticAMD"
 
 
 class Backend:

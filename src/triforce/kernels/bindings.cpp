@@ -30,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_hi"), py::arg("k_lo"), py::arg("k_scale"), py::arg("k_zero"), py::arg("v_hi"),
         py::arg("v_lo"), py::arg("v_scale"), py::arg("v_zero"), py::arg("lim"), py::arg("fk"), py::arg("fv"),
         py::arg("fmask"), py::arg("T"), py::arg("scale"));
+  m.def("chunk_scores", &triforce::chunk_scores,
+        "the retrieval cache's chunk scores: q [H, D] fp32 . the mean of each chunk of c keys of keys [H, N, D] (fp32, "
+        "bf16 or fp16) -> [H, N / c] fp32", py::arg("keys"), py::arg("q"), py::arg("c"));
   m.def("rms_norm", &triforce::rms_norm, "x [..., C] -> x / sqrt(mean(x^2) + eps) * weight");
   m.def("rope_split", &triforce::rope_split,
         "qkv [B, T, (Hq + 2 Hkv) D], cos/sin [T, D] -> q [B, Hq, T, D], k [B, Hkv, T, D] (both rotated), v [B, Hkv, T, D]");

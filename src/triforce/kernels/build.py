@@ -72,27 +72,32 @@ def accepted_flags(flags: list[str]) -> list[str]:
 _ACCEPTS: dict[str, bool] = {}
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo ("" where it has none), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return ""
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo; "" where it names none), or platform.processor() where that
     cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        return platform.processor()
-    return ""
+    model = _cpuinfo("model name")
+    return platform.processor() if model is None else model
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"), or "" where it cannot say."""
+    return _cpuinfo("vendor_id") or ""
 
 
 def proc_cpu_flags() -> str | None:
     """The CPU's feature flags line as Linux writes it (/proc/cpuinfo), or None where it cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    return _cpuinfo("flags") or None
 
 
 def _cpu_fingerprint() -> str:

@@ -28,6 +28,8 @@ class Capabilities:
         self.decode_layers_quant = self.decode_layers and hasattr(ops, "decode_layers_quant")
         # a quantized cache's attention over its planes (caches/quantized.py)
         self.quant_attention = hasattr(ops, "quant_attention")
+        # the retrieval cache's chunk scores (caches/retrieval.py)
+        self.chunk_scores = hasattr(ops, "chunk_scores")
 
     @cached_property
     def bf16_dot_attention(self) -> bool:

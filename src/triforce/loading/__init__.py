@@ -283,17 +283,17 @@ def configure_device(model: Transformer, args) -> None:
 
 def default_kv_dtype(dtype: torch.dtype, device: str | torch.device = "cpu", build: bool = True) -> str:
     """The KV cache dtype of a model whose weights are `dtype` when none is asked for: with fp32 weights, bf16 on
-    a CPU whose compiled kernels run its multi-token attention on dot products (AMX tiles: a 5-token verification
-    at 1.4 decode steps instead of 1.9; AVX512-BF16 on AMD Zen 4: prefill 1.4x faster, verifications as fast and
-    draft trees 2x; perplexity +0.01-0.04% of fp32's), else config.DEFAULT_KV_DTYPE (measured: docs/kv_dtype.md);
-    with other weights, the weights' own. build=False: without compiling the kernels to ask them
-    (kernels.bf16_dot_attention)."""
+    a CPU whose compiled kernels run its multi-token attention on dot products faster than fp16's FMAs
+    (kernels.bf16_cache_faster: AMX tiles, a 5-token verification at 1.4 decode steps instead of 1.9; AVX512-BF16 on
+    AMD Zen 4: prefill 1.4x faster, verifications as fast and draft trees 2x; perplexity +0.01-0.04% of fp32's),
+    else config.DEFAULT_KV_DTYPE (measured: docs/kv_dtype.md); with other weights, the weights' own. build=False:
+    without compiling the kernels to ask them."""
     if dtype != torch.float32:
         return kv_dtype_name(dtype)
     if torch.device(device).type == "cpu":
         from .. import kernels
 
-        if kernels.bf16_dot_attention(build):
+        if kernels.bf16_cache_faster(build):
             return "bf16"
     return DEFAULT_KV_DTYPE
 
