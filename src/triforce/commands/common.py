@@ -33,7 +33,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help=f"the target's KV cache dtype (its stored keys and values only; ar and every stack use "
                         f"it, so the output stays exact for it): default {DEFAULT_KV_DTYPE} with float32 weights, bf16 "
-                        f"on a CPU with AMX tiles or AVX512-BF16 (its verifications and prefill run on their dot "
+                        f"on a CPU with AMX tiles or an AMD one with AVX512-BF16 (its verifications and prefill run on their dot "
                         f"products; docs/kv_dtype.md), else the weights' "
                         f"dtype; int8: 8-bit KIVI-grouped codes as two 4-bit planes, "
                         f"0.55x fp16's bytes, read at 4 bits by kv4 levels; faster decode steps at long context "
@@ -92,7 +92,7 @@ def add_spec_args(p: argparse.ArgumentParser, tuned: bool = True) -> None:
                         "is exact either way: the full level verifies with the fp32 weights")
     g.add_argument("--draft-kv-dtype", choices=FLOAT_KV_DTYPES, default=None,
                    help=f"KV cache dtype of the drafting levels (retrieval, streaming, a draft model; default "
-                        f"{d.draft_kv_dtype} on CPU, bf16 on a CPU with AMX tiles or AVX512-BF16, the weights' dtype on CUDA). The output "
+                        f"{d.draft_kv_dtype} on CPU, bf16 on a CPU with AMX tiles or an AMD one with AVX512-BF16, the weights' dtype on CUDA). The output "
                         f"is exact either way")
     g.add_argument("--ngram-shortcut", type=float, default=d.ngram_shortcut, metavar="RATE",
                    help=f"stacks with levels between an ngram bottom and full (triforce): the full level verifies "

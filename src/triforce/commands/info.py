@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="a .gguf file or Hugging Face directory (default: the embedded model)")
     parser.add_argument("--context-length", type=positive_int, metavar="N",
                      help="tokens of context to size the KV cache for (default: the model's context)")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=f"KV cache dtype (default {DEFAULT_KV_DTYPE}; bf16 on a CPU with AMX tiles or AVX512-BF16)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=f"KV cache dtype (default {DEFAULT_KV_DTYPE}; bf16 on a CPU with AMX tiles or an AMD one with AVX512-BF16)")
     parser.add_argument("--weights", choices=WEIGHTS, default="native", help=WEIGHTS_HELP)
     parser.add_argument("--rope-theta", type=float, metavar="BASE", help=argparse.SUPPRESS)
     parser.add_argument("--max-context", type=positive_int, metavar="N", help="override the maximum context in tokens")
