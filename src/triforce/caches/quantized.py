@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from ..kernels.capabilities import capabilities
+from ..kernels.capabilities import HEAD_DIMS as KERNEL_HEAD_DIMS, capabilities
 from .base import (
     KVCache,
     PlanesKV,
@@ -54,7 +54,7 @@ from .base import (
 GROUP_K = 64  # tokens per key group (per-channel scales)
 GROUP_V = 32  # channels per value group (per-token scales)
 TILE = 1024  # tokens dequantized at a time by the PyTorch attention (a multiple of GROUP_K)
-KERNEL_MAX_ROWS, KERNEL_HEAD_DIMS = 64, (64, 128, 256)  # what kernels.quant_attention takes (rows: g * T)
+KERNEL_MAX_ROWS = 64  # the rows kernels.quant_attention takes (g * T)
 PACK = 32  # channels per packing block of a plane (see pack)
 LEVELS = 255  # 8-bit codes 0..255
 TINY = 2.0 ** -100  # a row's largest |q scale| or p v-scale below this: rounded to 0 (1 / it must stay finite)

@@ -17,6 +17,7 @@ from itertools import product
 import torch
 
 from ..errors import TriforceError
+from ..kernels.capabilities import HEAD_DIMS, capabilities
 from .base import KVCache, SlotKV, SlotLayout, TokenBlock, check_capacity, kv_buffer
 from .full import FullCache
 
@@ -27,9 +28,8 @@ def chunk_scores(keys: torch.Tensor, q: torch.Tensor, c: int) -> torch.Tensor:
     the embedded model's 30 layers at 32K in 20-26 ms against 63-70 for the PyTorch below, which writes a widened copy
     of every key and reads it back; benchmarks/chunk_scores_ab.py)."""
     B, Hkv, N, D = keys.shape
-    if keys.device.type == "cpu" and B == 1 and D in (64, 128, 256) and keys[0].stride(-2) == D and keys.stride(-1) == 1:
+    if keys.device.type == "cpu" and B == 1 and D in HEAD_DIMS and keys[0].stride(-2) == D and keys.stride(-1) == 1:
         from .. import kernels
-        from ..kernels.capabilities import capabilities
 
         ops = kernels.cpu()
         if capabilities(ops).chunk_scores:

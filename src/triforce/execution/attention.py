@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..caches.base import DenseKV, PlanesKV, SlotKV, causal_mask
 from ..caches.static import SlotMask, StaticKV
-from ..kernels.capabilities import capabilities
+from ..kernels.capabilities import HEAD_DIMS as KERNEL_HEAD_DIMS, capabilities
 
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -39,7 +39,6 @@ def _causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 # number of keys: even where attention alone is no faster than PyTorch's (under about 1K keys), taking it keeps
 # a forward on the one call through every layer (a 1-token forward over 256 keys: 3.0 ms against 8.4 on Zen 5).
 KERNEL_MAX_ROWS = 64
-KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 def attention(q: torch.Tensor, kv: SlotKV | DenseKV | PlanesKV | StaticKV, scale: float | None = None,

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from functools import cached_property
 
+# the head dims the compiled CPU kernels' attention (dense and quantized) and chunk scores take
+HEAD_DIMS = (64, 128, 256)
+
 
 class Capabilities:
     """The operations of `ops` (a compiled kernels module, a wrapper of one, kernels.cuda_ops, or None for
