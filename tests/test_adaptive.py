@@ -138,13 +138,19 @@ def test_the_distribution_check_catches_a_switch_that_depends_on_the_round(model
 # -- the planner alone, against a simulated machine and text ------------------------------------------------------
 
 class Machine:
-    """Forward costs (ms) by level and tokens, and per-token acceptances by boundary that change with the round."""
+    """Forward costs (ms) by level and tokens, and per-token acceptances by boundary that change with the round.
+    `round_extra(route)`: ms each round of the route costs beyond its forwards, told to the planner as the
+    round's time (AdaptiveTop.step) when `report_rounds`."""
 
-    def __init__(self, full=(20.0, 2.0), retrieval=(5.0, 0.5), accept=None, ngram_match=None, seed=0):
+    def __init__(self, full=(20.0, 2.0), retrieval=(5.0, 0.5), accept=None, ngram_match=None, seed=0,
+                 round_extra=None, report_rounds=True, cls=None):
         self.full, self.retrieval = full, retrieval
         self.accept = accept or (lambda r, boundary: 0.0)
         self.ngram_match = ngram_match or (lambda r: 0)
         self.rng = random.Random(seed)
+        self.round_extra = round_extra or (lambda route: 0.0)
+        self.report_rounds = report_rounds
+        self.cls = cls  # the n-gram match class each round's lookup reports (None: not told)
 
     def cost(self, level: int, k: float) -> float:
         base, per = self.full if level == 2 else self.retrieval
@@ -155,9 +161,12 @@ class Machine:
         """`total`: the run's max new tokens (None: no limit); `setup_ms`: Planner.next_route's."""
         routes, ms = [], 0.0
         for r in range(start_round, start_round + rounds):
-            route = planner.next_route(tokens, None, None if total is None else total - tokens, setup_ms)
+            route = planner.next_route(tokens, self.cls, None if total is None else total - tokens, setup_ms)
             routes.append(route)
             emitted = self._round(planner, route, r)
+            self._ms += self.round_extra(route)
+            if self.report_rounds:
+                planner.record_round(route, None, self._ms, emitted)
             ms += self._ms
             match = self.ngram_match(r)
             planner.ngram_top.rounds.append((3, 8, match))  # the text repeats for `match` tokens
@@ -316,7 +325,9 @@ def test_planner_does_not_flip_on_near_ties():
     p = new_planner()
     routes, _, _ = machine.run(p, 100)
     changes = sum(a != b for a, b in zip(routes[30:], routes[31:]))
-    assert changes <= 4  # probes (out and back) only
+    assert changes <= 8  # probes and plain-step refreshes (out and back) only
+    held = max(sum(r.levels == f for r in routes[30:]) for f in (AR, NGRAM))
+    assert held >= 0.85 * len(routes[30:])
 
 
 def test_the_ngram_window_judges_each_proposal_against_the_text_that_followed():
@@ -379,3 +390,129 @@ def test_an_undecided_proposal_counts_with_what_it_matched_so_far():
     assert not w.rounds and [m for _, _, m in w.open] == [4, 3, 2]
     b = w.boundary()
     assert b is not None and b.tokens(8) > b.tokens(4) > b.tokens(1) > 1.9  # long matches so far: long gammas pay
+
+
+class SteepVerification(Machine):
+    """The AVX2 build at 32K: a decode step 40 ms, and each token more in a forward about 20 ms more (2 tokens 53,
+    3 tokens 74: from 2 and 3 down to 1 the line gives 32). `plain_first`: a 1-token forward's cost while the
+    round is below 10 (a noisy start)."""
+
+    def __init__(self, plain_first=40.0, **kwargs):
+        kwargs.setdefault("retrieval", (12.0, 3.5))
+        super().__init__(**kwargs)
+        self.plain_first, self.r = plain_first, 0
+
+    def cost(self, level, k):
+        if level != 2:
+            return super().cost(level, k)
+        if k <= 1:
+            return self.plain_first if self.r < 10 else 40.0
+        return 53.0 + 21.0 * (k - 2)
+
+    def _round(self, planner, route, r):
+        self.r = r
+        return super()._round(planner, route, r)
+
+
+def test_a_plain_step_is_priced_from_its_own_cost_never_from_longer_forwards():
+    from triforce.speculation.planner import LevelCosts
+    c = LevelCosts()
+    for _ in range(2):
+        c.add(1, 0.040)
+    for _ in range(LevelCosts.STALE + 1):  # only verifications from here on
+        c.add(2, 0.053)
+        c.add(3, 0.074)
+    assert not c.fresh(1) and c.curve()(1) == pytest.approx(40.0)  # not 2 * 53 - 74 = 32
+    noisy = LevelCosts()  # a count measured high once, long ago, then again: the old cost ages out of its median
+    for _ in range(3):
+        noisy.add(4, 0.078)
+    for _ in range(LevelCosts.STALE + 1):
+        noisy.add(3, 0.024)
+    noisy.add(4, 0.026)
+    assert noisy.curve()(4) == pytest.approx(26.0)
+
+
+def test_what_a_round_costs_beyond_its_forwards_is_measured_and_priced():
+    # retrieval,full@1 accepted 90% of the time: its forwards price it at (53 + 6) / 1.9 = 31 ms/token, well below
+    # plain decoding's 40; but each of its rounds costs 25 ms more than its forwards (say, the drafter's 2-token
+    # feeds and sampling both rows), so it runs at 44: slower than `ar`, as routes near its price did on the AVX2
+    # build
+    def run(report):
+        machine = SteepVerification(retrieval=(6.0, 2.0), accept=lambda r, b: {(0, 1): 0.0, (1, 2): 0.9}[b],
+                                    round_extra=lambda route: 1.0 if route.levels == AR else 25.0,
+                                    report_rounds=report)
+        p = new_planner()
+        routes, ms, tokens = machine.run(p, 300)
+        return p, routes, ms / tokens
+    p, routes, ms_per_token = run(report=True)
+    assert p.route.levels == AR and sum(r.levels != AR for r in routes[50:]) <= 25  # probes only
+    assert p.round_costs[AR].extra_ms() == pytest.approx(1.0)
+    _, blind_routes, blind = run(report=False)  # the control: priced by forwards alone, it runs retrieval
+    assert sum(r.levels == AR for r in blind_routes[50:]) <= 25 and blind > 1.06 * 41.0
+    assert ms_per_token < 1.04 * 41.0  # probes (a few rounds of retrieval now and then) included
+
+
+def test_a_stale_plain_step_cost_is_measured_again():
+    # the first plain steps ran in a noisy minute (50 ms): retrieval,full@1 at (53 + 12) / 1.6 = 40.6 ms/token
+    # beat them, but plain decoding at 40 is cheaper; measuring it again brings the run back to it
+    machine = SteepVerification(plain_first=50.0, accept=lambda r, b: {(0, 1): 0.0, (1, 2): 0.6}[b])
+    p = new_planner()
+    routes, ms, tokens = machine.run(p, 300)
+    assert any(r.levels != AR for r in routes[5:20])  # the stale price sent it away from plain decoding
+    assert p.route.levels == AR and sum(r.levels == AR for r in routes[100:]) >= 100  # without: only refreshes
+    assert ms / tokens < 1.08 * 40.0  # the noisy start and the probes of a near tie (40.6 against 40) included
+
+
+def test_a_route_whose_estimates_err_low_is_priced_by_what_its_rounds_took():
+    # the n-gram window is told every other proposal's first token was accepted, but direct verification accepts
+    # none: priced at 53 / 1.5 = 35 ms/token, ngram,full@1 runs at 53. What its rounds took against their price
+    # (the acceptance estimate's optimism: the planner runs the route whose estimate came out lowest) sends the
+    # run back to plain decoding
+    class Optimistic(SteepVerification):
+        def run(self, planner, rounds, **kwargs):
+            routes = []
+            for r in range(rounds):
+                self.ngram_match = lambda _: 0
+                routes += super().run(planner, 1, start_round=r, tokens=r)[0]
+                planner.ngram_top.rounds[-1] = (3, 8, r % 2)
+            return routes, None, None
+
+    p = new_planner()
+    routes, _, _ = Optimistic(accept=lambda r, b: 0.0).run(p, 200)
+    assert sum(r.levels == NGRAM for r in routes[:60]) >= 8  # the estimate sent it there
+    assert p.route.levels == AR and sum(r.levels == NGRAM for r in routes[100:]) <= 10
+    assert p.round_costs[NGRAM].factor() > 1.3
+    from triforce.speculation.planner import RoundCosts
+    c = RoundCosts()
+    for _ in range(RoundCosts.FACTOR_ROUNDS - 1):  # forwards priced 40 ms, 8 more per round, 2 tokens expected
+        c.add(48.0, 40.0, 2.0, 1 + len(c.rounds) % 2)  # ... and 1.5 made: at 24 ms a token, 32 taken
+    assert c.factor() == 1.0  # too few rounds
+    c.add(48.0, 40.0, 2.0, 2)
+    c.add(400.0, 40.0, 2.0, 2)  # a switch's catch-up: left out
+    assert c.extra_ms() == pytest.approx(8.0) and c.factor() == pytest.approx(4 / 3)
+
+
+def test_a_verification_cost_measured_in_a_noisy_minute_is_measured_again_while_decoding_plainly():
+    # every n-gram proposal's first token is accepted: ngram,full@1 runs at 53 / 2 = 27 ms/token against plain
+    # decoding's 40; but forwards of 2 or more tokens took twice as long in the first 10 rounds, so lookup verified
+    # directly was priced above plain decoding, and a run that decodes plainly never times it again by itself
+    class NoisyStart(SteepVerification):
+        def cost(self, level, k):
+            return super().cost(level, k) * (2.0 if k >= 2 and self.r < 10 else 1.0)
+
+    def run(cls):
+        p = new_planner()
+        routes, _, _ = NoisyStart(ngram_match=lambda r: 1, cls=cls).run(p, 150)
+        return sum(r.levels == NGRAM for r in routes[60:])
+    assert run(cls=3) >= 80
+    assert run(cls=None) <= 10  # the control: rounds without a proposal (no class) are never spent timing it
+
+
+def test_a_route_within_the_switching_margin_gives_way_to_plain_decoding_but_not_the_reverse():
+    p = new_planner()
+    plain, retrieval = Route(AR, ()), Route(RETRIEVAL, (1,))
+    assert p._choose({AR: (40.0, plain), RETRIEVAL: (41.0, retrieval)}, retrieval) == plain  # 2.5% cheaper: back
+    assert p._choose({AR: (40.0, plain), RETRIEVAL: (39.0, retrieval)}, plain) == plain  # 2.5%: not worth leaving
+    assert p._choose({AR: (40.0, plain), RETRIEVAL: (37.0, retrieval)}, plain) == retrieval
+    ngram = Route(NGRAM, (2,))
+    assert p._choose({NGRAM: (40.0, ngram), RETRIEVAL: (41.0, retrieval)}, retrieval) == retrieval  # hysteresis

@@ -65,6 +65,8 @@ def adaptive(rel: str, n_ctx: int, machine: str = ZEN5) -> str:
     runs_each = re.search(r"--samples (\d+)", data["meta"]["command"])
     each = f", each method {runs_each.group(1)} times, interleaved" if runs_each else ""
     kv = KV_NAMES.get(data["meta"]["kv_dtype"], data["meta"]["kv_dtype"])
+    if data["meta"].get("kernels") == "avx2" and "AVX-512" in machine:  # the AVX2 build, chosen by hand
+        machine += ", its AVX2 kernels (`TRIFORCE_ISA=avx2`)"
     return (f"**The adaptive default at {n_ctx} tokens** ({machine}, {kv} KV, native weights; one dialogue, one prose "
             f"and one code prompt, {data['meta']['max_new_tokens']} tokens{each}): `ar` {_span(ar)} ms per token; `triforce` "
             f"{_span(ours[0.0])}x `ar` at temperature 0 and {_span(ours[0.6])}x at 0.6, where the fixed stacks beside it "
@@ -150,7 +152,8 @@ B = "docs/benchmarks/"
 ITEMS = (
     (adaptive, B + "2026-11-27-zen5-adaptive-32k/results.json", (32000,), None),
     (adaptive, B + "2026-11-27-zen5-adaptive-8k/results.json", (8192,), None),
-    (adaptive, B + "2026-11-27-intel-adaptive-32k/results.json", (32000, XEON), None),
+    (adaptive, B + "2026-11-27-intel-round-costs-32k/results.json", (32000, XEON), None),
+    (adaptive, B + "2026-11-27-intel-avx2-round-costs-32k/results.json", (32000, XEON), None),
     (three_prompts, B + "2026-11-26-zen5-three-prompts-32k/results.json", (), None),
     (llama_cpp, B + "2026-11-26-zen5-llamacpp-8k-32k/results.json", (32000,), None),
     (verification, B + "2026-11-26-zen5-s20-bounds/tune-bf16-t0.6.json", (),

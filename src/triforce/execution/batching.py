@@ -71,6 +71,13 @@ def forward_seconds(started: float) -> float:
     return time.perf_counter() - started if seconds is None else seconds
 
 
+def waited_seconds() -> float:
+    """This thread's time at a gate so far that was not its own forwards' (waiting for its turn, or running the
+    other requests' forwards): what a span of this thread's work minus this total's growth over it leaves is the
+    span's own time (the adaptive planner's round costs)."""
+    return getattr(_local, "waited", 0.0)
+
+
 @dataclass(eq=False)
 class _Waiting:
     key: object  # forwards with equal keys (not None) run as one batch
@@ -141,6 +148,7 @@ class ForwardGate:
         return self._wait(_Waiting(key, rows, args, batch, first_token_due=getattr(_local, "first_token_due", False)))
 
     def _wait(self, w: _Waiting):
+        started = time.perf_counter()
         with self._cv:
             self._arrivals += 1
             w.arrived = self._arrivals
@@ -150,6 +158,7 @@ class ForwardGate:
             while not w.done:
                 self._cv.wait()
         _local.seconds = w.seconds
+        _local.waited = waited_seconds() + max(time.perf_counter() - started - w.seconds, 0.0)
         if w.error is not None:
             raise w.error
         return w.result

@@ -16,6 +16,8 @@ sampled output distributed as the target's. What is measured, cheaply (no extra 
   interpolated between counts (LevelCosts);
 - each boundary's per-token acceptance (Level.on_round), the geometric model's estimate over recent rounds
   (Acceptance); a draft that ran out (an n-gram proposal shorter than asked) counts as a rejection there;
+- each route family's rounds: what they took beyond their forwards' modelled cost, and against their price
+  (RoundCosts: sampling, feeds the model does not count, acceptance estimates that erred low);
 - n-gram lookup against the full level for every round whatever its route (NGramWindow): the lookup is a dict
   read, and the committed text that follows is the full level's, so how many of the proposal a direct
   verification would have accepted is known (in distribution when sampling) without running it.
@@ -41,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from ..execution import batching
 from .cost_model import Boundary, chain_ms, expected_tokens
 from .drafters import ModelDrafter, NGramDrafter
 from .level import Level, verify_rates
@@ -59,6 +62,7 @@ START_GAMMA = 2  # rounds 1 to MIN_ROUNDS run the given stack with gammas of at 
 CATCH_UP = 32  # a rebuilt level (retrieval, h2o) that sat out this many committed tokens is rebuilt, not re-fed
 PROBE_HORIZON = 32  # no probe with fewer tokens left to generate: what it finds would pay over too few
 PRIOR_SLOPE = 0.1  # with one measured token count, a forward's cost grows this fraction of it per extra token
+PLAIN_REFRESH = 0.75  # a stale plain-step cost is measured again while the route is priced above this share of it
 
 
 @dataclass(frozen=True)
@@ -74,13 +78,18 @@ class Route:
 
 
 class LevelCosts:
-    """One model level's recent forward costs by tokens fed: medians of the last KEEP per count. The first
+    """One model level's recent forward costs by tokens fed: medians of the last KEEP per count, of those made in
+    the last STALE forwards where a count has any (a cost measured in a noisy minute ages out of its median
+    instead of outvoting the next measurements for as long as they take to come). The first
     forward of a count runs code paths for the first time (kernel set-up, allocations: the first decode step of a
     run took 60x a later one), so it is provisional: dropped when a second arrives, and used only while no count
     has two. A count not fed for STALE forwards of the level is dropped while two fresher ones remain (a cost
     measured in a noisy minute must not keep its gamma out for the rest of the run; Planner.next_route measures the
-    count above the chosen gamma again now and then), and the curve never falls as tokens grow (a forward of more
-    tokens does more work: a lower median above a higher one is noise)."""
+    count above the chosen gamma again now and then), but the lowest count is kept however old: below it the cost
+    would be extrapolated down from the counts above, and a verification's cost grows faster per token than a
+    decode step's does (on the AVX2 build at 32K: 40 ms for 1 token, 53 for 2, 74 for 3, so 1 token came out at
+    33). The curve never falls as tokens grow (a forward of more tokens does more work: a lower median above a
+    higher one is noise)."""
 
     KEEP = 8
     STALE = 48
@@ -99,13 +108,21 @@ class LevelCosts:
         elif k in self._provisional:
             d.clear()
             self._provisional.discard(k)
-        d.append(seconds * 1e3)
         self.forwards += 1
+        d.append((self.forwards, seconds * 1e3))
         self.last[k] = self.forwards
+
+    def settled(self, k: int) -> bool:
+        """Whether k tokens have been fed more than once (the first forward of a count is provisional)."""
+        return k in self.samples and k not in self._provisional
 
     def fresh(self, k: int) -> bool:
         """Whether a settled measurement of k tokens was made within the last STALE forwards."""
-        return k in self.samples and k not in self._provisional and self.forwards - self.last[k] <= self.STALE
+        return self.settled(k) and self.forwards - self.last[k] <= self.STALE
+
+    def _median(self, k: int) -> float:
+        d = self.samples[k]
+        return statistics.median([ms for i, ms in d if self.forwards - i <= self.STALE] or [d[-1][1]])
 
     def curve(self) -> Callable[[float], float] | None:
         """ms of a forward of k tokens (k may be fractional): linear between measured counts, the nearest
@@ -113,11 +130,11 @@ class LevelCosts:
         settled = [k for k in self.samples if k not in self._provisional] or list(self.samples)
         if not settled:
             return None
-        recent = sorted(settled, key=lambda k: self.last[k])[-2:]
+        recent = sorted(settled, key=lambda k: self.last[k])[-2:] + [min(settled)]
         counts = sorted(k for k in settled if self.forwards - self.last[k] <= self.STALE or k in recent)
         blocks: list[tuple[float, int, list[int]]] = []  # pool adjacent violators: (level, counts pooled in it)
         for k in counts:
-            c, w, ks = statistics.median(self.samples[k]), 1, [k]
+            c, w, ks = self._median(k), 1, [k]
             while blocks and blocks[-1][0] > c:
                 pc, pw, pks = blocks.pop()
                 c, w, ks = (pc * pw + c * w) / (pw + w), pw + w, pks + ks
@@ -145,8 +162,10 @@ class LevelCosts:
 
 
 class Acceptance:
-    """Per-token acceptance at one boundary: accepted / (accepted + rounds that stopped short), the geometric
-    model's estimate, over recent rounds: a measurement weighs DECAY less per round of the run since it was made,
+    """Per-token acceptance at one boundary: accepted / (accepted + rounds that stopped short + 1), the geometric
+    model's estimate with one stop more than seen (a probe's 3 rounds of 2 drafts all accepted make 6/7, not 1: at
+    1 the longest gamma looked free, and ran at 2.4x its price), over recent rounds: a measurement weighs DECAY
+    less per round of the run since it was made,
     whether or not the boundary ran in between (text changes while a route sits out: a probe after a long pause
     must not be outvoted by what the boundary met long ago)."""
 
@@ -166,8 +185,59 @@ class Acceptance:
 
     @property
     def alpha(self) -> float:
-        total = self.accepted + self.stopped
-        return self.accepted / total if total > 0 else 0.0
+        return self.accepted / (self.accepted + self.stopped + 1.0)
+
+
+class RoundCosts:
+    """What one route family's rounds cost against what they were priced at, over its last KEEP rounds.
+
+    extra_ms: a round's own time (its span, less any wait at a serving gate) beyond the modelled cost of its
+    forwards (by tokens fed, drafts per round). That difference is real and differs by family: sampling and
+    acceptance per round, a drafter feeding 2 tokens after a round that accepted all its drafts (priced as 1), a
+    level's catch-up feed after sitting out. On the AVX2 build at 32K a `retrieval,full@1` round took 83 ms where its
+    forwards were priced at 65, and a plain step 42 against 40: priced by forwards alone, the routes near plain
+    decoding's price ran slower than it.
+
+    factor: the rounds' time over their price (their forwards' at the acceptance estimated when each ran, plus
+    extra_ms) for the tokens they made. What is left there is
+    mostly the acceptance estimates' optimism: the planner runs the route whose estimate came out lowest, so on
+    text where every route costs about what plain decoding does, the route it runs is the one whose noisy
+    estimate erred low (on the AVX2 build's dialogue at T = 0.6, routes priced 35-41 ms/token ran at 43-49). It
+    needs FACTOR_ROUNDS rounds, and stays within FACTOR_RANGE.
+
+    Both leave out the rounds with the largest eighth of extra time: a rebuild's or a switch's one-off cost is
+    priced apart (Planner._probe's setup_ms)."""
+
+    KEEP = 16
+    FACTOR_ROUNDS = 8
+    FACTOR_RANGE = (0.5, 3.0)
+
+    def __init__(self):
+        # (ms, modelled ms of its forwards, tokens per round expected, tokens made)
+        self.rounds: deque = deque(maxlen=self.KEEP)
+
+    def add(self, ms: float, forwards_ms: float, expected_tokens: float, tokens: int) -> None:
+        self.rounds.append((ms, forwards_ms, expected_tokens, tokens))
+
+    def _kept(self) -> list[tuple[float, float, float, int]]:
+        ordered = sorted(self.rounds, key=lambda r: r[0] - r[1])
+        return ordered[:len(ordered) - len(ordered) // 8]
+
+    def extra_ms(self) -> float | None:
+        """ms a round costs beyond its forwards' modelled cost; None before MIN_ROUNDS rounds."""
+        if len(self.rounds) < MIN_ROUNDS:
+            return None
+        kept = self._kept()
+        return sum(ms - f for ms, f, _, _ in kept) / len(kept)
+
+    def factor(self) -> float:
+        """The rounds' time over their price; 1 before FACTOR_ROUNDS rounds."""
+        if len(self.rounds) < self.FACTOR_ROUNDS:
+            return 1.0
+        kept, extra = self._kept(), self.extra_ms()
+        priced = sum((f + extra) / expected * tokens for _, f, expected, tokens in kept)
+        lo, hi = self.FACTOR_RANGE
+        return min(max(sum(r[0] for r in kept) / max(priced, 1e-9), lo), hi)
 
 
 class NGramWindow:
@@ -256,7 +326,10 @@ class Planner:
         self.plans = 0
         self.planned_at = -PLAN_EVERY  # tokens generated at the last plan
         self._ngram_boundary: Boundary | None = None
+        self._class_boundaries: dict[int, Boundary] = {}  # n-gram match class -> its window boundary (plan())
+        self._curves: dict | None = None  # the cost curves of the last plan
         self.by_class: dict[int, Route] = {}  # n-gram match class -> its route (plan())
+        self.round_costs = {f: RoundCosts() for f in self.families}
 
     def _families(self) -> list[tuple[int, ...]]:
         """Every sub-stack: any levels below the top, in order (n-gram lookup only at the bottom), then the top."""
@@ -277,6 +350,26 @@ class Planner:
             a = self.acceptance[below, above] = Acceptance()
         a.add(accepted, accepted < asked, self.round)
         self.seen[below, above] = self.round - 1
+
+    def record_round(self, route: Route, cls: int | None, ms: float, tokens: int) -> None:
+        """A round of `route` (for a round of n-gram match class `cls`) took `ms` of its own time and made `tokens`
+        (RoundCosts), from the first plan on (the first round runs code paths for the first time; the stack's
+        first rounds cannot be priced)."""
+        if self._curves is None or self.round <= 1:
+            return
+        ngram = self._class_boundaries.get(cls, self._ngram_boundary)
+        modelled = self._modelled(route, self._curves, ngram)
+        if modelled is None:
+            return
+        ms_per_token, per_round = modelled
+        self.round_costs[route.levels].add(ms, ms_per_token * per_round, per_round, tokens)
+
+    def _extra_ms(self, family: tuple[int, ...], optimistic: bool = False) -> float:
+        """A round's cost beyond its forwards' for the family: measured, else (and for a best case) 0. Unmeasured
+        is priced optimistically on purpose: running the family is what measures it (a family given another's
+        extra cost, plain decoding given the retrieval routes' 18 ms, ran 110 rounds before it could be chosen)."""
+        own = None if optimistic else self.round_costs[family].extra_ms()
+        return 0.0 if own is None else own
 
     def _boundary(self, below: int, above: int, ngram: Boundary | None) -> Boundary | None:
         """`ngram`: the n-gram window's boundary the prices are for (all rounds', or one match class's)."""
@@ -306,21 +399,15 @@ class Planner:
         self._ngram_boundary = self.ngram_top.boundary() if self.ngram else None
         return {i: c.curve() for i, c in self.costs.items()}
 
-    def price(self, family: tuple[int, ...], curves: dict, optimistic: bool = False,
-              ngram: Boundary | None = None) -> tuple[float, Route] | None:
-        """The family's cheapest gammas and their predicted ms/token; None while something it needs is unmeasured.
-        `curves`: from _measured(). `optimistic`: its best case, every draft of a model level accepted and n-gram
-        drafts taken as the full level takes them (a bound for _probe). `ngram`: one match class's window boundary
-        (default: all rounds', from _measured())."""
-        ngram = self._ngram_boundary if ngram is None else ngram
+    def _steps(self, family: tuple[int, ...], curves: dict, optimistic: bool, ngram: Boundary | None):
+        """-> (ms of a bottom draft, [(cost curve of the level above, its boundary) per boundary, bottom first]),
+        or None while something the family needs is unmeasured (see price)."""
         bottom = family[0]
         if self.kinds[bottom] == "ngram":
             bottom_ms = 0.0
-        elif len(family) == 1:
-            return (curves[bottom](1), Route(family, ())) if curves.get(bottom) else None
+        elif curves.get(bottom) is None:
+            return None
         else:
-            if curves.get(bottom) is None:
-                return None
             bottom_ms = curves[bottom](1)
         steps = []
         for below, above in zip(family, family[1:]):
@@ -333,16 +420,46 @@ class Planner:
             if b is None or curves.get(above) is None:
                 return None
             steps.append((curves[above], b))
+        return bottom_ms, steps
+
+    def _modelled(self, route: Route, curves: dict, ngram: Boundary | None) -> tuple[float, float] | None:
+        """The route's (ms/token by its forwards alone, tokens per round at the top), None while unpriceable."""
+        found = self._steps(route.levels, curves, False, ngram)
+        if found is None:
+            return None
+        bottom_ms, steps = found
+        if not steps:
+            return bottom_ms, 1.0
+        rounds = [(g, cost(1 + b.drafted(g)), b.tokens(g)) for (cost, b), g in zip(steps, route.gammas)]
+        return chain_ms(bottom_ms, rounds), rounds[-1][2]
+
+    def price(self, family: tuple[int, ...], curves: dict, optimistic: bool = False,
+              ngram: Boundary | None = None) -> tuple[float, Route] | None:
+        """The family's cheapest gammas and their predicted ms/token; None while something it needs is unmeasured.
+        A round costs its forwards (priced from `curves`, from _measured(), and the boundaries' acceptance) plus
+        what the family's rounds have measured beyond them, and the price is scaled by what its rounds took against
+        their prices (RoundCosts). `optimistic`: its best case, every draft of a model level accepted, n-gram drafts
+        taken as the full level takes them, nothing beyond its forwards (a bound for _probe). `ngram`: one match
+        class's window boundary (default: all rounds', from _measured())."""
+        ngram = self._ngram_boundary if ngram is None else ngram
+        found = self._steps(family, curves, optimistic, ngram)
+        if found is None:
+            return None
+        bottom_ms, steps = found
+        extra = self._extra_ms(family, optimistic)
+        factor = 1.0 if optimistic else self.round_costs[family].factor()
+        if not steps:  # plain decoding
+            return (bottom_ms + extra) * factor, Route(family, ())
         # per boundary and gamma: (gamma, ms of the verifying forward, tokens per round), computed once
         tables = []
         for (cost, b), grid in zip(steps, self._gamma_grids(family)):
             tables.append([(g, cost(1 + b.drafted(g)), b.tokens(g)) for g in grid])
         best = None
         for combo in product(*tables):
-            ms = chain_ms(bottom_ms, combo)
+            ms = chain_ms(bottom_ms, combo) + extra / combo[-1][2]
             if best is None or ms < best[0]:
                 best = (ms, combo)
-        return best[0], Route(family, tuple(g for g, _, _ in best[1]))
+        return best[0] * factor, Route(family, tuple(g for g, _, _ in best[1]))
 
     def _stale(self, family: tuple[int, ...]) -> bool:
         """Whether a boundary of the family went unmeasured for probe_gap rounds: only running a route through a
@@ -353,7 +470,7 @@ class Planner:
     def plan(self) -> tuple[dict, dict]:
         """Re-choose the route -> (the cost curves, every family's price) it was chosen from, for _probe."""
         self.plans += 1
-        curves = self._measured()
+        curves = self._curves = self._measured()
         priced = {f: self.price(f, curves) for f in self.families}
         names = self.kinds
         self.predicted = {p[1].text(names): round(p[0], 3) for p in priced.values() if p is not None}
@@ -364,14 +481,17 @@ class Planner:
             self._plan_classes(curves, priced)
         return curves, priced
 
-    @staticmethod
-    def _choose(priced: dict, route: Route) -> Route:
-        """The cheapest priced route, unless it beats `route`'s family by less than SWITCH_GAIN (hysteresis)."""
+    def _choose(self, priced: dict, route: Route) -> Route:
+        """The cheapest priced route, unless it beats `route`'s family by less than SWITCH_GAIN (hysteresis: timings
+        are noisy). Plain decoding needs no margin: it is the baseline every route must beat, and where every route
+        costs about what it does (the AVX2 build's sampled dialogue), a route kept for being within the margin ran
+        5-7% behind `ar` for the rest of the run."""
         current = priced.get(route.levels)
         best = min((p for p in priced.values() if p is not None), key=lambda p: p[0], default=None)
         if best is None:
             return route
-        if current is None or best[0] < (1.0 - SWITCH_GAIN) * current[0]:
+        gain = 0.0 if best[1].levels == (self.top,) else SWITCH_GAIN
+        if current is None or best[0] < (1.0 - gain) * current[0]:
             return best[1]
         return current[1]  # the same levels, gammas re-tuned
 
@@ -382,11 +502,13 @@ class Planner:
         rounds only; the others cost what they cost for any class. A class with too few judged rounds takes the
         route planned for all."""
         through_ngram = [f for f in self.families if f[0] == 0]
+        self._class_boundaries = {}
         for cls in self.ngram_top.classes():
             b = self.ngram_top.boundary(cls)
             if b is None:
                 self.by_class.pop(cls, None)
                 continue
+            self._class_boundaries[cls] = b
             by_cls = dict(priced)
             by_cls.update({f: self.price(f, curves, ngram=b) for f in through_ngram})
             self.by_class[cls] = self._choose(by_cls, self.by_class.get(cls, self.route))
@@ -434,7 +556,11 @@ class Planner:
         if not options:
             return None
         options.sort(key=lambda o: o[0])
-        self.probing, self.probe_route, self.probe_rounds = options[0][1], options[0][2], 1
+        # with short drafts: a probe measures acceptance, which is per token whatever the gamma, and a long one
+        # costs much when it fails (a 7-token verification took 4 decode steps on the AVX2 build at 32K)
+        _, family, route = options[0]
+        self.probe_route = Route(family, tuple(min(g, START_GAMMA) for g in route.gammas))
+        self.probing, self.probe_rounds = family, 1
         return self.probe_route
 
     def _start_of(self, family: tuple[int, ...]) -> Route:
@@ -442,6 +568,28 @@ class Planner:
         given = dict(zip(zip(self.start.levels, self.start.levels[1:]), self.start.gammas))
         top_gamma = self.start.gammas[-1] if self.start.gammas else 1
         return Route(family, tuple(given.get(b, top_gamma) for b in zip(family, family[1:])))
+
+    def _refresh(self, route: Route, priced: dict, cls: int | None) -> Route | None:
+        """One round of another route whose top forward's cost is stale, where that cost could change the choice
+        (its price within PLAIN_REFRESH of the other's), when the round would run `route`:
+        - plain decoding, when `route` is not plain and the top's 1-token cost is stale: plain decoding is what
+          every route must beat, its cost is only measured by running it, and LevelCosts keeps it however old;
+        - while decoding plainly, n-gram lookup verified directly (its priced gammas), for a round whose lookup
+          found a proposal (`cls`), when the forward that takes has a stale cost: the route is priced from the
+          window without running it, so its verification's cost would otherwise be the one measured in the first
+          rounds for the rest of the run."""
+        costs, plain = self.costs[self.top], (self.top,)
+        ours, theirs = priced.get(route.levels), priced.get(plain)
+        if route.levels != plain:
+            if costs.fresh(1):
+                return None
+            if costs.settled(1) and ours is not None and theirs is not None and ours[0] < PLAIN_REFRESH * theirs[0]:
+                return None
+            return Route(plain, ())
+        lookup = priced.get((0, self.top)) if self.ngram and cls else None
+        if lookup is None or ours is None or PLAIN_REFRESH * lookup[0] > ours[0]:
+            return None
+        return None if costs.fresh(1 + lookup[1].gammas[0]) else lookup[1]
 
     def _explore(self, route: Route) -> Route:
         """`route`, or once with one more draft at the top when the forward that would take has no fresh cost:
@@ -471,8 +619,9 @@ class Planner:
                          or self.plans < EARLY_PLANS):
             curves, priced = self.plan()
             self.planned_at = tokens
-            route = self._settle_probe(priced) or self._probe(curves, priced, remaining, setup_ms) or self._explore(
-                self.by_class.get(cls, self.route))
+            route = self.by_class.get(cls, self.route)
+            route = (self._settle_probe(priced) or self._probe(curves, priced, remaining, setup_ms)
+                     or self._refresh(route, priced, cls) or self._explore(route))
         self.round += 1
         return route
 
@@ -560,7 +709,12 @@ class AdaptiveTop:
             self.planner.ngram_top.propose(len(ctx), proposal, cls)
         for i in route.levels[:-1]:
             self.catch_up(i, ctx, committed)
+        started, waited = time.perf_counter(), batching.waited_seconds()
         tokens = chain.step(ctx, committed, limit)
+        t = time.perf_counter()
+        self.planner.record_round(route, cls, 1e3 * (t - started - (batching.waited_seconds() - waited)),
+                                  len(tokens))
+        self.planner_seconds += time.perf_counter() - t
         self.tokens += len(tokens)
         return tokens
 
@@ -598,4 +752,6 @@ class AdaptiveTop:
                 "planner_seconds": round(self.planner_seconds, 6),
                 "acceptance": {f"{self.names[b]}->{self.names[a]}": round(x.alpha, 4)
                                for (b, a), x in p.acceptance.items()},
-                "predicted_ms_per_token": p.predicted}
+                "predicted_ms_per_token": p.predicted,
+                "round_costs": {Route(f, ()).text(self.names): {"extra_ms": round(x, 2), "factor": round(c.factor(), 3)}
+                                for f, c in p.round_costs.items() if (x := c.extra_ms()) is not None}}
