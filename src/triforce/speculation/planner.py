@@ -24,13 +24,15 @@ sampled output distributed as the target's. What is measured, cheaply (no extra 
 
 Every PLAN_EVERY generated tokens the planner prices every route with the cost model that `triforce tune` uses
 (cost_model.chain_ms, the arithmetic of cost_model.ms_per_token) and moves to the cheapest when it beats the current
-route by SWITCH_GAIN (hysteresis: timings are noisy). It plans once for all rounds and once per n-gram *match
-class*: a round's lookup is made before its route is chosen, and the length of the n-gram it matched says much
-about whether its proposal will be accepted (a 3-token match in repeated text, a 1-token match almost anywhere),
-so the routes through n-gram lookup are priced again with that class's rounds alone. Routes through a model level
-below the top are only measured by running them: the given stack runs its first MIN_ROUNDS rounds, and then one
-route is probed now and then (every PROBE_FIRST rounds, doubling to PROBE_MAX while probes do not win), for as many
-rounds as pricing it takes: the run comes back to the stack when the text becomes predictable again.
+route by SWITCH_GAIN (hysteresis: timings are noisy), or, when the cheapest is plain decoding, by any margin. It
+plans once for all rounds and once per n-gram *match class*: a round's lookup is made before its route is chosen,
+and the length of the n-gram it matched says much about whether its proposal will be accepted (a 3-token match in
+repeated text, a 1-token match almost anywhere), so the routes through n-gram lookup are priced again with that
+class's rounds alone. Routes through a model level below the top are only measured by running them: the given
+stack runs its first MIN_ROUNDS rounds, and then one route is probed now and then (every PROBE_FIRST rounds,
+doubling to PROBE_MAX while probes do not win), for as many rounds as pricing it takes: the run comes back to the
+stack when the text becomes predictable again. Forward costs that only running measures (a plain step's, an
+n-gram verification's while decoding plainly) are measured again when stale and able to change the choice.
 """
 from __future__ import annotations
 
