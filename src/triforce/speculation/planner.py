@@ -16,8 +16,8 @@ sampled output distributed as the target's. What is measured, cheaply (no extra 
   interpolated between counts (LevelCosts);
 - each boundary's per-token acceptance (Level.on_round), the geometric model's estimate over recent rounds
   (Acceptance); a draft that ran out (an n-gram proposal shorter than asked) counts as a rejection there;
-- each route family's rounds: what they took beyond their forwards' modelled cost, and against their price
-  (RoundCosts: sampling, feeds the model does not count, acceptance estimates that erred low);
+- each route family's rounds: what they took beyond their forwards' modelled cost (RoundCosts: sampling, feeds
+  the model does not count);
 - n-gram lookup against the full level for every round whatever its route (NGramWindow): the lookup is a dict
   read, and the committed text that follows is the full level's, so how many of the proposal a direct
   verification would have accepted is known (in distribution when sampling) without running it.
@@ -191,55 +191,29 @@ class Acceptance:
 
 
 class RoundCosts:
-    """What one route family's rounds cost against what they were priced at, over its last KEEP rounds.
-
-    extra_ms: a round's own time (its span, less any wait at a serving gate) beyond the modelled cost of its
-    forwards (by tokens fed, drafts per round). That difference is real and differs by family: sampling and
-    acceptance per round, a drafter feeding 2 tokens after a round that accepted all its drafts (priced as 1), a
-    level's catch-up feed after sitting out. On the AVX2 build at 32K a `retrieval,full@1` round took 83 ms where its
-    forwards were priced at 65, and a plain step 42 against 40: priced by forwards alone, the routes near plain
-    decoding's price ran slower than it.
-
-    factor: the rounds' time over their price (their forwards' at the acceptance estimated when each ran, plus
-    extra_ms) for the tokens they made. What is left there is
-    mostly the acceptance estimates' optimism: the planner runs the route whose estimate came out lowest, so on
-    text where every route costs about what plain decoding does, the route it runs is the one whose noisy
-    estimate erred low (on the AVX2 build's dialogue at T = 0.6, routes priced 35-41 ms/token ran at 43-49). It
-    needs FACTOR_ROUNDS rounds, and stays within FACTOR_RANGE.
-
-    Both leave out the rounds with the largest eighth of extra time: a rebuild's or a switch's one-off cost is
-    priced apart (Planner._probe's setup_ms)."""
+    """What one route family's rounds take beyond the modelled cost of their forwards (by tokens fed, drafts per
+    round), over its last KEEP rounds: each round's own time (its span, less any wait at a serving gate) minus that
+    cost. The difference is real and differs by family: sampling and acceptance per round, a drafter feeding 2
+    tokens after a round that accepted all its drafts (priced as 1), a level's catch-up feed after sitting out. On
+    the AVX2 build at 32K a `retrieval,full@1` round took 83 ms where its forwards were priced at 65, and a plain
+    step 42 against 40: priced by forwards alone, the routes near plain decoding's price ran slower than it. The
+    estimate leaves out the rounds with the largest eighth (a rebuild's or a switch's one-off cost is priced apart:
+    Planner._probe's setup_ms)."""
 
     KEEP = 16
-    FACTOR_ROUNDS = 8
-    FACTOR_RANGE = (0.5, 3.0)
 
     def __init__(self):
-        # (ms, modelled ms of its forwards, tokens per round expected, tokens made)
-        self.rounds: deque = deque(maxlen=self.KEEP)
+        self.rounds: deque = deque(maxlen=self.KEEP)  # ms beyond the modelled cost of its forwards, per round
 
-    def add(self, ms: float, forwards_ms: float, expected_tokens: float, tokens: int) -> None:
-        self.rounds.append((ms, forwards_ms, expected_tokens, tokens))
-
-    def _kept(self) -> list[tuple[float, float, float, int]]:
-        ordered = sorted(self.rounds, key=lambda r: r[0] - r[1])
-        return ordered[:len(ordered) - len(ordered) // 8]
+    def add(self, ms: float, forwards_ms: float) -> None:
+        self.rounds.append(ms - forwards_ms)
 
     def extra_ms(self) -> float | None:
         """ms a round costs beyond its forwards' modelled cost; None before MIN_ROUNDS rounds."""
         if len(self.rounds) < MIN_ROUNDS:
             return None
-        kept = self._kept()
-        return sum(ms - f for ms, f, _, _ in kept) / len(kept)
-
-    def factor(self) -> float:
-        """The rounds' time over their price; 1 before FACTOR_ROUNDS rounds."""
-        if len(self.rounds) < self.FACTOR_ROUNDS:
-            return 1.0
-        kept, extra = self._kept(), self.extra_ms()
-        priced = sum((f + extra) / expected * tokens for _, f, expected, tokens in kept)
-        lo, hi = self.FACTOR_RANGE
-        return min(max(sum(r[0] for r in kept) / max(priced, 1e-9), lo), hi)
+        kept = sorted(self.rounds)[:len(self.rounds) - len(self.rounds) // 8]
+        return sum(kept) / len(kept)
 
 
 class NGramWindow:
@@ -353,9 +327,9 @@ class Planner:
         a.add(accepted, accepted < asked, self.round)
         self.seen[below, above] = self.round - 1
 
-    def record_round(self, route: Route, cls: int | None, ms: float, tokens: int) -> None:
-        """A round of `route` (for a round of n-gram match class `cls`) took `ms` of its own time and made `tokens`
-        (RoundCosts), from the first plan on (the first round runs code paths for the first time; the stack's
+    def record_round(self, route: Route, cls: int | None, ms: float) -> None:
+        """A round of `route` (for a round of n-gram match class `cls`) took `ms` of its own time (RoundCosts),
+        from the first plan on (the first round runs code paths for the first time; the stack's
         first rounds cannot be priced)."""
         if self._curves is None or self.round <= 1:
             return
@@ -364,7 +338,7 @@ class Planner:
         if modelled is None:
             return
         ms_per_token, per_round = modelled
-        self.round_costs[route.levels].add(ms, ms_per_token * per_round, per_round, tokens)
+        self.round_costs[route.levels].add(ms, ms_per_token * per_round)
 
     def _extra_ms(self, family: tuple[int, ...], optimistic: bool = False) -> float:
         """A round's cost beyond its forwards' for the family: measured, else (and for a best case) 0. Unmeasured
@@ -439,8 +413,7 @@ class Planner:
               ngram: Boundary | None = None) -> tuple[float, Route] | None:
         """The family's cheapest gammas and their predicted ms/token; None while something it needs is unmeasured.
         A round costs its forwards (priced from `curves`, from _measured(), and the boundaries' acceptance) plus
-        what the family's rounds have measured beyond them, and the price is scaled by what its rounds took against
-        their prices (RoundCosts). `optimistic`: its best case, every draft of a model level accepted, n-gram drafts
+        what the family's rounds have measured beyond them (RoundCosts). `optimistic`: its best case, every draft of a model level accepted, n-gram drafts
         taken as the full level takes them, nothing beyond its forwards (a bound for _probe). `ngram`: one match
         class's window boundary (default: all rounds', from _measured())."""
         ngram = self._ngram_boundary if ngram is None else ngram
@@ -449,9 +422,8 @@ class Planner:
             return None
         bottom_ms, steps = found
         extra = self._extra_ms(family, optimistic)
-        factor = 1.0 if optimistic else self.round_costs[family].factor()
         if not steps:  # plain decoding
-            return (bottom_ms + extra) * factor, Route(family, ())
+            return bottom_ms + extra, Route(family, ())
         # per boundary and gamma: (gamma, ms of the verifying forward, tokens per round), computed once
         tables = []
         for (cost, b), grid in zip(steps, self._gamma_grids(family)):
@@ -461,7 +433,7 @@ class Planner:
             ms = chain_ms(bottom_ms, combo) + extra / combo[-1][2]
             if best is None or ms < best[0]:
                 best = (ms, combo)
-        return best[0] * factor, Route(family, tuple(g for g, _, _ in best[1]))
+        return best[0], Route(family, tuple(g for g, _, _ in best[1]))
 
     def _stale(self, family: tuple[int, ...]) -> bool:
         """Whether a boundary of the family went unmeasured for probe_gap rounds: only running a route through a
@@ -714,8 +686,7 @@ class AdaptiveTop:
         started, waited = time.perf_counter(), batching.waited_seconds()
         tokens = chain.step(ctx, committed, limit)
         t = time.perf_counter()
-        self.planner.record_round(route, cls, 1e3 * (t - started - (batching.waited_seconds() - waited)),
-                                  len(tokens))
+        self.planner.record_round(route, cls, 1e3 * (t - started - (batching.waited_seconds() - waited)))
         self.planner_seconds += time.perf_counter() - t
         self.tokens += len(tokens)
         return tokens
@@ -755,5 +726,5 @@ class AdaptiveTop:
                 "acceptance": {f"{self.names[b]}->{self.names[a]}": round(x.alpha, 4)
                                for (b, a), x in p.acceptance.items()},
                 "predicted_ms_per_token": p.predicted,
-                "round_costs": {Route(f, ()).text(self.names): {"extra_ms": round(x, 2), "factor": round(c.factor(), 3)}
-                                for f, c in p.round_costs.items() if (x := c.extra_ms()) is not None}}
+                "round_extra_ms": {Route(f, ()).text(self.names): round(x, 2) for f, c in p.round_costs.items()
+                                   if (x := c.extra_ms()) is not None}}
