@@ -34,7 +34,7 @@ t0 = time.perf_counter()
 shared = PrefilledPrompt(model, prompt, n + 300, 512)
 print(f"{genre} {n} T={temp}: prefill {time.perf_counter() - t0:.1f} s", flush=True)
 
-fwd = {"ms": 0.0, "by": collections.defaultdict(list)}
+fwd = {"ms": 0.0, "cur": []}  # the forwards of the round being timed: their ms, and (level, k, ms) each
 _add = P.LevelCosts.add
 
 
@@ -98,7 +98,6 @@ for rep in range(repeats):
               f"  overhead/round {(wall - f) / k:5.2f} ms  predicted(median) "
               f"{statistics.median(preds) if preds else float('nan'):.2f}")
     print("  last predicted:", rounds[-1]["predicted"])
-    # cost of top forwards by k
     topk = collections.defaultdict(list)
     for x in rounds:
         for name, k, ms in x["feeds"]:

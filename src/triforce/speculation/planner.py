@@ -67,6 +67,11 @@ PRIOR_SLOPE = 0.1  # with one measured token count, a forward's cost grows this 
 PLAIN_REFRESH = 0.75  # a stale plain-step cost is measured again while the route is priced above this share of it
 
 
+def _round(cost: Callable[[float], float], boundary: Boundary, gamma: int) -> tuple[int, float, float]:
+    """One boundary's round at `gamma` as chain_ms takes it: (gamma, ms of the verifying forward, tokens per round)."""
+    return gamma, cost(1 + boundary.drafted(gamma)), boundary.tokens(gamma)
+
+
 @dataclass(frozen=True)
 class Route:
     """levels: indices into the stack's levels, bottom to top, ending with the top; gammas: one per boundary."""
@@ -132,8 +137,8 @@ class LevelCosts:
         settled = [k for k in self.samples if k not in self._provisional] or list(self.samples)
         if not settled:
             return None
-        recent = sorted(settled, key=lambda k: self.last[k])[-2:] + [min(settled)]
-        counts = sorted(k for k in settled if self.forwards - self.last[k] <= self.STALE or k in recent)
+        kept = sorted(settled, key=lambda k: self.last[k])[-2:] + [min(settled)]  # the two latest, the lowest
+        counts = sorted(k for k in settled if self.forwards - self.last[k] <= self.STALE or k in kept)
         blocks: list[tuple[float, int, list[int]]] = []  # pool adjacent violators: (level, counts pooled in it)
         for k in counts:
             c, w, ks = self._median(k), 1, [k]
@@ -406,16 +411,16 @@ class Planner:
         bottom_ms, steps = found
         if not steps:
             return bottom_ms, 1.0
-        rounds = [(g, cost(1 + b.drafted(g)), b.tokens(g)) for (cost, b), g in zip(steps, route.gammas)]
+        rounds = [_round(cost, b, g) for (cost, b), g in zip(steps, route.gammas)]
         return chain_ms(bottom_ms, rounds), rounds[-1][2]
 
     def price(self, family: tuple[int, ...], curves: dict, optimistic: bool = False,
               ngram: Boundary | None = None) -> tuple[float, Route] | None:
         """The family's cheapest gammas and their predicted ms/token; None while something it needs is unmeasured.
         A round costs its forwards (priced from `curves`, from _measured(), and the boundaries' acceptance) plus
-        what the family's rounds have measured beyond them (RoundCosts). `optimistic`: its best case, every draft of a model level accepted, n-gram drafts
-        taken as the full level takes them, nothing beyond its forwards (a bound for _probe). `ngram`: one match
-        class's window boundary (default: all rounds', from _measured())."""
+        what the family's rounds have measured beyond them (RoundCosts). `optimistic`: its best case, every draft
+        of a model level accepted, n-gram drafts taken as the full level takes them, nothing beyond its forwards (a
+        bound for _probe). `ngram`: one match class's window boundary (default: all rounds', from _measured())."""
         ngram = self._ngram_boundary if ngram is None else ngram
         found = self._steps(family, curves, optimistic, ngram)
         if found is None:
@@ -427,7 +432,7 @@ class Planner:
         # per boundary and gamma: (gamma, ms of the verifying forward, tokens per round), computed once
         tables = []
         for (cost, b), grid in zip(steps, self._gamma_grids(family)):
-            tables.append([(g, cost(1 + b.drafted(g)), b.tokens(g)) for g in grid])
+            tables.append([_round(cost, b, g) for g in grid])
         best = None
         for combo in product(*tables):
             ms = chain_ms(bottom_ms, combo) + extra / combo[-1][2]
