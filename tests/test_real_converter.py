@@ -258,6 +258,8 @@ def weights_only(path: Path):
 # ~430 of this random model, whose attention is sharp). It must still
 # be within ATOL of the model the file holds, and within this of transformers' model.
 ATOL_LLAMA3_FILE = 1e-3
+# Two tokens whose logits may each be off by that much may swap places in a greedy run.
+NEAR_TIE = 2 * ATOL_LLAMA3_FILE
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -301,8 +303,10 @@ def test_cli_generate_on_converter_gguf(tmp_path):
     assert ids.shape[1] > ORIGINAL_CONTEXT
     new = 100
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=0, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
+                       return_dict_in_generate=True)
+    want = out.sequences[0, ids.shape[1]:].tolist()
     cmd = [sys.executable, "-m", "triforce", "generate", "--model", str(path), "--prompt", prompt, "--method", "ar",
            "--max-new-tokens", str(new), "--kv-dtype", "fp32", "--cache-dir", str(tmp_path / "cache"), "--json",
            "--quiet"]
@@ -311,7 +315,15 @@ def test_cli_generate_on_converter_gguf(tmp_path):
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["prompt_tokens"] == ids.shape[1]
     n = len(got["token_ids"])
-    assert got["token_ids"] == want[:n]
+    same = next((i for i, (a, b) in enumerate(zip(got["token_ids"], want)) if a != b), n)
+    if same < n:
+        # Two runs of fp32 arithmetic in different orders may pick different tokens only where transformers' two
+        # candidates are within rounding of each other; past that point the texts differ and are not compared.
+        logits = out.logits[same][0]
+        margin = float(logits[want[same]] - logits[got["token_ids"][same]])
+        assert margin < NEAR_TIE, (f"greedy ids differ at token {same} of {n}, where transformers' logit for its "
+                                   f"token leads ours by {margin:.2e} (a near-tie is < {NEAR_TIE})")
+        return
     if n < new:  # stopped at an end-of-sequence token, which transformers (eos_token_id=None) went past
         assert got["finish_reason"] == "eos" and want[n] == SMALL["eos_token_id"], got
 

@@ -152,8 +152,9 @@ B = "docs/benchmarks/"
 ITEMS = (
     (adaptive, B + "2026-11-27-zen5-adaptive-32k/results.json", (32000,), None),
     (adaptive, B + "2026-11-27-zen5-adaptive-8k/results.json", (8192,), None),
-    (adaptive, B + "2026-11-27-intel-round-costs-32k/results.json", (32000, XEON), None),
-    (adaptive, B + "2026-11-27-intel-avx2-round-costs-32k/results.json", (32000, XEON), None),
+    (adaptive, B + "2026-11-28-intel-adaptive-32k/results.json", (32000, XEON), None),
+    (adaptive, B + "2026-11-28-intel-adaptive-8k/results.json", (8192, XEON), None),
+    (adaptive, B + "2026-11-28-intel-avx2-adaptive-32k/results.json", (32000, XEON), None),
     (three_prompts, B + "2026-11-26-zen5-three-prompts-32k/results.json", (), None),
     (llama_cpp, B + "2026-11-26-zen5-llamacpp-8k-32k/results.json", (32000,), None),
     (verification, B + "2026-11-26-zen5-s20-bounds/tune-bf16-t0.6.json", (),
