@@ -5,7 +5,8 @@ shapes: 3 KV heads, 3 query rows each per token, head dim 64), and the K/V read 
     python benchmarks/attention_time.py 8192 1        # 1 thread
     python benchmarks/attention_time.py 32768 2 5     # a 5-token verification (15 rows per KV head, causal)
     python benchmarks/attention_time.py 32768 2 5 bf16 3   # bf16 K/V, path 3: the scores on AMX tiles (0: auto,
-                                                         # 1: per row, 2: rows in lanes on FMAs)
+                                                         # 1: per row, 2: rows in lanes on FMAs, 4: per row
+                                                         # with the scores rows-in-lanes in the per-row order)
 
 Each layer's K/V are distinct (as in a decode step), so above a few thousand tokens they come from DRAM.
 """

@@ -227,10 +227,11 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it(kern, kv_dtype):
     k, v = (torch.randn(H, S, D) * 2).to(kv_dtype), torch.randn(H, S, D).to(kv_dtype)
     q = torch.randn(H, 64, D)
     alone = kern.decode_attention(q[:, :1], k, v, 1, False, D ** -0.5, 0)
-    for rows in (2, 3, m - 1, m, 9, 15, 24, 64):
+    for rows in (2, 3, m - 1, m, 9, 12, 15, 16, 24, 30, 64):
         out = kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 0)
         assert torch.equal(out[:, :1], alone), rows
         assert torch.equal(out, kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 1)), rows
+        assert torch.equal(out, kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 4)), rows
     if kv_dtype != torch.float32:
         lanes = 3 if kv_dtype == torch.bfloat16 and kern.amx_attention() else 2
         assert not torch.equal(kern.decode_attention(q[:, :m], k, v, 1, False, D ** -0.5, lanes),
@@ -246,7 +247,7 @@ def test_each_row_of_a_verification_is_the_decode_step_over_its_own_keys(kern, k
     H, D, g = 3, 64, 3
     for S in (1024, 1000, 517, 40):
         k, v = (torch.randn(H, S, D) * 2).to(kv_dtype), torch.randn(H, S, D).to(kv_dtype)
-        for T in (2, 4, 7, 17):
+        for T in (2, 4, 5, 7, 10, 17):  # 15 and 30 rows: path 0 computes the scores rows-in-lanes (exact_rows)
             q = torch.randn(H, g, T, D)
             out = kern.decode_attention(q.reshape(H, g * T, D), k, v, T, True, D ** -0.5, 0).view(H, g, T, D)
             for t in range(T):
@@ -254,6 +255,50 @@ def test_each_row_of_a_verification_is_the_decode_step_over_its_own_keys(kern, k
                 one = kern.decode_attention(q[:, :, t].contiguous(), k[:, :n].contiguous(), v[:, :n].contiguous(), 1,
                                             False, D ** -0.5, 0)
                 assert torch.equal(out[:, :, t], one), (S, T, t)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_scores_in_lanes_in_the_per_row_order_are_the_per_row_paths_bits(kern, kv_dtype, D):
+    """Path 4 (scores_exact: the per-row path's sums of each score, computed with the rows in a vector's lanes, then
+    transposed) gives exactly path 1's bits for every row count, head dim, dtype and mask: causal chains, a draft
+    tree's token block, a StreamingLLM gap, blocks cut short (S not a multiple of the block or of the vector). Path 0
+    takes it where exact_rows says so; the lanes path (2), which sums in another order, is told apart."""
+    torch.manual_seed(11)
+    H = 2
+    for S, T, rows in ((700, 1, (1, 12, 15, 16, 17, 31, 64)), (517, 5, (15, 30, 60)), (1000, 4, (12, 16, 48)),
+                       (41, 3, (9, 15, 33)), (300, 13, (13, 39))):
+        k, v = (torch.randn(H, S, D) * 2).to(kv_dtype), torch.randn(H, S, D).to(kv_dtype)
+        for R in rows:
+            q = torch.randn(H, R, D)
+            masks = [dict(causal=T > 1)]
+            if T > 1:
+                masks.append(dict(causal=True, visible=_random_tree_block(T).visible))
+                gap = torch.tensor([4] + [min(S - T + t, 4 + 30 + 7 * t) for t in range(T)], dtype=torch.long)
+                masks.append(dict(causal=True, gap=gap))
+            for mask in masks:
+                causal = mask.pop("causal")
+                per_row = kern.decode_attention(q, k, v, T, causal, D ** -0.5, 1, **mask)
+                exact = kern.decode_attention(q, k, v, T, causal, D ** -0.5, 4, **mask)
+                assert torch.equal(exact, per_row), (S, T, R, list(mask))
+                if kern.attention_exact_rows(R):
+                    assert torch.equal(kern.decode_attention(q, k, v, T, causal, D ** -0.5, 0, **mask), exact)
+    if kv_dtype != torch.float32:  # the check can fail: another order of sums differs in the last bits
+        q = torch.randn(H, 15, D)
+        assert not torch.equal(kern.decode_attention(q, k, v, 1, False, D ** -0.5, 2),
+                               kern.decode_attention(q, k, v, 1, False, D ** -0.5, 4))
+
+
+def test_exact_rows_where_measured_faster(kern):
+    """Path 0 computes scores rows-in-lanes only in the AVX-512 build, off AMD's CPUs (where broadcast FMAs ran at
+    half rate and it was not measured), and only for row counts that nearly fill the vectors' lanes."""
+    from triforce.kernels.build import cpu_vendor
+
+    chosen = [r for r in range(1, 65) if kern.attention_exact_rows(r)]
+    if kern.ISA == "avx2" or cpu_vendor() == "AuthenticAMD":
+        assert chosen == []
+    else:
+        assert chosen == [r for r in range(12, 65) if r % 16 == 0 or r % 16 >= 12]
 
 
 def test_vector_peak_is_this_builds_own(kern):

@@ -14,7 +14,7 @@
 // Rows are (group head, token) pairs as in model.py: row r belongs to token r % T. Masks: none, or
 // causal over the last T keys (key S - T + u is visible to token t iff u <= t).
 //
-// Two ways to compute a block's scores, chosen by the number of query rows R:
+// Three ways to compute a block's scores, chosen by the number of query rows R and the path asked for:
 //  * few rows (a decode step): per row, W keys' dot products reduced together (hsum_lanes); K is
 //    read once per row, which is cheap for R <= a few;
 //  * many rows (verifying k draft tokens, R = g * k): "rows in lanes", a small GEMM. The scores are
@@ -22,6 +22,9 @@
 //    dimension d one broadcast k[key][d] times the vector q[rows][d], for a tile of keys at once.
 //    Every K element is loaded once per group of rows (not once per row) and no horizontal sums are
 //    needed.
+//  * many rows, the per-row path's bits (scores_exact, the model's path from a CPU-dependent row count:
+//    exact_rows): the scores computed rows-in-lanes in the per-row path's order of sums, then transposed, so
+//    that a verification's rows stay exactly the decode step's.
 // p v is one loop for both (block_pv): TILE rows x DC vectors of accumulators, each V element read
 // once per tile of rows.
 #include <ATen/Parallel.h>
@@ -59,16 +62,33 @@ constexpr int64_t LANES_MIN_ROWS = 8;  // from this many rows on, the rows-in-la
 // 15 rows 45.6 vs 41.5, 48 rows 117.6 vs 59.8). On Zen 5 (family 26), with the prefetches paced (Prefetch), bf16
 // on vdpbf16ps: 6 rows 20.7 per row vs 21.3 lanes, 9 rows 26.9 vs 23.0, 12 rows 31.5 vs 22.5: lanes from 8 there;
 // fp16 per row still ahead at 24 rows (56.7 vs 62.2). (Zen 4 not re-measured with the paced prefetches.)
-inline int64_t lanes_min_rows(bool dot) {
-  static const int amd_avx512_family = [] {  // 0: not an AMD CPU with this build's 16 lanes
+inline int amd_avx512_family() {  // 0: not an AMD CPU with this build's 16 lanes
+  static const int family = [] {
     __builtin_cpu_init();
     if (W != 16 || !__builtin_cpu_is("amd")) return 0;
     unsigned a, b, c, d;
     __cpuid(1, a, b, c, d);
     return int((a >> 8) & 0xf) + int((a >> 20) & 0xff);  // base family + extended family
   }();
-  if (amd_avx512_family == 0) return LANES_MIN_ROWS;
-  return dot ? (amd_avx512_family >= 26 ? 8 : 12) : 40;
+  return family;
+}
+inline int64_t lanes_min_rows(bool dot) {
+  const int family = amd_avx512_family();
+  if (family == 0) return LANES_MIN_ROWS;
+  return dot ? (family >= 26 ? 8 : 12) : 40;
+}
+
+// Whether path 0 computes R rows' scores as scores_exact (the per-row path's bits, rows in lanes). Its cost grows
+// with the row vectors (W rows each, full or not), the per-row path's with the rows, so it pays where the vectors
+// are nearly full. Intel Xeon (family 6 model 207, AMX hidden), AVX-512 build, 30 layers x 3 KV heads, fp16 K/V,
+// per row vs scores_exact (benchmarks/attention_time.py, path 1 vs 4; docs/benchmarks/2026-11-28-intel-exact-lanes/
+// attention_paths.txt): at 32K, 9 rows 56.0 vs 61.9 ms, 12 rows 69.2 vs 65.7, 15 rows 86.1 vs 75.9, 24 rows 127.5
+// vs 126.9, 30 rows 162.6 vs 142.4, 33 rows 177.0 vs 220.0; at 8K, 15 rows 21.3 vs 19.7; bf16 K/V at 32K, 15 rows
+// 85.0 vs 75.6. The AVX2 build's per-row sums are cheaper (8 lanes: hadds) and its tree has 16 registers:
+// scores_exact was slower (12 rows 87.1 vs 111.6, 15 rows 107.3 vs 122.9). On AMD's AVX-512 CPUs broadcast FMAs
+// ran at about half the rate (lanes_min_rows): not measured there, not taken.
+inline bool exact_rows(int64_t R) {
+  return W == 16 && amd_avx512_family() == 0 && R >= 12 && (R % W == 0 || R % W >= 12);
 }
 constexpr int64_t BLOCK_FLOATS = 16384;  // keys per work item x head dim: 64 KB of fp32 K (256 keys of 64)
 // Keys per work item: BLOCK_FLOATS / D whatever the K/V dtype (bf16 / fp16 blocks had half as many keys
@@ -356,6 +376,91 @@ void scores_rows(const float* q, const KV* k, int64_t R, int64_t n, float* s, Pr
   }
 }
 
+// The per-row path's scores computed rows-in-lanes ("exact lanes", path 4): the same bits as scores_rows, without
+// its horizontal sums. A per-row score is hsum_lanes over W lane partials, partial l being the chain fma(q, k, acc)
+// over dimensions l, W + l, 2W + l, ... from zero; hsum_lanes sums the partials as the balanced binary tree over
+// the lanes in the order tree_lane(0), tree_lane(1), ... (AVX-512: lanes l and l + 2 of each group of four first;
+// AVX2: neighbours). Here each partial is a vector of W rows (a broadcast key element times the transposed
+// queries), and the tree adds whole vectors: per key and W rows, D FMAs and W - 1 adds instead of the per-row
+// path's D / W FMAs per row plus a share of the transposes that hsum_lanes is made of.
+constexpr int tree_lane(int i) { return W == 16 ? (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1) : i; }
+
+// out[jj] (W rows in lanes) = the sum over the tree's lanes LO .. LO + N - 1 (in tree_lane order) for key jj of kj
+// [JN][D] (fp32), qg: the first of this row vector's lanes in qt [D][RP].
+template <int64_t D, int JN, int LO, int N>
+ALWAYS_INLINE void exact_tree(const float* qg, int64_t RP, const float* kj, Vec (&out)[JN]) {
+  if constexpr (N == 1) {
+    constexpr int l = tree_lane(LO);
+    for (int jj = 0; jj < JN; ++jj) out[jj] = Vec(0.f);
+    for (int c = 0; c < D / W; ++c) {
+      const Vec qv = Vec::loadu(qg + (c * W + l) * RP);
+      for (int jj = 0; jj < JN; ++jj) out[jj] = fma(qv, Vec(kj[jj * D + c * W + l]), out[jj]);
+    }
+  } else {
+    Vec b[JN];
+    exact_tree<D, JN, LO, N / 2>(qg, RP, kj, out);
+    exact_tree<D, JN, LO + N / 2, N / 2>(qg, RP, kj, b);
+    for (int jj = 0; jj < JN; ++jj) out[jj] = out[jj] + b[jj];
+  }
+}
+
+// scores_rows' result, s [R, BS] for the n keys of k (as stored), from the transposed queries qt [D][RP]: JN keys
+// at a time (widened into an L1 scratch) into st [n][RP] (a row vector's scores of a key together), then st
+// transposed into s, W x W in registers (scalar stores of each tile's scores straight into s's rows, right after
+// the tile's vector stores, cost 10-17 ms of a 5-token verification's attention at 32K). JN: the tree's live
+// vectors (up to log2(W) + 1 per key) and a query vector within the registers.
+template <int64_t D, int64_t BS, typename KV>
+void scores_exact(const float* qt, int64_t RP, int64_t R, const KV* k, int64_t n, float* st, float* s, Prefetch& pf) {
+  constexpr int JN = W == 16 ? 5 : 3;
+  constexpr bool WIDEN = !std::is_same_v<KV, float>;
+  alignas(64) float kt[2][WIDEN ? JN * D : 1];
+  const int64_t NV = RP / W;
+  auto widen = [&](int64_t j, int64_t keys, float* dst) {
+    for (int64_t i = 0; i < keys * D; i += W) load(k + j * D + i).store(dst + i);
+  };
+  // one row vector's scores of JNc keys (kj, fp32) into st
+  auto tile = [&](auto jn_const, const float* qg, const float* kj, float* out) {
+    constexpr int JNc = decltype(jn_const)::value;
+    pf.step(JNc * D);
+    Vec acc[JNc];
+    exact_tree<D, JNc, 0, W>(qg, RP, kj, acc);
+    for (int jj = 0; jj < JNc; ++jj) acc[jj].store(out + jj * RP);
+  };
+  const int64_t tiles = n / JN;
+  // the row vectors outside the keys' tiles: with them inside each tile GCC spilled the tree's registers (fp16 K/V,
+  // 15 rows: 110 ms against 74 for the attention of a 5-token verification at 32K). NV > 1 widens each key again:
+  // 4 conversions against its 79 vector operations.
+  for (int64_t g = 0; g < NV; ++g) {
+    const float* qg = qt + g * W;
+    float* sg = st + g * W;
+    if constexpr (WIDEN) {  // the next tile widened before this one's arithmetic
+      if (tiles > 0) widen(0, JN, kt[0]);
+      for (int64_t t = 0; t < tiles; ++t) {
+        if (t + 1 < tiles) widen((t + 1) * JN, JN, kt[(t + 1) & 1]);
+        tile(std::integral_constant<int, JN>{}, qg, kt[t & 1], sg + t * JN * RP);
+      }
+      for (int64_t j = tiles * JN; j < n; ++j) {
+        widen(j, 1, kt[0]);
+        tile(std::integral_constant<int, 1>{}, qg, kt[0], sg + j * RP);
+      }
+    } else {
+      for (int64_t t = 0; t < tiles; ++t) tile(std::integral_constant<int, JN>{}, qg, k + t * JN * D, sg + t * JN * RP);
+      for (int64_t j = tiles * JN; j < n; ++j) tile(std::integral_constant<int, 1>{}, qg, k + j * D, sg + j * RP);
+    }
+  }
+  const int64_t nw = n - n % W;
+  for (int64_t g = 0; g < NV; ++g) {
+    const int64_t rn = std::min<int64_t>(W, R - g * W);
+    for (int64_t jw = 0; jw < nw; jw += W) {
+      Reg r[W];
+      transpose_lanes(st + jw * RP + g * W, RP, r);
+      for (int64_t i = 0; i < rn; ++i) Vec(r[i]).store(s + (g * W + i) * BS + jw);
+    }
+    for (int64_t jr = nw; jr < n; ++jr)
+      for (int64_t i = 0; i < rn; ++i) s[(g * W + i) * BS + jr] = st[jr * RP + g * W + i];
+  }
+}
+
 // Per row of s [R, BS] (n scores, masked ones -inf): its max m_b[r], its numerators exp(s - m) in place
 // and their sum l_b[r].
 template <int64_t BS, bool B2 = false>
@@ -378,14 +483,20 @@ void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
 // One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as stored;
 // s: scratch [R, BS] (BS: the row stride); mask(r, j) -> whether row r sees key j of the block (called
 // for the keys from mask_from on: the ones before it are seen by every row). Writes o_b [R, D], m_b [R], l_b [R].
+// qt: the same queries transposed, [D][RP] (RP a multiple of W), where the scores run as scores_exact (path 4), with
+// st its scratch [BS][RP].
 template <int64_t D, int64_t BS, bool B2, typename KV, typename Mask>
 void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from, const Mask& mask,
-                float* s, const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b) {
+                float* s, const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b,
+                const float* qt = nullptr, int64_t RP = 0, float* st = nullptr) {
   // the next block's K paced over the scores, its V over p v (see Prefetch)
   Prefetch pk(next_k, nullptr, BS * D * sizeof(KV)), pv(nullptr, next_v, BS * D * sizeof(KV));
-  pk.pace(n * R * D / W);  // the scores' FMAs
+  pk.pace(qt != nullptr ? n * (RP / W) * D : n * R * D / W);  // the scores' FMAs
   pv.pace(n * R * D / W);  // p v's
-  scores_rows<D, BS>(q, k, R, n, s, pk);
+  if (qt != nullptr)
+    scores_exact<D, BS>(qt, RP, R, k, n, st, s, pk);
+  else
+    scores_rows<D, BS>(q, k, R, n, s, pk);
   pk.finish();
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = mask_from; j < n; ++j)
@@ -505,31 +616,6 @@ void scores_amx(const uint16_t* qb, int64_t NV, int64_t RP, const c10::BFloat16*
   }
 }
 
-// r[i] = column i of the 16 x 16 fp32 block at `in` (row stride ld): an unpack / shuffle transpose in registers.
-inline void transpose16(const float* in, int64_t ld, __m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * ld);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int k = 0; k < 4; ++k) {
-      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0x88);
-      t[i + k + 4] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0xdd);
-    }
-  for (int k = 0; k < 8; ++k) {
-    r[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
-    r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd);
-  }
-}
-
 // o_b [R, D] = p v of one block's first n32 keys (a multiple of 32) on AMX tiles, for the bf16 arithmetic: st [n][RP]
 // the rounded p (keys x rows; bf16 values as fp32), v [n][D] bf16. Per 32 keys, C (16 rows x 16 dims) += P (16 rows
 // x 32 keys) . V (16 key pairs x 16 dims x 2): V's rows interleaved in pairs once per block (the tiles' layout),
@@ -559,7 +645,7 @@ void pv_amx(const float* st, int64_t RP, int64_t NV, const c10::BFloat16* v, int
   for (int64_t g = 0; g < NV; ++g) {
     for (int64_t j = 0; j < n32; j += 16) {  // p (bf16 values) -> rows x keys, their upper halves
       __m512 r[16];
-      transpose16(st + j * RP + g * 16, RP, r);
+      transpose_lanes(st + j * RP + g * 16, RP, r);
       for (int row = 0; row < 16; ++row)
         _mm256_store_si256(reinterpret_cast<__m256i*>(pa + row * BS + j),
                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r[row]), 16)));
@@ -909,12 +995,13 @@ torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, i
 // PyTorch's path).
 template <int64_t D, typename KV>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                  const bool* visible, const int64_t* gap, double scale, bool lanes, bool amx) {
+                  const bool* visible, const int64_t* gap, double scale, bool lanes, bool amx, bool exact) {
   constexpr int64_t BS = block_keys<D, KV>();
   constexpr bool RB = std::is_same_v<KV, c10::BFloat16>;
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
   const int64_t NV = (R + W - 1) / W, RP = NV * W;
   const auto qs = scaled_queries(q, scale, lanes, RP, RB);
+  const auto qx = exact ? scaled_queries(q, scale, true, RP, RB) : torch::Tensor();  // scores_exact's
   // AMX or AVX512-BF16 (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs]
   // [16 rows][2] (RP is a multiple of 16 on AVX-512, the only build with either)
   std::vector<uint16_t> qb;
@@ -942,6 +1029,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> s(MAX_ROWS * BS);  // RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W
+    std::vector<float> st(exact ? BS * RP : 0);  // scores_exact's keys x rows
     if (!qb.empty() && amx) amx_configure();
     for (int64_t w = b; w < e; ++w) {
       const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
@@ -978,7 +1066,8 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
                            qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx);
       else
-        block_rows<D, BS, RB>(qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb);
+        block_rows<D, BS, RB>(qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
+                              exact ? qx.data_ptr<float>() + h * D * RP : nullptr, RP, st.data());
     }
   });
   return merge_blocks<D, RB>(o_part, H, nb, R, q.options());
@@ -986,11 +1075,11 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 
 template <typename KV>
 torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                     const bool* visible, const int64_t* gap, double scale, bool lanes, bool amx) {
+                     const bool* visible, const int64_t* gap, double scale, bool lanes, bool amx, bool exact) {
   switch (q.size(2)) {
-    case 64: return run<64, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx);
-    case 128: return run<128, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx);
-    default: return run<256, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx);
+    case 64: return run<64, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx, exact);
+    case 128: return run<128, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx, exact);
+    default: return run<256, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx, exact);
   }
 }
 
@@ -1451,19 +1540,23 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                 "token's first key past its gap)");
     gp = gap->data_ptr<int64_t>();
   }
-  TORCH_CHECK(path >= 0 && path <= 3, "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX)");
+  TORCH_CHECK(path >= 0 && path <= 4,
+              "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX), 4 (per row, scores in lanes)");
   TORCH_CHECK(path != 3 || (amx_usable() && k.scalar_type() == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
-  // path 0 (what the model runs) is the per-row path at every row count: a row's sums then run in the same order
+  // path 0 (what the model runs) is the per-row path at every row count, its scores computed rows-in-lanes where
+  // exact_rows says that is faster (path 4, scores_exact: the same bits): a row's sums then run in the same order
   // whatever rows come with it, so a verification's rows are bit for bit the decode step's and greedy output stays
-  // exactly ar's. The rows-in-lanes path (faster from lanes_min_rows rows: a 5-token verification's attention at
-  // 32K) sums in another order, which flipped a near-tie (logits 0.02 apart) at 32K: it runs only when asked (2, 3).
-  const bool lanes = path >= 2;
+  // exactly ar's.
+  // The rows-in-lanes path (2, 3) sums in another order, which flipped a near-tie (logits 0.02 apart) at 32K: it
+  // runs only when asked.
+  const bool lanes = path == 2 || path == 3;
   const bool amx = path == 3;
+  const bool exact = path == 4 || (path == 0 && exact_rows(q.size(1)));
   switch (k.scalar_type()) {
-    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, gp, scale, lanes, false);
-    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, gp, scale, lanes, amx);
-    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, vis, gp, scale, lanes, false);
+    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, gp, scale, lanes, false, exact);
+    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, gp, scale, lanes, amx, exact);
+    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, vis, gp, scale, lanes, false, exact);
     default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
   }
 }
@@ -1512,6 +1605,7 @@ double vector_peak_flops(bool dot) {
   return double(threads) * ITERS * CHAINS * W * (dot ? 4 : 2) / seconds;
 }
 int64_t attention_lanes_min_rows(bool bf16_dot) { return lanes_min_rows(bf16_dot); }
+bool attention_exact_rows(int64_t rows) { return exact_rows(rows); }
 
 }  // namespace triforce
 

@@ -20,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_lanes_min_rows", &triforce::attention_lanes_min_rows,
         "from how many query rows per KV head the rows-in-lanes path (paths 2, 3) outruns the per-row one on this CPU "
         "(bf16_dot: bf16 K/V on AVX512-BF16 or AMX dot products); path 0 keeps the per-row path, exact per row", py::arg("bf16_dot"));
+  m.def("attention_exact_rows", &triforce::attention_exact_rows,
+        "whether path 0 computes this many query rows' scores rows-in-lanes in the per-row order (path 4: the per-row "
+        "path's bits, faster where the rows fill the vectors' lanes on this CPU)", py::arg("rows"));
   m.def("vector_peak_flops", &triforce::vector_peak_flops,
         "this build's vector arithmetic peak on all threads in FLOP/s: FMAs, or with dot AVX512-BF16's vdpbf16ps (0 "
         "where the build has none); register-resident chains, about 10 ms", py::arg("dot") = false);

@@ -21,6 +21,7 @@ bool amx_attention();
 bool bf16_dot_attention();
 // attention.cpp: the row count from which decode_attention's path 0 takes the rows-in-lanes path on this CPU.
 int64_t attention_lanes_min_rows(bool bf16_dot);
+bool attention_exact_rows(int64_t rows);
 // retrieval.cpp: the retrieval cache's chunk scores, out [H, N / c] = q [H, D] fp32 . the mean of each chunk of c
 // keys of keys [H, N, D] (fp32, bf16 or fp16; each head's rows contiguous); keys past the last whole chunk ignored.
 torch::Tensor chunk_scores(torch::Tensor keys, torch::Tensor q, int64_t c);
