@@ -412,52 +412,42 @@ ALWAYS_INLINE void exact_tree(const float* qg, int64_t RP, const float* kj, Vec 
 template <int64_t D, int64_t BS, typename KV>
 void scores_exact(const float* qt, int64_t RP, int64_t R, const KV* k, int64_t n, float* st, float* s, Prefetch& pf) {
   constexpr int JN = W == 16 ? 5 : 3;
-  constexpr bool WIDEN = !std::is_same_v<KV, float>;
-  alignas(64) float kt[2][WIDEN ? JN * D : 1];
-  const int64_t NV = RP / W;
-  auto widen = [&](int64_t j, int64_t keys, float* dst) {
-    for (int64_t i = 0; i < keys * D; i += W) load(k + j * D + i).store(dst + i);
+  alignas(64) float kt[std::is_same_v<KV, float> ? 1 : JN * D];
+  // keys j .. j + keys - 1 as fp32: in place, or widened into kt
+  auto keys_fp32 = [&](int64_t j, int64_t keys) -> const float* {
+    if constexpr (std::is_same_v<KV, float>) {
+      return k + j * D;
+    } else {
+      for (int64_t i = 0; i < keys * D; i += W) load(k + j * D + i).store(kt + i);
+      return kt;
+    }
   };
-  // one row vector's scores of JNc keys (kj, fp32) into st
-  auto tile = [&](auto jn_const, const float* qg, const float* kj, float* out) {
-    constexpr int JNc = decltype(jn_const)::value;
-    pf.step(JNc * D);
-    Vec acc[JNc];
-    exact_tree<D, JNc, 0, W>(qg, RP, kj, acc);
-    for (int jj = 0; jj < JNc; ++jj) acc[jj].store(out + jj * RP);
-  };
-  const int64_t tiles = n / JN;
-  // the row vectors outside the keys' tiles: with them inside each tile GCC spilled the tree's registers (fp16 K/V,
-  // 15 rows: 110 ms against 74 for the attention of a 5-token verification at 32K). NV > 1 widens each key again:
-  // 4 conversions against its 79 vector operations.
-  for (int64_t g = 0; g < NV; ++g) {
+  const int64_t nw = n - n % W;
+  // one row vector at a time, its keys' tiles inside: with the tiles outside and the row vectors inside each, GCC
+  // spilled the tree's registers (fp16 K/V, 15 rows: 110 ms against 74 for the attention of a 5-token verification
+  // at 32K). NV > 1 widens each key again: 4 conversions against its 79 vector operations.
+  for (int64_t g = 0; g < RP / W; ++g) {
     const float* qg = qt + g * W;
     float* sg = st + g * W;
-    if constexpr (WIDEN) {  // the next tile widened before this one's arithmetic
-      if (tiles > 0) widen(0, JN, kt[0]);
-      for (int64_t t = 0; t < tiles; ++t) {
-        if (t + 1 < tiles) widen((t + 1) * JN, JN, kt[(t + 1) & 1]);
-        tile(std::integral_constant<int, JN>{}, qg, kt[t & 1], sg + t * JN * RP);
-      }
-      for (int64_t j = tiles * JN; j < n; ++j) {
-        widen(j, 1, kt[0]);
-        tile(std::integral_constant<int, 1>{}, qg, kt[0], sg + j * RP);
-      }
-    } else {
-      for (int64_t t = 0; t < tiles; ++t) tile(std::integral_constant<int, JN>{}, qg, k + t * JN * D, sg + t * JN * RP);
-      for (int64_t j = tiles * JN; j < n; ++j) tile(std::integral_constant<int, 1>{}, qg, k + j * D, sg + j * RP);
-    }
-  }
-  const int64_t nw = n - n % W;
-  for (int64_t g = 0; g < NV; ++g) {
-    const int64_t rn = std::min<int64_t>(W, R - g * W);
+    auto tile = [&](auto jn_const, int64_t j) {  // JNc keys' scores of this row vector into st
+      constexpr int JNc = decltype(jn_const)::value;
+      const float* kj = keys_fp32(j, JNc);
+      pf.step(JNc * D);
+      Vec acc[JNc];
+      exact_tree<D, JNc, 0, W>(qg, RP, kj, acc);
+      for (int jj = 0; jj < JNc; ++jj) acc[jj].store(sg + (j + jj) * RP);
+    };
+    int64_t j = 0;
+    for (; j + JN <= n; j += JN) tile(std::integral_constant<int, JN>{}, j);
+    for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
+    const int64_t rn = std::min<int64_t>(W, R - g * W);  // then into s's rows
     for (int64_t jw = 0; jw < nw; jw += W) {
       Reg r[W];
-      transpose_lanes(st + jw * RP + g * W, RP, r);
+      transpose_lanes(sg + jw * RP, RP, r);
       for (int64_t i = 0; i < rn; ++i) Vec(r[i]).store(s + (g * W + i) * BS + jw);
     }
     for (int64_t jr = nw; jr < n; ++jr)
-      for (int64_t i = 0; i < rn; ++i) s[(g * W + i) * BS + jr] = st[jr * RP + g * W + i];
+      for (int64_t i = 0; i < rn; ++i) s[(g * W + i) * BS + jr] = sg[jr * RP + i];
   }
 }
 
@@ -483,8 +473,8 @@ void rows_softmax(float* s, int64_t R, int64_t n, float* m_b, float* l_b) {
 // One (head, block) work item on the per-row path. q [R, D] scaled; k: the block's keys as stored;
 // s: scratch [R, BS] (BS: the row stride); mask(r, j) -> whether row r sees key j of the block (called
 // for the keys from mask_from on: the ones before it are seen by every row). Writes o_b [R, D], m_b [R], l_b [R].
-// qt: the same queries transposed, [D][RP] (RP a multiple of W), where the scores run as scores_exact (path 4), with
-// st its scratch [BS][RP].
+// Where the scores run as scores_exact (path 4), the queries come transposed instead, qt [D][RP] (RP a multiple of
+// W; q is null), with st its scratch [BS][RP].
 template <int64_t D, int64_t BS, bool B2, typename KV, typename Mask>
 void block_rows(const float* q, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from, const Mask& mask,
                 float* s, const char* next_k, const char* next_v, float* o_b, float* m_b, float* l_b,
@@ -1000,8 +990,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   constexpr bool RB = std::is_same_v<KV, c10::BFloat16>;
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
   const int64_t NV = (R + W - 1) / W, RP = NV * W;
-  const auto qs = scaled_queries(q, scale, lanes, RP, RB);
-  const auto qx = exact ? scaled_queries(q, scale, true, RP, RB) : torch::Tensor();  // scores_exact's
+  const auto qs = scaled_queries(q, scale, lanes || exact, RP, RB);  // scores_exact reads them transposed
   // AMX or AVX512-BF16 (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs]
   // [16 rows][2] (RP is a multiple of 16 on AVX-512, the only build with either)
   std::vector<uint16_t> qb;
@@ -1066,8 +1055,8 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
                            qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx);
       else
-        block_rows<D, BS, RB>(qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
-                              exact ? qx.data_ptr<float>() + h * D * RP : nullptr, RP, st.data());
+        block_rows<D, BS, RB>(exact ? nullptr : qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k,
+                              next_v, ob, mb, lb, exact ? qp + h * D * RP : nullptr, RP, st.data());
     }
   });
   return merge_blocks<D, RB>(o_part, H, nb, R, q.options());
