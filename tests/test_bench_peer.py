@@ -51,3 +51,28 @@ def test_bad_client_counts_are_one_line(clients, tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, "-m", "triforce.bench.serve", "--peer", "vllm", "--clients", clients],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "give request counts" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_a_sampled_load_sends_its_temperature_and_a_seed_per_request(temperature, monkeypatch):
+    """--temperature reaches every request of a load, each with its own seed (its index), so that a sampled load
+    can be run again; a greedy load sends no seed."""
+    import asyncio
+    import json
+
+    import httpx
+
+    bodies = []
+
+    def reply(request):
+        bodies.append(json.loads(request.content))
+        chunk = {"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(reply), **kw))
+    run = asyncio.run(serve._load_once("http://peer", [[1, 2], [3], [4]], 8, 10.0, "m", temperature))
+    assert run["tokens"] == 3 and [r["text"] for r in run["results"]] == ["a"] * 3
+    assert [b["temperature"] for b in bodies] == [temperature] * 3
+    seeds = [b.get("seed") for b in bodies]
+    assert (seeds == [None] * 3) if temperature == 0 else sorted(seeds) == [0, 1, 2]

@@ -368,3 +368,29 @@ def test_drafting_caches_do_not_ask_for_huge_pages(monkeypatch):
     RetrievalCache(budget=4096 - 64, max_new=64, **shape)
     StreamingCache(sink=16, window=4096, slack=0, **shape)
     assert calls == []
+
+
+def test_a_released_full_cache_gives_its_buffers_zeroed_to_the_next_cache_of_its_shape():
+    """A server's requests take their full caches' buffers from a BufferPool: a released cache's K and V come back
+    zeroed (what a new buffer is) to the next cache of exactly their shape; another shape gets new ones; past the
+    pool's limit a given buffer is let go; evict frees kept ones."""
+    from triforce.caches import BufferPool
+
+    pool = BufferPool(limit=1 << 30)
+    first = FullCache(2, 2, 8, 32, pool=pool)
+    first.write_positions(0, torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))
+    k_ptr, v_ptr = first.k.data_ptr(), first.v.data_ptr()
+    first.release()
+    assert first.k is None and pool.bytes == 2 * 2 * 2 * 32 * 8 * 4
+    other = FullCache(2, 2, 8, 48, pool=pool)  # another capacity: new buffers
+    assert {other.k.data_ptr(), other.v.data_ptr()}.isdisjoint({k_ptr, v_ptr})
+    second = FullCache(2, 2, 8, 32, pool=pool)
+    assert {second.k.data_ptr(), second.v.data_ptr()} == {k_ptr, v_ptr} and pool.bytes == 0
+    assert not second.k.any() and not second.v.any()  # zeroed, as a new cache's
+    assert (pool.hits, pool.misses) == (2, 4)
+    second.release()
+    assert pool.evict(1) == 2 * 2 * 32 * 8 * 4 and pool.bytes == 2 * 2 * 32 * 8 * 4  # one buffer freed
+    small = BufferPool(limit=100)
+    cache = FullCache(2, 2, 8, 32, pool=small)
+    cache.release()
+    assert small.bytes == 0 and small.take((2, 1, 2, 32, 8), torch.float32, "cpu") is None

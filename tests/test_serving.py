@@ -300,6 +300,45 @@ def slow_rounds(monkeypatch):
     monkeypatch.setattr(engine_module, "generate_stream", lambda *a, **k: Slow(real(*a, **k)))
 
 
+def test_requests_of_one_size_take_the_finished_ones_full_cache_buffers_and_answer_as_generate(tiny):
+    """Each request's full cache comes from the engine's pool where a finished request of its size gave its buffers
+    back (zeroed): the answers stay generate()'s, greedy and sampled, in either order."""
+    tok = tiny.tokenizer
+    prompts = [DOC + "Q1", DOC + "Q22", DOC + "Q3"]  # capacities in one size class (engine.full_cache_tokens)
+    with serving(tiny) as (url, server):
+        c = client(url)
+        pool = server.engine.pool
+        got = [c.completions.create(model="t", prompt=p, max_tokens=30, temperature=0).choices[0].text
+               for p in prompts]
+        sampled = c.completions.create(model="t", prompt=prompts[0], max_tokens=30, temperature=0.8, seed=3)
+        wait_for(lambda: server.engine.depth() == (0, 0))
+        assert pool.hits == 2 * 3 and pool.misses == 2  # K and V: new for the first request, then taken
+    assert got == [reference(tiny, tok(p)["input_ids"], 30).text for p in prompts]
+    assert sampled.choices[0].text == reference(tiny, tok(prompts[0])["input_ids"], 30, SamplingParams(0.8),
+                                                seed=3).text
+
+
+def test_kept_buffers_give_way_to_a_request_within_the_kv_budget(tiny):
+    """The pool's buffers count against the KV budget with the running requests': admitting a request that the
+    running ones leave room for frees kept buffers until the total fits, instead of refusing it or going over."""
+    budget = 10 << 20
+    with serving(tiny, kv_memory=budget) as (url, server):
+        engine = server.engine
+        kept = [torch.zeros(1 << 20) for _ in range(2)]  # 8 MiB kept
+        for t in kept:
+            engine.pool.give(t)
+        assert engine.pool.bytes == 8 << 20
+        job = engine_module.Job([1, 2, 3], 4, SamplingParams(), 0, (), lambda event: None)
+        job.need = 5 << 20
+        with engine._cv:
+            assert engine._fits(job)
+        assert engine.pool.bytes == 4 << 20  # one 4 MiB buffer freed: 5 + 4 <= 10
+        job.need = 11 << 20  # more than the whole budget: not admitted, and the pool is left as it is
+        with engine._cv:
+            assert not engine._fits(job)
+        assert engine.pool.bytes == 4 << 20
+
+
 def test_queue_full_429_cancel_and_timeout(tiny, slow_rounds):
     gate = threading.Event()
     with serving(tiny, max_queue=1, max_batch=1) as (url, server):

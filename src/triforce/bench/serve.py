@@ -332,11 +332,13 @@ def _decode_union(results: list[dict]) -> float:
 
 
 async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0: float,
-                 model: str | None = None) -> dict:
-    """One streamed greedy completion -> its text, tokens and the times (since t0) of its first and last tokens
-    and of every chunk with text. `model`: the name to ask for (a server that serves one model under a name)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
+                 model: str | None = None, temperature: float = 0.0, seed: int | None = None) -> dict:
+    """One streamed completion (greedy unless `temperature`; `seed`: the request's, so that a sampled load can be
+    run again) -> its text, tokens and the times (since t0) of its first and last tokens and of every chunk with
+    text. `model`: the name to ask for (a server that serves one model under a name)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": temperature,
+            "stream_options": {"include_usage": True}, **({"model": model} if model else {}),
+            **({"seed": seed} if seed is not None and temperature > 0 else {})}
     out = {"text": "", "tokens": 0, "first_at": None, "last_at": None, "status": None, "error": None, "server": None,
            "times": []}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -361,12 +363,15 @@ async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0:
     return out
 
 
-async def _load_once(url: str, prompts: list, max_tokens: int, timeout: float, model: str | None = None) -> dict:
+async def _load_once(url: str, prompts: list, max_tokens: int, timeout: float, model: str | None = None,
+                     temperature: float = 0.0) -> dict:
+    """The prompts as concurrent streamed requests (request i sampled with seed i when `temperature` > 0)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=timeout) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_timed(client, url, p, max_tokens, t0, model) for p in prompts))
+        results = await asyncio.gather(*(_timed(client, url, p, max_tokens, t0, model, temperature, i)
+                                         for i, p in enumerate(prompts)))
         wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     decode = _decode_union(results)
@@ -587,10 +592,11 @@ def _side_stats(run: dict) -> dict:
                        if r["status"] != 200 or r["error"]][:3]}
 
 
-async def _load_guarded(url: str, prompts: list, max_tokens: int, timeout: float, model: str | None) -> dict:
+async def _load_guarded(url: str, prompts: list, max_tokens: int, timeout: float, model: str | None,
+                        temperature: float = 0.0) -> dict:
     """_load_once, but a load that runs past `timeout` is a result (what happened), not an exception."""
     try:
-        return await asyncio.wait_for(_load_once(url, prompts, max_tokens, timeout, model), timeout)
+        return await asyncio.wait_for(_load_once(url, prompts, max_tokens, timeout, model, temperature), timeout)
     except (asyncio.TimeoutError, Exception) as e:  # httpx's timeouts and a server that died are results here
         what = (f"did not finish within {timeout:.0f} s" if isinstance(e, asyncio.TimeoutError)
                 else f"{type(e).__name__}: {e}")
@@ -602,9 +608,9 @@ async def _load_guarded(url: str, prompts: list, max_tokens: int, timeout: float
 
 def peer_compare(args) -> int:
     """`triforce serve --max-batch N` and vLLM's CPU server, both running, on the same loads: for each count of
-    --clients, that many concurrent streamed greedy requests (the document and a question each: every prompt
-    shares the document's prefix, which a warm-up request has put in both servers' prefix caches), sides
-    interleaved. Cold prefill of the document (each side's warm-up) reported too."""
+    --clients, that many concurrent streamed requests, greedy or at --temperature (the document and a question
+    each: every prompt shares the document's prefix, which a warm-up request has put in both servers' prefix
+    caches), sides interleaved. Cold prefill of the document (each side's warm-up) reported too."""
     from transformers import AutoTokenizer
 
     from ..errors import TriforceError
@@ -675,7 +681,7 @@ def peer_compare(args) -> int:
                     if cold[side]["error"]:
                         continue
                     run = asyncio.run(_load_guarded(urls[side], prompts[:c], args.max_tokens, args.deadline,
-                                                    models[side]))
+                                                    models[side], args.temperature))
                     stats = _side_stats(run)
                     rows[side][c].append({**stats, "texts": [r["text"] for r in run["results"]],
                                           "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
@@ -694,7 +700,7 @@ def peer_compare(args) -> int:
                              f"{s['tpot_mean_ms']:.1f} ms | {s['chunks_per_token']:.2f} | "
                              f"{s['completed']}/{s['requests']} |")
     same = {}
-    if "triforce" in sides:
+    if "triforce" in sides and args.temperature == 0:  # sampled texts differ between samplers by design
         for c in counts:
             pairs = list(zip(rows["triforce"][c], rows["vllm"][c]))
             same[c] = [sum(a == b for a, b in zip(t["texts"], v["texts"])) for t, v in pairs]
@@ -710,13 +716,16 @@ def peer_compare(args) -> int:
         command = "python -m triforce.bench.serve " + " ".join(sys.argv[1:])
         result = {"command": command, "machine": _machine(), "prompt_tokens": [len(p) for p in prompts],
                   "document_tokens": len(doc), "max_tokens": args.max_tokens, "clients": counts,
-                  "rounds": args.rounds, "method": args.method, "settings": settings, "cold_prefill": cold,
+                  "rounds": args.rounds, "method": args.method, "temperature": args.temperature,
+                  "settings": settings, "cold_prefill": cold,
                   "runs": {side: {str(c): rows[side][c] for c in counts} for side in sides},
                   "identical_responses": {str(c): v for c, v in same.items()}, "exit_codes": codes}
         atomic_write(args.out / "results.json", json.dumps(result, indent=1))
         md = [f"# triforce serve vs vLLM CPU {settings['vllm'].get('version', version)}", "",
               f"Command: `{command}`", "", f"Machine: {result['machine']}", "",
-              f"Load: N concurrent streamed greedy requests of {len(doc)} document tokens and a question each "
+              f"Load: N concurrent streamed "
+              f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g} (request i: seed i)'} requests "
+              f"of {len(doc)} document tokens and a question each "
               f"({min(map(len, prompts[:n]))}-{max(map(len, prompts[:n]))} tokens), {args.max_tokens} tokens each; "
               "the document was prefilled once by a warm-up request on each side (its prefix cached), so TTFT is "
               "the question's prefill plus queueing. ITL: gaps between streamed chunks; TPOT: "
@@ -805,6 +814,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="with --peer: one more argument for triforce serve (repeatable)")
     p.add_argument("--peer-only", action="store_true", help="with --peer: run vLLM alone (its settings' trials)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="with --peer: the loads' sampling temperature (default 0: greedy; request i of a load has "
+                        "seed i)")
     args = p.parse_args(argv)
     # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import (
+    BufferPool,
     KVCache,
     QueryRecorder,
     SlotKV,
@@ -23,14 +24,23 @@ class FullCache(KVCache):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
                  batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 record_queries: bool = False):
+                 record_queries: bool = False, pool: BufferPool | None = None):
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
-        self.k = kv_buffer(shape, dtype, device)
-        self.v = kv_buffer(shape, dtype, device)
+        self.pool = pool  # where the buffers come from, if kept ones of this shape are there, and go back to
+        self.k = kv_buffer(shape, dtype, device, pool=pool)
+        self.v = kv_buffer(shape, dtype, device, pool=pool)
         self.n_layers, self.capacity, self.length = n_layers, capacity, 0
         self.recorder = QueryRecorder(n_layers) if record_queries else None
         self._block: TokenBlock | None = None  # the prepared forward's tree (None: a chain, or one token)
         self._n_new = 0
+
+    def release(self) -> None:
+        """Give the buffers back to the pool they came from (the cache is unusable after this); without a pool,
+        nothing (they are freed with the cache)."""
+        if self.pool is not None and self.k is not None:
+            k, v, self.k, self.v = self.k, self.v, None, None
+            self.pool.give(k)
+            self.pool.give(v)
 
     def prepare(self, n_new: int, block: TokenBlock | None = None) -> None:
         check_capacity(self.length + n_new, self.capacity, "the KV cache")

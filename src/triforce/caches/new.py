@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TriforceError
-from .base import kv_dtype
+from .base import BufferPool, kv_dtype
 from .full import FullCache
 from .quantized import QuantizedCache
 from .sliding import SlidingWindowCache
@@ -15,11 +15,13 @@ from .streaming import StreamingCache
 INT8_BUFFER_DTYPE = torch.float16
 
 
-def new_cache(model, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1, dtype=None):
+def new_cache(model, capacity: int | None = None, *, record_queries: bool = False, batch: int = 1, dtype=None,
+              pool: BufferPool | None = None):
     """The full-attention cache of `model` (a Transformer) for `capacity` tokens: a FullCache, or with sliding-window
     layers a SlidingWindowCache (their keys in a ring of the window plus a few slots). Its dtype is `dtype` (a torch
     dtype or a name of config.KV_DTYPES; drafting caches) or the model's kv_dtype; int8: a QuantizedCache (8 bits,
-    the newest tokens in an INT8_BUFFER_DTYPE buffer)."""
+    the newest tokens in an INT8_BUFFER_DTYPE buffer). `pool`: where a FullCache takes kept buffers of its shape
+    from (and `release` gives them back to); the other caches allocate their own."""
     cfg = model.cfg
     dtype = model.kv_dtype if dtype is None else kv_dtype(dtype)
     if dtype == torch.int8:
@@ -43,7 +45,7 @@ def new_cache(model, capacity: int | None = None, *, record_queries: bool = Fals
     kw = dict(batch=batch, dtype=dtype, device=model.device, record_queries=record_queries)
     if model.windows is not None:
         return SlidingWindowCache(model.windows, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
-    return FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, **kw)
+    return FullCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context, pool=pool, **kw)
 
 
 def new_window_cache(n_layers: int, n_kv_heads: int, head_dim: int, window: int, max_rollback: int, *,

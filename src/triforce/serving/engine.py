@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from ..caches import BufferPool, KVCache
 from ..execution import batching
 from ..execution.batching import ForwardGate
 from ..generate import generate_stream
@@ -89,6 +90,7 @@ class Job:
     finished: bool = False
     need: int = 0  # bytes of its KV caches (request_bytes), held from admission to its end
     claim: threading.Event | None = None  # set once the prompt blocks it claimed are cached (Engine._claim_prefill)
+    full_cache: KVCache | None = None  # its full cache, given back to the engine's pool when the job ends
 
     def __post_init__(self):
         if self.seed is None:  # OpenAI's default: a fresh draw; the seed used is reported, to reproduce it
@@ -114,16 +116,34 @@ class EngineSettings:
     kv_budget: int | None = None  # bytes of KV caches the running requests may hold together (None: no limit)
 
 
+# A request's full cache holds a whole number of size-class steps: 1/8 to 1/16 of its capacity (a power of two), at
+# least POOL_MIN_STEP tokens. So requests of about the same length have caches of one shape and take each other's
+# buffers from the engine's pool (caches.BufferPool), for at most 1/8 more memory (8K tokens: steps of 1024).
+POOL_MIN_STEP = 64
+# The pool's limit without a KV budget (where the available memory is unknown)
+POOL_BYTES_WITHOUT_BUDGET = 2 << 30
+
+
+def full_cache_tokens(prompt_tokens: int, max_tokens: int, stack: StackSpec) -> int:
+    """The capacity of a request's full cache: its prompt, max_tokens and a round's lookahead, rounded up to its
+    size class's step (POOL_MIN_STEP)."""
+    from ..speculation.builder import full_capacity
+
+    need = max(full_capacity(prompt_tokens, max_tokens, stack),
+               prompt_tokens + max_tokens + max(stack.gammas, default=0) + ROUND_SLACK)
+    step = max(POOL_MIN_STEP, 1 << max(0, need.bit_length() - 4))
+    return -(-need // step) * step
+
+
 def request_bytes(s: EngineSettings, prompt_tokens: int, max_tokens: int) -> int:
     """The bytes of one request's KV caches: the full cache (prompt, max_tokens and the round's lookahead, as the
     engine allocates it) and each model-drafting level's own cache (a retrieval or H2O level's budget, a streaming
     level's window, a draft model's whole context), in the model's KV dtype (memory.kv_bytes)."""
     from ..memory import kv_bytes, kv_value_bytes
-    from ..speculation.builder import full_capacity
 
     model = s.model
     value = kv_value_bytes(model.kv_dtype)
-    capacity = full_capacity(prompt_tokens, max_tokens, s.stack)
+    capacity = full_cache_tokens(prompt_tokens, max_tokens, s.stack)
     total = kv_bytes(model.cfg, capacity, value)
     for lvl in s.stack.levels[:-1]:
         if lvl.kind in REBUILT:
@@ -150,6 +170,9 @@ class Engine:
         self._thread = threading.Thread(target=self._admit, name="triforce-engine", daemon=True)
         # the prefix cache needs a FullCache whose blocks are contiguous slices (not a sliding-window ring)
         self._reuse = settings.model.windows is None
+        # finished requests' full-cache buffers, for the next requests of their size: new ones' first touch costs
+        # more than a request's start (BufferPool); kept within the KV budget (_fits evicts them for a new request)
+        self.pool = BufferPool(settings.kv_budget if settings.kv_budget is not None else POOL_BYTES_WITHOUT_BUDGET)
         if metrics is not None:
             metrics.watch(lambda: len(self._queue), lambda: len(self._running),
                           prefix_cache.stats if prefix_cache is not None else None,
@@ -233,7 +256,16 @@ class Engine:
     def _fits(self, job: Job) -> bool:
         if len(self._running) >= self.s.max_batch:
             return False
-        return self.s.kv_budget is None or sum(self._held.values()) + job.need <= self.s.kv_budget
+        budget = self.s.kv_budget
+        if budget is None:
+            return True
+        held = sum(self._held.values())
+        if held + job.need > budget:
+            return False
+        over = held + job.need + self.pool.bytes - budget
+        if over > 0:  # the pool's buffers give way to a request's
+            self.pool.evict(over)
+        return True
 
     def _serve(self, job: Job) -> None:
         t0 = time.perf_counter()
@@ -247,6 +279,9 @@ class Engine:
             self._error(job, 500, "internal_error", "internal error while generating (see the server log)")
         finally:
             self._release_prefill(job)
+            if job.full_cache is not None:  # (out of the gate: zeroing the buffers for the pool takes a while)
+                job.full_cache.release()
+                job.full_cache = None
             with self._cv:
                 del self._running[job]
                 del self._held[job]
@@ -287,18 +322,20 @@ class Engine:
         job.started = time.perf_counter()
         if job.stopped():
             return self._end_stopped(job)
-        capacity = len(job.prompt) + job.max_tokens + max(s.stack.gammas, default=0) + ROUND_SLACK
+        capacity = full_cache_tokens(len(job.prompt), job.max_tokens, s.stack)
         with torch.inference_mode():
             prefilled = None
             if self._reuse:
                 try:
                     prefilled = CachedPrefill(s.model, job.prompt, capacity, s.config.prefill_chunk,
-                                              self.prefix_cache, job.stopped)
+                                              self.prefix_cache, job.stopped, self.pool)
                 except Stopped as e:  # keep the blocks it prefilled: a retry (or the next turn) starts from them
+                    p = e.partial
+                    job.full_cache = p.cache
                     if self.prefix_cache is not None:
-                        p = e.partial
                         self.prefix_cache.insert(p.head, p.cache, p.block_queries)
                     return self._end_stopped(job)
+                job.full_cache = prefilled.cache
                 if m is not None and self.prefix_cache is not None:
                     (m.prefix_hits if prefilled.reused_tokens else m.prefix_misses).inc()
                     m.prefix_hit_tokens.inc(prefilled.reused_tokens)
@@ -403,9 +440,9 @@ class Engine:
 
 
 def _release_memory() -> None:
-    """Give the freed heap of a request (its KV caches) back to the OS, so that the server's resident
-    memory returns to its baseline between requests: glibc keeps freed chunks below its adaptive mmap
-    threshold (up to 32 MB) in the heap otherwise. A no-op without glibc."""
+    """Give the freed heap of a request (its drafting caches, its other tensors) back to the OS, so that the
+    server's resident memory returns to its baseline and its pool between requests: glibc keeps freed chunks below
+    its adaptive mmap threshold (up to 32 MB) in the heap otherwise. A no-op without glibc."""
     global _malloc_trim
     if _malloc_trim is None:
         try:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..caches import new_cache
+from ..caches import BufferPool, new_cache
 from ..execution import batching
 from ..model import Transformer
 from ..speculation.state import PrefilledPrompt
@@ -39,16 +39,18 @@ class CachedPrefill(PrefilledPrompt):
 
     Attributes: reused_tokens (from the prefix cache), computed_tokens (prefilled here), seconds,
     block_queries (block index -> [n_layers, n_heads, D], the last-token queries of each whole
-    block computed here: PrefixCache.insert stores those blocks)."""
+    block computed here: PrefixCache.insert stores those blocks). `pool`: where the full cache's buffers come from
+    where it keeps some of their shape (the caller gives them back with `cache.release()` when done)."""
 
     def __init__(self, model: Transformer, prompt: list[int], capacity: int, chunk: int,
-                 prefix_cache: PrefixCache | None = None, should_stop: Callable[[], bool] = lambda: False):
+                 prefix_cache: PrefixCache | None = None, should_stop: Callable[[], bool] = lambda: False,
+                 pool: BufferPool | None = None):
         # (not PrefilledPrompt.__init__, which prefills the whole prompt)
         t0 = time.perf_counter()
         self.model, self.head = model, list(prompt[:-1])
         self.block_queries: dict[int, torch.Tensor] = {}
         with torch.inference_mode():
-            self.cache = new_cache(model, capacity, record_queries=True)
+            self.cache = new_cache(model, capacity, record_queries=True, pool=pool)
             blocks = prefix_cache.lookup(self.head) if prefix_cache is not None else []
             n = 0
             for b in blocks:  # block_size == chunk (the engine makes the prefix cache with its prefill chunk)
