@@ -76,3 +76,25 @@ def test_a_sampled_load_sends_its_temperature_and_a_seed_per_request(temperature
     assert [b["temperature"] for b in bodies] == [temperature] * 3
     seeds = [b.get("seed") for b in bodies]
     assert (seeds == [None] * 3) if temperature == 0 else sorted(seeds) == [0, 1, 2]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/stat")
+def test_each_load_waits_for_the_machine_to_go_quiet_within_a_limit():
+    """A side's load starts once the other side stopped using the CPUs (vLLM's engine polls a core for a second
+    after its last request): while a thread spins, the wait runs to its limit; once it stops, a window."""
+    import threading
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        assert serve.wait_until_quiet(limit=1.2, window=0.3) >= 1.2
+    finally:
+        stop.set()
+        t.join()
+    assert serve.wait_until_quiet(limit=5.0, window=0.3) < 2.0

@@ -606,11 +606,38 @@ async def _load_guarded(url: str, prompts: list, max_tokens: int, timeout: float
                              "tokens": 0, "text": ""} for _ in prompts]}
 
 
+def wait_until_quiet(limit: float = 15.0, window: float = 0.5, busy: float = 0.1) -> float:
+    """Wait until the machine's CPUs were less than `busy` in use over a whole `window` seconds (at most `limit`
+    seconds; /proc/stat, Linux; elsewhere a `window` sleep) -> seconds waited. Why: vLLM's engine keeps a core busy
+    for 1-1.5 s after its last request (its loop polls before it sleeps), and our server zeroes finished requests'
+    cache buffers for its pool: the side run next would be timed on a machine the other still uses."""
+    def ticks() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return sum(v) - v[3] - v[4], sum(v)  # (busy, all): idle and iowait are not busy
+
+    t0 = time.perf_counter()
+    a = ticks()
+    if a is None:
+        time.sleep(window)
+        return window
+    while True:
+        time.sleep(window)
+        b = ticks()
+        if (b[0] - a[0]) <= busy * max(1, b[1] - a[1]) or time.perf_counter() - t0 >= limit:
+            return time.perf_counter() - t0
+        a = b
+
+
 def peer_compare(args) -> int:
     """`triforce serve --max-batch N` and vLLM's CPU server, both running, on the same loads: for each count of
     --clients, that many concurrent streamed requests, greedy or at --temperature (the document and a question
     each: every prompt shares the document's prefix, which a warm-up request has put in both servers' prefix
-    caches), sides interleaved. Cold prefill of the document (each side's warm-up) reported too."""
+    caches), sides interleaved, each load started once the machine is quiet (wait_until_quiet). Cold prefill of the
+    document (each side's warm-up) reported too."""
     from transformers import AutoTokenizer
 
     from ..errors import TriforceError
@@ -680,10 +707,11 @@ def peer_compare(args) -> int:
                 for side in sides:
                     if cold[side]["error"]:
                         continue
+                    quiet_s = wait_until_quiet()
                     run = asyncio.run(_load_guarded(urls[side], prompts[:c], args.max_tokens, args.deadline,
                                                     models[side], args.temperature))
                     stats = _side_stats(run)
-                    rows[side][c].append({**stats, "texts": [r["text"] for r in run["results"]],
+                    rows[side][c].append({**stats, "waited_for_quiet_s": round(quiet_s, 1), "texts": [r["text"] for r in run["results"]],
                                           "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
                                                         "tokens": r["tokens"], "server": r.get("server")}
                                                        for r in run["results"]]})
@@ -727,6 +755,7 @@ def peer_compare(args) -> int:
               f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g} (request i: seed i)'} requests "
               f"of {len(doc)} document tokens and a question each "
               f"({min(map(len, prompts[:n]))}-{max(map(len, prompts[:n]))} tokens), {args.max_tokens} tokens each; "
+              "each load started once the machine was quiet (under 10% CPU over 0.5 s: wait_until_quiet); "
               "the document was prefilled once by a warm-up request on each side (its prefix cached), so TTFT is "
               "the question's prefill plus queueing. ITL: gaps between streamed chunks; TPOT: "
               "(last token - first token) / (tokens - 1) per request.", "", *table, "",
