@@ -318,6 +318,23 @@ def test_requests_of_one_size_take_the_finished_ones_full_cache_buffers_and_answ
                                                 seed=3).text
 
 
+def test_an_int8_cache_server_ends_each_request_and_answers_as_generate(tiny):
+    """With an int8 KV cache (a QuantizedCache, which takes no buffers from the pool) each request still ends cleanly
+    and frees its place: its release is the interface's no-op."""
+    import copy
+
+    model = copy.copy(tiny.model)
+    model.kv_dtype = "int8"
+    loaded = LoadedModel(model, tiny.tokenizer, model.cfg, "tiny", Path("."))
+    prompts = [DOC + "Q1", DOC + "Q2"]
+    with serving(loaded) as (url, server):
+        got = [client(url).completions.create(model="t", prompt=p, max_tokens=20, temperature=0).choices[0].text
+               for p in prompts]
+        wait_for(lambda: server.engine.depth() == (0, 0))
+        assert server.engine.pool.hits == 0
+    assert got == [reference(loaded, tiny.tokenizer(p)["input_ids"], 20).text for p in prompts]
+
+
 def test_kept_buffers_give_way_to_a_request_within_the_kv_budget(tiny):
     """The pool's buffers count against the KV budget with the running requests': admitting a request that the
     running ones leave room for frees kept buffers until the total fits, instead of refusing it or going over."""

@@ -110,8 +110,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def kv_buffer(shape, dtype: torch.dtype, device, huge_pages: bool = True, pool: BufferPool | None = None
               ) -> torch.Tensor:
-    """A zeroed K or V buffer: `pool`'s, where it keeps one of this shape, else a new one. On Linux, a CPU buffer of a few MB or more asks for transparent huge
-    pages (madvise(MADV_HUGEPAGE) before its pages are first touched: kernels' default THP mode is
+    """A zeroed K or V buffer: `pool`'s, where it keeps one of this shape, else a new one. On Linux, a new CPU
+    buffer of a few MB or more asks for transparent huge pages (madvise(MADV_HUGEPAGE) before its pages are
+    first touched: kernels' default THP mode is
     "madvise"): decode attention streams the whole cache, and with 4 KB pages 30 layers of fp16 K/V
     read 6-12% slower (8K: 12.0-12.9 -> 10.8 ms; 32K: 47-49 -> 44-45 ms, docs/performance.md).
     `huge_pages=False` for the drafting caches, built afresh for every generation and bounded by their
@@ -177,6 +178,10 @@ class KVCache:
     def rollback(self, length: int) -> None:
         """Forget every token at position >= `length`."""
         raise NotImplementedError
+
+    def release(self) -> None:
+        """Done with the cache: give its buffers back to the BufferPool they came from (FullCache); for a cache
+        that takes none from a pool, nothing (its buffers are freed with it)."""
 
     def checkpoint(self):
         """A point `restore` returns to (a prefilled prompt reused by several generations); a cache

@@ -39,6 +39,8 @@ def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue
           max_batch: int = 8, prefill_budget: int | None = None, kv_memory: int | None = None) -> Server:
     """The app over a loaded model (loading.LoadedModel) and a stack (its engine starts with the app)."""
     require_extra()
+    import torch
+
     from .app import create_app
     from .engine import Engine, EngineSettings
     from .metrics import ServerMetrics
@@ -50,6 +52,9 @@ def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue
         if model.windows is not None:
             log.warning("the prefix cache is off for models with sliding-window layers (%s): every request "
                         "prefills its whole prompt", model.cfg.arch)
+        elif model.kv_dtype == torch.int8:  # its blocks are read and written as float K/V (FullCache's positions)
+            log.warning("the prefix cache is off with --kv-dtype int8: every request prefills its whole prompt "
+                        "(use --kv-dtype fp16 or bf16 to reuse prompt prefixes)")
         else:
             prefix_cache = PrefixCache(model, config.prefill_chunk, prefix_cache_bytes, kv_cache_dir)
     metrics = ServerMetrics()

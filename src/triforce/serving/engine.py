@@ -90,7 +90,7 @@ class Job:
     finished: bool = False
     need: int = 0  # bytes of its KV caches (request_bytes), held from admission to its end
     claim: threading.Event | None = None  # set once the prompt blocks it claimed are cached (Engine._claim_prefill)
-    full_cache: KVCache | None = None  # its full cache, given back to the engine's pool when the job ends
+    full_cache: KVCache | None = None  # its full cache, released when the job ends (FullCache: to the engine's pool)
 
     def __post_init__(self):
         if self.seed is None:  # OpenAI's default: a fresh draw; the seed used is reported, to reproduce it
