@@ -711,7 +711,8 @@ def peer_compare(args) -> int:
                     run = asyncio.run(_load_guarded(urls[side], prompts[:c], args.max_tokens, args.deadline,
                                                     models[side], args.temperature))
                     stats = _side_stats(run)
-                    rows[side][c].append({**stats, "waited_for_quiet_s": round(quiet_s, 1), "texts": [r["text"] for r in run["results"]],
+                    rows[side][c].append({**stats, "waited_for_quiet_s": round(quiet_s, 1),
+                                          "texts": [r["text"] for r in run["results"]],
                                           "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
                                                         "tokens": r["tokens"], "server": r.get("server")}
                                                        for r in run["results"]]})

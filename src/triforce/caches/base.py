@@ -91,7 +91,8 @@ class BufferPool:
             self._free.setdefault(self._key(t.shape, t.dtype, t.device), []).append(t)
 
     def evict(self, nbytes: int) -> int:
-        """Free kept buffers, oldest first, until at least `nbytes` are freed or none is left; -> bytes freed."""
+        """Free kept buffers (the shape kept first, first) until at least `nbytes` are freed or none is left;
+        -> bytes freed."""
         freed = 0
         with self._lock:
             while freed < nbytes and self.bytes > 0:

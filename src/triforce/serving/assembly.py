@@ -39,8 +39,7 @@ def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue
           max_batch: int = 8, prefill_budget: int | None = None, kv_memory: int | None = None) -> Server:
     """The app over a loaded model (loading.LoadedModel) and a stack (its engine starts with the app)."""
     require_extra()
-    import torch
-
+    from ..caches import new_cache
     from .app import create_app
     from .engine import Engine, EngineSettings
     from .metrics import ServerMetrics
@@ -52,9 +51,12 @@ def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue
         if model.windows is not None:
             log.warning("the prefix cache is off for models with sliding-window layers (%s): every request "
                         "prefills its whole prompt", model.cfg.arch)
-        elif model.kv_dtype == torch.int8:  # its blocks are read and written as float K/V (FullCache's positions)
-            log.warning("the prefix cache is off with --kv-dtype int8: every request prefills its whole prompt "
-                        "(use --kv-dtype fp16 or bf16 to reuse prompt prefixes)")
+        elif not hasattr(cache_type := type(new_cache(model, 1)), "read_positions"):
+            # a request's cache (int8, offloaded) keeps no float K/V positions, which the prefix cache's blocks
+            # are read and written as
+            log.warning("the prefix cache is off with this KV cache (%s: --kv-dtype int8 or --offload-kv): every "
+                        "request prefills its whole prompt (--kv-dtype fp16 or bf16 reuses prompt prefixes)",
+                        cache_type.__name__)
         else:
             prefix_cache = PrefixCache(model, config.prefill_chunk, prefix_cache_bytes, kv_cache_dir)
     metrics = ServerMetrics()

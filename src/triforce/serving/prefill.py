@@ -39,8 +39,8 @@ class CachedPrefill(PrefilledPrompt):
 
     Attributes: reused_tokens (from the prefix cache), computed_tokens (prefilled here), seconds,
     block_queries (block index -> [n_layers, n_heads, D], the last-token queries of each whole
-    block computed here: PrefixCache.insert stores those blocks). `pool`: where the full cache's buffers come from
-    where it keeps some of their shape (the caller gives them back with `cache.release()` when done)."""
+    block computed here: PrefixCache.insert stores those blocks). `pool`: takes the full cache's buffers from
+    there where it keeps some of their shape (the caller gives them back with `cache.release()` when done)."""
 
     def __init__(self, model: Transformer, prompt: list[int], capacity: int, chunk: int,
                  prefix_cache: PrefixCache | None = None, should_stop: Callable[[], bool] = lambda: False,
