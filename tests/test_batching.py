@@ -138,6 +138,39 @@ def test_gate_runs_a_request_s_forwards_before_its_first_token_ahead_of_prefill_
         assert order == expected, due
 
 
+def test_each_batched_forward_is_timed_as_its_share_of_the_batch():
+    """forward_seconds after a batched forward: the batch's time split by ForwardGate.batched's costs (the shared
+    part evenly, the own parts in proportion), so a 1-token step beside longer verifications is not charged the whole
+    batch; forwards without a cost are charged the whole batch, as one alone is."""
+
+    def batch_of(costs: list) -> list[float]:
+        gate, seconds = ForwardGate(), [0.0] * len(costs)
+        joined = threading.Barrier(len(costs), timeout=30)
+
+        def one(i):
+            with gate.join():
+                joined.wait()  # (every thread a member before any waits at the gate: one batch)
+                gate.batched("model", None, 1, lambda runs: (time.sleep(0.2), [None] * len(runs))[1], cost=costs[i])
+                seconds[i] = batching.forward_seconds(time.perf_counter())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(costs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert gate.stats.sizes == {len(costs): 1}
+        return seconds
+
+    costs = [(100.0, 100.0), (100.0, 300.0), (100.0, 500.0)]  # shares (100 / 3 + own) / 1000
+    seconds = batch_of(costs)
+    batch = sum(seconds)
+    assert batch >= 0.2
+    for s, (shared, own) in zip(seconds, costs):
+        assert s == pytest.approx(batch * (shared / 3 + own) / 1000, rel=1e-9)
+    seconds = batch_of([(100.0, 100.0), None])
+    assert seconds[0] == seconds[1] >= 0.2
+
+
 def _together(run, jobs: list, gate: ForwardGate) -> list:
     """run(job) for every job at once, each on a thread of its own that joined `gate` -> their results in order."""
     out = [None] * len(jobs)

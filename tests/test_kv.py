@@ -268,6 +268,35 @@ def test_retrieval_cache_keeps_brute_force_chunks(tiny_llama, n_prompt, budget, 
             torch.testing.assert_close(r.k[layer, 0, h, :r.base], full.k[layer, 0, h, kept])
 
 
+@pytest.mark.parametrize("dtype,gather_bytes", [(torch.float32, 8 << 20), (torch.float16, 1)])
+@torch.no_grad()
+def test_a_retrieval_build_over_every_layer_at_once_equals_the_layer_by_layer_build(tiny_llama, dtype, gather_bytes,
+                                                                                     monkeypatch):
+    """build's all-layers path (a one-sequence FullCache; its gather in steps of GATHER_BYTES: every layer at once,
+    or one at a time) keeps and copies exactly what the layer-by-layer path does (a subclass with its own select
+    takes that path, as H2O does)."""
+    from triforce.caches import retrieval
+
+    monkeypatch.setattr(retrieval, "GATHER_BYTES", gather_bytes)
+
+    class LayerByLayer(RetrievalCache):
+        def select(self, keys, queries):
+            return super().select(keys, queries)
+
+    c = tiny_llama.cfg
+    full = new_cache(tiny_llama, 320, record_queries=True, dtype=dtype)
+    tiny_llama(_ids(300, seed=11), full)
+    built = []
+    for cls in (RetrievalCache, LayerByLayer):
+        r = cls(c.n_layers, c.n_kv_heads, c.head_dim, budget=96, chunk_size=8, recent=16, dtype=dtype)
+        r.build(full)
+        built.append(r)
+    a, b = built
+    assert (a.base, a.built_at, a.length) == (b.base, b.built_at, b.length) and a.base <= 96 and a.length == 300
+    assert all(torch.equal(x, y) for x, y in zip(a.indices, b.indices))
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
 @torch.no_grad()
 def test_retrieval_cache_within_budget_equals_full(tiny_llama):
     """A context that fits in the budget is kept whole: decoding equals the full cache."""

@@ -24,6 +24,12 @@ from .errors import TriforceError
 from .execution import PANEL_MAX_ROWS, Execution, Linear, QuantLinear, attention, batching
 from .rope import Rotary, apply_rotary
 
+# A batched forward's rows after the first cost this fraction each of reading its K/V once (their attention
+# arithmetic), in the gate's split of a batch's time (Transformer._batch_cost). Measured with
+# benchmarks/batched_forward.py at 8K (Intel Xeon): 8 requests x 1 row 88 ms, x 5 rows 207 ms, so 3.7 ms per extra row
+# per request, against 12.4 ms for reading one request's K/V (16.1 ms alone less 3.7 for the weights).
+BATCH_ROW_COST = 0.3
+
 if TYPE_CHECKING:  # (a CUDA graph's view of a cache: graphs.py makes it)
     from .caches.static import StaticView
 
@@ -119,6 +125,7 @@ class Transformer(nn.Module):
     # Keep the target's full KV cache in pinned host memory, streamed to the GPU per layer (--offload-kv;
     # caches/offload.py); drafting caches stay on the GPU.
     offload_kv = False
+    _weight_bytes: int | None = None  # what a decode-sized forward reads of the weights (_batch_cost)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -192,8 +199,9 @@ class Transformer(nn.Module):
         if (gate := batching.current()) is not None:
             T = tokens.shape[1]
             if (tokens.shape[0] == 1 and block is None and not hidden and layers is None
-                    and self._batch_layout(T, cache) is not None):
-                return gate.batched(self, (tokens, cache, T if last is None else last), T, self.forward_batch)
+                    and (layout := self._batch_layout(T, cache)) is not None):
+                return gate.batched(self, (tokens, cache, T if last is None else last), T, self.forward_batch,
+                                    cost=self._batch_cost(T, layout))
             return gate.solo(lambda: self.forward(tokens, cache, last, block, hidden, layers), T)
         if cache.windows != self.windows:
             raise TriforceError(f"{type(cache).__name__} does not implement the sliding-window layers of this "
@@ -223,6 +231,16 @@ class Transformer(nn.Module):
         if last is not None:
             x = x[:, -last:]
         return self._logits(x)
+
+    def _batch_cost(self, T: int, layout) -> tuple[int, float]:
+        """A batched forward's cost for the gate's split of its batch's time (ForwardGate.batched): the weight bytes
+        every forward of the batch shares, and its own, the K/V bytes it reads, 1 + BATCH_ROW_COST per row after
+        the first (its rows' attention arithmetic)."""
+        if self._weight_bytes is None:
+            self._weight_bytes = sum(m.nbytes for m in self.modules() if isinstance(m, (Linear, QuantLinear)))
+        k = layout.k
+        kv = 2 * k.element_size() * k.shape[0] * k.shape[2] * k.shape[4] * (layout.first + T)
+        return self._weight_bytes, kv * (1 + BATCH_ROW_COST * (T - 1))
 
     def _batch_layout(self, T: int, cache: KVCache):
         """Where a T-token chain through `cache` sits for forward_batch, or None where forward_batch does not take it

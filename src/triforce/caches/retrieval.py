@@ -39,6 +39,11 @@ def chunk_scores(keys: torch.Tensor, q: torch.Tensor, c: int) -> torch.Tensor:
     return torch.einsum("bhd,bhnd->bhn", q, means)
 
 
+# build gathers the kept chunks of this many bytes of keys (or values) at a time: a larger temporary comes from
+# fresh pages every time (glibc serves blocks over 32 MB with mmap), whose first touch took longer than the gather
+GATHER_BYTES = 8 << 20
+
+
 class RetrievalCache(KVCache):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, budget: int, chunk_size: int = 8,
@@ -68,19 +73,23 @@ class RetrievalCache(KVCache):
         last one is used) -> kept positions [B, Hkv, M] (ascending)."""
         query = queries[:, :, -1]
         B, Hkv, N, D = keys.shape
-        c = self.chunk_size
         if N <= self.budget:
             return torch.arange(N, device=keys.device).expand(B, Hkv, N)
-        n_sel = (N - self.recent) // c * c
-        n_chunks = n_sel // c
-        k_top = min((self.budget - c - (N - n_sel)) // c, n_chunks - 1)
+        n_sel = (N - self.recent) // self.chunk_size * self.chunk_size
         q = query.reshape(B, Hkv, -1, D).float().sum(dim=2)
-        scores = chunk_scores(keys[:, :, :n_sel], q, c)
+        return self._positions(chunk_scores(keys[:, :, :n_sel], q, self.chunk_size), N)
+
+    def _positions(self, scores: torch.Tensor, n: int) -> torch.Tensor:
+        """The positions kept of n tokens (more than the budget) from chunk scores [..., n_sel / c] -> [..., M]:
+        chunk 0, the top-scoring others (ascending), the recent tokens [n_sel, n)."""
+        c, lead = self.chunk_size, scores.shape[:-1]
+        n_sel = scores.shape[-1] * c
+        k_top = min((self.budget - c - (n - n_sel)) // c, scores.shape[-1] - 1)
         top = scores[..., 1:].topk(k_top, dim=-1, sorted=False).indices.add_(1).sort(dim=-1).values
-        offsets = torch.arange(c, device=keys.device)
+        offsets = torch.arange(c, device=scores.device)
         chunk_tokens = (top[..., None] * c + offsets).flatten(-2)
-        head = offsets.expand(B, Hkv, c)
-        tail = torch.arange(n_sel, N, device=keys.device).expand(B, Hkv, N - n_sel)
+        head = offsets.expand(*lead, c)
+        tail = torch.arange(n_sel, n, device=scores.device).expand(*lead, n - n_sel)
         return torch.cat([head, chunk_tokens, tail], dim=-1)
 
     def build(self, full: FullCache) -> None:
@@ -104,6 +113,12 @@ class RetrievalCache(KVCache):
                 or not 0 <= query_index < recorded.layers[0].shape[2]):
             raise ValueError("the full cache holds no recorded query for its last token: create it with "
                              "record_queries=True and build right after a forward that fed that token")
+        if (type(self).select is RetrievalCache.select and isinstance(full, FullCache) and full.k.shape[1] == 1
+                and self.k.shape[1] == 1
+                and full.k.is_contiguous() and full.v.is_contiguous() and full.capacity % self.chunk_size == 0
+                and n > self.budget):
+            self._build_every_layer(full, n, [q[:, :, query_index] for q in recorded.layers])
+            return
         self.indices = []
         for layer in range(self.n_layers):
             q = recorded.layers[layer][:, :, :query_index + 1]
@@ -115,6 +130,32 @@ class RetrievalCache(KVCache):
                 self.k[layer, b, h, :m] = keys[b, h].index_select(0, idx[b, h])
                 self.v[layer, b, h, :m] = values[b, h].index_select(0, idx[b, h])
             self.indices.append(idx)
+        self.base, self.built_at, self.length = m, n, n
+
+    def _build_every_layer(self, full: FullCache, n: int, queries: list[torch.Tensor]) -> None:
+        """build's selection and copy for every layer at once, from a one-sequence FullCache of more than `budget`
+        tokens: the positions `select` keeps, layer by layer, in a few operations over all layers' heads. Why: a
+        server's request thread builds while the other threads run Python, and each operation that releases the
+        GIL may wait up to the switch interval to take it back: the layer-by-layer build's ~1,300 operations took
+        0.37-0.42 s each with 8 requests starting at once, 0.02-0.04 s alone (Intel Xeon, 8K; docs/serving.md)."""
+        L, _, H, cap, D = full.k.shape
+        c = self.chunk_size
+        n_sel = (n - self.recent) // c * c
+        q = torch.stack(queries).reshape(L, H, -1, D).float().sum(dim=2)  # [L, Hkv, D]: each GQA group's sum
+        scores = chunk_scores(full.k[:, :, :, :n_sel].reshape(1, L * H, n_sel, D), q.reshape(1, L * H, D), c)
+        kept = self._positions(scores[0], n)  # [L * Hkv, M]: chunks, then the recent tokens [n_sel, n)
+        m, n_chunked = kept.shape[-1], kept.shape[-1] - (n - n_sel)
+        chunks = kept[:, :n_chunked:c] // c + torch.arange(L * H, device=kept.device).unsqueeze(1) * (cap // c)
+        per_layer = H * n_chunked * D * full.k.element_size()
+        step = max(1, GATHER_BYTES // per_layer)  # layers gathered at once
+        for src, dst in ((full.k, self.k), (full.v, self.v)):  # whole chunks of c keys as rows (c * D each)
+            src_rows, dst = src.view(L * H * cap // c, c * D), dst.view(L * H, self.capacity, D)
+            for a in range(0, L * H, step * H):
+                b = min(L * H, a + step * H)
+                rows = src_rows.index_select(0, chunks[a:b].flatten()).view(b - a, -1, c * D)
+                dst[a:b, :n_chunked].view(b - a, n_chunked // c, c * D).copy_(rows)
+            dst[:, n_chunked:m].copy_(src.view(L * H, cap, D)[:, n_sel:n])
+        self.indices = list(kept.view(L, 1, H, m).unbind(0))
         self.base, self.built_at, self.length = m, n, n
 
     def room(self, committed: int) -> int:

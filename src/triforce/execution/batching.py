@@ -64,8 +64,9 @@ def first_token_due(due: bool) -> None:
 
 
 def forward_seconds(started: float) -> float:
-    """The time of this thread's last forward, begun at `started` (perf_counter): through a gate, the time its batch
-    ran (not the wait for the other requests); else the time since `started`."""
+    """The time of this thread's last forward, begun at `started` (perf_counter): through a gate, its share of the
+    time its batch ran (`ForwardGate.batched`'s cost; not the wait for the other requests); else the time since
+    `started`."""
     seconds = getattr(_local, "seconds", None)
     _local.seconds = None
     return time.perf_counter() - started if seconds is None else seconds
@@ -92,6 +93,7 @@ class _Waiting:
     prefill_left: int = 0  # a solo prefill chunk: its prompt's tokens left to prefill (`prefilling`); else 0
     passed: int = 0  # solo forwards run ahead of this one while it waited
     first_token_due: bool = False  # a batched forward of a request whose first token is still to come
+    cost: tuple[float, float] | None = None  # a batched forward's (shared, own) cost: see ForwardGate.batched
 
 
 @dataclass
@@ -143,9 +145,17 @@ class ForwardGate:
         """Run fn() (a forward that is not batched) when the gate's turn comes -> its result."""
         return self._wait(_Waiting(None, rows, fn, prefill_left=getattr(_local, "prefill_left", 0)))
 
-    def batched(self, key, args, rows: int, batch):
-        """Run `args` in one call batch([args, ...]) with the other waiting forwards of the same key -> its result."""
-        return self._wait(_Waiting(key, rows, args, batch, first_token_due=getattr(_local, "first_token_due", False)))
+    def batched(self, key, args, rows: int, batch, cost: tuple[float, float] | None = None):
+        """Run `args` in one call batch([args, ...]) with the other waiting forwards of the same key -> its result.
+        `cost`: (shared, own), what the forward would cost alone in any unit, split into what every forward of its
+        batch shares (reading the weights) and what is its own (reading its cache, its rows' work). Each forward's
+        time (forward_seconds) is then its share of the batch's: the shared part split evenly, the own parts in
+        proportion. Why: a request's adaptive planner prices its routes with these times, and charged the whole
+        batch, a 1-token step would cost it as much as a 6-token verification beside others' verifications, so
+        every request would verify the longest drafts whatever they yield. Without a cost (or where a forward of
+        the batch has none): the whole batch's time."""
+        return self._wait(_Waiting(key, rows, args, batch, first_token_due=getattr(_local, "first_token_due", False),
+                                   cost=cost))
 
     def _wait(self, w: _Waiting):
         started = time.perf_counter()
@@ -228,5 +238,14 @@ class ForwardGate:
             s.sizes[len(chosen)] = s.sizes.get(len(chosen), 0) + 1
             if self.on_batch is not None:
                 self.on_batch(len(chosen), sum(w.rows for w in chosen))
-        for w in chosen:
-            w.seconds = dt
+        for w, share in zip(chosen, _shares(chosen)):
+            w.seconds = dt * share
+
+
+def _shares(chosen: list[_Waiting]) -> list[float]:
+    """Each forward's share of its batch's time (ForwardGate.batched's cost), or 1 each where one has no cost."""
+    if len(chosen) == 1 or any(w.cost is None for w in chosen):
+        return [1.0] * len(chosen)
+    shared = max(w.cost[0] for w in chosen)
+    total = shared + sum(w.cost[1] for w in chosen)
+    return [(shared / len(chosen) + w.cost[1]) / total for w in chosen]

@@ -54,6 +54,12 @@ class Linear(nn.Linear):
         elif dtype == torch.float32 and _mkldnn_packing_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
 
+    @property
+    def nbytes(self) -> int:
+        """The weight bytes a decode-sized forward reads (its panels where packed)."""
+        w = self.panels if self.panels is not None else self.weight
+        return w.numel() * w.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.panels is not None and rows <= PANEL_MAX_ROWS and (ops := self.backend.ops) is not None:

@@ -169,7 +169,7 @@ class ModelState:
                 out, hidden = out
                 self._store_features(n, hidden[0])
             logits = out[0]
-        dt = batching.forward_seconds(t)  # in a serving batch: its batch's time, not the wait for the others
+        dt = batching.forward_seconds(t)  # in a serving batch: its share of its batch's time, not the wait
         self.seconds += dt
         self.forwards += 1
         if self.on_forward is not None:
