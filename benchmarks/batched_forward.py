@@ -33,9 +33,9 @@ def main() -> None:
         from triforce.speculation.kinds import draft_weights_model
 
         model = draft_weights_model(model)
-    weights = sum(m.nbytes if hasattr(m, "nbytes") else 0 for m in model.modules())
+    weights = model.weight_bytes()
     kv = kv_bytes(model.cfg, a.context, kv_value_bytes(model.kv_dtype))
-    print(f"{loaded.source}: weights {weights / 2**20:.0f} MiB read per forward (quantized linear layers), KV "
+    print(f"{loaded.source}: weights {weights / 2**20:.0f} MiB read per forward (linear layers), KV "
           f"{kv / 2**20:.0f} MiB per request at {a.context} ({model.kv_dtype}), {torch.get_num_threads()} threads")
     with torch.inference_mode():
         caches = []

@@ -27,11 +27,10 @@ BANDWIDTH_GBS = 46.0  # measured read rate of this 2-core Zen 5 (docs/performanc
 
 
 def head_bytes(model, head) -> int:
-    """Bytes one drafted token reads: the head's layer and mixing weights (bf16 panels), the LM head as held."""
+    """Bytes one drafted token reads: the head's layer and mixing weights (bf16 panels), the LM head as its forward
+    reads it."""
     layer = sum(p.numel() for n, p in head.named_parameters() if p.dim() == 2) * 2
-    lm = model.lm_head
-    lm_bytes = lm.nbytes if hasattr(lm, "nbytes") else lm.weight.numel() * lm.weight.element_size()
-    return layer + lm_bytes
+    return layer + model.lm_head.nbytes
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from .caches.base import KVCache, TokenBlock, kv_dtype
 from .config import ModelConfig
 from .errors import TriforceError
 from .execution import PANEL_MAX_ROWS, Execution, Linear, QuantLinear, attention, batching
+from .memory import kv_bytes
 from .rope import Rotary, apply_rotary
 
 # A batched forward's rows after the first cost this fraction each of reading its K/V once (their attention
@@ -125,7 +126,7 @@ class Transformer(nn.Module):
     # Keep the target's full KV cache in pinned host memory, streamed to the GPU per layer (--offload-kv;
     # caches/offload.py); drafting caches stay on the GPU.
     offload_kv = False
-    _weight_bytes: int | None = None  # what a decode-sized forward reads of the weights (_batch_cost)
+    _weight_bytes: int | None = None  # weight_bytes(), once measured
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -232,15 +233,18 @@ class Transformer(nn.Module):
             x = x[:, -last:]
         return self._logits(x)
 
+    def weight_bytes(self) -> int:
+        """The weight bytes a decode-sized forward reads: every linear layer's, as its forward reads them."""
+        if self._weight_bytes is None:
+            self._weight_bytes = sum(m.nbytes for m in self.modules() if isinstance(m, (Linear, QuantLinear)))
+        return self._weight_bytes
+
     def _batch_cost(self, T: int, layout) -> tuple[int, float]:
         """A batched forward's cost for the gate's split of its batch's time (ForwardGate.batched): the weight bytes
         every forward of the batch shares, and its own, the K/V bytes it reads, 1 + BATCH_ROW_COST per row after
         the first (its rows' attention arithmetic)."""
-        if self._weight_bytes is None:
-            self._weight_bytes = sum(m.nbytes for m in self.modules() if isinstance(m, (Linear, QuantLinear)))
-        k = layout.k
-        kv = 2 * k.element_size() * k.shape[0] * k.shape[2] * k.shape[4] * (layout.first + T)
-        return self._weight_bytes, kv * (1 + BATCH_ROW_COST * (T - 1))
+        kv = kv_bytes(self.cfg, layout.first + T, layout.k.element_size())
+        return self.weight_bytes(), kv * (1 + BATCH_ROW_COST * (T - 1))
 
     def _batch_layout(self, T: int, cache: KVCache):
         """Where a T-token chain through `cache` sits for forward_batch, or None where forward_batch does not take it
