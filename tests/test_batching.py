@@ -171,6 +171,99 @@ def test_each_batched_forward_is_timed_as_its_share_of_the_batch():
     assert seconds[0] == seconds[1] >= 0.2
 
 
+def test_every_forward_through_a_gate_runs_on_the_gate_s_one_thread():
+    """Solo and batched forwards run on one thread of the gate's, whichever member let them run: OpenMP gives each
+    thread that opens a parallel region a team, and with more teams than cores every region waits for sleeping
+    workers (execution/omp_threads.py)."""
+    gate, ran = ForwardGate(), collections.defaultdict(set)
+    members = set()
+    joined = threading.Barrier(3, timeout=30)
+
+    def record(kind):
+        ran[kind].add(threading.get_ident())
+        return kind
+
+    def member():
+        members.add(threading.get_ident())
+        with gate.join():
+            joined.wait()
+            for _ in range(4):
+                assert gate.batched("model", None, 1, lambda runs: [record("batched") for _ in runs]) == "batched"
+                assert gate.solo(lambda: record("solo"), 1) == "solo"
+
+    threads = [threading.Thread(target=member) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert set(ran) == {"batched", "solo"}
+    assert len(set().union(*ran.values())) == 1
+    assert not set().union(*ran.values()) & members
+
+
+def test_member_threads_keep_to_one_openmp_thread_and_get_their_count_back():
+    """While joined to a gate a thread's own PyTorch work runs on one OpenMP thread (it opens no team of its own);
+    its count comes back when it leaves, and no other thread's count changes (torch.set_num_threads would change
+    the process's)."""
+    from triforce.execution import omp_threads
+
+    if omp_threads._runtime() is None:
+        pytest.skip("no OpenMP runtime found in this process: the counts are left alone")
+    suite = torch.get_num_threads()
+    torch.set_num_threads(2)  # (the suite runs on one: conftest.py)
+    try:
+        _joined_thread_counts(2)
+    finally:
+        torch.set_num_threads(suite)
+
+
+def _joined_thread_counts(before: int) -> None:
+    seen = {}
+    gate = ForwardGate()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def member():
+        with gate.join():
+            seen["joined"] = torch.get_num_threads()
+            inside.set()
+            leave.wait(30)
+        seen["left"] = torch.get_num_threads()
+
+    t = threading.Thread(target=member)
+    t.start()
+    assert inside.wait(30)
+    seen["main meanwhile"] = torch.get_num_threads()
+    leave.set()
+    t.join(30)
+    assert seen == {"joined": 1, "main meanwhile": before, "left": before}
+
+
+def test_a_members_own_clock_counts_its_forwards_shares_and_its_cpu_not_its_waits():
+    """batching.own_clock (the adaptive planner's round costs): on a gate, a member's forwards' shares plus its
+    own CPU time; a wait (here a sleep, as for the GIL or the other requests' batch) adds nothing. Off a gate, the
+    wall clock."""
+    gate, grew = ForwardGate(), {}
+
+    def member():
+        with gate.join():
+            t0 = batching.own_clock()
+            time.sleep(0.3)
+            grew["sleep"] = batching.own_clock() - t0
+            t0 = batching.own_clock()
+            gate.solo(lambda: time.sleep(0.2), 1)
+            grew["forward"] = batching.own_clock() - t0
+
+    t = threading.Thread(target=member)
+    t.start()
+    t.join(30)
+    assert grew["sleep"] < 0.05
+    assert grew["forward"] >= 0.2
+    t0 = batching.own_clock()
+    time.sleep(0.1)
+    assert batching.own_clock() - t0 >= 0.1
+
+
 def _together(run, jobs: list, gate: ForwardGate) -> list:
     """run(job) for every job at once, each on a thread of its own that joined `gate` -> their results in order."""
     out = [None] * len(jobs)

@@ -31,12 +31,15 @@ Which forwards share a batch changes only how fast they run, never what they com
 exactly its output alone. A thread that has not joined a gate runs its forwards directly (`current()` is None)."""
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from . import omp_threads
 
 _local = threading.local()
 STARVATION = 16  # solo forwards that may run ahead of a waiting one (shorter prefills first) before it runs
@@ -72,11 +75,17 @@ def forward_seconds(started: float) -> float:
     return time.perf_counter() - started if seconds is None else seconds
 
 
-def waited_seconds() -> float:
-    """This thread's time at a gate so far that was not its own forwards' (waiting for its turn, or running the
-    other requests' forwards): what a span of this thread's work minus this total's growth over it leaves is the
-    span's own time (the adaptive planner's round costs)."""
-    return getattr(_local, "waited", 0.0)
+def own_clock() -> float:
+    """A clock of this thread's own time, in seconds: a span of its work costs the clock's growth over it (the
+    adaptive planner's round costs, a rebuild's cost). Off a gate, the wall clock. On one, its forwards' times
+    (forward_seconds: a batched forward's share of its batch, a solo forward's whole time) plus the CPU time the
+    thread spent itself (time.thread_time: its forwards run on the gate's thread). Why not the wall clock less the
+    waits at the gate: between forwards a request thread also waits for the GIL while the other requests run their
+    Python, and each round charged that would carry every request's host work, N times over in a batch of N: a
+    plain step's host work came out at 3-6 ms against about 1.5 of its own."""
+    if current() is None:
+        return time.perf_counter()
+    return getattr(_local, "forwards", 0.0) + time.thread_time()
 
 
 @dataclass(eq=False)
@@ -119,6 +128,7 @@ class ForwardGate:
         self._arrivals = 0
         self.stats = GateStats()
         self.on_batch = None  # called with (forwards, rows) after each batched forward (the server's metrics)
+        self._forwards = None  # the one thread that runs every forward of the gate (_run_forwards)
 
     @contextmanager
     def join(self):
@@ -129,7 +139,8 @@ class ForwardGate:
             self._running += 1
         _local.gate = self
         try:
-            yield self
+            with omp_threads.one_thread():  # (its forwards run on the gate's thread: see _run_forwards)
+                yield self
         finally:
             _local.gate = None
             with self._cv:
@@ -158,7 +169,6 @@ class ForwardGate:
                                    cost=cost))
 
     def _wait(self, w: _Waiting):
-        started = time.perf_counter()
         with self._cv:
             self._arrivals += 1
             w.arrived = self._arrivals
@@ -168,7 +178,7 @@ class ForwardGate:
             while not w.done:
                 self._cv.wait()
         _local.seconds = w.seconds
-        _local.waited = waited_seconds() + max(time.perf_counter() - started - w.seconds, 0.0)
+        _local.forwards = getattr(_local, "forwards", 0.0) + w.seconds  # (own_clock)
         if w.error is not None:
             raise w.error
         return w.result
@@ -201,7 +211,7 @@ class ForwardGate:
             self._executing = True
             self._cv.release()
             try:
-                self._execute(chosen)
+                self._run_forwards(chosen)
             finally:
                 self._cv.acquire()
                 self._executing = False
@@ -209,6 +219,20 @@ class ForwardGate:
                 w.done = True
             self._running += len(chosen)  # they run again from now (before this loop could run a next group)
             self._cv.notify_all()
+
+    def _run_forwards(self, chosen: list[_Waiting]) -> None:
+        """Run the chosen forwards on the gate's own thread, whichever member thread let them run. Why: OpenMP gives
+        each thread that opens a parallel region a team of its own, and with more teams than cores every region
+        waits for sleeping workers (execution/omp_threads.py): eight batched 8K decode steps took 112-115 ms when
+        each request thread ran its turn of them, 85 ms from one thread."""
+        if self._forwards is None:
+            self._forwards = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="triforce-forwards")
+        done = self._forwards.submit(self._execute, chosen)
+        try:
+            done.result()
+        except BaseException:  # (an interrupt of this thread): the forward finishes before the gate moves on
+            concurrent.futures.wait([done])
+            raise
 
     def _execute(self, chosen: list[_Waiting]) -> None:
         t = time.perf_counter()

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from ..caches import BufferPool, KVCache
-from ..execution import batching
+from ..execution import batching, omp_threads
 from ..execution.batching import ForwardGate
 from ..generate import generate_stream
 from ..model import Transformer
@@ -182,6 +182,10 @@ class Engine:
     # ---- the API side (any thread) -----------------------------------------------------------
 
     def start(self) -> None:
+        # The thread that loaded the model (and starts the engine) holds an OpenMP team from that work; from now on
+        # the gate's thread runs every forward, and a second team would slow each of them by a third
+        # (execution/omp_threads.py).
+        omp_threads.release_this_thread()
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -268,6 +272,10 @@ class Engine:
         return True
 
     def _serve(self, job: Job) -> None:
+        with omp_threads.one_thread():  # (this thread's forwards run on the gate's thread: ForwardGate._run_forwards)
+            self._serve_job(job)
+
+    def _serve_job(self, job: Job) -> None:
         t0 = time.perf_counter()
         try:
             # outside the gate: a member thread that waits for anything but its forwards would stall the batch

@@ -197,7 +197,8 @@ class Acceptance:
 
 class RoundCosts:
     """What one route family's rounds take beyond the modelled cost of their forwards (by tokens fed, drafts per
-    round), over its last KEEP rounds: each round's own time (its span, less any wait at a serving gate) minus that
+    round), over its last KEEP rounds: each round's own time (batching.own_clock: its span; in a serving batch, its
+    forwards' shares of their batches and its own CPU time) minus that
     cost. The difference is real and differs by family: sampling and acceptance per round, a drafter feeding 2
     tokens after a round that accepted all its drafts (priced as 1), a level's catch-up feed after sitting out. On
     the AVX2 build at 32K a `retrieval,full@1` round took 83 ms where its forwards were priced at 65, and a plain
@@ -688,10 +689,10 @@ class AdaptiveTop:
             self.planner.ngram_top.propose(len(ctx), proposal, cls)
         for i in route.levels[:-1]:
             self.catch_up(i, ctx, committed)
-        started, waited = time.perf_counter(), batching.waited_seconds()
+        started = batching.own_clock()
         tokens = chain.step(ctx, committed, limit)
         t = time.perf_counter()
-        self.planner.record_round(route, cls, 1e3 * (t - started - (batching.waited_seconds() - waited)))
+        self.planner.record_round(route, cls, 1e3 * (batching.own_clock() - started))
         self.planner_seconds += time.perf_counter() - t
         self.tokens += len(tokens)
         return tokens
