@@ -4,8 +4,8 @@ Why it matters: PyTorch's CPU kernels (ours too, through at::parallel_for) run o
 which PyTorch ships) gives every thread that opens a parallel region a team of its own. While the process holds
 more OpenMP threads than the machine has cores, libgomp's idle workers stop spinning between regions and sleep
 (its "throttled" spin), and every region then waits for its workers to wake. A decode forward opens a few hundred
-regions, so this costs a third of its time: eight 8K decode steps batched took 85 ms from the main thread alone
-and 112-115 ms as soon as one other thread had run any parallel region (2-core Xeon, benchmarks/omp_teams.py).
+regions, so this costs a third of its time: eight 8K decode steps batched took 84 ms from the main thread alone
+and 108-111 ms once one other thread had run a parallel region (2-core Xeon, benchmarks/omp_teams.py).
 A server whose request threads each run a little PyTorch work (sampling over the vocabulary, zeroing a cache)
 would make a team on each of them; the serving gate instead runs every forward on one thread of its own, and
 the request threads keep to one OpenMP thread (`one_thread`), which opens no team at all.
