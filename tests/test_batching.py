@@ -176,7 +176,7 @@ def test_every_forward_through_a_gate_runs_on_the_gate_s_one_thread():
     thread that opens a parallel region a team, and with more teams than cores every region waits for sleeping
     workers (execution/omp_threads.py)."""
     gate, ran = ForwardGate(), collections.defaultdict(set)
-    members = set()
+    members, results = set(), []
     joined = threading.Barrier(3, timeout=30)
 
     def record(kind):
@@ -188,14 +188,15 @@ def test_every_forward_through_a_gate_runs_on_the_gate_s_one_thread():
         with gate.join():
             joined.wait()
             for _ in range(4):
-                assert gate.batched("model", None, 1, lambda runs: [record("batched") for _ in runs]) == "batched"
-                assert gate.solo(lambda: record("solo"), 1) == "solo"
+                results.append(gate.batched("model", None, 1, lambda runs: [record("batched") for _ in runs]))
+                results.append(gate.solo(lambda: record("solo"), 1))
 
     threads = [threading.Thread(target=member) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+    assert sorted(results) == ["batched"] * 12 + ["solo"] * 12
     assert set(ran) == {"batched", "solo"}
     assert len(set().union(*ran.values())) == 1
     assert not set().union(*ran.values()) & members
@@ -209,19 +210,8 @@ def test_member_threads_keep_to_one_openmp_thread_and_get_their_count_back():
 
     if omp_threads._runtime() is None:
         pytest.skip("no OpenMP runtime found in this process: the counts are left alone")
-    suite = torch.get_num_threads()
-    torch.set_num_threads(2)  # (the suite runs on one: conftest.py)
-    try:
-        _joined_thread_counts(2)
-    finally:
-        torch.set_num_threads(suite)
-
-
-def _joined_thread_counts(before: int) -> None:
-    seen = {}
-    gate = ForwardGate()
-    inside = threading.Event()
-    leave = threading.Event()
+    gate, seen = ForwardGate(), {}
+    inside, leave = threading.Event(), threading.Event()
 
     def member():
         with gate.join():
@@ -230,13 +220,18 @@ def _joined_thread_counts(before: int) -> None:
             leave.wait(30)
         seen["left"] = torch.get_num_threads()
 
-    t = threading.Thread(target=member)
-    t.start()
-    assert inside.wait(30)
-    seen["main meanwhile"] = torch.get_num_threads()
-    leave.set()
-    t.join(30)
-    assert seen == {"joined": 1, "main meanwhile": before, "left": before}
+    suite = torch.get_num_threads()
+    torch.set_num_threads(2)  # (the suite runs on one: conftest.py)
+    try:
+        t = threading.Thread(target=member)
+        t.start()
+        assert inside.wait(30)
+        seen["main meanwhile"] = torch.get_num_threads()
+        leave.set()
+        t.join(30)
+    finally:
+        torch.set_num_threads(suite)
+    assert seen == {"joined": 1, "main meanwhile": 2, "left": 2}
 
 
 def test_a_members_own_clock_counts_its_forwards_shares_and_its_cpu_not_its_waits():

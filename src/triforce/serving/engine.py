@@ -272,7 +272,9 @@ class Engine:
         return True
 
     def _serve(self, job: Job) -> None:
-        with omp_threads.one_thread():  # (this thread's forwards run on the gate's thread: ForwardGate._run_forwards)
+        # One OpenMP thread for all of this thread's work, not only while joined to the gate (ForwardGate.join): zeroing
+        # the full cache's buffers for the pool, after the gate, would otherwise open a team (execution/omp_threads.py)
+        with omp_threads.one_thread():
             self._serve_job(job)
 
     def _serve_job(self, job: Job) -> None:
