@@ -21,7 +21,14 @@ from triforce.loading import load_model
 
 
 def main() -> None:
-    counts = [int(c) for c in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 4, 8]
+    if {"-h", "--help"} & set(sys.argv[1:2]):
+        print(__doc__)
+        return
+    try:
+        counts = [int(c) for c in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 4, 8]
+    except ValueError:
+        raise SystemExit(f"serve_load.py: the first argument is the loads, N[,N...] (e.g. 1,4,8), not {sys.argv[1]!r}; "
+                         f"--help shows the usage") from None
     rest = sys.argv[2:]
     temperature = float(rest.pop(0)[2:]) if rest and rest[0].startswith("T=") else 0.0
     tokenizer = load_model(None, progress=False).tokenizer

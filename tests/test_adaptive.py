@@ -343,9 +343,9 @@ def test_the_ngram_window_judges_each_proposal_against_the_text_that_followed():
     w.judge(seq + [1, 2, 9, 1, 2])  # all of it matched: decided
     w.propose(8, [])  # no match to propose from
     assert list(w.rounds) == [(1, 4, 2), (2, 2, 2), (0, 0, 0)]
-    b = w.boundary()
-    assert b.tokens(1) == pytest.approx(1 + 2 / 3) and b.tokens(4) == pytest.approx(1 + 4 / 3)
-    assert b.drafted(4) == pytest.approx(2.0) and b.drafted(1) == pytest.approx(2 / 3)
+    b = w.boundary()  # three judged rounds and the prior's PRIOR_MISSES (2) drafting gamma, none accepted
+    assert b.tokens(1) == pytest.approx(1 + 2 / 5) and b.tokens(4) == pytest.approx(1 + 4 / 5)
+    assert b.drafted(4) == pytest.approx((6 + 2 * 4) / 5) and b.drafted(1) == pytest.approx((2 + 2 * 1) / 5)
     assert w.boundary(2) is None  # one round of the class: too few to price it apart
     assert expected_tokens(0.0, 3) == 1.0
 
@@ -389,7 +389,9 @@ def test_an_undecided_proposal_counts_with_what_it_matched_so_far():
     w.judge([7, 7, 7, 7])  # every proposal still matches where the text ends: none decided
     assert not w.rounds and [m for _, _, m in w.open] == [4, 3, 2]
     b = w.boundary()
-    assert b is not None and b.tokens(8) > b.tokens(4) > b.tokens(1) > 1.9  # long matches so far: long gammas pay
+    # long matches so far: long gammas pay (three rounds, each with a first token matched, and the prior's two
+    # misses: 1 + 3 / 5 tokens at gamma 1)
+    assert b is not None and b.tokens(8) > b.tokens(4) > b.tokens(1) == pytest.approx(1.6)
 
 
 class SteepVerification(Machine):
@@ -471,3 +473,42 @@ def test_a_route_within_the_switching_margin_gives_way_to_plain_decoding_but_not
     assert p._choose({AR: (40.0, plain), RETRIEVAL: (37.0, retrieval)}, plain) == retrieval
     ngram = Route(NGRAM, (2,))
     assert p._choose({NGRAM: (40.0, ngram), RETRIEVAL: (41.0, retrieval)}, retrieval) == retrieval  # hysteresis
+
+
+def test_a_switch_must_repay_what_starting_its_family_costs_over_the_tokens_left():
+    # retrieval,full@1 at 36 ms per token against plain decoding's 40, but its level sat out and costs 300 ms to
+    # start (a re-feed or a rebuild): worth it over 100 tokens (400 ms saved), not over 50 (200 ms)
+    p = new_planner()
+    plain, retrieval = Route(AR, ()), Route(RETRIEVAL, (1,))
+    priced = {AR: (40.0, plain), RETRIEVAL: (36.0, retrieval)}
+
+    def setup(family):
+        return 300.0 if 1 in family else 0.0
+    assert p._choose(priced, plain, 50, setup) == plain
+    assert p._choose(priced, plain, 100, setup) == retrieval
+    assert p._choose(priced, plain) == retrieval  # no limit: nothing to repay it over
+    assert p._choose(priced, Route(RETRIEVAL, (2,)), 10, setup) == retrieval  # already running: only re-tuned
+
+
+def test_a_sampled_planner_scales_the_window_by_what_its_lookup_rounds_got():
+    # the window promised 2 tokens per ngram,full@2 round; the rounds made 1 (each draft rejected): the drafts it
+    # promises count (0 + PRIOR) / (16 + PRIOR) as much, and plain decoding wins again
+    sampled = Planner(["ngram", "retrieval", "full"], Route(STACK, (3, 4)), sampled=True)
+    greedy = new_planner()
+    for p in (sampled, greedy):
+        for _ in range(12):
+            p.ngram_top.rounds.append((1, 2, 1))  # half the proposals' tokens matched
+        for k in (1, 2, 3):
+            for _ in range(3):
+                p.costs[2].add(k, (20.0 + 4.0 * (k - 1)) / 1e3)
+        p.round = 10
+        p.plan()
+    assert greedy.lookup_calibration is None and greedy.route.levels == NGRAM
+    window = sampled._ngram_boundary
+    for _ in range(16):
+        sampled.record_round(Route(NGRAM, (2,)), 1, 28.0, tokens=1)  # a 3-token forward's cost, nothing more
+    f = sampled.lookup_calibration.factor
+    assert f == pytest.approx(2.0 / (16 * (window.tokens(2) - 1.0) + 2.0))
+    assert sampled._boundary(0, 2, window).tokens(2) == pytest.approx(1.0 + f * (window.tokens(2) - 1.0))
+    sampled.plan()
+    assert sampled.route.levels == AR

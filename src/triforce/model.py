@@ -27,9 +27,10 @@ from .rope import Rotary, apply_rotary
 
 # A batched forward's rows after the first cost this fraction each of reading its K/V once (their attention
 # arithmetic), in the gate's split of a batch's time (Transformer._batch_cost). Measured with
-# benchmarks/batched_forward.py at 8K (Intel Xeon): 8 requests x 1 row 88 ms, x 5 rows 207 ms, so 3.7 ms per extra row
-# per request, against 12.4 ms for reading one request's K/V (16.1 ms alone less 3.7 for the weights).
-BATCH_ROW_COST = 0.3
+# benchmarks/batched_forward.py at 8K (Intel Xeon, 2 cores): 8 requests x 1, 2, 3, 5 rows 85.0, 112.5, 144.3,
+# 199.8 ms, so 3.4-3.7 ms per extra row per request; 2 requests x 1 row 25.2 ms, so in a batch a request's K/V
+# costs 10.0 ms and the weights 5.3 (the bytes' split: 92 MiB against 180).
+BATCH_ROW_COST = 0.36
 
 if TYPE_CHECKING:  # (a CUDA graph's view of a cache: graphs.py makes it)
     from .caches.static import StaticView

@@ -104,7 +104,7 @@ class BuiltStack:
                 self.adaptive = AdaptiveTop(kinds, names, self.states,
                                             proposer if bottom_state is None else None, start, generator,
                                             self.rebuild_policy.catch_up, self.rebuild_policy.catch_up_ms,
-                                            force=force_route)
+                                            force=force_route, sampled=not params.greedy)
                 self.top = self.adaptive
                 return
             self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")

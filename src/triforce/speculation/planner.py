@@ -65,6 +65,7 @@ CATCH_UP = 32  # a rebuilt level (retrieval, h2o) that sat out this many committ
 PROBE_HORIZON = 32  # no probe with fewer tokens left to generate: what it finds would pay over too few
 PRIOR_SLOPE = 0.1  # with one measured token count, a forward's cost grows this fraction of it per extra token
 PLAIN_REFRESH = 0.75  # a stale plain-step cost is measured again while the route is priced above this share of it
+PRIOR_MISSES = 2  # the n-gram window's prior: this many rounds more than judged, each drafting gamma, none accepted
 
 
 def _round(cost: Callable[[float], float], boundary: Boundary, gamma: int) -> tuple[int, float, float]:
@@ -273,29 +274,65 @@ class NGramWindow:
         if n < MIN_ROUNDS:
             return None
         matched = sum(m for _, m in rounds) + sum(m for _, m in opened)
-        misses = sum(1 for d, m in rounds if m < d)
+        misses = sum(1 for d, m in rounds if m < d) + PRIOR_MISSES
         rate = (matched + 1.0) / (matched + misses + 2.0)
         tokens, drafted = [], []
         for g in range(MAX_GAMMA_NGRAM + 1):
             total = sum(min(m, g) for _, m in rounds)
             for d, m in opened:
                 total += min(m, g) + (expected_tokens(rate, min(d, g) - m) - 1.0 if m < min(d, g) else 0.0)
-            tokens.append(total / n + 1.0)
-            drafted.append((sum(min(d, g) for d, _ in rounds) + sum(min(d, g) for d, _ in opened)) / n)
+            tokens.append(total / (n + PRIOR_MISSES) + 1.0)
+            drafted.append((sum(min(d, g) for d, _ in rounds) + sum(min(d, g) for d, _ in opened)
+                            + PRIOR_MISSES * g) / (n + PRIOR_MISSES))
         return Boundary(tokens.__getitem__, drafted.__getitem__)
+
+
+class LookupCalibration:
+    """When sampling, what the rounds of n-gram lookup verified directly yielded against what the window predicted
+    for them: the window's tokens per round beyond the first, scaled by (accepted + PRIOR) / (predicted + PRIOR)
+    over the last KEEP such rounds. Why: a sampled window is a noisy estimate, a route is chosen when it looks good,
+    and the rounds then fall back to the mean (the winner's curse): across a serving batch's sampled requests (8K,
+    T = 0.6, 8 requests) the window predicted 1.90 tokens per `ngram,full@2` round and 2.29 at gamma 3, where the
+    rounds took 1.25-1.54 and 1.62-1.71, and plain decoding was as fast as either. Greedy, the window's matches are
+    the text's own and the rounds took what it predicted (3.83 tokens at gamma 4 against 4.00, 4.18 at 5 against
+    4.38), and a factor from a few rounds cost long gammas their gains there: greedy runs are not scaled."""
+
+    KEEP = 32
+    PRIOR = 2.0  # drafts accepted as predicted, before any round: a factor of 1 until rounds say otherwise
+
+    def __init__(self):
+        self.rounds: deque = deque(maxlen=self.KEEP)  # (predicted, accepted) drafts per round
+
+    def add(self, predicted_tokens: float, tokens: int) -> None:
+        self.rounds.append((predicted_tokens - 1.0, tokens - 1))
+
+    @property
+    def factor(self) -> float:
+        predicted = sum(p for p, _ in self.rounds)
+        accepted = sum(a for _, a in self.rounds)
+        return (accepted + self.PRIOR) / (predicted + self.PRIOR)
+
+    def boundary(self, window: Boundary | None) -> Boundary | None:
+        """The window's boundary with its accepted drafts scaled by `factor`."""
+        if window is None:
+            return None
+        f = self.factor
+        return Boundary(lambda g: 1.0 + f * (window.tokens(g) - 1.0), window.drafted)
 
 
 class Planner:
     """Chooses each round's route from the measurements (see the module docstring). `kinds` are the stack's level
     kinds bottom to top, `start` the route of the stack as given (its gammas)."""
 
-    def __init__(self, kinds: list[str], start: Route, force: Callable[[int], Route | None] | None = None):
+    def __init__(self, kinds: list[str], start: Route, force: Callable[[int], Route | None] | None = None,
+                 sampled: bool = False):
         self.kinds, self.start, self.force = kinds, start, force
         self.top = len(kinds) - 1
         self.ngram = kinds[0] == "ngram"
         self.costs = {i: LevelCosts() for i, k in enumerate(kinds) if k != "ngram"}
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
         self.ngram_top = NGramWindow() if self.ngram else None
+        self.lookup_calibration = LookupCalibration() if sampled else None  # (greedy: see LookupCalibration)
         self.families = self._families()
         self.route = Route((self.top,), ())  # the first round: a plain step (measures it, risks nothing)
         self.round = 0
@@ -333,13 +370,16 @@ class Planner:
         a.add(accepted, accepted < asked, self.round)
         self.seen[below, above] = self.round - 1
 
-    def record_round(self, route: Route, cls: int | None, ms: float) -> None:
-        """A round of `route` (for a round of n-gram match class `cls`) took `ms` of its own time (RoundCosts),
-        from the first plan on (the first round runs code paths for the first time; the stack's
-        first rounds cannot be priced)."""
+    def record_round(self, route: Route, cls: int | None, ms: float, tokens: int | None = None) -> None:
+        """A round of `route` (for a round of n-gram match class `cls`) took `ms` of its own time (RoundCosts) and
+        made `tokens` (LookupCalibration, for n-gram lookup verified directly), from the first plan on (the first
+        round runs code paths for the first time; the stack's first rounds cannot be priced)."""
         if self._curves is None or self.round <= 1:
             return
         ngram = self._class_boundaries.get(cls, self._ngram_boundary)
+        if (tokens is not None and ngram is not None and self.lookup_calibration is not None
+                and route.levels == (0, self.top)):
+            self.lookup_calibration.add(ngram.tokens(route.gammas[0]), tokens)
         modelled = self._modelled(route, self._curves, ngram)
         if modelled is None:
             return
@@ -356,7 +396,7 @@ class Planner:
     def _boundary(self, below: int, above: int, ngram: Boundary | None) -> Boundary | None:
         """`ngram`: the n-gram window's boundary the prices are for (all rounds', or one match class's)."""
         if self.ngram and below == 0 and above == self.top:
-            return ngram
+            return ngram if self.lookup_calibration is None else self.lookup_calibration.boundary(ngram)
         a = self.acceptance.get((below, above))
         if a is None or a.rounds < MIN_ROUNDS:
             return None
@@ -447,8 +487,10 @@ class Planner:
         return any(self.round - self.seen.get(b, -10 ** 9) > self.probe_gap
                    for b in zip(family, family[1:]) if not (self.ngram and b == (0, self.top)))
 
-    def plan(self) -> tuple[dict, dict]:
-        """Re-choose the route -> (the cost curves, every family's price) it was chosen from, for _probe."""
+    def plan(self, remaining: int | None = None,
+             setup_ms: Callable[[tuple[int, ...]], float] | None = None) -> tuple[dict, dict]:
+        """Re-choose the route -> (the cost curves, every family's price) it was chosen from, for _probe.
+        `remaining`, `setup_ms`: as next_route's (a switch must repay what starting its family costs)."""
         self.plans += 1
         curves = self._curves = self._measured()
         priced = {f: self.price(f, curves) for f in self.families}
@@ -456,26 +498,35 @@ class Planner:
         self.predicted = {p[1].text(names): round(p[0], 3) for p in priced.values() if p is not None}
         if all(p is None for p in priced.values()):
             return curves, priced
-        self.route = self._choose(priced, self.route)
+        self.route = self._choose(priced, self.route, remaining, setup_ms)
         if self.ngram:
-            self._plan_classes(curves, priced)
+            self._plan_classes(curves, priced, remaining, setup_ms)
         return curves, priced
 
-    def _choose(self, priced: dict, route: Route) -> Route:
+    def _choose(self, priced: dict, route: Route, remaining: int | None = None,
+                setup_ms: Callable[[tuple[int, ...]], float] | None = None) -> Route:
         """The cheapest priced route, unless it beats `route`'s family by less than SWITCH_GAIN (hysteresis: timings
         are noisy). Plain decoding needs no margin: it is the baseline every route must beat, and where every route
         costs about what it does (the AVX2 build's sampled dialogue), a route kept for being within the margin ran
-        5-7% behind `ar` for the rest of the run."""
+        5-7% behind `ar` for the rest of the run. Nor a route whose family costs more to start
+        (`setup_ms(family)`: levels that sat out re-fed or rebuilt) than it saves over the `remaining` tokens: in a
+        serving batch at 8K a retrieval level re-fed 20 tokens took 50-80 ms, 4-6 plain steps, at the start of
+        routes priced 1 ms per token below plain decoding."""
         current = priced.get(route.levels)
         best = min((p for p in priced.values() if p is not None), key=lambda p: p[0], default=None)
         if best is None:
             return route
         gain = 0.0 if best[1].levels == (self.top,) else SWITCH_GAIN
-        if current is None or best[0] < (1.0 - gain) * current[0]:
+        if current is None:
+            return best[1]
+        if best[0] < (1.0 - gain) * current[0] and (
+                remaining is None or setup_ms is None or best[1].levels == route.levels
+                or (current[0] - best[0]) * remaining > setup_ms(best[1].levels)):
             return best[1]
         return current[1]  # the same levels, gammas re-tuned
 
-    def _plan_classes(self, curves: dict, priced: dict) -> None:
+    def _plan_classes(self, curves: dict, priced: dict, remaining: int | None = None,
+                      setup_ms: Callable[[tuple[int, ...]], float] | None = None) -> None:
         """A route per n-gram match class: a round's lookup is made before its route is chosen, and how often a
         proposal is accepted depends much on the length of the match it came from (a 3-token match in repeated
         text against a 1-token one anywhere). The families through n-gram lookup are re-priced with that class's
@@ -491,7 +542,7 @@ class Planner:
             self._class_boundaries[cls] = b
             by_cls = dict(priced)
             by_cls.update({f: self.price(f, curves, ngram=b) for f in through_ngram})
-            self.by_class[cls] = self._choose(by_cls, self.by_class.get(cls, self.route))
+            self.by_class[cls] = self._choose(by_cls, self.by_class.get(cls, self.route), remaining, setup_ms)
 
     def _settle_probe(self, priced: dict) -> Route | None:
         """After a probe round: its route again while the family cannot be priced yet (a boundary's acceptance is
@@ -586,7 +637,7 @@ class Planner:
         """The route of the round about to run, `tokens` having been generated, `cls` the match class of the
         round's n-gram lookup (NGramWindow.propose), chosen from the committed text and earlier rounds only.
         `remaining`: the tokens the run may still generate (None: no limit); `setup_ms(family)`: what starting a
-        family now would cost before its first round (for _probe)."""
+        family now would cost before its first round (for _probe and _choose)."""
         r = self.round
         route = self.by_class.get(cls, self.route)
         if self.force is not None and (forced := self.force(r)) is not None:
@@ -597,7 +648,7 @@ class Planner:
             route = self.route = Route(self.start.levels, tuple(min(g, START_GAMMA) for g in self.start.gammas))
         elif r > MIN_ROUNDS and (tokens - self.planned_at >= PLAN_EVERY or self.probing is not None
                          or self.plans < EARLY_PLANS):
-            curves, priced = self.plan()
+            curves, priced = self.plan(remaining, setup_ms)
             self.planned_at = tokens
             route = self.by_class.get(cls, self.route)
             route = (self._settle_probe(priced) or self._probe(curves, priced, remaining, setup_ms)
@@ -615,13 +666,14 @@ class AdaptiveTop:
     SWITCH_LOG = 64  # route changes kept in the stats
 
     def __init__(self, kinds: list[str], names: list[str], states: list[ModelState | None], ngram: NGramDrafter | None,
-                 start: Route, generator: torch.Generator, catch_up, catch_up_ms=None, force=None):
+                 start: Route, generator: torch.Generator, catch_up, catch_up_ms=None, force=None,
+                 sampled: bool = False):
         # a model-less bottom drafter: n-gram lookup, or a draft head (timed per drafted token as a level's forward)
         self.ngram = ngram if kinds[0] == "ngram" else None
         self.head = ngram if kinds[0] == "head" else None
         self.kinds, self.names, self.states = kinds, names, states
         self.generator, self.catch_up, self.catch_up_ms = generator, catch_up, catch_up_ms
-        self.planner = Planner(kinds, start, force)
+        self.planner = Planner(kinds, start, force, sampled)
         for i, state in enumerate(states):
             if state is not None:
                 state.on_forward = self.planner.costs[i].add
@@ -635,6 +687,7 @@ class AdaptiveTop:
         self.planner_seconds = 0.0
         self.tokens = 0
         self._last: str | None = None
+        self._route: Route | None = None  # the last round's
         self._texts: dict[Route, str] = {}
 
     def _chain(self, route: Route):
@@ -657,6 +710,16 @@ class AdaptiveTop:
             node = node.drafter
         return chain
 
+    def _start_ms(self, i: int, committed: int) -> float:
+        """What level i, sitting out, costs to run again now: its rebuild (catch_up_ms), else a forward of the tokens
+        it missed beyond its usual 1-token feed (its measured cost curve; 0 while unmeasured)."""
+        rebuild = self.catch_up_ms(i, committed) if self.catch_up_ms is not None else 0.0
+        if rebuild > 0.0 or self.states[i] is None:
+            return rebuild
+        curve = self.planner.costs[i].curve()
+        behind = committed - self.states[i].stable
+        return max(curve(behind + 1) - curve(1), 0.0) if curve is not None and behind > 0 else 0.0
+
     @property
     def levels_in_use(self) -> tuple[int, ...]:
         return self.planner.route.levels
@@ -669,11 +732,12 @@ class AdaptiveTop:
         t = time.perf_counter()
         if self.ngram is not None:
             self.planner.ngram_top.judge(ctx)
-        setup = None
-        if self.catch_up_ms is not None:
-            def setup(family: tuple[int, ...]) -> float:
-                return sum(self.catch_up_ms(i, committed) for i in family[:-1])
+        running = self._route.levels if self._route is not None else ()
+
+        def setup(family: tuple[int, ...]) -> float:
+            return sum(self._start_ms(i, committed) for i in family[:-1] if i not in running)
         route = self.planner.next_route(self.tokens, cls, limit, setup)
+        self._route = route
         text = self._texts.get(route)
         if text is None:
             text = self._texts[route] = route.text(self.names)
@@ -692,7 +756,7 @@ class AdaptiveTop:
         started = batching.own_clock()
         tokens = chain.step(ctx, committed, limit)
         t = time.perf_counter()
-        self.planner.record_round(route, cls, 1e3 * (batching.own_clock() - started))
+        self.planner.record_round(route, cls, 1e3 * (batching.own_clock() - started), len(tokens))
         self.planner_seconds += time.perf_counter() - t
         self.tokens += len(tokens)
         return tokens
@@ -732,5 +796,7 @@ class AdaptiveTop:
                 "acceptance": {f"{self.names[b]}->{self.names[a]}": round(x.alpha, 4)
                                for (b, a), x in p.acceptance.items()},
                 "predicted_ms_per_token": p.predicted,
+                "lookup_calibration": (round(p.lookup_calibration.factor, 3) if p.lookup_calibration is not None
+                                       else None),
                 "round_extra_ms": {Route(f, ()).text(self.names): round(x, 2) for f, c in p.round_costs.items()
                                    if (x := c.extra_ms()) is not None}}
