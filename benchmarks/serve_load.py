@@ -30,7 +30,10 @@ def main() -> None:
         raise SystemExit(f"serve_load.py: the first argument is the loads, N[,N...] (e.g. 1,4,8), not {sys.argv[1]!r}; "
                          f"--help shows the usage") from None
     rest = sys.argv[2:]
-    temperature = float(rest.pop(0)[2:]) if rest and rest[0].startswith("T=") else 0.0
+    try:
+        temperature = float(rest.pop(0)[2:]) if rest and rest[0].startswith("T=") else 0.0
+    except ValueError:
+        raise SystemExit(f"serve_load.py: T= takes a temperature (e.g. T=0.6), not {sys.argv[2]!r}") from None
     tokenizer = load_model(None, progress=False).tokenizer
     doc, prompts = serve._prompts(SimpleNamespace(prompt_tokens=8192, batch_compare=max(counts)), tokenizer)
     server = serve.ServerProcess(["--prefix-cache-bytes", "1G", "--max-batch", str(max(counts)), "--max-queue", "64",

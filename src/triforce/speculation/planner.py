@@ -68,6 +68,13 @@ PLAIN_REFRESH = 0.75  # a stale plain-step cost is measured again while the rout
 PRIOR_MISSES = 2  # the n-gram window's prior: this many rounds more than judged, each drafting gamma, none accepted
 
 
+def _repays(saving_ms: float, family: tuple[int, ...], remaining: int | None,
+            setup_ms: Callable[[tuple[int, ...]], float] | None) -> bool:
+    """Whether saving `saving_ms` per token over the `remaining` tokens repays what starting `family` costs now
+    (`setup_ms`: Planner.next_route's); with no limit or no setup cost given, it does."""
+    return remaining is None or setup_ms is None or saving_ms * remaining > setup_ms(family)
+
+
 def _round(cost: Callable[[float], float], boundary: Boundary, gamma: int) -> tuple[int, float, float]:
     """One boundary's round at `gamma` as chain_ms takes it: (gamma, ms of the verifying forward, tokens per round)."""
     return gamma, cost(1 + boundary.drafted(gamma)), boundary.tokens(gamma)
@@ -332,7 +339,7 @@ class Planner:
         self.costs = {i: LevelCosts() for i, k in enumerate(kinds) if k != "ngram"}
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
         self.ngram_top = NGramWindow() if self.ngram else None
-        self.lookup_calibration = LookupCalibration() if sampled else None  # (greedy: see LookupCalibration)
+        self.lookup_calibration = LookupCalibration() if sampled and self.ngram else None  # (see LookupCalibration)
         self.families = self._families()
         self.route = Route((self.top,), ())  # the first round: a plain step (measures it, risks nothing)
         self.round = 0
@@ -377,9 +384,9 @@ class Planner:
         if self._curves is None or self.round <= 1:
             return
         ngram = self._class_boundaries.get(cls, self._ngram_boundary)
-        if (tokens is not None and ngram is not None and self.lookup_calibration is not None
-                and route.levels == (0, self.top)):
-            self.lookup_calibration.add(ngram.tokens(route.gammas[0]), tokens)
+        calibration = self.lookup_calibration
+        if tokens is not None and ngram is not None and calibration is not None and route.levels == (0, self.top):
+            calibration.add(ngram.tokens(route.gammas[0]), tokens)
         modelled = self._modelled(route, self._curves, ngram)
         if modelled is None:
             return
@@ -520,8 +527,7 @@ class Planner:
         if current is None:
             return best[1]
         if best[0] < (1.0 - gain) * current[0] and (
-                remaining is None or setup_ms is None or best[1].levels == route.levels
-                or (current[0] - best[0]) * remaining > setup_ms(best[1].levels)):
+                best[1].levels == route.levels or _repays(current[0] - best[0], best[1].levels, remaining, setup_ms)):
             return best[1]
         return current[1]  # the same levels, gammas re-tuned
 
@@ -579,8 +585,7 @@ class Planner:
             if current is not None and best_case is not None:
                 if best_case[0] >= (1.0 - SWITCH_GAIN) * current[0]:
                     continue
-                if (remaining is not None and setup_ms is not None
-                        and (current[0] - best_case[0]) * remaining <= setup_ms(f)):
+                if not _repays(current[0] - best_case[0], f, remaining, setup_ms):
                     continue
             p = priced[f]
             options.append((p[0] if p is not None else 0.0, f, p[1] if p is not None else self._start_of(f)))
@@ -686,7 +691,6 @@ class AdaptiveTop:
         self.n_switches = 0
         self.planner_seconds = 0.0
         self.tokens = 0
-        self._last: str | None = None
         self._route: Route | None = None  # the last round's
         self._texts: dict[Route, str] = {}
 
@@ -732,20 +736,19 @@ class AdaptiveTop:
         t = time.perf_counter()
         if self.ngram is not None:
             self.planner.ngram_top.judge(ctx)
-        running = self._route.levels if self._route is not None else ()
+        last = self._route
+        running = last.levels if last is not None else ()
 
         def setup(family: tuple[int, ...]) -> float:
             return sum(self._start_ms(i, committed) for i in family[:-1] if i not in running)
-        route = self.planner.next_route(self.tokens, cls, limit, setup)
-        self._route = route
+        route = self._route = self.planner.next_route(self.tokens, cls, limit, setup)
         text = self._texts.get(route)
         if text is None:
             text = self._texts[route] = route.text(self.names)
-        if text != self._last:
-            self.n_switches += self._last is not None
+        if route != last:
+            self.n_switches += last is not None
             if len(self.switches) < self.SWITCH_LOG:
                 self.switches.append({"round": self.planner.round - 1, "token": self.tokens, "route": text})
-            self._last = text
         self.rounds_by_route[text] = self.rounds_by_route.get(text, 0) + 1
         chain = self._chain(route)
         self.planner_seconds += time.perf_counter() - t
