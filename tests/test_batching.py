@@ -259,6 +259,52 @@ def test_a_members_own_clock_counts_its_forwards_shares_and_its_cpu_not_its_wait
     assert batching.own_clock() - t0 >= 0.1
 
 
+def test_exclusive_work_of_a_member_runs_on_the_gate_s_thread_and_counts_in_its_own_clock():
+    """batching.exclusive (a retrieval level's build): on a gate, fn runs on the gate's thread while every member
+    waits, like a solo forward of no tokens, and its time is the member's own (own_clock); it is no forward, so
+    the next forward_seconds is not given its time. Off a gate, fn runs on the calling thread."""
+    gate, seen = ForwardGate(), {}
+
+    def work():
+        seen.setdefault("ran on", set()).add(threading.get_ident())
+        time.sleep(0.2)
+        return "built"
+
+    def member():
+        seen["member"] = threading.get_ident()
+        with gate.join():
+            t0 = batching.own_clock()
+            seen["result"] = batching.exclusive(work)
+            seen["own"] = batching.own_clock() - t0
+            started = time.perf_counter()
+            seen["after"] = batching.forward_seconds(started)
+
+    t = threading.Thread(target=member)
+    t.start()
+    t.join(30)
+    assert seen["result"] == "built"
+    assert seen["member"] not in seen["ran on"]  # the gate's thread
+    assert seen["own"] >= 0.2
+    assert seen["after"] < 0.1
+    assert gate.stats.solo == 1 and gate.stats.batches == 0
+    assert batching.exclusive(work) == "built" and threading.get_ident() in seen["ran on"]
+
+
+def test_a_retrieval_build_on_a_gate_runs_there(model):
+    """A retrieval level's build in a serving batch goes through the gate (batching.exclusive), not beside its
+    forwards on the request's thread."""
+    config = SpecConfig(chunk_size=8, recent=8, prefill_chunk=32)
+    prompt = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    stack = StackSpec.parse("retrieval:48,full", "3")
+    gate = ForwardGate(prefill_budget=32)
+    alone = generate(model, prompt, 20, stack=stack, config=config)
+    together = _together(lambda _: generate(model, prompt, 20, stack=stack, config=config), [0], gate)[0]
+    assert together.tokens == alone.tokens
+    builds = together.stats["retrieval_rebuilds"]
+    prefill_chunks = -(-(len(prompt) - 1) // config.prefill_chunk)
+    assert builds >= 1 and gate.stats.solo == prefill_chunks + builds, (gate.stats, builds)
+
+
 def _together(run, jobs: list, gate: ForwardGate) -> list:
     """run(job) for every job at once, each on a thread of its own that joined `gate` -> their results in order."""
     out = [None] * len(jobs)

@@ -134,9 +134,9 @@ class RetrievalCache(KVCache):
 
     def _build_every_layer(self, full: FullCache, n: int, queries: list[torch.Tensor]) -> None:
         """build's selection and copy for every layer at once, from a one-sequence FullCache of more than `budget`
-        tokens: the positions `select` keeps, layer by layer, in a few operations over all layers' heads. Why: a
-        server's request thread builds while the other threads run Python, and each operation that releases the
-        GIL may wait up to the switch interval to take it back: the layer-by-layer build's ~1,300 operations took
+        tokens: the positions `select` keeps, layer by layer, in a few operations over all layers' heads. Why: in a
+        server other threads run Python while a build runs, and each operation that releases the GIL may wait up
+        to the switch interval to take it back: the layer-by-layer build's ~1,300 operations took
         0.37-0.42 s each with 8 requests starting at once, 0.02-0.04 s alone (Intel Xeon, 8K; docs/serving.md)."""
         L, _, H, cap, D = full.k.shape
         c = self.chunk_size

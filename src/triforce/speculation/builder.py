@@ -6,7 +6,6 @@ turn, the drafter of the next (level.Level). The top level is always `full`.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from ..caches import new_cache
 from ..caches.sliding import DEFAULT_EXTRA
 from ..errors import TriforceError
+from ..execution import batching
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .drafters import ModelDrafter
@@ -140,7 +140,11 @@ class BuiltStack:
 
     def prefill(self, prompt: list[int], progress: bool = False) -> None:
         """Every state reads the prompt but its last token (fed with the first draft); with a
-        prefilled prompt, the full cache is just rolled back to it."""
+        prefilled prompt, the full cache is just rolled back to it. In an adaptive stack a retrieval or H2O
+        level is built when a route first runs it (RebuildPolicy.catch_up: a level never built is behind), not
+        here: the first round is a plain step, so the first token does not wait for a build, and a run whose
+        planner never runs the level never pays for it (8 sampled requests at 8K arriving together: the builds
+        ran one after another before their first tokens, 30-45 ms each)."""
         head = prompt[:-1]
         if self.prefilled is not None:
             self.prefilled.restore(prompt)
@@ -151,12 +155,12 @@ class BuiltStack:
         else:
             self.full.prefill(head, self.config.prefill_chunk, progress)
         for lvl, state in zip(self.stack.levels[:-1], self.states[:-1]):
-            if state is None:
+            if state is None or (self.adaptive is not None and lvl.kind in REBUILT):
                 continue
-            t = time.perf_counter()
+            t = batching.own_clock()  # (its own time, not a serving gate's wait: RebuildPolicy.catch_up_ms prices it)
             KINDS[lvl.kind].prefill(state, head, self.full, self.config)
             if lvl.kind in REBUILT:
-                self.rebuild_policy.count(time.perf_counter() - t)
+                self.rebuild_policy.count(batching.own_clock() - t)
 
     def after_commit(self, seq: list[int], committed: int) -> None:
         """Between rounds: the rebuild policy over the levels in use."""

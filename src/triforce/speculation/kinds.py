@@ -17,6 +17,7 @@ from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, Stre
 from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
 from ..errors import TriforceError
+from ..execution import batching
 from ..loading.weights import draft_weights
 from ..model import Transformer
 from ..sampling import SamplingParams
@@ -235,7 +236,7 @@ def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
 def rebuild(state: ModelState, full: ModelState) -> None:
     """(Re)build a retrieval or H2O level's cache from the full level's cache and its recorded queries."""
     cache: Rebuildable = state.cache
-    cache.build(full.cache)
+    batching.exclusive(lambda: cache.build(full.cache))
     state.fed = list(full.fed)
     state.stable = len(full.fed)
 

@@ -5,8 +5,9 @@ caches/h2o.py); the tokens generated since are appended to it. It is made again:
 - after `rebuild_every` new tokens, so the selection follows what the text now attends to;
 - when its cache runs out of room for another round's rollback;
 - when the top level's recent acceptance falls below `rebuild_below` (0: never);
-- in an adaptive stack, before a level that sat out CATCH_UP or more committed tokens runs again: re-feeding it
-  everything it missed would cost a long forward (catch_up; catch_up_ms is what that would cost, for the planner).
+- in an adaptive stack, before a level runs for the first time (it is not built at the prefill), and before a
+  level that sat out CATCH_UP or more committed tokens runs again: re-feeding it everything it missed would cost a
+  long forward (catch_up; catch_up_ms is what that would cost, for the planner).
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class RebuildPolicy:
         if self.stack.levels[i].kind not in REBUILT:
             return False
         cache: Rebuildable = state.cache
-        return committed - state.stable >= CATCH_UP or cache.room(committed) < self.room_needed
+        return (not state.fed or committed - state.stable >= CATCH_UP  # (never built: BuiltStack.prefill)
+                or cache.room(committed) < self.room_needed)
 
     def rebuild(self, state: ModelState, seq: list[int], committed: int) -> None:
         """Rebuild a retrieval or H2O level's cache from the full cache, counted in the stats."""
