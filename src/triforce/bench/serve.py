@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..storage import atomic_write
 
@@ -606,19 +607,23 @@ async def _load_guarded(url: str, prompts: list, max_tokens: int, timeout: float
                              "tokens": 0, "text": ""} for _ in prompts]}
 
 
-def wait_until_quiet(limit: float = 15.0, window: float = 0.5, busy: float = 0.1) -> float:
-    """Wait until the machine's CPUs were less than `busy` in use over a whole `window` seconds (at most `limit`
-    seconds; /proc/stat, Linux; elsewhere a `window` sleep) -> seconds waited. Why: vLLM's engine keeps a core busy
-    for 1-1.5 s after its last request (its loop polls before it sleeps), and our server zeroes finished requests'
-    cache buffers for its pool: the side run next would be timed on a machine the other still uses."""
-    def ticks() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        return sum(v) - v[3] - v[4], sum(v)  # (busy, all): idle and iowait are not busy
+def cpu_ticks() -> tuple[int, int] | None:
+    """The machine's CPU time so far in clock ticks, (busy, all), from /proc/stat (idle and iowait are not busy);
+    None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(v) - v[3] - v[4], sum(v)
 
+
+def wait_until_quiet(limit: float = 15.0, window: float = 0.5, busy: float = 0.1,
+                     ticks: Callable[[], tuple[int, int] | None] = cpu_ticks) -> float:
+    """Wait until the machine's CPUs were less than `busy` in use over a whole `window` seconds (at most `limit`
+    seconds; `ticks`: /proc/stat, Linux; elsewhere a `window` sleep) -> seconds waited. Why: vLLM's engine keeps a
+    core busy for 1-1.5 s after its last request (its loop polls before it sleeps), and our server zeroes finished
+    requests' cache buffers for its pool: the side run next would be timed on a machine the other still uses."""
     t0 = time.perf_counter()
     a = ticks()
     if a is None:
