@@ -305,6 +305,34 @@ def test_a_retrieval_build_on_a_gate_runs_there(model):
     assert builds >= 1 and gate.stats.solo == prefill_chunks + builds, (gate.stats, builds)
 
 
+def test_a_level_that_sat_out_catches_up_in_forwards_that_batch(model):
+    """A retrieval level that sat out some tokens (fewer than a rebuild takes) is fed them before its next draft;
+    on a gate it feeds them in forwards a batch takes (Transformer.batch_tokens), not in one longer forward that
+    would run alone with every other request waiting. The tokens stay generate()'s alone."""
+    from dataclasses import replace
+
+    from triforce.speculation.planner import Route
+
+    config = SpecConfig(chunk_size=8, recent=8, prefill_chunk=32)
+    prompt = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+    stack = replace(StackSpec.parse("ngram,retrieval:48,full", "3,4"), adaptive=True)  # (force_route: adaptive)
+    behind = model.batch_tokens(new_cache(model, 64)) + 6  # plain rounds: tokens the retrieval level misses
+    assert behind < 32  # (planner.CATCH_UP: more would rebuild it instead)
+
+    def route(r):  # retrieval drafting first (built), then plain decoding, then retrieval drafting again
+        return Route((1, 2), (2,)) if r == 0 or r > behind else Route((2,), ())
+
+    def run(_):
+        return generate(model, prompt, behind + 12, stack=stack, config=config, force_route=route)
+
+    alone = run(0)
+    gate = ForwardGate(prefill_budget=32)
+    together = _together(run, [0], gate)[0]
+    assert together.tokens == alone.tokens
+    assert together.stats["retrieval_rebuilds"] == 1  # caught up by feeding, not rebuilt
+    assert gate.stats.solo_rows == len(prompt) - 1, gate.stats  # only the prefill ran alone (and the build: 0 rows)
+
+
 def _together(run, jobs: list, gate: ForwardGate) -> list:
     """run(job) for every job at once, each on a thread of its own that joined `gate` -> their results in order."""
     out = [None] * len(jobs)
@@ -477,6 +505,26 @@ def test_forty_concurrent_streams_with_cancellations_lose_nothing(loaded):
     assert sum(r["cancelled"] for r in results) >= 1 and cancelled >= sum(r["cancelled"] for r in results) - 2
     assert max(gate.sizes) > 1  # requests shared forwards
     assert usage == 0.0  # every request gave its memory back
+
+
+def test_a_request_is_admitted_by_the_bytes_its_caches_really_take(model):
+    """request_bytes, what admission counts, is the bytes of the caches a generation of that request makes: the full
+    cache and each drafting level's own (a retrieval level's budget and appended tokens, a streaming window and its
+    slack, in the drafting KV dtype), for stacks of each kind that has one."""
+    from triforce.memory import kv_bytes, kv_value_bytes
+    from triforce.serving.engine import EngineSettings, full_cache_tokens, request_bytes
+    from triforce.speculation.builder import BuiltStack
+
+    config = SpecConfig(chunk_size=8, recent=8, prefill_chunk=32, draft_kv_dtype="bf16")
+    for text, gammas in [("ngram,retrieval:48,full", "3,4"), ("streaming:64,full", "4"),
+                         ("ngram,h2o:48,full", "3,4"), ("full", None)]:
+        stack = StackSpec.parse(text, gammas)
+        s = EngineSettings(model, None, stack, text, config, ())
+        built = BuiltStack(stack, model, SamplingParams(), config, torch.Generator(), 150, 20)
+        drafting = sum(t.numel() * t.element_size() for st in built.states[:-1] if st is not None
+                       for t in (st.cache.k, st.cache.v))  # (a retrieval cache's are allocated here, at first use)
+        full = kv_bytes(model.cfg, full_cache_tokens(150, 20, stack), kv_value_bytes(model.kv_dtype))
+        assert request_bytes(s, 150, 20) - full == drafting, text
 
 
 def test_admission_by_memory_400_and_429(loaded):

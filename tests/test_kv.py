@@ -318,6 +318,34 @@ def test_retrieval_cache_within_budget_equals_full(tiny_llama):
 
 
 @torch.no_grad()
+def test_a_retrieval_cache_takes_its_buffers_at_its_first_build_from_the_pool_and_gives_them_back(tiny_llama):
+    """A retrieval cache holds no K/V until it is first built (an adaptive stack may never run its level, and a
+    server's request would wait for the allocation at its start); they come from the pool where it keeps buffers of
+    their shape, and `release` gives them back zeroed for the next request's, which builds exactly as a new one."""
+    from triforce.caches import BufferPool
+
+    c = tiny_llama.cfg
+    full = new_cache(tiny_llama, 200, record_queries=True)
+    tiny_llama(_ids(160, seed=9), full)
+    pool = BufferPool(limit=1 << 30)
+    shape = dict(budget=48, chunk_size=8, recent=8)
+    first = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, pool=pool, **shape)
+    assert first._k is None and first._v is None and (pool.hits, pool.misses) == (0, 0)
+    first.build(full)
+    ptrs = {first.k.data_ptr(), first.v.data_ptr()}
+    assert (pool.hits, pool.misses) == (0, 2)
+    nbytes = 2 * first.k.numel() * first.k.element_size()
+    first.release()
+    assert first._k is None and pool.bytes == nbytes
+    second = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, pool=pool, **shape)
+    second.build(full)
+    fresh = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, **shape)
+    fresh.build(full)
+    assert {second.k.data_ptr(), second.v.data_ptr()} == ptrs
+    assert torch.equal(second.k, fresh.k) and torch.equal(second.v, fresh.v)
+
+
+@torch.no_grad()
 def test_retrieval_cache_decode_attends_to_kept_positions(tiny_llama):
     """A decode step through the retrieval cache equals attention restricted to the kept positions."""
     from triforce.caches.base import SlotKV

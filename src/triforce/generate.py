@@ -123,12 +123,13 @@ class GenerationStream:
         self.prefilled, self.force_route = prefilled, force_route
         self.text = _StopText(tokenizer, stop) if tokenizer is not None else None
         self.result: GenerationResult | None = None
+        self.levels: BuiltStack | None = None  # the generation's levels, once it has started (BuiltStack.release)
 
     def __iter__(self):
         gen = make_generator(self.seed, self.model.device)
         t0 = time.perf_counter()
-        levels = BuiltStack(self.stack, self.model, self.params, self.config, gen, len(self.prompt),
-                            self.max_new_tokens, self.draft_model, self.prefilled, self.force_route)
+        levels = self.levels = BuiltStack(self.stack, self.model, self.params, self.config, gen, len(self.prompt),
+                                          self.max_new_tokens, self.draft_model, self.prefilled, self.force_route)
         levels.prefill(self.prompt, self.progress)
         t1 = time.perf_counter()
         seq, n0 = list(self.prompt), len(self.prompt)

@@ -22,6 +22,7 @@ from .caches.base import KVCache, TokenBlock, kv_dtype
 from .config import ModelConfig
 from .errors import TriforceError
 from .execution import PANEL_MAX_ROWS, Execution, Linear, QuantLinear, attention, batching
+from .execution.attention import KERNEL_MAX_ROWS
 from .memory import kv_bytes
 from .rope import Rotary, apply_rotary
 
@@ -246,6 +247,13 @@ class Transformer(nn.Module):
         the first (its rows' attention arithmetic)."""
         kv = kv_bytes(self.cfg, layout.first + T, layout.k.element_size())
         return self.weight_bytes(), kv * (1 + BATCH_ROW_COST * (T - 1))
+
+    def batch_tokens(self, cache: KVCache) -> int:
+        """The most tokens of a chain through `cache` that a serving batch's forward takes with other requests'
+        (forward_batch); 0 where it takes none. A longer forward runs alone, every other request waiting."""
+        g = self.cfg.n_heads // self.cfg.n_kv_heads
+        most = min(PANEL_MAX_ROWS, KERNEL_MAX_ROWS // g)
+        return most if most and self._batch_layout(most, cache) is not None else 0
 
     def _batch_layout(self, T: int, cache: KVCache):
         """Where a T-token chain through `cache` sits for forward_batch, or None where forward_batch does not take it

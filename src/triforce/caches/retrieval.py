@@ -18,7 +18,7 @@ import torch
 
 from ..errors import TriforceError
 from ..kernels.capabilities import HEAD_DIMS, capabilities
-from .base import KVCache, SlotKV, SlotLayout, TokenBlock, check_capacity, kv_buffer
+from .base import BufferPool, KVCache, SlotKV, SlotLayout, TokenBlock, check_capacity, kv_buffer
 from .full import FullCache
 
 
@@ -48,7 +48,8 @@ class RetrievalCache(KVCache):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, budget: int, chunk_size: int = 8,
                  recent: int = 64, max_new: int = 512, batch: int = 1,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 pool: BufferPool | None = None):
         if chunk_size < 1:
             raise TriforceError(f"chunk size must be >= 1, got {chunk_size}")
         if budget < 2 * chunk_size + recent:
@@ -58,15 +59,42 @@ class RetrievalCache(KVCache):
             )
         self.budget, self.chunk_size, self.recent, self.max_new = budget, chunk_size, recent, max_new
         self.capacity = budget + max_new
-        shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
-        self.k = kv_buffer(shape, dtype, device, huge_pages=False)  # (a drafting cache: kv_buffer)
-        self.v = kv_buffer(shape, dtype, device, huge_pages=False)
+        self.shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
+        self.dtype, self.device, self.pool = dtype, device, pool
+        self._k: torch.Tensor | None = None  # (allocated by the first use: see k)
+        self._v: torch.Tensor | None = None
         self.n_layers, self.length = n_layers, 0
         self.built_at = 0  # sequence length at the last build
         self.base = 0  # tokens selected at the last build
         self.indices: list[torch.Tensor] = []  # per layer [B, Hkv, base]: positions kept at the last build
         self._block: TokenBlock | None = None  # the prepared forward's tree (None: a chain, or one token)
         self._n_new = 0
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The keys [n_layers, B, Hkv, capacity, D], allocated when first used (the first build), not when the cache
+        is made: an adaptive stack makes its retrieval level with the generation and may never run it, and in a
+        server the allocation (2 x 49 MB for a 4,096-token budget, 19 ms of first-touched pages on AMD Zen 5)
+        would hold up the batch at every request's start. From `pool` (the server's BufferPool) where it keeps a
+        buffer of this shape; `release` gives them back."""
+        if self._k is None:
+            # (a drafting cache: small pages, see kv_buffer)
+            self._k = kv_buffer(self.shape, self.dtype, self.device, huge_pages=False, pool=self.pool)
+            self._v = kv_buffer(self.shape, self.dtype, self.device, huge_pages=False, pool=self.pool)
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values (as `k`)."""
+        self.k  # noqa: B018 - allocates both
+        return self._v
+
+    def release(self) -> None:
+        """Give the buffers back to the pool they came from, if any (the cache is unusable after this)."""
+        k, v, self._k, self._v = self._k, self._v, None, None
+        if self.pool is not None and k is not None:
+            self.pool.give(k)
+            self.pool.give(v)
 
     def select(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """keys [B, Hkv, N, D], queries [B, Hq, Tq, D] (the recorded queries of positions N - Tq .. N - 1; the

@@ -91,6 +91,10 @@ class SlidingWindowCache(KVCache):
         """The global layers' recorded queries (the global cache's): what a retrieval build reads."""
         return self.global_cache.recorder
 
+    def release(self) -> None:
+        """The global layers' cache gives its buffers back (KVCache.release); the ring is freed with this cache."""
+        self.global_cache.release()
+
     def prepare(self, n_new: int, block=None) -> None:
         if block is not None:
             raise TriforceError("draft trees (token blocks) are not supported yet for models with sliding-window "

@@ -32,7 +32,7 @@ class StreamingCache(KVCache):
         self.sink, self.window, self.max_rollback = sink, window, max_rollback
         self.retained = window + max_rollback  # tokens kept past the sinks when the region is compacted
         self.slack = slack if slack is not None else max(window, 512)
-        self.capacity = sink + self.retained + self.slack
+        self.capacity = self.slots(sink, window, max_rollback, self.slack)
         shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
         self.k = kv_buffer(shape, dtype, device, huge_pages=False)  # (a drafting cache: kv_buffer)
         self.v = kv_buffer(shape, dtype, device, huge_pages=False)
@@ -46,6 +46,11 @@ class StreamingCache(KVCache):
         self._write_slot = 0
         self._n_new = 0
 
+    @staticmethod
+    def slots(sink: int, window: int, max_rollback: int, slack: int) -> int:
+        """The slots (K/V positions) a cache of these settings holds: the sinks, the window and the rollback
+        it keeps, and the slack written past them before the region is compacted."""
+        return sink + window + max_rollback + slack
     def _phys(self, position: int) -> int:
         return position if position < self.sink else self.sink + position - self.start
 

@@ -43,8 +43,9 @@ from ..execution.batching import ForwardGate
 from ..generate import generate_stream
 from ..model import Transformer
 from ..sampling import SamplingParams
+from ..speculation.builder import BuiltStack
 from ..speculation.settings import SpecConfig
-from ..speculation.stack import REBUILT, ROUND_SLACK, StackSpec
+from ..speculation.stack import ROUND_SLACK, StackSpec
 from .metrics import ServerMetrics
 from .prefill import CachedPrefill, Stopped
 from .prefix_cache import PrefixCache, block_keys
@@ -91,6 +92,7 @@ class Job:
     need: int = 0  # bytes of its KV caches (request_bytes), held from admission to its end
     claim: threading.Event | None = None  # set once the prompt blocks it claimed are cached (Engine._claim_prefill)
     full_cache: KVCache | None = None  # its full cache, released when the job ends (FullCache: to the engine's pool)
+    levels: BuiltStack | None = None  # its speculation levels, their caches released when the job ends (the same)
 
     def __post_init__(self):
         if self.seed is None:  # OpenAI's default: a fresh draw; the seed used is reported, to reproduce it
@@ -137,21 +139,21 @@ def full_cache_tokens(prompt_tokens: int, max_tokens: int, stack: StackSpec) -> 
 
 def request_bytes(s: EngineSettings, prompt_tokens: int, max_tokens: int) -> int:
     """The bytes of one request's KV caches: the full cache (prompt, max_tokens and the round's lookahead, as the
-    engine allocates it) and each model-drafting level's own cache (a retrieval or H2O level's budget, a streaming
-    level's window, a draft model's whole context), in the model's KV dtype (memory.kv_bytes)."""
+    engine allocates it) in the model's KV dtype, and each drafting level's own cache as its kind makes it (a
+    retrieval or H2O level's budget and the tokens appended between builds, a streaming level's window and slack,
+    a draft model's whole context: Kind.cache_tokens) in config.draft_kv_dtype (memory.kv_bytes)."""
     from ..memory import kv_bytes, kv_value_bytes
+    from ..speculation.builder import max_rollback
+    from ..speculation.kinds import KINDS
 
     model = s.model
-    value = kv_value_bytes(model.kv_dtype)
     capacity = full_cache_tokens(prompt_tokens, max_tokens, s.stack)
-    total = kv_bytes(model.cfg, capacity, value)
+    total = kv_bytes(model.cfg, capacity, kv_value_bytes(model.kv_dtype))
+    rollback, draft_value = max_rollback(s.stack), kv_value_bytes(s.config.draft_kv_dtype)
     for lvl in s.stack.levels[:-1]:
-        if lvl.kind in REBUILT:
-            total += kv_bytes(model.cfg, (lvl.budget or s.config.budget) + 2 * s.config.chunk_size, value)
-        elif lvl.kind == "streaming":
-            total += kv_bytes(model.cfg, (lvl.budget or s.config.streaming_budget) + 2 * s.config.chunk_size, value)
-        elif lvl.kind == "draft" and s.draft_model is not None:
-            total += kv_bytes(s.draft_model.cfg, capacity, kv_value_bytes(s.draft_model.kv_dtype))
+        tokens = KINDS[lvl.kind].cache_tokens(s.config, lvl, rollback, capacity)
+        cfg = s.draft_model.cfg if lvl.kind == "draft" and s.draft_model is not None else model.cfg
+        total += kv_bytes(cfg, tokens, draft_value)
     return total
 
 
@@ -289,7 +291,11 @@ class Engine:
             self._error(job, 500, "internal_error", "internal error while generating (see the server log)")
         finally:
             self._release_prefill(job)
-            if job.full_cache is not None:  # (out of the gate: zeroing the buffers for the pool takes a while)
+            # (out of the gate: zeroing the buffers for the pool takes a while)
+            if job.levels is not None:
+                job.levels.release()
+                job.levels = None
+            if job.full_cache is not None:
                 job.full_cache.release()
                 job.full_cache = None
             with self._cv:
@@ -367,6 +373,7 @@ class Engine:
             first, n = self._deliver_rounds(job, rounds)
         finally:
             rounds.close()  # here, not at garbage collection: the generator's inference_mode is thread-local
+            job.levels = stream.levels
         if stream.result is None:  # stopped between rounds
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(job.prompt))

@@ -80,8 +80,9 @@ class BuiltStack:
         else:  # made here, before the levels: a kv4 level reads an int8 target's planes
             full_cache = new_cache(model, capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
                                                                         for lvl in self.stack.levels))
+        # the drafting caches take their buffers from where the full cache's came from (a server's pool)
         build = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
-                           generator)
+                             generator, getattr(full_cache, "pool", None))
 
         # level names in the stats: the kind, or kind:budget where the stack names a budget
         self.states: list[ModelState | None] = [KINDS[lvl.kind].state(build, lvl, str(lvl)) for lvl in self.stack.levels]
@@ -161,6 +162,13 @@ class BuiltStack:
             KINDS[lvl.kind].prefill(state, head, self.full, self.config)
             if lvl.kind in REBUILT:
                 self.rebuild_policy.count(batching.own_clock() - t)
+
+    def release(self) -> None:
+        """Done with the generation: every level's cache gives its buffers back to the pool they came from (a
+        server's; KVCache.release). The levels are unusable after this."""
+        for state in self.states:
+            if state is not None:
+                state.cache.release()
 
     def after_commit(self, seq: list[int], committed: int) -> None:
         """Between rounds: the rebuild policy over the levels in use."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..caches import H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache, new_cache
+from ..caches import BufferPool, H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache, new_cache
 from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
 from ..errors import TriforceError
@@ -55,6 +55,7 @@ class BuildContext:
     draft_model: Transformer | None = None
     full_cache: object = None  # the full level's cache (given, e.g. prefilled, or made here)
     generator: torch.Generator | None = None  # the generation's (drafters that sample)
+    pool: BufferPool | None = None  # where the drafting caches take their buffers (a server's), None: new ones
 
 
 class Kind:
@@ -74,6 +75,12 @@ class Kind:
     def needs_queries(self) -> bool:
         """Whether the full cache must record queries (retrieval builds from them)."""
         return False
+
+    def cache_tokens(self, config: SpecConfig, spec: LevelSpec, max_rollback: int, capacity: int) -> int:
+        """The token slots of the level's own cache (config.draft_kv_dtype), as state() makes it for a generation
+        whose full cache holds `capacity` tokens: what a server admits a request by (serving/engine.py
+        request_bytes); 0 where the level has no cache of its own."""
+        return 0
 
 
 class Full(Kind):
@@ -111,6 +118,9 @@ class Draft(Kind):
                                 f"({build.model.cfg.vocab_size}): it must share the target's tokenizer")
         return ModelState(name, dm, new_cache(dm, build.capacity, dtype=build.config.draft_kv_dtype), build.params)
 
+    def cache_tokens(self, config, spec, max_rollback, capacity):
+        return capacity  # (over the draft model's layers)
+
 
 class Streaming(Kind):
     """The target (draft weights) with a StreamingLLM cache (config.draft_kv_dtype): `sink` tokens + a
@@ -121,12 +131,18 @@ class Streaming(Kind):
     def state(self, build, spec, name):
         cfg = build.config
         m = drafting_model(build.model, cfg)
-        budget = spec.budget or cfg.streaming_budget
-        window = budget - cfg.sink
-        cache = drafting_cache(m, cfg, lambda n_layers, **kw: StreamingCache(
-            n_layers, sink=cfg.sink, window=window, max_rollback=build.max_rollback,
-            slack=max(cfg.prefill_chunk, window), **kw))
+        settings = self._settings(cfg, spec, build.max_rollback)
+        cache = drafting_cache(m, cfg, lambda n_layers, **kw: StreamingCache(n_layers, **settings, **kw))
         return ModelState(name, m, cache, build.params)
+
+    @staticmethod
+    def _settings(config: SpecConfig, spec: LevelSpec, max_rollback: int) -> dict:
+        window = (spec.budget or config.streaming_budget) - config.sink
+        return dict(sink=config.sink, window=window, max_rollback=max_rollback,
+                    slack=max(config.prefill_chunk, window))
+
+    def cache_tokens(self, config, spec, max_rollback, capacity):
+        return StreamingCache.slots(**self._settings(config, spec, max_rollback))
 
     def prefill(self, state, head, full, config):
         """Sinks plus the prompt's tail: the rest lies outside the window of every later token."""
@@ -151,11 +167,18 @@ class Retrieval(Kind):
 
     def state(self, build, spec, name):
         cfg, m = build.config, drafting_model(build.model, build.config)
-        max_new = cfg.rebuild_every + 2 * build.max_rollback + 16
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: self.new_cache(
-            n_layers, budget=spec.budget or cfg.budget, recent=cfg.recent, max_new=max_new, model=m, config=cfg,
-            **kw))
+            n_layers, budget=spec.budget or cfg.budget, recent=cfg.recent,
+            max_new=self._appended(cfg, build.max_rollback), model=m, config=cfg, pool=build.pool, **kw))
         return ModelState(name, m, cache, build.params)
+
+    @staticmethod
+    def _appended(config: SpecConfig, max_rollback: int) -> int:
+        """Slots for the tokens appended between builds (a rebuild comes before they run out)."""
+        return config.rebuild_every + 2 * max_rollback + 16
+
+    def cache_tokens(self, config, spec, max_rollback, capacity):
+        return (spec.budget or config.budget) + self._appended(config, max_rollback)
 
     def new_cache(self, n_layers, *, model, config, **kw) -> RetrievalCache:
         """The level's cache over n_layers layers (budget, recent, max_new and the drafting_cache arguments)."""
