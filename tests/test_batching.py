@@ -307,8 +307,8 @@ def test_a_retrieval_build_on_a_gate_runs_there(model):
 
 def test_a_level_that_sat_out_catches_up_in_forwards_that_batch(model):
     """A retrieval level that sat out some tokens (fewer than a rebuild takes) is fed them before its next draft;
-    on a gate it feeds them in forwards a batch takes (Transformer.batch_tokens), not in one longer forward that
-    would run alone with every other request waiting. The tokens stay generate()'s alone."""
+    on a gate with other requests it feeds them in forwards a batch takes (Transformer.batch_tokens), not in one
+    longer forward that would run alone with every other request waiting. The tokens stay generate()'s alone."""
     from dataclasses import replace
 
     from triforce.speculation.planner import Route
@@ -327,10 +327,10 @@ def test_a_level_that_sat_out_catches_up_in_forwards_that_batch(model):
 
     alone = run(0)
     gate = ForwardGate(prefill_budget=32)
-    together = _together(run, [0], gate)[0]
-    assert together.tokens == alone.tokens
-    assert together.stats["retrieval_rebuilds"] == 1  # caught up by feeding, not rebuilt
-    assert gate.stats.solo_rows == len(prompt) - 1, gate.stats  # only the prefill ran alone (and the build: 0 rows)
+    together = _together(run, [0, 1], gate)  # (two requests: one alone would wait for nobody, and feeds at once)
+    assert [r.tokens for r in together] == [alone.tokens] * 2
+    assert [r.stats["retrieval_rebuilds"] for r in together] == [1, 1]  # caught up by feeding, not rebuilt
+    assert gate.stats.solo_rows == 2 * (len(prompt) - 1), gate.stats  # only the prefills ran alone (builds: 0 rows)
 
 
 def _together(run, jobs: list, gate: ForwardGate) -> list:

@@ -337,6 +337,8 @@ def test_a_retrieval_cache_takes_its_buffers_at_its_first_build_from_the_pool_an
     nbytes = 2 * first.k.numel() * first.k.element_size()
     first.release()
     assert first._k is None and pool.bytes == nbytes
+    with pytest.raises(RuntimeError, match="released"):
+        first.k  # noqa: B018 - a released cache does not take buffers again
     second = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, pool=pool, **shape)
     second.build(full)
     fresh = RetrievalCache(c.n_layers, c.n_kv_heads, c.head_dim, **shape)

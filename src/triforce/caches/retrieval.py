@@ -63,6 +63,7 @@ class RetrievalCache(KVCache):
         self.dtype, self.device, self.pool = dtype, device, pool
         self._k: torch.Tensor | None = None  # (allocated by the first use: see k)
         self._v: torch.Tensor | None = None
+        self._released = False
         self.n_layers, self.length = n_layers, 0
         self.built_at = 0  # sequence length at the last build
         self.base = 0  # tokens selected at the last build
@@ -78,6 +79,8 @@ class RetrievalCache(KVCache):
         would hold up the batch at every request's start. From `pool` (the server's BufferPool) where it keeps a
         buffer of this shape; `release` gives them back."""
         if self._k is None:
+            if self._released:
+                raise RuntimeError("this retrieval cache was released: its buffers belong to the pool now")
             # (a drafting cache: small pages, see kv_buffer)
             self._k = kv_buffer(self.shape, self.dtype, self.device, huge_pages=False, pool=self.pool)
             self._v = kv_buffer(self.shape, self.dtype, self.device, huge_pages=False, pool=self.pool)
@@ -92,6 +95,7 @@ class RetrievalCache(KVCache):
     def release(self) -> None:
         """Give the buffers back to the pool they came from, if any (the cache is unusable after this)."""
         k, v, self._k, self._v = self._k, self._v, None, None
+        self._released = True
         if self.pool is not None and k is not None:
             self.pool.give(k)
             self.pool.give(v)

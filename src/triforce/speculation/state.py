@@ -157,7 +157,8 @@ class ModelState:
             block = _tree_block(len(pending), tree, self.model.device)
             self._tree = (n, len(pending), tree)
         recording = self.features is not None  # (a forward recording features runs eagerly: hidden=True)
-        if block is None and not recording and batching.current() is not None:
+        gate = batching.current()
+        if block is None and not recording and gate is not None and gate.members > 1:
             pending = self._catch_up(pending, len(tokens))
         feed = pending + tokens
         t = time.perf_counter()
@@ -180,11 +181,11 @@ class ModelState:
         return logits
 
     def _catch_up(self, pending: list[int], drafted: int) -> list[int]:
-        """In a serving batch: feed the head of `pending` (tokens a level that sat out missed) in forwards that
-        batch with other requests', so that `pending`'s rest plus `drafted` tokens fit one too -> the rest. Why:
-        a longer forward runs alone with every other request waiting for it (execution/batching.py); a retrieval
-        level re-fed 17-28 tokens so took 31-49 ms alone, 3-5 times per load of 8 requests at 8K (AMD Zen 5).
-        Where no forward batches, or the drafts alone fill one: `pending` whole."""
+        """In a serving batch of several requests: feed the head of `pending` (tokens a level that sat out missed)
+        in forwards that batch with the other requests', so that `pending`'s rest plus `drafted` tokens fit one too
+        -> the rest. Why: a longer forward runs alone with every other request waiting for it
+        (execution/batching.py); a retrieval level re-fed 17-28 tokens so took 31-49 ms alone, 3-5 times per load
+        of 8 requests at 8K (AMD Zen 5). Where no forward batches, or the drafts alone fill one: `pending` whole."""
         most = self.model.batch_tokens(self.cache)
         keep = max(1, most - drafted)  # (the last pending token's logits are the first draft's distribution)
         while most and len(pending) > keep:
