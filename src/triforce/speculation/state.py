@@ -172,13 +172,17 @@ class ModelState:
                 out, hidden = out
                 self._store_features(n, hidden[0])
             logits = out[0]
-        dt = batching.forward_seconds(t)  # in a serving batch: its share of its batch's time, not the wait
+        self._fed_by_forward(feed, t)
+        return logits
+
+    def _fed_by_forward(self, tokens: list[int], started: float) -> None:
+        """`tokens` were fed by a forward begun at `started` (perf_counter): counted, timed, and now in `fed`."""
+        dt = batching.forward_seconds(started)  # in a serving batch: its share of its batch's time, not the wait
         self.seconds += dt
         self.forwards += 1
         if self.on_forward is not None:
-            self.on_forward(len(feed), dt)
-        self.fed.extend(feed)
-        return logits
+            self.on_forward(len(tokens), dt)
+        self.fed.extend(tokens)
 
     def _catch_up(self, pending: list[int], drafted: int) -> list[int]:
         """In a serving batch of several requests: feed the head of `pending` (tokens a level that sat out missed)
@@ -193,12 +197,7 @@ class ModelState:
             head, pending = pending[:k], pending[k:]
             t = time.perf_counter()
             self.model(torch.tensor([head], device=self.model.device), self.cache, last=1)
-            dt = batching.forward_seconds(t)
-            self.seconds += dt
-            self.forwards += 1
-            if self.on_forward is not None:
-                self.on_forward(len(head), dt)
-            self.fed.extend(head)
+            self._fed_by_forward(head, t)
         return pending
 
     def keep_path(self, path: list[int]) -> None:
