@@ -51,6 +51,7 @@ class StreamingCache(KVCache):
         """The slots (K/V positions) a cache of these settings holds: the sinks, the window and the rollback
         it keeps, and the slack written past them before the region is compacted."""
         return sink + window + max_rollback + slack
+
     def _phys(self, position: int) -> int:
         return position if position < self.sink else self.sink + position - self.start
 
