@@ -158,8 +158,8 @@ class ModelState:
             self._tree = (n, len(pending), tree)
         recording = self.features is not None  # (a forward recording features runs eagerly: hidden=True)
         gate = batching.current()
-        if block is None and not recording and gate is not None and gate.members > 1:
-            pending = self._catch_up(pending, len(tokens))
+        if len(pending) > 1 and block is None and not recording and gate is not None and gate.members > 1:
+            pending = self._catch_up(pending, len(tokens))  # (one pending token is every round's: nothing to split)
         feed = pending + tokens
         t = time.perf_counter()
         graphs = self.model.graphs
