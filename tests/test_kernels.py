@@ -10,6 +10,8 @@ from triforce.caches.base import DenseKV, SlotKV
 from triforce.caches import new_cache
 from triforce.loading.weights import draft_weights
 
+from conftest import hf_tiny, ours_from_hf
+
 # S = 1500 is not a multiple of the kernel's 256-key blocks; with S = 1282 and T = 4 the last block
 # holds only new tokens 2 and 3, so it is fully masked for tokens 0 and 1. With Hq / Hkv = 3, T >= 3
 # (9+ rows) runs the rows-in-lanes path; T = 7 and 11 need two and three 16-row vectors.
@@ -283,6 +285,27 @@ def test_each_row_of_a_verification_is_the_decode_step_over_its_own_keys(kern, k
                 one = kern.decode_attention(q[:, :, t].contiguous(), k[:, :n].contiguous(), v[:, :n].contiguous(), 1,
                                             False, D ** -0.5, 0)
                 assert torch.equal(out[:, :, t], one), (S, T, t)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16"])
+def test_a_prompt_s_cache_and_logits_do_not_depend_on_how_its_prefill_is_chunked(kern, kv_dtype):
+    """A prompt prefilled in one chunk, in chunks of 64, 21 or 5 tokens, or one token at a time (decode steps) leaves
+    the same cache, bit for bit, and the same last logits: every chain of tokens, however long, runs the kernel's
+    per-row path (execution/attention.py, _kernel_chain), so a token's rows are the decode step's wherever it came.
+    (Through PyTorch's flash kernel for the long chunks, as before, the one-chunk cache differed in the last bits.)"""
+    from triforce.speculation.state import prefill
+
+    model = ours_from_hf(hf_tiny("llama", seed=3, hidden_size=192, num_attention_heads=3, num_key_value_heads=1))
+    tokens = torch.randint(0, 96, (1, 150), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for chunk in (150, 64, 21, 5, 1):
+        cache = new_cache(model, 160, dtype=kv_dtype)
+        with torch.inference_mode(), kernels.override(kern):
+            logits = prefill(model, cache, tokens, chunk)
+        runs.append((chunk, logits, cache.k[..., :150, :], cache.v[..., :150, :]))
+    for chunk, logits, k, v in runs[1:]:
+        assert torch.equal(k, runs[0][2]) and torch.equal(v, runs[0][3]), chunk
+        assert torch.equal(logits, runs[0][1]), chunk
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])

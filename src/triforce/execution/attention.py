@@ -62,6 +62,8 @@ def attention(q: torch.Tensor, kv: SlotKV | DenseKV | PlanesKV | StaticKV, scale
         if _kernel_reads(q, kv.keys, ops):
             return _kernel_attention(q, kv, scale, ops)
         chain = kv.window is None and kv.block is None and q.shape[2] > 1
+        if chain and _kernel_reads(q[:, :, :1], kv.keys, ops):
+            return _kernel_chain(q, kv, scale, ops)
         return _torch_attention(q, kv.keys, kv.values, kv.dense_mask(), chain, scale, ops)
     return _torch_attention(q, kv.keys, kv.values, kv.mask, False, scale, ops)
 
@@ -94,6 +96,21 @@ def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.T
     return out.view(B, Hq, T, D)
 
 
+def _kernel_chain(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.Tensor:
+    """A causal chain longer than the kernel takes in one call (a prefill chunk): KERNEL_MAX_ROWS // g tokens per
+    call, each against the keys up to its own last token. Each row then gets the decode step's bits (the kernel's
+    path 0 sums a row in the same order whatever rows come with it), so a prompt's cache does not depend on how its
+    prefill was chunked, nor on whether a token came in a prefill, a verification or a decode step. Each call reads
+    the keys again: at g * n rows per key that is arithmetic-bound, not read-bound (docs/performance.md, "Attention's
+    arithmetic")."""
+    B, Hq, T, D = q.shape
+    S = kv.keys.shape[2]
+    n = max(1, KERNEL_MAX_ROWS // (Hq // kv.keys.shape[1]))
+    return torch.cat([_kernel_attention(q[:, :, t0:t0 + n], SlotKV(kv.keys[:, :, :S - T + min(T, t0 + n)],
+                                                                   kv.values[:, :, :S - T + min(T, t0 + n)]),
+                                        scale, ops) for t0 in range(0, T, n)], dim=2)
+
+
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, chain: bool,
                      scale: float, ops) -> torch.Tensor:
     """PyTorch's attention (and a bf16 cache's arithmetic): k, v [B, Hkv, S, D] under mask [T, S] bool or None
@@ -103,16 +120,7 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
     if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu":
-        if chain and B == 1 and D in KERNEL_HEAD_DIMS and capabilities(ops).bf16_dot_attention:
-            # a causal prefill over a bf16 cache, on AMX's tiles or AVX512-BF16's dot products: the kernel's
-            # verification path, a few tokens at a time, each against the keys up to its own (an 8K prefill of the
-            # embedded model on AMX: 13.4 s, against 36.7 s through bf16_attention and 15.8 s for an fp16 cache's
-            # flash kernel)
-            n = max(1, KERNEL_MAX_ROWS // g)
-            return torch.cat([attention(q[:, :, t0:t0 + n], SlotKV(k[:, :, :S - T + min(T, t0 + n)],
-                                                                   v[:, :, :S - T + min(T, t0 + n)]), scale, ops)
-                              for t0 in range(0, T, n)], dim=2)
-        # a bf16 cache's arithmetic, the kernel's on every path
+        # a bf16 cache's arithmetic, the kernel's on every path (a chain the kernel reads went to _kernel_chain)
         return bf16_attention(q, k, v, causal_mask(T, S - T, q.device) if chain else mask, scale)
     if k.dtype != q.dtype:  # a KV cache in another dtype: the visible keys only, in the activations' dtype
         k, v = k.to(q.dtype), v.to(q.dtype)

@@ -332,10 +332,46 @@ inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0, Pr
 }
 
 // The scores of nw keys (a multiple of W) for R rows, W keys at a time.
+// Scores of RT rows (q, row stride D) against KT = W / RT keys (k, row stride D) into s (row stride BS): the W
+// (row, key) partial-sum vectors, each the chain fma(q, k, acc) over the head's W-lane chunks from zero as in
+// dot_parts, reduced together by one hsum_lanes (its tree is the same in every lane): the bits of the groups below.
+// Per chunk it loads RT query and KT key vectors for W FMAs, where a group loads a query vector per FMA: AMD Zen 3,
+// AVX2 build, one thread, fp16 K/V, 15 rows over 32K keys x 30 layers x 3 KV heads, the scores alone 221-227 ->
+// 163-186 ms (benchmarks/attention_time.py; docs/performance.md, "Attention's arithmetic"). AVX2 only: the AVX-512
+// build's 4 x 4 tile is not measured yet.
+constexpr int TILE_SCORE_ROWS = W == 8 ? 4 : 0;
+
+template <int64_t D, int64_t BS, int RT, typename KV>
+ALWAYS_INLINE void tile_scores(const float* q, const KV* k, float* s) {
+  constexpr int KT = W / RT;
+  Vec acc[W];  // (row r, key i) at r * KT + i
+  for (int i = 0; i < W; ++i) acc[i] = Vec(0.f);
+  for (int c = 0; c < D / W; ++c) {
+    Vec kv[KT];
+    for (int i = 0; i < KT; ++i) kv[i] = load(k + i * D + c * W);
+    for (int r = 0; r < RT; ++r) {
+      const Vec qv = Vec::loadu(q + r * D + c * W);
+      for (int i = 0; i < KT; ++i) acc[r * KT + i] = fma(qv, kv[i], acc[r * KT + i]);
+    }
+  }
+  alignas(64) float out[W];
+  hsum_lanes(acc).store(out);
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < KT; ++i) s[r * BS + i] = out[r * KT + i];
+}
+
 template <int64_t D, int64_t BS, typename KV>
 void scores_groups(const float* q, const KV* k, int64_t R, int64_t nw, float* s, Prefetch& pf) {
   constexpr int NC = D / W;
   int64_t r0 = 0;
+  if constexpr (TILE_SCORE_ROWS > 0) {  // tiles of RT rows while they last (decode steps' 1-3 rows: the groups)
+    constexpr int RT = TILE_SCORE_ROWS, KT = W / RT;
+    for (; R - r0 >= RT; r0 += RT)
+      for (int64_t j = 0; j < nw; j += KT) {
+        pf.step(D);
+        tile_scores<D, BS, RT>(q + r0 * D, k + j * D, s + r0 * BS + j);
+      }
+  }
   while (R - r0 >= 2) {  // groups of 3, or of 2 where 2 or 4 rows are left
     if (R - r0 == 2 || R - r0 == 4) {
       group_scores<D, BS, 2>(q + r0 * D, k, nw, s + r0 * BS, pf);
