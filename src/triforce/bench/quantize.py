@@ -112,7 +112,10 @@ def export_f16(src: Path, dst: Path, rope_theta: float | None, context: int | No
 def quantize(src: Path, qtype: str, out: Path, rope_theta: float | None = None, context: int | None = None,
              threads: int | None = None, log=print) -> Path:
     """`src` exported to F16 and quantized to `qtype` by llama.cpp into `out` (atomically) -> out."""
+    from ..loading.gguf_check import check_gguf
     from .peers import LlamaCppUnavailable, import_llama_cpp
+
+    check_gguf(src)  # a damaged file: one line naming the part, before llama.cpp or gguf's reader sees it
 
     try:
         llama_cpp = import_llama_cpp()

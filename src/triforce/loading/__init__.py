@@ -19,6 +19,7 @@ from .. import storage
 from ..config import DEFAULT_KV_DTYPE, WEIGHTS, ModelConfig, kv_dtype_name
 from ..errors import TriforceError
 from ..model import Transformer
+from .gguf_check import REMEDY
 from .gguf_file import check_gguf_architecture
 from .hf import load_hf_checkpoint
 from .weights import load_hf_state_dict, pack_weights, weights_to_bf16
@@ -134,8 +135,15 @@ def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool) -> No
     del sd
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as e:  # its tokenizer keys (a damaged file)
-        raise TriforceError(f"cannot read the tokenizer of GGUF file {gguf_path}: {type(e).__name__}: {e}") from e
+    except OSError:
+        raise
+    except Exception as e:  # its tokenizer keys (a damaged file); the tokenizers library raises plain Exception
+        why = ("a string in it is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else
+               f"tokenizer.ggml.{e.args[0]} is missing" if isinstance(e, KeyError) and e.args else
+               type(e).__name__ if isinstance(e, (TypeError, IndexError, AttributeError)) else str(e)[:200])
+        raise TriforceError(f"cannot read GGUF file {gguf_path}: the tokenizer metadata (tokenizer.ggml.*): "
+                            f"transformers cannot read the tokenizer from it ({why}) (the file looks corrupt: "
+                            f"{REMEDY})") from e
     tok.save_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file()}

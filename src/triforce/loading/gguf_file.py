@@ -19,7 +19,6 @@ tensor name) raises a TriforceError naming it: nothing is skipped silently.
 """
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 from .. import ggml_blocks
 from ..config import GEMMA3_LOCAL_ROPE_THETA, GEMMA3_SLIDING_WINDOW_PATTERN, SUPPORTED_ARCHITECTURES
 from ..errors import TriforceError
+from .gguf_check import STRING, check_gguf, damaged, gguf_architecture, value_type_name
 
 # GGUF architecture -> (HF model_type, HF class). Only "llama" has its Q/K rows permuted by the converter.
 _GGUF_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -64,81 +64,6 @@ def _unsupported_architecture(arch, path) -> TriforceError:
     return TriforceError(f"unsupported GGUF architecture {arch!r} in {path}: supported are {', '.join(_GGUF_ARCHS)}")
 
 
-# GGUF header value types (gguf.GGUFValueType) -> bytes of one value; 8 is a string, 9 an array.
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
-def gguf_architecture(path: Path) -> str:
-    """`general.architecture` of a GGUF file, read from the start of its header only.
-
-    gguf.GGUFReader parses every key and tensor record first (seconds for a 262K-token vocabulary);
-    this stops at the key, which writers put first. Raises TriforceError if the file is not GGUF.
-    """
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-
-            def room(n: int) -> int:
-                """`n` (a length read from the header) if that many bytes are left in the file."""
-                if n > size - f.tell():
-                    raise ValueError(f"the header is truncated or damaged (a length of {n} bytes at offset "
-                                     f"{f.tell()} runs past the end of the {size}-byte file)")
-                return n
-
-            def take(n: int) -> bytes:
-                b = f.read(room(n))  # never allocate more than the file holds
-                if len(b) != n:
-                    raise ValueError("the header is truncated")
-                return b
-
-            if take(4) != b"GGUF":
-                raise ValueError("not a GGUF file")
-            raw = take(4)
-            order, version = "<", int.from_bytes(raw, "little")
-            if version & 0xFFFF == 0:  # a big-endian file (GGUFReader's test)
-                order, version = ">", int.from_bytes(raw, "big")
-            if version not in (2, 3):
-                raise ValueError(f"GGUF version {version} is not supported")
-
-            def u32() -> int:
-                return struct.unpack(order + "I", take(4))[0]
-
-            def u64() -> int:
-                return struct.unpack(order + "Q", take(8))[0]
-
-            _n_tensors, n_kv = u64(), u64()
-
-            def skip(vtype: int, depth: int = 0) -> None:
-                if vtype in _SCALAR_BYTES:
-                    f.seek(room(_SCALAR_BYTES[vtype]), 1)
-                elif vtype == _STRING:
-                    f.seek(room(u64()), 1)
-                elif vtype == _ARRAY:
-                    if depth >= 4:  # (writers nest none; a damaged file could nest them until the stack overflows)
-                        raise ValueError("arrays nested more than 4 deep")
-                    etype, count = u32(), u64()
-                    if etype in _SCALAR_BYTES:
-                        f.seek(room(_SCALAR_BYTES[etype] * count), 1)
-                    else:
-                        room(8 * count)  # each element takes 8 bytes at least (a string's length)
-                        for _ in range(count):
-                            skip(etype, depth + 1)
-                else:
-                    raise ValueError(f"unknown value type {vtype}")
-
-            room(n_kv * 12)  # each key-value pair takes 12 bytes at least (key length, type)
-            for _ in range(n_kv):
-                key = take(u64()).decode("utf-8", "replace")
-                vtype = u32()
-                if key == "general.architecture" and vtype == _STRING:
-                    return take(u64()).decode("utf-8", "replace")
-                skip(vtype)
-            raise ValueError("no general.architecture key")
-    except (OSError, ValueError, struct.error) as e:
-        raise TriforceError(f"cannot read GGUF file {path}: {e}") from e
-
-
 def check_gguf_architecture(path: Path) -> str:
     """The file's GGUF architecture if we support it, else a TriforceError naming the supported ones.
     Reads the header only: milliseconds, before anything slow is imported or converted."""
@@ -146,6 +71,15 @@ def check_gguf_architecture(path: Path) -> str:
     if arch not in _GGUF_ARCHS:
         raise _unsupported_architecture(arch, path)
     return arch
+
+
+# The keys read as strings, and as real numbers (an integer type is accepted there too); every other key read
+# is an integer, a bool or an array of them (a float there is a damaged value type). Without `{arch}.`.
+_STRING_KEYS = {"rope.scaling.type", "tokenizer.ggml.model"}
+_REAL_KEYS = {"rope.freq_base", "rope.freq_base_swa", "attention.layer_norm_rms_epsilon", "rope.scaling.factor",
+              "rope.scale_linear", "rope.scaling.attn_factor", "final_logit_softcapping"} | {
+    f"rope.scaling.yarn_{k}" for k in ("attn_factor", "beta_fast", "beta_slow", "ext_factor", "log_multiplier")}
+_FLOATS = {6, 12}  # GGUF's float32, float64
 
 
 class _Metadata:
@@ -161,18 +95,29 @@ class _Metadata:
         return key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
 
     def raw(self, key: str, default=None):
-        """The value of `key` as stored: arrays as lists."""
-        self.read.add(self.name(key))
-        f = self.fields.get(self.name(key))
-        return default if f is None else f.contents()
+        """The value of `key` as stored: arrays as lists. A string where a number belongs, or the reverse (a
+        damaged value type), is a TriforceError naming the key."""
+        name = self.name(key)
+        self.read.add(name)
+        f = self.fields.get(name)
+        if f is None:
+            return default
+        types = [int(t) for t in f.types]
+        want = "a string" if key in _STRING_KEYS else "a number" if key in _REAL_KEYS else "an integer"
+        if (types[-1] == STRING) != (want == "a string") or (want == "an integer" and types[-1] in _FLOATS):
+            found = value_type_name(types[0], types[1] if len(types) > 1 else None)
+            raise damaged(self.path, f"metadata '{name}'", f"{found}, {want} expected", truncated=False)
+        return f.contents()
 
     def required(self, key: str) -> int:
         """`get(key)` as a positive integer; a TriforceError naming the key if it is missing or not one."""
         value = self.get(key)
         if value is None:
-            raise TriforceError(f"{self.path} has no {self.name(key)}: not a complete GGUF model file")
+            raise damaged(self.path, "the metadata", f"no {self.name(key)} key, which every model file holds",
+                          truncated=False)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise TriforceError(f"{self.name(key)} = {value!r} in {self.path}: a positive integer is needed")
+            raise damaged(self.path, f"metadata '{self.name(key)}'", f"{value!r}, a positive integer expected",
+                          truncated=False)
         return int(value)
 
     def get(self, key: str, default=None):
@@ -292,8 +237,9 @@ def open_reader(path: Path):
         module.np = saved
 
 
-# What a damaged header's values raise where they are used (a string where a number belongs, a tensor
-# of the wrong size, a type code gguf does not know): read_gguf turns these into one TriforceError.
+# What a value of the file that passed check_gguf can still raise where it is used (a tensor of another
+# size than the settings give it, a count used as a size): read_gguf turns these into one TriforceError,
+# without their wording (numpy's or torch's, about arrays, not the file).
 _DAMAGED = (TypeError, ValueError, KeyError, IndexError, OverflowError, ZeroDivisionError, AttributeError,
             struct.error)
 
@@ -301,17 +247,18 @@ _DAMAGED = (TypeError, ValueError, KeyError, IndexError, OverflowError, ZeroDivi
 def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
               check_tokenizer: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
     """_read_gguf, where a value of the file that cannot be used (a damaged or hand-made file) is a
-    TriforceError naming the file, never another exception."""
+    TriforceError naming the file and the part (check_gguf), never another exception."""
+    part = ["the header"]  # what _read_gguf is reading, for the error
     try:
-        return _read_gguf(path, progress, keep_quantized, check_tokenizer)
+        return _read_gguf(path, progress, keep_quantized, check_tokenizer, part)
     except TriforceError:
         raise
     except _DAMAGED as e:
-        raise TriforceError(f"cannot read GGUF file {path}: a damaged value ({type(e).__name__}: {e})") from e
+        raise damaged(path, part[0], f"a value that cannot be used ({type(e).__name__})", truncated=False) from e
 
 
-def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
-               check_tokenizer: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
+def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False, check_tokenizer: bool = False,
+               part: list[str] | None = None) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
     """-> (HF config dict, HF-named state dict). The config round-trips through JSON.
 
     The state dict holds fp32 tensors, or with `keep_quantized` the 2-D weights (projections,
@@ -326,11 +273,14 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
     import gguf
     from gguf.quants import dequantize
 
+    part = part if part is not None else ["the header"]
     arch = check_gguf_architecture(path)
+    layout = check_gguf(path)  # every length, type, offset and size: gguf's reader then parses a sound file
     try:
         reader = open_reader(path)
-    except Exception as e:
-        raise TriforceError(f"cannot read GGUF file {path}: {e}") from e
+    except Exception as e:  # (none known once check_gguf passed)
+        raise damaged(path, "the header", f"gguf's reader fails ({type(e).__name__})", truncated=False) from e
+    records = {t.name: t for t in layout.tensors}
     model_type, hf_class = _GGUF_ARCHS[arch]
     meta = _Metadata(reader, arch, path)
     if check_tokenizer and arch == "gemma3" and (kind := meta.get("tokenizer.ggml.model")) not in (None, "llama"):
@@ -338,9 +288,11 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
                             f"transformers reads only Gemma's own SentencePiece tokenizer ('llama') correctly "
                             f"for this architecture, so its text would be tokenized wrongly")
     tensors = {t.name: t for t in reader.tensors}
+    part[0] = "the metadata"
     n_layers = meta.required("block_count")
     if n_layers > len(tensors):  # every layer holds tensors: a damaged count is refused before anything is sized by it
-        raise TriforceError(f"{path} declares {n_layers} layers but holds {len(tensors)} tensors: a damaged file")
+        raise damaged(path, f"metadata '{meta.name('block_count')}'", f"declares {n_layers} layers, but the file "
+                      f"holds {len(tensors)} tensors (a few per layer expected)", truncated=False)
     qkv_bias = SUPPORTED_ARCHITECTURES[model_type].qkv_bias or "blk.0.attn_q.bias" in tensors
     block_names = _block_names(model_type)
     _check_tensor_names(set(tensors), block_names, n_layers, qkv_bias, arch, path)
@@ -373,7 +325,7 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    _check_tensor_shapes(tensors, hf, block_names, path)
+    _check_tensor_shapes(records, hf, block_names, path)
     gemma = SUPPORTED_ARCHITECTURES[model_type].gemma
     if gemma:
         hf.update(_gemma3_config(meta, rope_parameters, n_layers, hidden, n_head, head_dim))
@@ -392,9 +344,12 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
     if unknown:
         raise TriforceError(f"{path} has settings triforce does not understand: {', '.join(unknown)}")
     if _ROPE_FREQS in tensors:
+        part[0] = records[_ROPE_FREQS].describe()
         factors = dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type).astype(np.float64).ravel()
         if factors.shape != (head_dim // 2,):
-            raise TriforceError(f"{_ROPE_FREQS} in {path} has {factors.size} values, {head_dim // 2} expected")
+            raise damaged(path, part[0], f"{factors.size} values, {head_dim // 2} expected (half the head size)",
+                          truncated=False)
+        _check_finite(factors, path, part[0])
         rope_parameters["freq_factors"] = factors.tolist()  # the global layers' (for Gemma 3)
 
     from tqdm.auto import tqdm
@@ -407,7 +362,10 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
                   disable=not progress):
         if t.name == _ROPE_FREQS:
             continue  # in the config (freq_factors) above
+        part[0] = records[t.name].describe()
         w = t.data if kept(t) else dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if w.ndim == 1:  # norms, biases: small, and read here anyway
+            _check_finite(w, path, part[0])
         if t.name in _TOP_NAMES:
             key = _TOP_NAMES[t.name]
         else:
@@ -426,6 +384,15 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
     return hf, sd
 
 
+def _check_finite(values: np.ndarray, path: Path, part: str) -> None:
+    """A 1-D tensor's values are finite numbers: a NaN or infinity there is a bit flip in its data (the one
+    damage to tensor data that is cheap to see: GGUF holds no checksum)."""
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise damaged(path, part, f"value #{bad[0]} is {values[bad[0]]}, a finite number expected (damaged data)",
+                      truncated=False)
+
+
 def _block_names(model_type: str) -> dict[str, str]:
     """GGUF block tensor names -> HF names (under model.layers.{i}.) that `model_type` has."""
     spec = SUPPORTED_ARCHITECTURES[model_type]
@@ -437,24 +404,29 @@ def _block_names(model_type: str) -> dict[str, str]:
 
 def _check_tensor_names(names: set[str], block_names: dict[str, str], n_layers: int, qkv_bias: bool,
                         arch: str, path: Path) -> None:
-    """Every tensor is one we load, and every one the forward needs is there."""
-    for name in sorted(names):
-        parts = name.split(".", 2)
-        in_block = len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers
-        if not (name in _TOP_NAMES or name == _ROPE_FREQS or (in_block and parts[2] in block_names)):
-            raise TriforceError(f"{path} holds the tensor {name!r}, which triforce does not support for "
-                                f"architecture {arch!r}")
+    """Every tensor is one we load, and every one the forward needs is there. A name one or two bytes off a
+    missing one is a damaged name."""
     needed = ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{n}" for i in range(n_layers) for n in block_names
         if not n.endswith(".bias") or (qkv_bias and n.startswith(("attn_q.", "attn_k.", "attn_v.")))]
     missing = [n for n in needed if n not in names]
+    for name in sorted(names):
+        parts = name.split(".", 2)
+        in_block = len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers
+        if not (name in _TOP_NAMES or name == _ROPE_FREQS or (in_block and parts[2] in block_names)):
+            near = [n for n in missing if len(n) == len(name) and sum(a != b for a, b in zip(n, name)) <= 2]
+            if near:
+                raise damaged(path, f"tensor '{name}'", f"an unknown name, where '{near[0]}' is missing",
+                              truncated=False)
+            raise TriforceError(f"{path} holds the tensor {name!r}, which triforce does not support for "
+                                f"architecture {arch!r}")
     if missing:
         raise TriforceError(f"{path} lacks the tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
 
 
-def _check_tensor_shapes(tensors: dict, hf: dict, block_names: dict[str, str], path: Path) -> None:
-    """Every tensor has the shape the config gives it (rows, columns in numpy order; GGUF lists them
-    reversed): a file whose sizes disagree is refused before any is read or allocated."""
+def _check_tensor_shapes(records: dict, hf: dict, block_names: dict[str, str], path: Path) -> None:
+    """Every tensor (gguf_check.TensorRecord) has the shape the config gives it (rows, columns in numpy order;
+    GGUF lists them reversed): a file whose sizes disagree is refused before any is read or allocated."""
     hidden, inter, hd = hf["hidden_size"], hf["intermediate_size"], hf["head_dim"]
     q, kv, vocab = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd, hf["vocab_size"]
     want = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden), "output_norm.weight": (hidden,),
@@ -462,16 +434,26 @@ def _check_tensor_shapes(tensors: dict, hf: dict, block_names: dict[str, str], p
             "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.weight": (hidden, q),
             "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter),
             "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)}
-    for name, t in tensors.items():
+    wrong = []
+    for name, t in records.items():
         if name == _ROPE_FREQS:
             continue  # checked against head_dim where it is read
         part = name if name in _TOP_NAMES else name.split(".", 2)[2]
         expected = want.get(part, (hidden,) if part.endswith("norm.weight") and part in block_names else None)
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = tuple(reversed(t.dims))
         if expected is not None and shape != expected:
-            raise TriforceError(f"{path}: tensor {name} has shape {shape}, {expected} expected from its settings "
-                                f"(hidden {hidden}, heads {hf['num_attention_heads']}/{hf['num_key_value_heads']} of "
-                                f"{hd}, feed-forward {inter}, vocabulary {vocab}): a damaged or inconsistent file")
+            wrong.append((t, shape, expected))
+    if not wrong:
+        return
+    t, shape, expected = wrong[0]
+    settings = (f"hidden {hidden}, heads {hf['num_attention_heads']}/{hf['num_key_value_heads']} of {hd}, "
+                f"feed-forward {inter}, vocabulary {vocab}")
+    if len(wrong) == 1:  # one tensor's shape: its record is damaged
+        raise damaged(path, t.describe(), f"shape {shape}, {expected} expected from its settings ({settings}): a "
+                      f"damaged shape", truncated=False)
+    raise damaged(path, "the metadata", f"its settings ({settings}) disagree with {len(wrong)} of the "
+                  f"{len(records)} tensors: '{t.name}' has shape {shape}, {expected} expected from its settings: "
+                  f"a damaged setting", truncated=False)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
