@@ -168,7 +168,7 @@ def test_every_kind_is_token_identical_to_ar(kind_models, levels, gammas, tree):
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
 def test_every_named_method_is_token_identical_to_ar(kind_models, method):
-    """Greedy, fp32: each method of the README's table (`draft` with a small model) gives ar's tokens."""
+    """Greedy, fp32: each method of docs/usage.md's table (`draft` with a small model) gives ar's tokens."""
     model, draft = kind_models
     for seed, n in ((0, 400), (1, 257)):
         prompt = _prompt(n, seed)
