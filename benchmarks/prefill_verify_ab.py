@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,7 @@ from triforce.speculation.state import prefill
 from triforce.bench.decode_step import time_ours, attention_flops
 prefill_sizes, context, verify, steps = json.loads(sys.argv[1])
 loaded = load_model(progress=False)
-model, cfg = loaded.model, loaded.model.config
+model, cfg = loaded.model, loaded.model.cfg
 ops = kernels.cpu()
 peak = ops.vector_peak_flops(False) if ops is not None else float("nan")
 out = {"isa": getattr(ops, "ISA", "none"), "peak_gflops": peak / 1e9, "prefill": {}}
@@ -98,6 +99,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="base / new alternations (default 2)")
     ap.add_argument("--out", type=Path, help="write every run as JSON here")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped"))  # (the worktree is removed below)
     base = worktree(args.base)
     runs = {"base": [], "new": []}
     try:

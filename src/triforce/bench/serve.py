@@ -853,6 +853,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --peer: the loads' sampling temperature (default 0: greedy; request i of a load has "
                         "seed i)")
     args = p.parse_args(argv)
+    try:
+        import httpx  # noqa: F401  (the loads' client)
+    except ImportError:
+        print("python -m triforce.bench.serve needs httpx, which `./install.sh` installs (the serve extra): run "
+              "./install.sh, or pip install 'httpx>=0.27'", file=sys.stderr)
+        return 2
     # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.ttft:
