@@ -38,7 +38,9 @@ from triforce.loading import load_model
 from triforce.caches import new_cache
 from triforce.speculation.state import prefill
 from triforce.bench.decode_step import time_ours, attention_flops
-prefill_sizes, context, verify, steps = json.loads(sys.argv[1])
+prefill_sizes, context, verify, steps, threads = json.loads(sys.argv[1])
+if threads:
+    torch.set_num_threads(threads)
 loaded = load_model(progress=False)
 model, cfg = loaded.model, loaded.model.cfg
 ops = kernels.cpu()
@@ -49,13 +51,13 @@ per_token = cfg.n_layers * (2 * h * hd * (cfg.n_heads + cfg.n_kv_heads) + 3 * h 
 for n in prefill_sizes:
     ids = torch.tensor([demo_tokens(loaded.tokenizer, n)])
     cache = new_cache(model, n + 1)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     prefill(model, cache, ids, 512)
-    s = time.perf_counter() - t
+    s, cpu = time.perf_counter() - t, time.process_time() - c
     # causal attention: sum over tokens of its keys, 4 D flops per (query head, key); linear: 2 flops per weight
     att = 4.0 * cfg.head_dim * cfg.n_heads * cfg.n_layers * n * (n + 1) / 2
     lin = 2.0 * n * per_token  # (the LM head runs for the last token only)
-    out["prefill"][str(n)] = {"seconds": s, "attention_gflop": att / 1e9, "linear_gflop": lin / 1e9}
+    out["prefill"][str(n)] = {"seconds": s, "cpu_seconds": cpu, "attention_gflop": att / 1e9, "linear_gflop": lin / 1e9}
 step = time_ours(model, context, steps, 1)
 ver = time_ours(model, context, steps, verify)
 out.update(step_ms=step * 1e3, verify_ms=ver * 1e3, verify_steps=ver / step,
@@ -73,7 +75,7 @@ def worktree(commit: str) -> Path:
 
 def run_side(src: Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src / "src"))
-    cmd = [sys.executable, "-c", PROBE, json.dumps([args.prefill, args.context, args.verify, args.steps])]
+    cmd = [sys.executable, "-c", PROBE, json.dumps([args.prefill, args.context, args.verify, args.steps, args.threads])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=src)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -83,6 +85,7 @@ def run_side(src: Path, args) -> dict:
 
 def figures(run: dict) -> dict:
     f = {f"prefill {n} s": p["seconds"] for n, p in run["prefill"].items()}
+    f.update({f"prefill {n} cpu s": p["cpu_seconds"] for n, p in run["prefill"].items()})
     f.update({"step ms": run["step_ms"], "verify ms": run["verify_ms"], "verify / step": run["verify_steps"]})
     return f
 
@@ -96,6 +99,9 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=32768, help="cached tokens of the step and the verification")
     ap.add_argument("--verify", type=int, default=5, help="tokens of the verification forward (default 5)")
     ap.add_argument("--steps", type=int, default=7, help="timed forwards per figure (median)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (default: PyTorch's, all cores); 1 with other work on the machine: the "
+                         "prefill's CPU seconds are then a steadier figure than its wall time")
     ap.add_argument("--rounds", type=int, default=2, help="base / new alternations (default 2)")
     ap.add_argument("--out", type=Path, help="write every run as JSON here")
     args = ap.parse_args(argv)
@@ -121,6 +127,7 @@ def main(argv=None) -> None:
         flop = p["attention_gflop"] + p["linear_gflop"]
         for side in ("base", "new"):
             s = statistics.median(x["prefill"][n]["seconds"] for x in runs[side])
+            s = min(s, statistics.median(x["prefill"][n]["cpu_seconds"] for x in runs[side])) if args.threads == 1 else s
             peak = statistics.median(x["peak_gflops"] for x in runs[side])
             print(f"prefill {n} ({side}): {flop:.0f} GFLOP in {s:.1f} s = {flop / s:.0f} GFLOP/s, "
                   f"{flop / s / peak:.0%} of the {peak:.0f} GFLOP/s vector peak")

@@ -62,7 +62,7 @@ def attention(q: torch.Tensor, kv: SlotKV | DenseKV | PlanesKV | StaticKV, scale
         if _kernel_reads(q, kv.keys, ops):
             return _kernel_attention(q, kv, scale, ops)
         chain = kv.window is None and kv.block is None and q.shape[2] > 1
-        if chain and _kernel_reads(q[:, :, :1], kv.keys, ops):
+        if chain and _kernel_chains(q, kv.keys, ops):
             return _kernel_chain(q, kv, scale, ops)
         return _torch_attention(q, kv.keys, kv.values, kv.dense_mask(), chain, scale, ops)
     return _torch_attention(q, kv.keys, kv.values, kv.mask, False, scale, ops)
@@ -96,13 +96,21 @@ def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.T
     return out.view(B, Hq, T, D)
 
 
+def _kernel_chains(q: torch.Tensor, k: torch.Tensor, ops) -> bool:
+    """Whether a causal chain longer than the kernel takes in one call (a prefill chunk) runs through it anyway
+    (_kernel_chain): over a bf16 cache on AMX's tiles or AVX512-BF16's dot products, where it is the fastest path (an
+    8K prefill of the embedded model on AMX: 13.4 s, against 36.7 s through bf16_attention and 15.8 s for an fp16
+    cache's flash kernel). Elsewhere PyTorch's flash kernel is faster: on AMD Zen 3's AVX2 build, fp16 cache, a 4K
+    prefill on one thread took 17% more CPU time through the kernel (docs/performance.md, "Prefill")."""
+    return (k.dtype == torch.bfloat16 and q.dtype == torch.float32 and _kernel_reads(q[:, :, :1], k, ops)
+            and capabilities(ops).bf16_dot_attention)
+
+
 def _kernel_chain(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.Tensor:
-    """A causal chain longer than the kernel takes in one call (a prefill chunk): KERNEL_MAX_ROWS // g tokens per
-    call, each against the keys up to its own last token. Each row then gets the decode step's bits (the kernel's
-    path 0 sums a row in the same order whatever rows come with it), so a prompt's cache does not depend on how its
-    prefill was chunked, nor on whether a token came in a prefill, a verification or a decode step. Each call reads
-    the keys again: at g * n rows per key that is arithmetic-bound, not read-bound (docs/performance.md, "Attention's
-    arithmetic")."""
+    """A causal chain longer than the kernel takes in one call: KERNEL_MAX_ROWS // g tokens per call, each against
+    the keys up to its own last token. Each row then gets the decode step's bits (the kernel's path 0 sums a row in
+    the same order whatever rows come with it), so a prompt's cache does not depend on how its prefill was chunked.
+    Each call reads the keys again: at g * n rows per key that is arithmetic-bound, not read-bound."""
     B, Hq, T, D = q.shape
     S = kv.keys.shape[2]
     n = max(1, KERNEL_MAX_ROWS // (Hq // kv.keys.shape[1]))
@@ -120,7 +128,7 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
     if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu":
-        # a bf16 cache's arithmetic, the kernel's on every path (a chain the kernel reads went to _kernel_chain)
+        # a bf16 cache's arithmetic, the kernel's on every path (a chain on dot products went to _kernel_chain)
         return bf16_attention(q, k, v, causal_mask(T, S - T, q.device) if chain else mask, scale)
     if k.dtype != q.dtype:  # a KV cache in another dtype: the visible keys only, in the activations' dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
