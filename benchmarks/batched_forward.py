@@ -1,4 +1,4 @@
-"""Batched forwards against the same forwards one request at a time (Transformer.forward_batch vs forward): N
+"""Batched forwards against the same forwards one request at a time (runner.forward_batch vs forward): N
 requests, each with its own KV cache of CTX random tokens (caches/synthetic.py), each feeding ROWS tokens (1: a
 decode step; 5: a verification of 4 drafts). A and B alternate, so both come from the same minutes of a drifting
 host; the medians and their ratio are printed, with the weight and KV bytes each reads.
@@ -15,6 +15,7 @@ import torch
 
 from triforce.caches import new_cache
 from triforce.caches.synthetic import fill_random
+from triforce.execution.runner import forward_batch, weight_bytes
 from triforce.loading import load_model
 from triforce.memory import kv_bytes, kv_value_bytes
 
@@ -33,7 +34,7 @@ def main() -> None:
         from triforce.speculation.kinds import draft_weights_model
 
         model = draft_weights_model(model)
-    weights = model.weight_bytes()
+    weights = weight_bytes(model)
     kv = kv_bytes(model.cfg, a.context, kv_value_bytes(model.kv_dtype))
     print(f"{loaded.source}: weights {weights / 2**20:.0f} MiB read per forward (linear layers), KV "
           f"{kv / 2**20:.0f} MiB per request at {a.context} ({model.kv_dtype}), {torch.get_num_threads()} threads")
@@ -52,7 +53,7 @@ def main() -> None:
                     c.rollback(a.context)
 
             def batched():
-                model.forward_batch([(t, c, rows) for t, c in zip(tokens, caches)])
+                forward_batch(model, [(t, c, rows) for t, c in zip(tokens, caches)])
                 for c in caches:
                     c.rollback(a.context)
 

@@ -1,5 +1,5 @@
 """What a second OpenMP team costs a decode forward: eight batched decode steps over synthetic caches
-(Transformer.forward_batch), timed from the main thread, then from another thread, then from that thread again once
+(execution/runner.forward_batch), timed from the main thread, then from another thread, then from that thread again once
 the main thread has given up its team (execution/omp_threads.release_this_thread), then from the main thread again.
 GNU OpenMP gives each thread that opens a parallel region a team of its own; while the process holds more OpenMP
 threads than cores, idle workers sleep between regions instead of spinning, and each of a forward's few hundred
@@ -19,6 +19,7 @@ import torch
 from triforce.caches import new_cache
 from triforce.caches.synthetic import fill_random
 from triforce.execution import omp_threads
+from triforce.execution.runner import forward_batch
 from triforce.loading import load_model
 
 
@@ -41,7 +42,7 @@ def main() -> None:
         with torch.inference_mode():
             for _ in range(a.reps + 1):
                 t0 = time.perf_counter()
-                model.forward_batch([(t, c, 1) for t, c in zip(tokens, caches)])
+                forward_batch(model, [(t, c, 1) for t, c in zip(tokens, caches)])
                 times.append(1e3 * (time.perf_counter() - t0))
                 for c in caches:
                     c.rollback(a.context)

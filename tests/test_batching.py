@@ -1,4 +1,4 @@
-"""Batched serving: several requests' forwards in one (execution/batching.py, Transformer.forward_batch,
+"""Batched serving: several requests' forwards in one (execution/batching.py, execution/runner.py's forward_batch,
 kernels/decode_layer.cpp's decode_layers_batch) give each request exactly what it gets alone.
 
 - A batched forward's logits are bit for bit each request's forward alone, for decode steps and verifications
@@ -24,7 +24,8 @@ from conftest import hf_tiny, ours_from_hf
 from test_speculation_distribution import CFG, POSITIONS, exact_marginals, p_values, wrong_verify
 from triforce.caches import new_cache
 from triforce.execution import batching
-from triforce.execution.batching import ForwardGate
+from triforce.execution.batching import ForwardGate, GatedRunner
+from triforce.execution.runner import DIRECT, batch_tokens, forward_batch
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
 from triforce.speculation.settings import SpecConfig
@@ -57,7 +58,7 @@ def test_batched_forward_logits_equal_each_requests_forward_alone(model):
     alone_caches = [_prefilled(model, n, i) for i, n in enumerate(lengths)]
     batch_caches = [_prefilled(model, n, i) for i, n in enumerate(lengths)]
     alone = [model(tokens, cache, last=t) for tokens, cache, t in zip(calls, alone_caches, rows)]
-    batched = model.forward_batch([(tokens, cache, t) for tokens, cache, t in zip(calls, batch_caches, rows)])
+    batched = forward_batch(model, [(tokens, cache, t) for tokens, cache, t in zip(calls, batch_caches, rows)])
     for a, b in zip(alone, batched):
         assert a.shape == b.shape and torch.equal(a, b)
     for a, b in zip(alone_caches, batch_caches):
@@ -68,7 +69,7 @@ def test_batched_forward_logits_equal_each_requests_forward_alone(model):
     # and a batch of one is the plain forward's own path (decode_layers is decode_layers_batch with one segment)
     one = _prefilled(model, 30, 9)
     again = _prefilled(model, 30, 9)
-    assert torch.equal(model(calls[1], one, last=2), model.forward_batch([(calls[1], again, 2)])[0])
+    assert torch.equal(model(calls[1], one, last=2), forward_batch(model, [(calls[1], again, 2)])[0])
 
 
 def _solo_order(prompts: list[tuple[str, int]]) -> list[str]:
@@ -298,7 +299,8 @@ def test_a_retrieval_build_on_a_gate_runs_there(model):
     stack = StackSpec.parse("retrieval:48,full", "3")
     gate = ForwardGate(prefill_budget=32)
     alone = generate(model, prompt, 20, stack=stack, config=config)
-    together = _together(lambda _: generate(model, prompt, 20, stack=stack, config=config), [0], gate)[0]
+    together = _together(lambda _, runner: generate(model, prompt, 20, stack=stack, config=config, runner=runner),
+                         [0], gate)[0]
     assert together.tokens == alone.tokens
     builds = together.stats["retrieval_rebuilds"]
     prefill_chunks = -(-(len(prompt) - 1) // config.prefill_chunk)
@@ -307,7 +309,7 @@ def test_a_retrieval_build_on_a_gate_runs_there(model):
 
 def test_a_level_that_sat_out_catches_up_in_forwards_that_batch(model):
     """A retrieval level that sat out some tokens (fewer than a rebuild takes) is fed them before its next draft;
-    on a gate with other requests it feeds them in forwards a batch takes (Transformer.batch_tokens), not in one
+    on a gate with other requests it feeds them in forwards a batch takes (runner.batch_tokens), not in one
     longer forward that would run alone with every other request waiting. The tokens stay generate()'s alone."""
     from dataclasses import replace
 
@@ -316,14 +318,15 @@ def test_a_level_that_sat_out_catches_up_in_forwards_that_batch(model):
     config = SpecConfig(chunk_size=8, recent=8, prefill_chunk=32)
     prompt = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(4)).tolist()
     stack = replace(StackSpec.parse("ngram,retrieval:48,full", "3,4"), adaptive=True)  # (force_route: adaptive)
-    behind = model.batch_tokens(new_cache(model, 64)) + 6  # plain rounds: tokens the retrieval level misses
+    behind = batch_tokens(model, new_cache(model, 64)) + 6  # plain rounds: tokens the retrieval level misses
     assert behind < 32  # (planner.CATCH_UP: more would rebuild it instead)
 
     def route(r):  # retrieval drafting first (built), then plain decoding, then retrieval drafting again
         return Route((1, 2), (2,)) if r == 0 or r > behind else Route((2,), ())
 
-    def run(_):
-        return generate(model, prompt, behind + 12, stack=stack, config=config, force_route=route)
+    def run(_, runner=DIRECT):
+        return generate(model, prompt, behind + 12, stack=stack, config=config, force_route=route,
+                        runner=runner)
 
     alone = run(0)
     gate = ForwardGate(prefill_budget=32)
@@ -334,14 +337,16 @@ def test_a_level_that_sat_out_catches_up_in_forwards_that_batch(model):
 
 
 def _together(run, jobs: list, gate: ForwardGate) -> list:
-    """run(job) for every job at once, each on a thread of its own that joined `gate` -> their results in order."""
+    """run(job, runner) for every job at once, each on a thread of its own that joined `gate`, its forwards run by
+    the gate's runner (as the server's engine runs them) -> their results in order."""
     out = [None] * len(jobs)
+    runner = GatedRunner(gate)
     errors = []
 
     def one(i, job):
         try:
             with gate.join():
-                out[i] = run(job)
+                out[i] = run(job, runner)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -364,10 +369,10 @@ def test_greedy_generations_batched_together_equal_each_alone(model):
                for i in range(8)]
     jobs = [(p, stacks[i % len(stacks)]) for i, p in enumerate(prompts)]  # (a streaming window runs alone)
 
-    def run(job):
+    def run(job, runner=DIRECT):
         prompt, stack = job
         return generate(model, prompt, 40, stack=StackSpec.parse(stack, "3,4" if stack.count(",") == 2 else "4"),
-                        config=config).tokens
+                        config=config, runner=runner).tokens
 
     alone = [run(j) for j in jobs]
     gate = ForwardGate(prefill_budget=32)
@@ -400,9 +405,9 @@ def _batched_counts(models, prompt, gate: ForwardGate) -> torch.Tensor:
     stack = StackSpec.parse("ngram,draft,full", "2,3")
     counts = torch.zeros(POSITIONS, V)
 
-    def run(seed):
+    def run(seed, runner):
         return generate(target, prompt, POSITIONS, SamplingParams(temperature=1.0), stack=stack, config=CFG,
-                        draft_model=draft, seed=seed).tokens
+                        draft_model=draft, seed=seed, runner=runner).tokens
 
     for start in range(0, N_SAMPLES, 8):
         for tokens in _together(run, list(range(start, start + 8)), gate):

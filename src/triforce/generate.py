@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import TriforceError
+from .execution.runner import DIRECT, ModelRunner
 from .model import Transformer
 from .sampling import SamplingParams, make_generator
 from .speculation.settings import SpecConfig
@@ -109,7 +110,8 @@ class GenerationStream:
                  method: str | None = None, config: SpecConfig | None = None,
                  draft_model: Transformer | None = None, eos_ids: tuple[int, ...] = (),
                  stop: tuple[str, ...] | list[str] = (), tokenizer=None, seed: int | None = 0,
-                 progress: bool = False, prefilled: PrefilledPrompt | None = None, force_route=None):
+                 progress: bool = False, prefilled: PrefilledPrompt | None = None, force_route=None,
+                 runner: ModelRunner = DIRECT):
         if prompt and isinstance(prompt[0], (list, tuple)):
             raise TriforceError("batch size 1 only for now: pass one prompt (a list of token ids)")
         stop = tuple(s for s in stop if s)
@@ -120,7 +122,7 @@ class GenerationStream:
         self.stack, self.name = resolve_stack(stack, method, self.config)
         self.model, self.prompt, self.max_new_tokens, self.params = model, list(prompt), max_new_tokens, params
         self.draft_model, self.eos, self.seed, self.progress = draft_model, set(eos_ids), seed, progress
-        self.prefilled, self.force_route = prefilled, force_route
+        self.prefilled, self.force_route, self.runner = prefilled, force_route, runner
         self.text = _StopText(tokenizer, stop) if tokenizer is not None else None
         self.result: GenerationResult | None = None
         self.levels: BuiltStack | None = None  # the generation's levels, once it has started (BuiltStack.release)
@@ -129,7 +131,8 @@ class GenerationStream:
         gen = make_generator(self.seed, self.model.device)
         t0 = time.perf_counter()
         levels = self.levels = BuiltStack(self.stack, self.model, self.params, self.config, gen, len(self.prompt),
-                                          self.max_new_tokens, self.draft_model, self.prefilled, self.force_route)
+                                          self.max_new_tokens, self.draft_model, self.prefilled, self.force_route,
+                                          self.runner)
         levels.prefill(self.prompt, self.progress)
         t1 = time.perf_counter()
         seq, n0 = list(self.prompt), len(self.prompt)
@@ -171,7 +174,8 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, params:
     "ngram,retrieval:1024,full") or a named method (`method=`: ar, triforce, retrieval, streaming,
     ngram, draft; default ar). Keywords: config (SpecConfig), draft_model, eos_ids, stop (strings;
     needs tokenizer), tokenizer (fills result.text), seed, progress, prefilled (a PrefilledPrompt
-    of this prompt: skips the full prefill)."""
+    of this prompt: skips the full prefill), runner (how the forwards run, execution/runner.py: a server's batches
+    them with other requests')."""
     stream = GenerationStream(model, prompt, max_new_tokens, params, **kwargs)
     for _ in stream:
         pass

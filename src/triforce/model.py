@@ -21,17 +21,8 @@ from . import kernels
 from .caches.base import KVCache, TokenBlock, kv_dtype
 from .config import ModelConfig
 from .errors import TriforceError
-from .execution import PANEL_MAX_ROWS, Execution, Linear, QuantLinear, attention, batching
-from .execution.attention import KERNEL_MAX_ROWS
-from .memory import kv_bytes
+from .execution import Execution, Linear, QuantLinear, attention
 from .rope import Rotary, apply_rotary
-
-# A batched forward's rows after the first cost this fraction each of reading its K/V once (their attention
-# arithmetic), in the gate's split of a batch's time (Transformer._batch_cost). Measured with
-# benchmarks/batched_forward.py at 8K (Intel Xeon, 2 cores): 8 requests x 1, 2, 3, 5 rows 85.0, 112.5, 144.3,
-# 199.8 ms, so 3.4-3.7 ms per extra row per request; 2 requests x 1 row 25.2 ms, so in a batch a request's K/V
-# costs 10.0 ms and the weights 5.3 (the bytes' split: 92 MiB against 180).
-BATCH_ROW_COST = 0.36
 
 if TYPE_CHECKING:  # (a CUDA graph's view of a cache: graphs.py makes it)
     from .caches.static import StaticView
@@ -128,7 +119,6 @@ class Transformer(nn.Module):
     # Keep the target's full KV cache in pinned host memory, streamed to the GPU per layer (--offload-kv;
     # caches/offload.py); drafting caches stay on the GPU.
     offload_kv = False
-    _weight_bytes: int | None = None  # weight_bytes(), once measured
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -195,17 +185,7 @@ class Transformer(nn.Module):
         the LM head reads; a trained draft head drafts from it, drafthead/). `layers` (with `hidden`): the
         features are instead the residual stream entering each of these layers (ascending; layer i's input is
         layer i - 1's output), concatenated [B, T, len(layers) * hidden]: what an EAGLE-3 head reads
-        (drafthead/eagle.py). The layers then run one by one (the fused decode call gives no intermediates).
-
-        On a thread that has joined a serving batch's gate (execution/batching.py) the forward waits there: a
-        decode-sized chain runs batched with other requests' (forward_batch), anything else alone in its turn."""
-        if (gate := batching.current()) is not None:
-            T = tokens.shape[1]
-            if (tokens.shape[0] == 1 and block is None and not hidden and layers is None
-                    and (layout := self._batch_layout(T, cache)) is not None):
-                return gate.batched(self, (tokens, cache, T if last is None else last), T, self.forward_batch,
-                                    cost=self._batch_cost(T, layout))
-            return gate.solo(lambda: self.forward(tokens, cache, last, block, hidden, layers), T)
+        (drafthead/eagle.py). The layers then run one by one (the fused decode call gives no intermediates)."""
         if cache.windows != self.windows:
             raise TriforceError(f"{type(cache).__name__} does not implement the sliding-window layers of this "
                                 f"{self.cfg.arch} model: use a SlidingWindowCache (any cache can hold its "
@@ -234,58 +214,6 @@ class Transformer(nn.Module):
         if last is not None:
             x = x[:, -last:]
         return self._logits(x)
-
-    def weight_bytes(self) -> int:
-        """The weight bytes a decode-sized forward reads: every linear layer's, as its forward reads them."""
-        if self._weight_bytes is None:
-            self._weight_bytes = sum(m.nbytes for m in self.modules() if isinstance(m, (Linear, QuantLinear)))
-        return self._weight_bytes
-
-    def _batch_cost(self, T: int, layout) -> tuple[int, float]:
-        """A batched forward's cost for the gate's split of its batch's time (ForwardGate.batched): the weight bytes
-        every forward of the batch shares, and its own, the K/V bytes it reads, 1 + BATCH_ROW_COST per row after
-        the first (its rows' attention arithmetic)."""
-        kv = kv_bytes(self.cfg, layout.first + T, layout.k.element_size())
-        return self.weight_bytes(), kv * (1 + BATCH_ROW_COST * (T - 1))
-
-    def batch_tokens(self, cache: KVCache) -> int:
-        """The most tokens of a chain through `cache` that a serving batch's forward takes with other requests'
-        (forward_batch); 0 where it takes none. A longer forward runs alone, every other request waiting."""
-        g = self.cfg.n_heads // self.cfg.n_kv_heads
-        most = min(PANEL_MAX_ROWS, KERNEL_MAX_ROWS // g)
-        return most if most and self._batch_layout(most, cache) is not None else 0
-
-    def _batch_layout(self, T: int, cache: KVCache):
-        """Where a T-token chain through `cache` sits for forward_batch, or None where forward_batch does not take it
-        (FusedDecode.layout: the one call through every layer over a cache with fixed slots, on the CPU; asked before
-        the cache is prepared)."""
-        if cache.windows != self.windows or self.windows is not None:
-            return None
-        return self.execution.fused.layout(self.backend.ops, self.cfg, self.layers, T, self.dtype, cache,
-                                           prepared=False)
-
-    def forward_batch(self, calls: list[tuple[torch.Tensor, KVCache, int]]) -> list[torch.Tensor]:
-        """Several sequences' decode-sized chains in one forward, each over its own cache: calls (tokens [1, T], its
-        cache, last) -> each one's fp32 logits [1, last, V], bit for bit what forward(tokens, cache, last=last)
-        gives it alone: the layers run as one call over every row (FusedDecode.run_batch) and the final norm and
-        LM head over the kept rows, PANEL_MAX_ROWS at a time (a row's logits never depend on the rows beside it,
-        and a forward alone runs these rows on the same kernels). A call the one call does not take
-        (_batch_layout) runs alone."""
-        if any(self._batch_layout(t.shape[1], c) is None for t, c, _ in calls):
-            return [self.forward(t, c, last=n) for t, c, n in calls]
-        items = []
-        for tokens, cache, _ in calls:
-            T = tokens.shape[1]
-            cache.prepare(T, None)
-            rope = self.rotary.cos_sin(cache.length + torch.arange(T, device=tokens.device), self.dtype)
-            items.append((self._embed(tokens), rope, cache))
-        xs = self.execution.fused.run_batch(self.backend.ops, self.cfg, self.layers, items)
-        for (tokens, cache, _) in calls:
-            cache.commit(tokens.shape[1])
-        kept = torch.cat([x[:, -n:] for x, (_, _, n) in zip(xs, calls)], dim=1)
-        logits = torch.cat([self._logits(kept[:, r:r + PANEL_MAX_ROWS])
-                            for r in range(0, kept.shape[1], PANEL_MAX_ROWS)], dim=1)
-        return list(logits.split([n for _, _, n in calls], dim=1))
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)

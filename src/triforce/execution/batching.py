@@ -2,13 +2,14 @@
 forwards through (serving/engine.py).
 
 Each request runs its own generation (its own speculation stack, caches, acceptance and sampling) on a thread of its
-own that has `join`ed the gate. Every model forward of such a thread (Transformer.forward) waits at the gate instead
-of running. When no member thread is running (each waits at the gate, or has left), the gate runs the waiting
+own that has `join`ed the gate, its model states running their forwards through the gate's runner (GatedRunner, the
+execution/runner.ModelRunner of a request in the batch). Every model forward of such a thread waits at the gate
+instead of running. When no member thread is running (each waits at the gate, or has left), the gate runs the waiting
 forwards:
 
 - decode-sized chains over a cache with slots (decode steps, verifications, drafting levels' forwards: what the one
   call through every layer takes, FusedDecode.layout) of one model's weights run as one forward
-  (Transformer.forward_batch: the linear layers over every row, the weights read once; attention per request over its
+  (runner.forward_batch: the linear layers over every row, the weights read once; attention per request over its
   own cache). Each request's logits are bit for bit its forward's alone (kernels/decode_layer.cpp);
 - any other forward (a prefill chunk, a draft tree, a quantized cache) runs alone, "solo". Solo forwards are
   interleaved with the batched ones under a token budget: a batched forward earns `prefill_budget` tokens of credit,
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import omp_threads
+from . import runner as runners
 
 _local = threading.local()
 STARVATION = 16  # solo forwards that may run ahead of a waiting one (shorter prefills first) before it runs
@@ -286,3 +288,41 @@ def _shares(chosen: list[_Waiting]) -> list[float]:
     shared = max(w.cost[0] for w in chosen)
     total = shared + sum(w.cost[1] for w in chosen)
     return [(shared / len(chosen) + w.cost[1]) / total for w in chosen]
+
+
+class GatedRunner(runners.ModelRunner):
+    """The model runner of a serving batch's requests (execution/runner.py): each request thread, once it has joined
+    `gate`, runs its forwards through it. A decode-sized chain over a cache with slots waits at the gate and runs
+    batched with other requests' (runner.forward_batch, the batch keyed by the model: forwards of one model's
+    weights batch together); any other forward waits its turn there and runs alone."""
+
+    def __init__(self, gate: ForwardGate):
+        self.gate = gate
+
+    def forward(self, model, tokens, cache, last=None, block=None, hidden=False, layers=None):
+        if current() is not self.gate:  # (a thread that is no member, or the gate's own thread: at once)
+            return super().forward(model, tokens, cache, last, block, hidden, layers)
+        T = tokens.shape[1]
+        if (tokens.shape[0] == 1 and block is None and not hidden and layers is None
+                and (layout := runners.batch_layout(model, T, cache)) is not None):
+            return self.gate.batched(model, (tokens, cache, T if last is None else last), T,
+                                     lambda calls: runners.forward_batch(model, calls),
+                                     cost=runners.batch_cost(model, T, layout))
+        return self.gate.solo(lambda: model(tokens, cache, last=last, block=block, hidden=hidden, layers=layers), T)
+
+    def catch_up_tokens(self, model, cache) -> int:
+        """With other requests on the gate, the most tokens a forward batched with theirs takes; alone on it, 0 (a
+        forward waits for nobody)."""
+        return runners.batch_tokens(model, cache) if current() is self.gate and self.gate.members > 1 else 0
+
+    def prefilling(self, tokens_left: int):
+        return prefilling(tokens_left)
+
+    def forward_seconds(self, started: float) -> float:
+        return forward_seconds(started)
+
+    def own_clock(self) -> float:
+        return own_clock()
+
+    def exclusive(self, fn):
+        return exclusive(fn)

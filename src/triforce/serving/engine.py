@@ -39,7 +39,7 @@ import torch
 
 from ..caches import BufferPool, KVCache
 from ..execution import batching, omp_threads
-from ..execution.batching import ForwardGate
+from ..execution.batching import ForwardGate, GatedRunner
 from ..generate import generate_stream
 from ..model import Transformer
 from ..sampling import SamplingParams
@@ -169,6 +169,7 @@ class Engine:
         self._seconds_per_job = 5.0  # moving average of a request's time, for Retry-After
         self._prefilling: dict[str, threading.Event] = {}  # block key -> set once the request prefilling it cached it
         self.gate = ForwardGate(settings.prefill_budget or settings.config.prefill_chunk)
+        self.runner = GatedRunner(self.gate)  # how the requests' forwards run: through the gate, batched
         self._thread = threading.Thread(target=self._admit, name="triforce-engine", daemon=True)
         # the prefix cache needs a FullCache whose blocks are contiguous slices (not a sliding-window ring)
         self._reuse = settings.model.windows is None
@@ -344,7 +345,7 @@ class Engine:
             if self._reuse:
                 try:
                     prefilled = CachedPrefill(s.model, job.prompt, capacity, s.config.prefill_chunk,
-                                              self.prefix_cache, job.stopped, self.pool)
+                                              self.prefix_cache, job.stopped, self.pool, self.runner)
                 except Stopped as e:  # keep the blocks it prefilled: a retry (or the next turn) starts from them
                     p = e.partial
                     job.full_cache = p.cache
@@ -367,7 +368,7 @@ class Engine:
         s = self.s
         stream = generate_stream(s.model, job.prompt, job.max_tokens, job.params, stack=s.stack, config=s.config,
                                  draft_model=s.draft_model, eos_ids=s.eos_ids, stop=job.stop, tokenizer=s.tokenizer,
-                                 seed=job.seed, prefilled=prefilled)
+                                 seed=job.seed, prefilled=prefilled, runner=self.runner)
         rounds = iter(stream)
         try:
             first, n = self._deliver_rounds(job, rounds)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..caches import BufferPool, new_cache
-from ..execution import batching
+from ..execution.runner import DIRECT, ModelRunner
 from ..model import Transformer
 from ..speculation.state import PrefilledPrompt
 from .prefix_cache import PrefixCache
@@ -40,11 +40,12 @@ class CachedPrefill(PrefilledPrompt):
     Attributes: reused_tokens (from the prefix cache), computed_tokens (prefilled here), seconds,
     block_queries (block index -> [n_layers, n_heads, D], the last-token queries of each whole
     block computed here: PrefixCache.insert stores those blocks). `pool`: takes the full cache's buffers from
-    there where it keeps some of their shape (the caller gives them back with `cache.release()` when done)."""
+    there where it keeps some of their shape (the caller gives them back with `cache.release()` when done).
+    `runner`: runs the prefill's forwards (a server's, through its gate; execution/runner.py)."""
 
     def __init__(self, model: Transformer, prompt: list[int], capacity: int, chunk: int,
                  prefix_cache: PrefixCache | None = None, should_stop: Callable[[], bool] = lambda: False,
-                 pool: BufferPool | None = None):
+                 pool: BufferPool | None = None, runner: ModelRunner = DIRECT):
         # (not PrefilledPrompt.__init__, which prefills the whole prompt)
         t0 = time.perf_counter()
         self.model, self.head = model, list(prompt[:-1])
@@ -63,8 +64,8 @@ class CachedPrefill(PrefilledPrompt):
                 if should_stop():
                     raise Stopped(self)
                 end = min(start + chunk, len(self.head))
-                with batching.prefilling(len(self.head) - start):
-                    model(ids[:, start:end], self.cache, last=1)  # the call state.prefill makes per chunk
+                with runner.prefilling(len(self.head) - start):
+                    runner.forward(model, ids[:, start:end], self.cache, last=1)  # the call state.prefill makes
                 last_q = torch.stack([q[0, :, -1] for q in self.cache.recorder.layers])
                 if end - start == chunk:
                     self.block_queries[start // chunk] = last_q

@@ -13,7 +13,7 @@ import torch
 from ..caches import new_cache
 from ..caches.sliding import DEFAULT_EXTRA
 from ..errors import TriforceError
-from ..execution import batching
+from ..execution.runner import DIRECT, ModelRunner
 from ..model import Transformer
 from ..sampling import SamplingParams
 from .drafters import ModelDrafter
@@ -47,12 +47,12 @@ class BuiltStack:
     round's tokens and after_commit() runs the rebuild policy (rebuild.RebuildPolicy). `top` is the stack's top
     level, or for an adaptive stack (StackSpec.adaptive) a planner.AdaptiveTop choosing each round's route through
     the levels (`force_route`: a function of the round index giving the route to run, or None to let the planner
-    choose; for tests)."""
+    choose; for tests). `runner`: how the levels' forwards run (execution/runner.py; a server's batches them)."""
 
     def __init__(self, stack: StackSpec, model: Transformer, params: SamplingParams, config: SpecConfig,
                  generator: torch.Generator, prompt_len: int, max_new_tokens: int,
                  draft_model: Transformer | None = None, prefilled: PrefilledPrompt | None = None,
-                 force_route=None):
+                 force_route=None, runner: ModelRunner = DIRECT):
         config.validate()
         stack.check()
         stack.check_budgets(model.cfg.max_context, {"retrieval": config.budget, "h2o": config.budget,
@@ -82,7 +82,7 @@ class BuiltStack:
                                                                         for lvl in self.stack.levels))
         # the drafting caches take their buffers from where the full cache's came from (a server's pool)
         build = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
-                             generator, getattr(full_cache, "pool", None))
+                             generator, getattr(full_cache, "pool", None), runner)
 
         # level names in the stats: the kind, or kind:budget where the stack names a budget
         self.states: list[ModelState | None] = [KINDS[lvl.kind].state(build, lvl, str(lvl)) for lvl in self.stack.levels]
@@ -158,10 +158,10 @@ class BuiltStack:
         for lvl, state in zip(self.stack.levels[:-1], self.states[:-1]):
             if state is None or (self.adaptive is not None and lvl.kind in REBUILT):
                 continue
-            t = batching.own_clock()  # (its own time, not a serving gate's wait: RebuildPolicy.catch_up_ms prices it)
+            t = state.runner.own_clock()  # (its own time, not a wait for others' forwards: RebuildPolicy.catch_up_ms)
             KINDS[lvl.kind].prefill(state, head, self.full, self.config)
             if lvl.kind in REBUILT:
-                self.rebuild_policy.count(batching.own_clock() - t)
+                self.rebuild_policy.count(state.runner.own_clock() - t)
 
     def release(self) -> None:
         """Done with the generation: every level's cache gives its buffers back to the pool they came from (a

@@ -17,7 +17,7 @@ from ..caches import BufferPool, H2OCache, KVCache, RetrievalCache, SlidingWindo
 from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
 from ..errors import TriforceError
-from ..execution import batching
+from ..execution.runner import DIRECT, ModelRunner
 from ..loading.weights import draft_weights
 from ..model import Transformer
 from ..sampling import SamplingParams
@@ -56,6 +56,7 @@ class BuildContext:
     full_cache: object = None  # the full level's cache (given, e.g. prefilled, or made here)
     generator: torch.Generator | None = None  # the generation's (drafters that sample)
     pool: BufferPool | None = None  # where the drafting caches take their buffers (a server's), None: new ones
+    runner: ModelRunner = DIRECT  # how the levels' forwards run (execution/runner.py)
 
 
 class Kind:
@@ -90,7 +91,7 @@ class Full(Kind):
 
     def state(self, build, spec, name):
         cache = build.full_cache if build.full_cache is not None else new_cache(build.model, build.capacity)
-        return ModelState(name, build.model, cache, build.params)
+        return ModelState(name, build.model, cache, build.params, build.runner)
 
 
 class NGram(Kind):
@@ -116,7 +117,8 @@ class Draft(Kind):
         if dm.cfg.vocab_size != build.model.cfg.vocab_size:
             raise TriforceError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the target's "
                                 f"({build.model.cfg.vocab_size}): it must share the target's tokenizer")
-        return ModelState(name, dm, new_cache(dm, build.capacity, dtype=build.config.draft_kv_dtype), build.params)
+        return ModelState(name, dm, new_cache(dm, build.capacity, dtype=build.config.draft_kv_dtype), build.params,
+                          build.runner)
 
     def cache_tokens(self, config, spec, max_rollback, capacity):
         return capacity  # (over the draft model's layers)
@@ -133,7 +135,7 @@ class Streaming(Kind):
         m = drafting_model(build.model, cfg)
         settings = self._settings(cfg, spec, build.max_rollback)
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: StreamingCache(n_layers, **settings, **kw))
-        return ModelState(name, m, cache, build.params)
+        return ModelState(name, m, cache, build.params, build.runner)
 
     @staticmethod
     def _settings(config: SpecConfig, spec: LevelSpec, max_rollback: int) -> dict:
@@ -150,12 +152,14 @@ class Streaming(Kind):
         m = state.model
         sink = min(config.sink, len(head))
         if sink:
-            prefill(m, cache, torch.tensor([head[:sink]], device=m.device), config.prefill_chunk)
+            prefill(m, cache, torch.tensor([head[:sink]], device=m.device), config.prefill_chunk,
+                    runner=state.runner)
         tail_from = max(sink, len(head) - cache.tail_needed())
         if tail_from > cache.length:
             cache.skip_to(tail_from)
         if tail_from < len(head):
-            prefill(m, cache, torch.tensor([head[tail_from:]], device=m.device), config.prefill_chunk)
+            prefill(m, cache, torch.tensor([head[tail_from:]], device=m.device), config.prefill_chunk,
+                    runner=state.runner)
         state.fed, state.stable = list(head), len(head)
 
 
@@ -170,7 +174,7 @@ class Retrieval(Kind):
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: self.new_cache(
             n_layers, budget=spec.budget or cfg.budget, recent=cfg.recent,
             max_new=self._appended(cfg, build.max_rollback), model=m, config=cfg, pool=build.pool, **kw))
-        return ModelState(name, m, cache, build.params)
+        return ModelState(name, m, cache, build.params, build.runner)
 
     @staticmethod
     def _appended(config: SpecConfig, max_rollback: int) -> int:
@@ -216,7 +220,7 @@ class KV4(Kind):
         shared = build.full_cache if isinstance(build.full_cache, QuantizedCache) else None
         cache = drafting_cache(m, cfg, lambda n_layers, **kw: QuantizedCache(
             n_layers, capacity=build.capacity, bits=4, max_rollback=build.max_rollback, shared=shared, **kw))
-        return ModelState(name, m, cache, build.params)
+        return ModelState(name, m, cache, build.params, build.runner)
 
     def prefill(self, state, head, full, config):
         cache: Buildable = state.cache  # a 4-bit reading of the full cache
@@ -259,7 +263,7 @@ def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
 def rebuild(state: ModelState, full: ModelState) -> None:
     """(Re)build a retrieval or H2O level's cache from the full level's cache and its recorded queries."""
     cache: Rebuildable = state.cache
-    batching.exclusive(lambda: cache.build(full.cache))
+    state.runner.exclusive(lambda: cache.build(full.cache))
     state.fed = list(full.fed)
     state.stable = len(full.fed)
 

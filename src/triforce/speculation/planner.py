@@ -45,7 +45,6 @@ from typing import Callable
 
 import torch
 
-from ..execution import batching
 from .cost_model import Boundary, chain_ms, expected_tokens
 from .drafters import ModelDrafter, NGramDrafter
 from .level import Level, verify_rates
@@ -205,7 +204,7 @@ class Acceptance:
 
 class RoundCosts:
     """What one route family's rounds take beyond the modelled cost of their forwards (by tokens fed, drafts per
-    round), over its last KEEP rounds: each round's own time (batching.own_clock: its span; in a serving batch, its
+    round), over its last KEEP rounds: each round's own time (ModelRunner.own_clock: its span; in a serving batch, its
     forwards' shares of their batches and its own CPU time) minus that
     cost. The difference is real and differs by family: sampling and acceptance per round, a drafter feeding 2
     tokens after a round that accepted all its drafts (priced as 1), a level's catch-up feed after sitting out. On
@@ -678,6 +677,7 @@ class AdaptiveTop:
         self.head = ngram if kinds[0] == "head" else None
         self.kinds, self.names, self.states = kinds, names, states
         self.generator, self.catch_up, self.catch_up_ms = generator, catch_up, catch_up_ms
+        self.clock = states[-1].runner.own_clock  # a round's own time (execution/runner.py)
         self.planner = Planner(kinds, start, force, sampled)
         for i, state in enumerate(states):
             if state is not None:
@@ -756,10 +756,10 @@ class AdaptiveTop:
             self.planner.ngram_top.propose(len(ctx), proposal, cls)
         for i in route.levels[:-1]:
             self.catch_up(i, ctx, committed)
-        started = batching.own_clock()
+        started = self.clock()
         tokens = chain.step(ctx, committed, limit)
         t = time.perf_counter()
-        self.planner.record_round(route, cls, 1e3 * (batching.own_clock() - started), len(tokens))
+        self.planner.record_round(route, cls, 1e3 * (self.clock() - started), len(tokens))
         self.planner_seconds += time.perf_counter() - t
         self.tokens += len(tokens)
         return tokens

@@ -12,7 +12,6 @@ caches/h2o.py); the tokens generated since are appended to it. It is made again:
 from __future__ import annotations
 
 from ..caches.base import Rebuildable
-from ..execution import batching
 from .kinds import rebuild
 from .level import Level
 from .planner import CATCH_UP
@@ -70,10 +69,11 @@ class RebuildPolicy:
 
     def rebuild(self, state: ModelState, seq: list[int], committed: int) -> None:
         """Rebuild a retrieval or H2O level's cache from the full cache, counted in the stats."""
-        t = batching.own_clock()  # (its own time, not a serving gate's wait)
+        clock = state.runner.own_clock  # (its own time, not a wait for other requests' forwards)
+        t = clock()
         self.full._sync(seq, committed)  # drop rejected drafts (a no-op when synced already); keeps all but the newest
         rebuild(state, self.full)
-        self.count(batching.own_clock() - t)
+        self.count(clock() - t)
 
     def stats(self) -> dict:
         if not any(lvl.kind in REBUILT for lvl in self.stack.levels):

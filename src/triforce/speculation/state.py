@@ -9,7 +9,7 @@ import torch
 
 from ..caches import KVCache, new_cache
 from ..caches.base import TokenBlock
-from ..execution import batching
+from ..execution.runner import DIRECT, ModelRunner
 from ..model import Transformer
 from ..sampling import SamplingParams, Scores, probs_from_logits
 from .tree import DraftTree
@@ -18,11 +18,12 @@ from .tree import DraftTree
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: int = 512,
             progress: bool = False, features: list | None = None,
-            layers: tuple[int, ...] | None = None) -> torch.Tensor | None:
+            layers: tuple[int, ...] | None = None, runner: ModelRunner = DIRECT) -> torch.Tensor | None:
     """Feed ids [B, N] in chunks (bounded attention memory); -> fp32 logits of the last token [B, V]
     (None when N == 0: a one-token prompt leaves nothing to prefill before the first draft). `features`: a
     list that receives the features of the last chunk's tokens ([chunk, hidden], B = 1; Transformer.forward;
-    `layers`: those layers' inputs instead, [chunk, len(layers) * hidden])."""
+    `layers`: those layers' inputs instead, [chunk, len(layers) * hidden]). `runner`: runs the forwards
+    (execution/runner.py; default: each at once)."""
     from tqdm.auto import tqdm
 
     n = ids.shape[1]
@@ -30,12 +31,13 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
     with tqdm(total=n, desc="prefill", unit="tok", disable=not progress or n <= chunk_size, leave=False) as bar:
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            with batching.prefilling(n - start):
+            with runner.prefilling(n - start):
                 if features is not None and end == n:
-                    logits, hidden = model(ids[:, start:end], cache, last=1, hidden=True, layers=layers)
+                    logits, hidden = runner.forward(model, ids[:, start:end], cache, last=1, hidden=True,
+                                                    layers=layers)
                     features[:] = [hidden[0]]
                 else:
-                    logits = model(ids[:, start:end], cache, last=1)
+                    logits = runner.forward(model, ids[:, start:end], cache, last=1)
             bar.update(end - start)
     return None if logits is None else logits[:, -1]
 
@@ -68,10 +70,14 @@ class ModelState:
 
     Sequences passed in are `ctx` (a list of token ids) with ctx[:committed] final: tokens in there
     never change, so the match between `fed` and `ctx` is re-checked only past `stable`.
+
+    Its forwards run through `runner` (execution/runner.py): by default each at once; a generation among others
+    is given a runner that batches them (the server's).
     """
 
-    def __init__(self, name: str, model: Transformer, cache: KVCache, params: SamplingParams):
-        self.name, self.model, self.cache, self.params = name, model, cache, params
+    def __init__(self, name: str, model: Transformer, cache: KVCache, params: SamplingParams,
+                 runner: ModelRunner = DIRECT):
+        self.name, self.model, self.cache, self.params, self.runner = name, model, cache, params, runner
         self._fed: list[int] = []
         # the final norm's output at each fed position, for a trained draft head below (record_features());
         # rows [features_from, len(fed)) are valid
@@ -157,8 +163,7 @@ class ModelState:
             block = _tree_block(len(pending), tree, self.model.device)
             self._tree = (n, len(pending), tree)
         recording = self.features is not None  # (a forward recording features runs eagerly: hidden=True)
-        gate = batching.current()
-        if len(pending) > 1 and block is None and not recording and gate is not None and gate.members > 1:
+        if len(pending) > 1 and block is None and not recording:
             pending = self._catch_up(pending, len(tokens))  # (one pending token is every round's: nothing to split)
         feed = pending + tokens
         t = time.perf_counter()
@@ -166,8 +171,8 @@ class ModelState:
         if not recording and graphs is not None and graphs.usable(self.cache, block, len(feed)):
             logits = graphs.forward(feed, self.cache, last=len(tokens) + 1)
         else:
-            out = self.model(torch.tensor([feed], device=self.model.device), self.cache, last=len(tokens) + 1,
-                             block=block, hidden=recording, layers=self.feature_layers)
+            out = self.runner.forward(self.model, torch.tensor([feed], device=self.model.device), self.cache,
+                                      last=len(tokens) + 1, block=block, hidden=recording, layers=self.feature_layers)
             if recording:
                 out, hidden = out
                 self._store_features(n, hidden[0])
@@ -177,7 +182,7 @@ class ModelState:
 
     def _fed_by_forward(self, tokens: list[int], started: float) -> None:
         """`tokens` were fed by a forward begun at `started` (perf_counter): counted, timed, and now in `fed`."""
-        dt = batching.forward_seconds(started)  # in a serving batch: its share of its batch's time, not the wait
+        dt = self.runner.forward_seconds(started)  # among others: its share of its batch's time, not the wait
         self.seconds += dt
         self.forwards += 1
         if self.on_forward is not None:
@@ -185,18 +190,18 @@ class ModelState:
         self.fed.extend(tokens)
 
     def _catch_up(self, pending: list[int], drafted: int) -> list[int]:
-        """In a serving batch of several requests: feed the head of `pending` (tokens a level that sat out missed)
-        in forwards that batch with the other requests', so that `pending`'s rest plus `drafted` tokens fit one too
-        -> the rest. Why: a longer forward runs alone with every other request waiting for it
-        (execution/batching.py); a retrieval level re-fed 17-28 tokens so took 31-49 ms alone, 3-5 times per load
-        of 8 requests at 8K (AMD Zen 5). Where no forward batches, or the drafts alone fill one: `pending` whole."""
-        most = self.model.batch_tokens(self.cache)
+        """Where the runner batches forwards with other requests' (ModelRunner.catch_up_tokens): feed the head of
+        `pending` (tokens a level that sat out missed) in forwards that batch with the others', so that `pending`'s
+        rest plus `drafted` tokens fit one too -> the rest. Why: a longer forward runs alone with every other request
+        waiting for it; a retrieval level re-fed 17-28 tokens so took 31-49 ms alone, 3-5 times per load of 8
+        requests at 8K (AMD Zen 5). Where no forward batches, or the drafts alone fill one: `pending` whole."""
+        most = self.runner.catch_up_tokens(self.model, self.cache)
         keep = max(1, most - drafted)  # (the last pending token's logits are the first draft's distribution)
         while most and len(pending) > keep:
             k = min(most, len(pending) - keep)
             head, pending = pending[:k], pending[k:]
             t = time.perf_counter()
-            self.model(torch.tensor([head], device=self.model.device), self.cache, last=1)
+            self.runner.forward(self.model, torch.tensor([head], device=self.model.device), self.cache, last=1)
             self._fed_by_forward(head, t)
         return pending
 
@@ -220,7 +225,7 @@ class ModelState:
         assert not self.fed
         tail = [] if self.features is not None else None
         prefill(self.model, self.cache, torch.tensor([tokens], device=self.model.device), chunk_size, progress,
-                features=tail, layers=self.feature_layers)
+                features=tail, layers=self.feature_layers, runner=self.runner)
         self.fed = list(tokens)
         self.stable = len(tokens)
         if tail:
