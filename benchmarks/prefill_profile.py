@@ -33,8 +33,11 @@ def main(argv=None) -> None:
     ap.add_argument("tokens", type=int, help="prompt tokens to prefill")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512, the default settings')")
     ap.add_argument("--kv-dtype", default=None, help="the cache's dtype (default: the model's default here)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: PyTorch's, all cores)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     loaded = load_model(progress=False, kv_dtype=args.kv_dtype)
     model, cfg = loaded.model, loaded.model.cfg

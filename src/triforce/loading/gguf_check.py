@@ -166,13 +166,17 @@ class _Cursor:
 
     def key(self, i: int, n: int) -> str:
         self.part = f"metadata key #{i + 1} of {n} (at byte {self.pos})"
-        raw = self.string("its name", MAX_KEY)
-        try:
-            key = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise Damage(f"its name {raw[:60]!r} is not UTF-8 text") from None
+        key = self.name(MAX_KEY)
         self.part = f"metadata '{key}'"
         return key
+
+    def name(self, limit: int) -> str:
+        """A key's or a tensor's name: a string of at most `limit` bytes, UTF-8."""
+        raw = self.string("its name", limit)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Damage(f"its name {raw[:60]!r} is not UTF-8 text") from None
 
     def value_type(self, what: str) -> int:
         vtype = self.u32(what)
@@ -229,11 +233,7 @@ class _Cursor:
 
     def tensor(self, i: int, n: int, sizes: dict[int, tuple[str, int, int]]) -> TensorRecord:
         self.part = f"tensor record #{i + 1} of {n} (at byte {self.pos})"
-        raw = self.string("its name", MAX_NAME)
-        try:
-            name = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise Damage(f"its name {raw!r} is not UTF-8 text") from None
+        name = self.name(MAX_NAME)
         self.part = f"tensor '{name}'"
         n_dims = self.u32("its number of dimensions")
         if not 1 <= n_dims <= MAX_DIMS:
