@@ -196,8 +196,9 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
         while True:
             ev = await events.get()
             if ev["type"] == "delta":
-                if ev["text"]:
-                    yield _sse(shape.chunk(ev["text"]))
+                extra = ev.get("triforce")  # the round's provenance: sent even when its text is held back
+                if ev["text"] or extra:
+                    yield _sse(shape.chunk(ev["text"], extra=extra))
             elif ev["type"] == "done":
                 yield _sse(shape.chunk(finish=ev["finish_reason"], extra=ev["triforce"]))
                 if req.include_usage:

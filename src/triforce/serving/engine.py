@@ -16,7 +16,8 @@ waits in the queue, and one that could never fit (more than the whole budget) is
 (PromptTooLarge, a 400).
 
 A request (`Job`) reports through `job.deliver(event)`, called on the worker thread, in order:
-    {"type": "delta", "text": str, "tokens": [ids]}          one per speculation round (text may be "")
+    {"type": "delta", "text": str, "tokens": [ids], "triforce": {...}}   one per speculation round (text may be "";
+                                                                        triforce: its provenance, RoundProvenance)
     {"type": "done", "finish_reason": "stop" | "length", "usage": {...}, "triforce": {...}}
 or  {"type": "error", "status": int, "code": str, "message": str}   (timeout 504, shutdown 503, a bug 500)
 and nothing after that. A cancelled request (client gone) gets nothing more.
@@ -369,8 +370,10 @@ class Engine:
                                  draft_model=s.draft_model, eos_ids=s.eos_ids, stop=job.stop, tokenizer=s.tokenizer,
                                  seed=job.seed, prefilled=prefilled)
         rounds = iter(stream)
+        # the first chunk's provenance also says how the prompt was read (the page's panel shows it live)
+        opening = {"prompt_tokens": len(job.prompt), "prefix_cache_tokens": prefilled.reused_tokens if prefilled else 0}
         try:
-            first, n = self._deliver_rounds(job, rounds)
+            first, n = self._deliver_rounds(job, rounds, opening)
         finally:
             rounds.close()  # here, not at garbage collection: the generator's inference_mode is thread-local
             job.levels = stream.levels
@@ -381,10 +384,12 @@ class Engine:
             return self._end_stopped(job)
         self._done(job, stream.result, first, prefilled)
 
-    def _deliver_rounds(self, job: Job, rounds) -> tuple[float | None, int]:
-        """Deliver each round's tokens until the stream ends or the job is stopped; -> (time of the
+    def _deliver_rounds(self, job: Job, rounds, opening: dict) -> tuple[float | None, int]:
+        """Deliver each round's tokens, with their provenance (which level drafted each: the stream's `triforce`
+        field; `opening` joins the first round's), until the stream ends or the job is stopped; -> (time of the
         first token or None, tokens delivered)."""
         m = self.metrics
+        decode = self.s.tokenizer.decode if self.s.tokenizer is not None else None
         first = last = None
         n = 0
         batching.first_token_due(True)  # this thread's forwards until its first token: ahead of prefill chunks
@@ -402,7 +407,11 @@ class Engine:
                             m.itl.observe((now - last) / len(chunk.tokens))
                     last = now
                     n += len(chunk.tokens)
-                job.deliver({"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens)})
+                extra = chunk.provenance.as_dict(decode) if chunk.provenance is not None else None
+                if extra is not None and opening:
+                    extra.update(opening, time_to_first_token=round(now - job.arrived, 4))
+                    opening = {}
+                job.deliver({"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens), "triforce": extra})
                 if job.stopped():
                     break
         finally:
