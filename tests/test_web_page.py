@@ -29,6 +29,7 @@ CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "
 DRIVER = shutil.which("chromedriver")
 INSTALL = "./install.sh ci installs it (as root: apt-get install chromium chromium-driver; pip install selenium)"
 QUESTION = "Name three colours of the rainbow, then say why the sky is blue."
+slow = pytest.mark.slow  # (the tests with a server load the embedded model: not in the inner loop, -m "not slow")
 
 
 def test_the_page_loads_nothing_from_elsewhere():
@@ -152,6 +153,7 @@ def verify_counts(stats: dict) -> dict:
             for lvl in stats["levels"] if lvl["role"] == "verify"}
 
 
+@slow
 def test_the_page_answers_as_the_api_with_every_token_marked(browser, server, tmp_path):
     from triforce.generate import generate
 
@@ -186,6 +188,7 @@ def test_the_page_answers_as_the_api_with_every_token_marked(browser, server, tm
     assert api_final["stats"]["stack"] == final["stats"]["stack"]
 
 
+@slow
 def test_a_stack_from_the_page_marks_each_level_and_makes_the_screenshot(browser, server, tmp_path):
     """Levels typed on the page (a retrieval level small enough to run on this prompt): tokens from the n-gram
     drafter, the retrieval level and the full model, and cut drafts; the screenshot of it."""
@@ -208,6 +211,7 @@ def test_a_stack_from_the_page_marks_each_level_and_makes_the_screenshot(browser
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
 
 
+@slow
 def test_stop_cancels_the_request_on_the_server(browser, server):
     from triforce.corpus import demo_text
 
@@ -227,6 +231,7 @@ def test_stop_cancels_the_request_on_the_server(browser, server):
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
+@slow
 def test_bad_input_is_a_message_on_the_page_and_the_server_stays_healthy(browser, server, tmp_path):
     url, built, _ = server
     open_page(browser, url)
@@ -257,6 +262,7 @@ def test_bad_input_is_a_message_on_the_page_and_the_server_stays_healthy(browser
     wait(lambda: status(browser).startswith("done"), what="an answer after the bad input")
 
 
+@slow
 def test_with_networking_blocked_the_page_loads_only_from_this_server(browser, server):
     url, _, _ = server
     browser.get_log("browser")  # (the earlier tests' lines: a bad request's 400 is logged as a failed load)
