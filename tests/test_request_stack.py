@@ -90,3 +90,22 @@ def test_the_page_and_its_info_are_served(tiny):
     assert info["stack_choice"] and "triforce" in info["methods"] and info["max_body_bytes"] >= 1 << 20
     assert StackSpec.parse(",".join(info["levels"])).levels == STACK.levels
     json.dumps(info)
+
+
+def test_the_replicas_front_end_serves_the_page_without_a_stack_choice(tiny):
+    """`--replicas N`'s HTTP API (server.build_front) has the page too; a request there runs the replicas' stack, so
+    the page offers no other and a request naming one is a 400."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from triforce.serving.server import build_front
+
+    deployment = SimpleNamespace(engine=SimpleNamespace(s=SimpleNamespace(max_queue=4)), info={
+        "tokenizer": tiny.tokenizer, "model_id": "tiny", "max_context": 512, "stack": str(STACK)})
+    front = TestClient(build_front(deployment, default_max_tokens=8, shutdown_timeout=1.0))  # (no lifespan: no engine)
+    info = front.get("/page/info").json()
+    assert info["levels"] == ["ngram", "retrieval:48", "full"] and not info["stack_choice"] and info["methods"] == []
+    assert front.get("/").status_code == 200
+    r = front.post("/v1/completions", json={"prompt": "hi", "stack": "ar"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stack" and "--replicas" in r.json()["error"]["message"]
