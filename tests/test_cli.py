@@ -120,6 +120,13 @@ def test_generate_json_on_embedded_model(tmp_path):
         assert key in out
     assert out["method"] == "triforce" and len(out["token_ids"]) == 8 and out["prompt_tokens"] > 5
     assert out["stats"]["levels"][0]["level"] == "full"
+    # each round's provenance: its tokens and texts are the output's, its verifications the stats' counts
+    from triforce.speculation.provenance import level_counts
+
+    assert [t["id"] for r in out["rounds"] for t in r["tokens"]] == out["token_ids"]
+    assert "".join(t["text"] for r in out["rounds"] for t in r["tokens"]) == out["text"]
+    assert level_counts(out["rounds"]) == {lvl["level"]: {k: lvl[k] for k in ("rounds", "proposed", "accepted")}
+                                           for lvl in out["stats"]["levels"] if lvl["role"] == "verify"}
     # lossless: the same greedy tokens as plain autoregressive decoding through the library
     from triforce.generate import generate_ar
     from triforce.loading import load_model

@@ -33,6 +33,12 @@ _SAMPLING = {  # the valid ranges (the tiny model: 128 tokens, a 512-token conte
                        "additionalProperties": False},
     "n": {"type": "integer", "enum": [1]},
     "user": {"type": "string", "maxLength": 20},
+    # a request's own stack (serving/stacks.py): methods, levels, and strings that are neither
+    "stack": {"oneOf": [{"type": "string", "enum": ["ar", "ngram", "triforce", "sequoia", "ngram,retrieval:48,full",
+                                                    "streaming:40,full", "h2o:48,full", "kv4,full", "head,full"]},
+                        {"type": "string", "maxLength": 40}]},
+    "gammas": {"oneOf": [{"type": "string", "pattern": "^[1-6](,[1-6]){0,2}$"}, {"type": "integer", "minimum": 1,
+                                                                                "maximum": 6}]},
 }
 SCHEMA = {
     "openapi": "3.0.3",
@@ -58,6 +64,8 @@ SCHEMA = {
         "/v1/models": {"get": {"responses": _ANSWERS}},
         "/health": {"get": {"responses": _ANSWERS}},
         "/metrics": {"get": {"responses": _ANSWERS}},
+        "/": {"get": {"responses": _ANSWERS}},
+        "/page/info": {"get": {"responses": _ANSWERS}},
     },
 }
 

@@ -141,6 +141,26 @@ def test_chat_and_streaming(tiny):
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
 
 
+def test_streamed_chunks_carry_each_rounds_provenance(tiny):
+    """Each streamed chunk's `triforce` field holds its round's tokens, the level that drafted each and their texts:
+    together generate()'s token ids and the answer's text, their verifications summed the final stats' counts."""
+    from triforce.speculation.provenance import level_counts
+
+    ids = tiny.tokenizer(DOC)["input_ids"]
+    ref = reference(tiny, ids, 48)
+    with serving(tiny) as (url, _):
+        chunks = list(client(url).completions.create(model="tiny", prompt=DOC, max_tokens=48, temperature=0,
+                                                      stream=True))
+    rounds = [ext(c) for c in chunks if "tokens" in ext(c)]
+    final = ext(chunks[-1])
+    assert [t["id"] for r in rounds for t in r["tokens"]] == ref.tokens
+    assert "".join(t["text"] for r in rounds for t in r["tokens"]) == "".join(c.choices[0].text for c in chunks)
+    assert level_counts(rounds) == {lvl["level"]: {k: lvl[k] for k in ("rounds", "proposed", "accepted")}
+                                    for lvl in final["stats"]["levels"] if lvl["role"] == "verify"}
+    assert {t["level"] for r in rounds for t in r["tokens"]} <= {"full", "retrieval:48", "ngram"}
+    assert rounds[0]["prompt_tokens"] == len(ids) and rounds[0]["prefix_cache_tokens"] == 0
+
+
 def test_bad_requests_get_400_naming_the_field(tiny):
     with serving(tiny, max_queue=2) as (url, _):
         def post(body, path="/v1/completions"):

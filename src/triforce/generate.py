@@ -19,6 +19,7 @@ from .model import Transformer
 from .sampling import SamplingParams, make_generator
 from .speculation.settings import SpecConfig
 from .speculation.builder import BuiltStack
+from .speculation.provenance import RoundProvenance
 from .speculation.stack import StackSpec, method_stack
 from .speculation.state import PrefilledPrompt
 
@@ -43,6 +44,9 @@ class GenerationResult:
 class StreamChunk:
     tokens: list[int]  # tokens committed by one round (in order; together: result.tokens)
     text: str = ""  # their text, complete characters only (with a tokenizer)
+    # which level drafted each token, the draft tail the top verifier cut, the round's verifications
+    # (speculation/provenance.py; its `texts`, with a tokenizer, are `text` split over the tokens)
+    provenance: RoundProvenance | None = None
 
 
 def check_request(n_prompt: int, max_new_tokens: int, max_context: int) -> None:
@@ -79,6 +83,8 @@ class _StopText:
         self.text = ""  # all complete text so far
         self.sent = 0  # characters of it already yielded
         self.stopped = False
+        self.mark = 0  # len(text) at the last take: where the tokens pushed since then start
+        self.ends: list[int] = []  # per token pushed since the last take, len(text) after it
 
     def push(self, token: int) -> None:
         self.text += self.deltas.push([token])
@@ -86,6 +92,26 @@ class _StopText:
             hits = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
             if hits:
                 self.text, self.stopped = self.text[:min(hits)], True
+        self.ends.append(len(self.text))
+
+    def take_pieces(self, final: bool = False) -> tuple[str, list[str]]:
+        """take(), and that text split over the tokens pushed since the last take (the page marks each token's
+        text by its level): each token gets the characters it completed. Characters held back from an earlier round
+        (a possible stop string's start) go to this round's first token, and the decoder's final flush to its last,
+        so the pieces always join to exactly the text taken."""
+        a = self.sent
+        out = self.take(final)
+        b = self.sent
+
+        def clip(x: int) -> int:
+            return min(max(x, a), b)
+        bounds = [clip(x) for x in [self.mark] + self.ends]
+        pieces = [self.text[s:e] for s, e in zip(bounds, bounds[1:])]
+        if pieces:
+            pieces[0] = self.text[a:bounds[0]] + pieces[0]
+            pieces[-1] += self.text[bounds[-1]:b]
+        self.mark, self.ends = len(self.text), []
+        return out, pieces
 
     def take(self, final: bool = False) -> str:
         if final and not self.stopped:
@@ -154,10 +180,11 @@ class GenerationStream:
                         finish = "eos"  # tokens drafted past EOS are dropped: AR would have stopped here
                         break
                 levels.after_commit(seq, len(seq))
-                decode_seconds += time.perf_counter() - t  # the consumer's time between rounds is not ours
                 done = finish != "length" or len(seq) - n0 >= self.max_new_tokens
-                text = self.text.take(final=done) if self.text is not None else ""
-                yield StreamChunk(seq[before:], text)
+                text, pieces = self.text.take_pieces(final=done) if self.text is not None else ("", None)
+                provenance = levels.provenance(seq[before:], pieces)
+                decode_seconds += time.perf_counter() - t  # the consumer's time between rounds is not ours
+                yield StreamChunk(seq[before:], text, provenance)
         self.result = GenerationResult(seq[n0:], n0, t1 - t0, decode_seconds, finish, self.name, levels.stats(),
                                        self.text.text if self.text is not None else None)
 

@@ -152,7 +152,8 @@ async def stream(client, url: str, ids: list[int], max_tokens: int, on_text=None
             if piece and on_text is not None:
                 await asyncio.to_thread(on_text)
             out["text"] += piece
-            out["triforce"] = chunk.get("triforce", out["triforce"])
+            if "stats" in chunk.get("triforce", {}):  # the last chunk's (the others carry a round's provenance)
+                out["triforce"] = chunk["triforce"]
     return out
 
 

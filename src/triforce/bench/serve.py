@@ -136,7 +136,7 @@ async def _one(client, url: str, prompt: str, max_tokens: int, cancel_after: int
                 break
             if obj.get("usage"):
                 out["tokens"] = obj["usage"]["completion_tokens"]
-            if obj.get("triforce"):
+            if obj.get("triforce") and "stats" in obj["triforce"]:  # the last chunk's (the others: a round's provenance)
                 out["server"] = obj["triforce"]
             if obj["choices"] and obj["choices"][0]["text"]:
                 chunks += 1
@@ -354,7 +354,7 @@ async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0:
             now = time.perf_counter() - t0
             if obj.get("usage"):
                 out["tokens"] = obj["usage"]["completion_tokens"]
-            if obj.get("triforce"):
+            if obj.get("triforce") and "stats" in obj["triforce"]:  # the last chunk's (the others: a round's provenance)
                 out["server"] = obj["triforce"]
             if obj["choices"] and obj["choices"][0]["text"]:
                 out["text"] += obj["choices"][0]["text"]

@@ -105,8 +105,11 @@ def run(args: argparse.Namespace) -> int:
     stream = generate_stream(loaded.model, prompt, args.max_new_tokens, params, stack=stack, config=config,
                              draft_model=draft_model, eos_ids=loaded.eos_token_ids, stop=args.stop,
                              tokenizer=loaded.tokenizer, seed=args.seed, progress=progress)
+    rounds = []  # --json: each round's provenance (which level drafted each token; speculation/provenance.py)
     for chunk in stream:
-        if not args.json:  # the text as the tokens are accepted
+        if args.json:
+            rounds.append(chunk.provenance.as_dict(loaded.tokenizer.decode))
+        else:  # the text as the tokens are accepted
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     res = stream.result
@@ -127,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             "prefill_seconds": round(res.prefill_seconds, 4),
             "tokens_per_second": round(res.tokens_per_second, 3),
             "stats": res.stats,
+            "rounds": rounds,
         }))
     else:
         print()

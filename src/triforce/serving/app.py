@@ -26,7 +26,7 @@ from .protocol import BadRequest, GenerationRequest, ResponseShape, error_body, 
 
 log = logging.getLogger("triforce.serve")
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -34,8 +34,9 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+          504: "timeout_error"}
 
 
 class _CountRequests:
@@ -95,14 +96,47 @@ async def _disconnected(receive) -> None:
         pass
 
 
+# A prompt longer than the model's context is refused anyway, and no prompt of more than this many bytes per token of
+# context fits it (English text takes about 4 bytes a token): such a body is refused unread (413), not read and
+# tokenized for seconds first (a 50 MB file dropped on the page).
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20
+
+
+def max_body_bytes(max_context: int) -> int:
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_context)
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body, or BadRequest (413) as soon as it is known to pass `limit` bytes."""
+    def too_large(n: int, more: str = "") -> BadRequest:
+        return BadRequest(f"the request body is {more}{n / 2 ** 20:.1f} MB: no prompt that long fits this model's context "
+                          f"({limit // BODY_BYTES_PER_TOKEN} tokens), so the server reads at most {limit / 2 ** 20:.1f} MB; "
+                          f"shorten the prompt", code="request_too_large", status=413)
+
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(int(length))
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise too_large(len(raw), "over ")
+    return bytes(raw)
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, default_max_tokens: int,
-               metrics: ServerMetrics, shutdown_timeout: float = 30.0) -> FastAPI:
-    """The app; its lifespan starts the engine and stops it at shutdown (queued requests get 503)."""
+               metrics: ServerMetrics, shutdown_timeout: float = 30.0, choose_stack=None,
+               page: dict | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine and stops it at shutdown (queued requests get 503). `choose_stack`
+    (stacks.StackChooser) lets a request name its own stack; `page`: what the web page at / shows of the server
+    (page.py; None: no page)."""
     state = {"closing": False}
+    max_body = max_body_bytes(max_context)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -128,12 +162,12 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
 
     async def generation(request: Request, kind: str):
         try:
-            raw = await request.body()
+            raw = await _body(request, max_body)
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as e:
                 raise BadRequest(f"the request body is not valid JSON: {e}") from None
-            req = await asyncio.to_thread(parse, kind, body, tokenizer, default_max_tokens, max_context)
+            req = await asyncio.to_thread(parse, kind, body, tokenizer, default_max_tokens, max_context, choose_stack)
         except BadRequest as e:
             return _error(e.status, e.message, param=e.param, code=e.code)
         return await _run(request, req)
@@ -148,7 +182,8 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
             except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
                 job.cancelled.set()
 
-        job = Job(req.prompt, req.max_tokens, req.params, req.seed, req.stop, deliver)
+        job = Job(req.prompt, req.max_tokens, req.params, req.seed, req.stop, deliver,
+                  stack=req.stack.spec if req.stack else None, stack_name=req.stack.name if req.stack else None)
         try:
             engine.submit(job)
         except QueueFull as e:
@@ -196,8 +231,9 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
         while True:
             ev = await events.get()
             if ev["type"] == "delta":
-                if ev["text"]:
-                    yield _sse(shape.chunk(ev["text"]))
+                extra = ev.get("triforce")  # the round's provenance: sent even when its text is held back
+                if ev["text"] or extra:
+                    yield _sse(shape.chunk(ev["text"], extra=extra))
             elif ev["type"] == "done":
                 yield _sse(shape.chunk(finish=ev["finish_reason"], extra=ev["triforce"]))
                 if req.include_usage:
@@ -215,6 +251,12 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generation(request, "chat")
+
+    if page is not None:
+        from .page import add_page
+
+        add_page(app, {**page, "model": model_id, "max_context": max_context, "default_max_tokens": default_max_tokens,
+                       "max_body_bytes": max_body, "stack_choice": choose_stack is not None})
 
     @app.get("/v1/models")
     async def models():

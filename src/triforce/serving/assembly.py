@@ -65,8 +65,14 @@ def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue
                               kv_budget(kv_memory, prefix_cache_bytes if prefix_cache is not None else 0))
     engine = Engine(settings, prefix_cache, metrics)
     model_id = model_id or default_model_id(loaded)
+    from ..speculation.stack import METHODS
+    from .stacks import StackChooser
+
+    page = {"stack": str(stack), "levels": [str(lvl) for lvl in stack.levels], "method": stack_name,
+            "methods": list(METHODS)}
     app = create_app(engine, loaded.tokenizer, model_id=model_id, max_context=loaded.config.max_context,
-                     default_max_tokens=default_max_tokens, metrics=metrics, shutdown_timeout=shutdown_timeout)
+                     default_max_tokens=default_max_tokens, metrics=metrics, shutdown_timeout=shutdown_timeout,
+                     choose_stack=StackChooser(model, config, draft_model), page=page)
     return Server(app, engine, prefix_cache, metrics, model_id)
 
 

@@ -16,7 +16,8 @@ waits in the queue, and one that could never fit (more than the whole budget) is
 (PromptTooLarge, a 400).
 
 A request (`Job`) reports through `job.deliver(event)`, called on the worker thread, in order:
-    {"type": "delta", "text": str, "tokens": [ids]}          one per speculation round (text may be "")
+    {"type": "delta", "text": str, "tokens": [ids], "triforce": {...}}   one per speculation round (text may be "";
+                                                                        triforce: its provenance, RoundProvenance)
     {"type": "done", "finish_reason": "stop" | "length", "usage": {...}, "triforce": {...}}
 or  {"type": "error", "status": int, "code": str, "message": str}   (timeout 504, shutdown 503, a bug 500)
 and nothing after that. A cancelled request (client gone) gets nothing more.
@@ -38,6 +39,7 @@ from typing import Callable
 import torch
 
 from ..caches import BufferPool, KVCache
+from ..errors import TriforceError
 from ..execution import batching, omp_threads
 from ..execution.batching import ForwardGate, GatedRunner
 from ..generate import generate_stream
@@ -93,6 +95,8 @@ class Job:
     claim: threading.Event | None = None  # set once the prompt blocks it claimed are cached (Engine._claim_prefill)
     full_cache: KVCache | None = None  # its full cache, released when the job ends (FullCache: to the engine's pool)
     levels: BuiltStack | None = None  # its speculation levels, their caches released when the job ends (the same)
+    stack: StackSpec | None = None  # its own speculation stack (the request's `stack` field); None: the server's
+    stack_name: str | None = None  # that stack's name in the response (a method, or the levels)
 
     def __post_init__(self):
         if self.seed is None:  # OpenAI's default: a fresh draw; the seed used is reported, to reproduce it
@@ -137,20 +141,21 @@ def full_cache_tokens(prompt_tokens: int, max_tokens: int, stack: StackSpec) -> 
     return -(-need // step) * step
 
 
-def request_bytes(s: EngineSettings, prompt_tokens: int, max_tokens: int) -> int:
+def request_bytes(s: EngineSettings, prompt_tokens: int, max_tokens: int, stack: StackSpec | None = None) -> int:
     """The bytes of one request's KV caches: the full cache (prompt, max_tokens and the round's lookahead, as the
     engine allocates it) in the model's KV dtype, and each drafting level's own cache as its kind makes it (a
     retrieval or H2O level's budget and the tokens appended between builds, a streaming level's window and slack,
-    a draft model's whole context: Kind.cache_tokens) in config.draft_kv_dtype (memory.kv_bytes)."""
+    a draft model's whole context: Kind.cache_tokens) in config.draft_kv_dtype (memory.kv_bytes). `stack`: the
+    request's own, else the server's."""
     from ..memory import kv_bytes, kv_value_bytes
     from ..speculation.builder import max_rollback
     from ..speculation.kinds import KINDS
 
-    model = s.model
-    capacity = full_cache_tokens(prompt_tokens, max_tokens, s.stack)
+    model, stack = s.model, stack or s.stack
+    capacity = full_cache_tokens(prompt_tokens, max_tokens, stack)
     total = kv_bytes(model.cfg, capacity, kv_value_bytes(model.kv_dtype))
-    rollback, draft_value = max_rollback(s.stack), kv_value_bytes(s.config.draft_kv_dtype)
-    for lvl in s.stack.levels[:-1]:
+    rollback, draft_value = max_rollback(stack), kv_value_bytes(s.config.draft_kv_dtype)
+    for lvl in stack.levels[:-1]:
         tokens = KINDS[lvl.kind].cache_tokens(s.config, lvl, rollback, capacity)
         cfg = s.draft_model.cfg if lvl.kind == "draft" and s.draft_model is not None else model.cfg
         total += kv_bytes(cfg, tokens, draft_value)
@@ -195,7 +200,7 @@ class Engine:
         """Queue a job; QueueFull when --max-queue jobs wait already, PromptTooLarge when it could never fit in the
         KV budget, ShuttingDown after stop()."""
         job.deadline = job.arrived + self.s.request_timeout
-        job.need = request_bytes(self.s, len(job.prompt), job.max_tokens)
+        job.need = request_bytes(self.s, len(job.prompt), job.max_tokens, job.stack)
         if self.s.kv_budget is not None and job.need > self.s.kv_budget:
             raise PromptTooLarge(job.need, self.s.kv_budget)
         with self._cv:
@@ -287,6 +292,9 @@ class Engine:
             self._claim_prefill(job)
             with self.gate.join():
                 self._run(job)
+        except TriforceError as e:  # what a request's own stack refuses at its start (stacks.py checks the rest)
+            log.warning("request refused: %s", e)
+            self._error(job, 400, "invalid_request", str(e))
         except Exception:  # noqa: BLE001 - a bug must not take the engine down: log it, answer 500
             log.exception("generation failed")
             self._error(job, 500, "internal_error", "internal error while generating (see the server log)")
@@ -339,7 +347,7 @@ class Engine:
         job.started = time.perf_counter()
         if job.stopped():
             return self._end_stopped(job)
-        capacity = full_cache_tokens(len(job.prompt), job.max_tokens, s.stack)
+        capacity = full_cache_tokens(len(job.prompt), job.max_tokens, job.stack or s.stack)
         with torch.inference_mode():
             prefilled = None
             if self._reuse:
@@ -366,12 +374,14 @@ class Engine:
 
     def _generate(self, job: Job, prefilled: CachedPrefill | None) -> None:
         s = self.s
-        stream = generate_stream(s.model, job.prompt, job.max_tokens, job.params, stack=s.stack, config=s.config,
-                                 draft_model=s.draft_model, eos_ids=s.eos_ids, stop=job.stop, tokenizer=s.tokenizer,
-                                 seed=job.seed, prefilled=prefilled, runner=self.runner)
+        stream = generate_stream(s.model, job.prompt, job.max_tokens, job.params, stack=job.stack or s.stack,
+                                 config=s.config, draft_model=s.draft_model, eos_ids=s.eos_ids, stop=job.stop,
+                                 tokenizer=s.tokenizer, seed=job.seed, prefilled=prefilled, runner=self.runner)
         rounds = iter(stream)
+        # the first chunk's provenance also says how the prompt was read (the page's panel shows it live)
+        opening = {"prompt_tokens": len(job.prompt), "prefix_cache_tokens": prefilled.reused_tokens if prefilled else 0}
         try:
-            first, n = self._deliver_rounds(job, rounds)
+            first, n = self._deliver_rounds(job, rounds, opening)
         finally:
             rounds.close()  # here, not at garbage collection: the generator's inference_mode is thread-local
             job.levels = stream.levels
@@ -382,10 +392,12 @@ class Engine:
             return self._end_stopped(job)
         self._done(job, stream.result, first, prefilled)
 
-    def _deliver_rounds(self, job: Job, rounds) -> tuple[float | None, int]:
-        """Deliver each round's tokens until the stream ends or the job is stopped; -> (time of the
+    def _deliver_rounds(self, job: Job, rounds, opening: dict) -> tuple[float | None, int]:
+        """Deliver each round's tokens, with their provenance (which level drafted each: the stream's `triforce`
+        field; `opening` joins the first round's), until the stream ends or the job is stopped; -> (time of the
         first token or None, tokens delivered)."""
         m = self.metrics
+        decode = self.s.tokenizer.decode if self.s.tokenizer is not None else None
         first = last = None
         n = 0
         batching.first_token_due(True)  # this thread's forwards until its first token: ahead of prefill chunks
@@ -403,7 +415,11 @@ class Engine:
                             m.itl.observe((now - last) / len(chunk.tokens))
                     last = now
                     n += len(chunk.tokens)
-                job.deliver({"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens)})
+                extra = chunk.provenance.as_dict(decode) if chunk.provenance is not None else None
+                if extra is not None and opening:
+                    extra.update(opening, time_to_first_token=round(now - job.arrived, 4))
+                    opening = {}
+                job.deliver({"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens), "triforce": extra})
                 if job.stopped():
                     break
         finally:
@@ -421,7 +437,7 @@ class Engine:
             m.finished.labels(finish).inc()
         job.finished = True
         extra = {
-            "stack": str(s.stack), "method": s.stack_name, "seed": job.seed,
+            "stack": str(job.stack or s.stack), "method": job.stack_name or s.stack_name, "seed": job.seed,
             "finish_reason": res.finish_reason,  # eos, stop (a stop string) or length
             "queue_seconds": round(job.started - job.arrived, 4),
             "time_to_first_token": round(first - job.arrived, 4) if first is not None else None,

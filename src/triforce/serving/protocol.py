@@ -3,7 +3,8 @@
 Parsing turns a JSON body into a `GenerationRequest` or raises `BadRequest` naming the field, which
 the app answers with a 400 and OpenAI's error body. Supported: prompt / messages, max_tokens
 (max_completion_tokens), temperature, top_p, top_k, seed, stop, stream, stream_options.include_usage,
-n = 1, and model / user (accepted, not used: one model is served). Fields of the API that change
+n = 1, model / user (accepted, not used: one model is served), and this server's extensions top_k and stack / gammas
+(a request's own speculation stack, stacks.py). Fields of the API that change
 nothing at their default value (presence_penalty 0, logprobs null, echo false, ...) are accepted at
 that value only; any other field is refused by name, so a client never silently gets something
 other than it asked for.
@@ -44,10 +45,11 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    stack: object = None  # stacks.RequestStack: the request's own speculation stack; None: the server's
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-           "user"}
+           "user", "stack", "gammas"}
 _FIELDS = {"completion": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens"}}
 
 
@@ -90,11 +92,17 @@ _NEUTRAL = {
 }
 
 
-def parse(kind: str, body, tokenizer, default_max_tokens: int, max_context: int) -> GenerationRequest:
+def parse(kind: str, body, tokenizer, default_max_tokens: int, max_context: int,
+          choose_stack=None) -> GenerationRequest:
     """A JSON body of /v1/completions (kind "completion") or /v1/chat/completions ("chat") -> the
-    request, its prompt tokenized; BadRequest for anything invalid or unsupported."""
+    request, its prompt tokenized; BadRequest for anything invalid or unsupported. `choose_stack`
+    (stacks.StackChooser): reads the `stack` / `gammas` fields; None: a server that takes no per-request stack."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if choose_stack is None and ("stack" in body or "gammas" in body):
+        name = "stack" if "stack" in body else "gammas"
+        raise BadRequest(f"'{name}' is not supported by this server (a request's own stack needs one engine: not "
+                         f"with --replicas)", name)
     for name, value in body.items():
         if name in _FIELDS[kind]:
             continue
@@ -108,6 +116,7 @@ def parse(kind: str, body, tokenizer, default_max_tokens: int, max_context: int)
     n = body.get("n")
     if n is not None and (_int(n, "n") != 1):
         raise BadRequest("only n=1 is supported (one completion per request)", "n")
+    stack = choose_stack(body.get("stack"), body.get("gammas")) if choose_stack is not None else None
     if kind == "chat":
         prompt = chat_prompt(body.get("messages"), tokenizer)
         max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -157,7 +166,8 @@ def parse(kind: str, body, tokenizer, default_max_tokens: int, max_context: int)
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
             raise BadRequest("'stream_options' supports only include_usage", "stream_options")
         include_usage = bool(options.get("include_usage"))
-    return GenerationRequest(kind, prompt, max_tokens, params, seed, _stop(body.get("stop")), bool(stream), include_usage)
+    return GenerationRequest(kind, prompt, max_tokens, params, seed, _stop(body.get("stop")), bool(stream), include_usage,
+                             stack)
 
 
 def completion_prompt(prompt, tokenizer) -> list[int]:

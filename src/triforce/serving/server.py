@@ -113,9 +113,11 @@ def build_front(deployment, *, default_max_tokens: int, shutdown_timeout: float)
     from .metrics import ServerMetrics
 
     info = deployment.info
+    levels = info["stack"].split(" ")[0]  # (str(StackSpec): the levels, then the gammas)
+    page = {"stack": info["stack"], "levels": levels.split(","), "method": levels, "methods": []}  # (no stack choice)
     return create_app(deployment.engine, info["tokenizer"], model_id=info["model_id"],
                       max_context=info["max_context"], default_max_tokens=default_max_tokens,
-                      metrics=ServerMetrics(), shutdown_timeout=shutdown_timeout)
+                      metrics=ServerMetrics(), shutdown_timeout=shutdown_timeout, page=page)
 
 
 def _serve_replicas(args, stack, stack_name: str, config, draft_path: str | None, dtype) -> int:

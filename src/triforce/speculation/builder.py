@@ -20,6 +20,7 @@ from .drafters import ModelDrafter
 from .kinds import KINDS, BuildContext
 from .level import Level
 from .planner import AdaptiveTop, Route
+from .provenance import RoundLog, RoundProvenance, drafted_by
 from .rebuild import RebuildPolicy
 from .settings import SpecConfig
 from .shortcut import NGramShortcut
@@ -60,6 +61,7 @@ class BuiltStack:
                             config.sink + MIN_STREAMING_WINDOW)
         self.model, self.params, self.config, self.generator = model, params, config, generator
         self.notes: list[str] = []
+        self.round_log = RoundLog()  # every level's verifications of the round in progress (provenance)
         self.stack = self._useful(stack, prompt_len)
         if model.windows is not None and self.stack.tree:
             raise TriforceError(f"draft trees (--tree, the sequoia method) are not supported yet for models with "
@@ -105,7 +107,7 @@ class BuiltStack:
                 self.adaptive = AdaptiveTop(kinds, names, self.states,
                                             proposer if bottom_state is None else None, start, generator,
                                             self.rebuild_policy.catch_up, self.rebuild_policy.catch_up_ms,
-                                            force=force_route, sampled=not params.greedy)
+                                            force=force_route, sampled=not params.greedy, log=self.round_log)
                 self.top = self.adaptive
                 return
             self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")
@@ -120,7 +122,7 @@ class BuiltStack:
         for i, (state, gamma) in enumerate(zip(self.states[1:], self.stack.gammas), start=2):
             top = i == len(self.stack.levels)
             proposer = Level(state.name, proposer, state, gamma, generator, tree=tree,
-                             shortcut=shortcut if top else None)
+                             shortcut=shortcut if top else None, log=self.round_log)
             tree = None
         self.top = proposer
 
@@ -174,6 +176,15 @@ class BuiltStack:
         """Between rounds: the rebuild policy over the levels in use."""
         in_use = self.adaptive.levels_in_use if self.adaptive is not None else range(len(self.states))
         self.rebuild_policy.after_commit(seq, committed, in_use, self.top)
+
+    def provenance(self, tokens: list[int], texts: list[str] | None = None) -> RoundProvenance:
+        """The last round's provenance (provenance.py), for the `tokens` the generation committed of it (the top's
+        step may return tokens past an EOS or a stop string, which are dropped)."""
+        top = self.top
+        levels = drafted_by(top, len(tokens))
+        bonus = tokens[-1] if tokens and levels[-1] == self.full.name else None
+        return RoundProvenance(tokens, levels, list(getattr(top, "rejected", ())), bonus, self.round_log.take(),
+                               getattr(top, "route_text", None), texts)
 
     def stats(self) -> dict:
         if self.adaptive is not None:

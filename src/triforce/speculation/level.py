@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..sampling import Scores, sample
+from .provenance import RoundLog, cut_tail, drafted_by
 from .shortcut import NGramShortcut
 from .state import ModelState, extended
 from .tree import DraftTree
@@ -129,11 +130,18 @@ class Level:
 
     `shortcut` (shortcut.NGramShortcut, at the top of a stack with levels between an n-gram drafter and it)
     chooses each round's drafter: its n-gram proposal, verified directly, or `drafter`.
+
+    Provenance (provenance.py): `origins` are the level names of the tokens step / propose returned last, `rejected`
+    the draft tail the last round cut, and each round is recorded in `log` (a RoundLog shared by the stack's levels).
     """
 
     def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator,
-                 tree: tuple[int, ...] | None = None, shortcut: NGramShortcut | None = None, on_round=None):
+                 tree: tuple[int, ...] | None = None, shortcut: NGramShortcut | None = None, on_round=None,
+                 log: RoundLog | None = None):
         self.on_round = on_round  # called with (asked, drafted, accepted) after each round (the adaptive planner)
+        self.log = log
+        self.origins: list[str] = []
+        self.rejected: list[int] = []
         self.name, self.drafter, self.verifier, self.gamma, self.generator = name, drafter, verifier, gamma, generator
         self.tree = tree if tree and hasattr(drafter, "propose_tree") else None
         self.shortcut = shortcut if self.tree is None else None
@@ -148,12 +156,13 @@ class Level:
         self.position_tried: list[int] = []
         self.position_accepted: list[int] = []
 
-    def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
+    def _round(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None, list[str]]:
         """draft -> verify -> accept -> roll back: the accepted tokens and the bonus token, with the verifier's
-        rows as their distributions (None when greedy)."""
+        rows as their distributions (None when greedy) and the level that drafted each (provenance.py)."""
         # draft: a chain of k tokens (or a tree) after ctx, with the drafter's q rows
+        drafter = self.drafter
         if self.tree is not None:
-            tree, q = self.drafter.propose_tree(ctx, committed, self.tree)
+            tree, q = drafter.propose_tree(ctx, committed, self.tree)
         else:
             drafter = self.drafter if self.shortcut is None else self.shortcut.choose(ctx, committed, k, self.drafter)
             draft, q = drafter.propose(ctx, committed, k)
@@ -185,8 +194,14 @@ class Level:
         tokens = [tree.tokens[i] for i in path] + [nxt]  # a tree may give more than k + 1: callers cut
         if self.shortcut is not None:
             self.shortcut.remember(tokens)
+        # provenance: ids already on the host (verify_tree's one sync), so a few list operations per round
+        below = drafted_by(drafter, len(tree))
+        origins = [below[i] for i in path] + [self.name]
+        self.rejected = cut_tail(tree, path) if self.tree is not None else list(tree.tokens[j:])
+        if self.log is not None:
+            self.log.record(self.name, tree.tokens, j)
         vertices = [0] + [i + 1 for i in path]  # the verifier's rows after the context and each accepted node
-        return tokens, (None if p.greedy else p.probs[vertices][:len(tokens)])
+        return tokens, (None if p.greedy else p.probs[vertices][:len(tokens)]), origins
 
     def _count_ranks(self, tree: DraftTree, path: list[int]) -> None:
         """At each vertex of the accepted path (the root, then each accepted node): its children up to the
@@ -222,20 +237,25 @@ class Level:
 
     def step(self, ctx: list[int], committed: int, limit: int) -> list[int]:
         """One round at the top of the stack: 1 to gamma + 1 tokens (at most `limit`)."""
-        return self._round(ctx, committed, min(self.gamma, limit))[0][:limit]
+        tokens, _, origins = self._round(ctx, committed, min(self.gamma, limit))
+        self.origins = origins[:limit]
+        return tokens[:limit]
 
     def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
         """Exactly k tokens distributed as the verifier's model, with its rows as their q (None when
         greedy: the tokens are the verifier's argmax, compared as ids)."""
         out: list[int] = []
         rows: list[torch.Tensor] = []
+        origins: list[str] = []
         with extended(ctx) as seq:  # each round drafts after the tokens of the rounds before
             while len(out) < k:
-                toks, p = self._round(seq, committed, min(self.gamma, k - len(out)))
+                toks, p, levels = self._round(seq, committed, min(self.gamma, k - len(out)))
                 out += toks
+                origins += levels
                 seq.extend(toks)
                 if p is not None:
                     rows.append(p)
+        self.origins = origins[:k]
         return out[:k], (torch.cat(rows)[:k] if rows else None)
 
     def stats(self) -> dict:

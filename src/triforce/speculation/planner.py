@@ -48,6 +48,7 @@ import torch
 from .cost_model import Boundary, chain_ms, expected_tokens
 from .drafters import ModelDrafter, NGramDrafter
 from .level import Level, verify_rates
+from .provenance import drafted_by
 from .stack import DRAFT_ONLY
 from .state import ModelState
 
@@ -671,7 +672,12 @@ class AdaptiveTop:
 
     def __init__(self, kinds: list[str], names: list[str], states: list[ModelState | None], ngram: NGramDrafter | None,
                  start: Route, generator: torch.Generator, catch_up, catch_up_ms=None, force=None,
-                 sampled: bool = False):
+                 sampled: bool = False, log=None):
+        self.log = log  # provenance.RoundLog shared by the routes' levels
+        # provenance of the last round (provenance.py): its tokens' levels, the draft tail cut at the top, its route
+        self.origins: list[str] = []
+        self.rejected: list[int] = []
+        self.route_text: str | None = None
         # a model-less bottom drafter: n-gram lookup, or a draft head (timed per drafted token as a level's forward)
         self.ngram = ngram if kinds[0] == "ngram" else None
         self.head = ngram if kinds[0] == "head" else None
@@ -706,7 +712,7 @@ class AdaptiveTop:
             for below, above in zip(fam, fam[1:]):
                 chain = Level(self.names[above], chain, self.states[above], 1, self.generator,
                               on_round=lambda asked, drafted, accepted, b=below, a=above:
-                              self.planner.observe(b, a, asked, drafted, accepted))
+                              self.planner.observe(b, a, asked, drafted, accepted), log=self.log)
             self._chains[fam] = chain
         node = chain
         for g in reversed(route.gammas):  # top boundary first
@@ -762,6 +768,8 @@ class AdaptiveTop:
         self.planner.record_round(route, cls, 1e3 * (self.clock() - started), len(tokens))
         self.planner_seconds += time.perf_counter() - t
         self.tokens += len(tokens)
+        self.origins, self.rejected = drafted_by(chain, len(tokens)), getattr(chain, "rejected", [])
+        self.route_text = text
         return tokens
 
     def level_stats(self) -> list[dict]:
