@@ -336,9 +336,9 @@ inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0, Pr
 // (row, key) partial-sum vectors, each the chain fma(q, k, acc) over the head's W-lane chunks from zero as in
 // dot_parts, reduced together by one hsum_lanes (its tree is the same in every lane): the bits of the groups below.
 // Per chunk it loads RT query and KT key vectors for W FMAs, where a group loads a query vector per FMA: AMD Zen 3,
-// AVX2 build, one thread, fp16 K/V, 15 rows over 32K keys x 30 layers x 3 KV heads, the scores alone 221-227 ->
-// 163-186 ms (benchmarks/attention_time.py; docs/performance.md, "Attention's arithmetic"). AVX2 only: the AVX-512
-// build's 4 x 4 tile is not measured yet.
+// AVX2 build, one thread, fp16 K/V, 15 rows over 32K keys x 30 layers x 3 KV heads, the scores alone 162.7 -> 147.1
+// ms, the whole attention 261.5 -> 249.4 (median CPU time, docs/benchmarks/2026-11-29-zen3-attention/). AVX2 only:
+// the AVX-512 build's 4 x 4 tile is not measured yet.
 constexpr int TILE_SCORE_ROWS = W == 8 ? 4 : 0;
 
 template <int64_t D, int64_t BS, int RT, typename KV>
