@@ -27,7 +27,7 @@ from triforce.speculation.provenance import level_counts  # noqa: E402
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 DRIVER = shutil.which("chromedriver")
-INSTALL = "./install.sh ci installs it (as root: apt-get install chromium chromium-driver; pip install selenium)"
+APT = "./install.sh chromium (as root: apt-get install chromium chromium-driver; ./install.sh ci does it too)"
 QUESTION = "Name three colours of the rainbow, then say why the sky is blue."
 slow = pytest.mark.slow  # (the tests with a server load the embedded model: not in the inner loop, -m "not slow")
 
@@ -46,11 +46,11 @@ def browser():
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
     except ImportError:
-        pytest.skip(f"selenium is not installed: pip install selenium ({INSTALL})")
+        pytest.skip("selenium is not installed: pip install selenium (the test extra: ./install.sh test, or ci)")
     if CHROMIUM is None:
-        pytest.skip(f"chromium is not installed: apt-get install chromium ({INSTALL})")
+        pytest.skip(f"chromium is not installed: {APT}")
     if DRIVER is None:
-        pytest.skip(f"chromedriver is not installed: apt-get install chromium-driver ({INSTALL})")
+        pytest.skip(f"chromedriver is not installed: {APT}")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1050",

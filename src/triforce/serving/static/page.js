@@ -155,14 +155,14 @@ function onChunk(chunk) {
   else {  // a chunk without provenance (another server's): its text, unmarked
     const c = chunk.choices && chunk.choices[0];
     const text = c ? (c.text !== undefined ? c.text : (c.delta && c.delta.content) || "") : "";
-    if (text) append(text, "plain", null);
+    if (text) append(text, null, null);
   }
   if (ext && ext.stats) onFinal(ext, chunk.choices[0].finish_reason);
 }
 
 function append(text, level, id) {
   const span = document.createElement("span");
-  span.className = level ? `tok lvl-${kindOf(level)}` : "tok plain";
+  span.className = level ? `tok lvl-${kindOf(level)}` : "plain";
   span.textContent = text;
   if (id !== null) {
     span.dataset.id = id;
