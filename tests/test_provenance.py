@@ -8,25 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import hf_tiny, ours_from_hf
 from triforce.generate import generate_ar, generate_stream
 from triforce.speculation.provenance import level_counts
-from triforce.speculation.settings import SpecConfig
 from test_generate_stream import ByteTokenizer
-
-TINY_SPEC = SpecConfig(gamma=4, gamma_draft=2, budget=48, chunk_size=8, recent=8, rebuild_every=16,
-                       sink=4, window=16, ngram=3, prefill_chunk=64)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return ours_from_hf(hf_tiny("llama", seed=11, max_position_embeddings=1024))
-
-
-@pytest.fixture(scope="module")
-def small_draft():
-    return ours_from_hf(hf_tiny("llama", seed=12, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-                                max_position_embeddings=1024))
+from test_speculation_greedy import TINY_SPEC, small_draft, target  # noqa: F401 (the same tiny pair, as fixtures)
 
 
 def _prompt(n, seed):
