@@ -197,9 +197,9 @@ def test_check_detects_a_shortcut_that_retries(models, prompt, exact, monkeypatc
     right = level_mod.Level._round
 
     def retrying(self, ctx, committed, k):
-        tokens, p = right(self, ctx, committed, k)
+        tokens, p, origins = right(self, ctx, committed, k)
         if self.shortcut is None or len(tokens) > 1:
-            return tokens, p
+            return tokens, p, origins
         shortcut, self.shortcut = self.shortcut, None
         try:
             return right(self, ctx, committed, k)
