@@ -271,7 +271,6 @@ def test_same_prefix_goes_to_the_replica_that_holds_it_and_answers_equal_generat
         assert c["triforce"]["prefix_cache_tokens"] == 0
         assert w["triforce"]["replica"] == c["triforce"]["replica"], (c["triforce"], w["triforce"])
         assert w["triforce"]["prefix_cache_tokens"] >= len(doc) // BLOCK * BLOCK
-        assert w["ttft"] * 5 <= c["ttft"], (w["ttft"], c["ttft"])
     for r, doc, q in [(c, d, 0) for c, d in zip(cold, docs)] + [(w, d, 1) for w, d in zip(warm, docs)]:
         assert r["text"] == reference(doc + question(tok, q)).text
 
