@@ -195,7 +195,7 @@ def test_head_is_a_bottom_only_kind(tiny_llama, tmp_path):
     config = SpecConfig(**CFG, head=str(make_head(tiny_llama, tmp_path)))
     with pytest.raises(TriforceError, match="bottom"):
         generate(tiny_llama, list(range(20)), 4, SamplingParams(), stack="ngram,head,full", config=config)
-    assert "head" in kinds_mod.KINDS
+    assert "head" in kinds_mod.KIND_CLASSES
 
 
 def test_an_interrupted_training_resumes_to_the_same_head(target, tmp_path, monkeypatch):
@@ -235,7 +235,7 @@ def test_an_adaptive_head_stack_switching_routes_keeps_greedy_output(tiny_llama,
     import dataclasses
     import random
 
-    from triforce.speculation.planner import Route
+    from triforce.speculation.routes import Route
     from triforce.speculation.stack import StackSpec
 
     model = tiny_llama
