@@ -145,9 +145,7 @@ class SharpeningHead(HeadDrafter):
 
 
 def test_the_distribution_check_catches_a_head_that_misreports_its_proposal(target, head_dir, prompt, monkeypatch):
-    import triforce.drafthead.drafter as drafter_mod
-
-    monkeypatch.setattr(drafter_mod, "HeadDrafter", SharpeningHead)
+    monkeypatch.setattr(kinds_mod, "HeadDrafter", SharpeningHead)  # what the head kind builds
     exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
     counts, _ = sampled(target, prompt, "head,full", head_dir)
     assert min(p_values(counts, exact)) < ALPHA
@@ -293,10 +291,9 @@ class FlatteningTreeHead(HeadDrafter):
 
 def test_the_distribution_check_catches_a_tree_head_that_misreports_its_proposal(target, head_dir, prompt,
                                                                                   monkeypatch):
-    import triforce.drafthead.drafter as drafter_mod
     from triforce.speculation.stack import StackSpec
 
-    monkeypatch.setattr(drafter_mod, "HeadDrafter", FlatteningTreeHead)
+    monkeypatch.setattr(kinds_mod, "HeadDrafter", FlatteningTreeHead)  # what the head kind builds
     exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
     counts, _ = sampled(target, prompt, StackSpec.parse("head,full", "2", tree="3,2"), head_dir)
     assert min(p_values(counts, exact)) < ALPHA

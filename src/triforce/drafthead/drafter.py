@@ -26,6 +26,7 @@ from ..caches import new_window_cache
 from ..caches.base import KVCache, TokenBlock
 from ..model import Transformer
 from ..sampling import SamplingParams, probs_from_logits, sample
+from ..speculation.drafters import draft_tree
 from ..speculation.state import ModelState
 from ..speculation.tree import DraftTree
 from .head import DraftHead, embed_tokens
@@ -211,8 +212,6 @@ class HeadDrafter:
         """A draft tree in the shape of `template` (speculation.drafters.draft_tree): each depth the tree so far is
         fed as one token block, each node reading its parent's prediction as its feature; a vertex's children come
         from the LM head over its prediction."""
-        from ..speculation.drafters import draft_tree
-
         t = time.perf_counter()
         root = self._catch_up(ctx, committed)
         if root is None:

@@ -12,8 +12,8 @@ import torch
 from .drafters import Drafter, ModelDrafter, NGramDrafter
 from .level import Level, chain_of, verify_rates
 from .measurements import MAX_GAMMA_NGRAM
-from .provenance import drafted_by
 from .planner import Planner
+from .provenance import drafted_by
 from .routes import Route
 from .stack import DRAFT_ONLY
 from .state import ModelState
@@ -49,7 +49,7 @@ class AdaptiveTop:
                 state.on_forward = costs[i].add
         if self.head is not None:
             self.head.on_forward = costs[0].add
-        self._chains: dict[tuple[int, ...], object] = {}
+        self._chains: dict[tuple[int, ...], Level | Drafter] = {}  # family -> its levels, top first
         self._drafters: dict[int, ModelDrafter] = {}
         self.rounds_by_route: dict[str, int] = {}
         self.switches: list[dict] = []
@@ -59,7 +59,8 @@ class AdaptiveTop:
         self._route: Route | None = None  # the last round's
         self._texts: dict[Route, str] = {}
 
-    def _chain(self, route: Route):
+    def _chain(self, route: Route) -> Level | Drafter:
+        """The route's family as levels (made once, shared by its routes), set to the route's gammas."""
         chain = self._chains.get(route.levels)
         if chain is None:
             fam = route.levels

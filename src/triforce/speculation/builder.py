@@ -47,7 +47,7 @@ def max_rollback(stack: StackSpec) -> int:
 class BuiltStack:
     """A stack spec's levels built for one generation: prefill() them, then each round `top.step()` makes the
     round's tokens and after_commit() runs the rebuild policy (rebuild.RebuildPolicy). `top` is the stack's top
-    level, or for an adaptive stack (StackSpec.adaptive) a planner.AdaptiveTop choosing each round's route through
+    level, or for an adaptive stack (StackSpec.adaptive) an adaptive.AdaptiveTop choosing each round's route through
     the levels (`force_route`: a function of the round index giving the route to run, or None to let the planner
     choose; for tests). `runner`: how the levels' forwards run (execution/runner.py; a server's batches them)."""
 
@@ -87,7 +87,8 @@ class BuiltStack:
         if model.windows is not None and max_rollback(stack) > DEFAULT_EXTRA:
             raise TriforceError(f"the stack {stack.levels_text} with --gammas {','.join(map(str, stack.gammas))} "
                                 f"may roll back {max_rollback(stack)} tokens, more than the sliding-window "
-                                f"layers' ring of this {model.cfg.arch} model keeps ({DEFAULT_EXTRA}): use smaller gammas")
+                                f"layers' ring of this {model.cfg.arch} model keeps ({DEFAULT_EXTRA}): use smaller "
+                                f"gammas")
         return stack
 
     def _build_context(self, capacity: int, draft_model: Transformer | None, runner: ModelRunner) -> BuildContext:
@@ -174,8 +175,8 @@ class BuiltStack:
         prefilled prompt, the full cache is just rolled back to it. In an adaptive stack a retrieval or H2O
         level is built when a route first runs it (RebuildPolicy.catch_up: a level never built is behind), not
         here: the first round is a plain step, so the first token does not wait for a build (the next rounds run
-        the stack as given, and build it). With 8 requests at 8K arriving together, the builds here put their
-        first tokens 0.4-1.2 s later (docs/serving.md)."""
+        the stack as given, and build it); requests arriving together would otherwise wait for each other's builds
+        (docs/serving.md)."""
         head = prompt[:-1]
         if self.prefilled is not None:
             self.prefilled.restore(prompt)

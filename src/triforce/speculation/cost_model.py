@@ -1,6 +1,6 @@
 """The cost model of a speculation stack: predicted ms per generated token from each level's forward cost and
 each boundary's acceptance. `triforce tune` prices its grid with it before a run; the adaptive planner
-(planner.py) re-prices its candidate routes with it while a run goes on. One model, two users.
+(routes.py) re-prices its candidate routes with it while a run goes on. One model, two users.
 
 Terms:
 - a *round* at level i: the level below drafts gamma tokens, level i scores them in one forward of

@@ -16,6 +16,8 @@ import torch
 from ..caches import BufferPool, H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache, new_cache
 from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
+from ..drafthead.drafter import HeadDrafter
+from ..drafthead.loading import head_for
 from ..errors import TriforceError
 from ..execution.runner import DIRECT, ModelRunner
 from ..loading.weights import draft_weights
@@ -242,9 +244,6 @@ class Head(Kind):
         return None
 
     def drafter(self, build, spec):
-        from ..drafthead.drafter import HeadDrafter
-        from ..drafthead.loading import head_for
-
         head = head_for(build.model, build.config.head)
         return HeadDrafter(head, build.model, build.params, build.generator, build.max_rollback,
                            kv_dtype(build.config.draft_kv_dtype))

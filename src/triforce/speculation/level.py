@@ -127,8 +127,8 @@ def verify_rates(rounds: int, proposed: int, accepted: int) -> dict:
 
 class Level:
     """`drafter` proposes up to `gamma` tokens, `verifier` checks them in one forward. With a tree
-    template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a model at the
-    bottom: ModelDrafter.propose_tree), each round drafts that tree instead of a chain (Sequoia).
+    template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a TreeDrafter: a model at
+    the bottom), each round drafts that tree instead of a chain (Sequoia).
 
     `shortcut` (shortcut.NGramShortcut, at the top of a stack with levels between an n-gram drafter and it)
     chooses each round's drafter: its n-gram proposal, verified directly, or `drafter`.

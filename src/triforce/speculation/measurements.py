@@ -172,7 +172,8 @@ class NGramWindow:
     def __init__(self):
         self.rounds: deque = deque(maxlen=self.KEEP)  # (match class, proposal length, matched)
         self.pending: deque = deque()  # (position, proposal, match class) not yet judged
-        self.open: list[tuple[int, int, int]] = []  # the pending ones as of the last judge(): (class, length, matched so far)
+        # the pending ones as of the last judge(): (class, length, matched so far)
+        self.open: list[tuple[int, int, int]] = []
 
     def propose(self, position: int, proposal: list[int], cls: int = 0) -> None:
         """A round's proposal; `cls`: its match class (the n-gram length that matched; 0: no proposal)."""

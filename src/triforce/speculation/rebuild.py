@@ -18,7 +18,7 @@ from .settings import SpecConfig
 from .stack import REBUILT, StackSpec
 from .state import ModelState
 
-CATCH_UP = 32  # an adaptive stack's retrieval or H2O level that sat out this many committed tokens is rebuilt, not re-fed
+CATCH_UP = 32  # an adaptive stack's level that sat out this many committed tokens is rebuilt, not re-fed
 
 
 class RebuildPolicy:
