@@ -54,7 +54,7 @@ _plan = planner_mod.Planner.plan
 
 def _logging_plan(self):
     out = _plan(self)
-    b = self.ngram_top.boundary()
+    b = self.measured.ngram_top.boundary()
     plans.append((self.round, self.route.text(self.kinds), b and [round(b.tokens(g), 2) for g in range(1, 9)]))
     return out
 

@@ -14,7 +14,8 @@ import statistics
 import sys
 import time
 
-import triforce.speculation.planner as P
+import triforce.speculation.adaptive as A
+import triforce.speculation.measurements as M
 from triforce.commands.common import default_draft_kv
 from triforce.corpus import genre_tokens
 from triforce.generate import generate
@@ -35,7 +36,7 @@ shared = PrefilledPrompt(model, prompt, n + 300, 512)
 print(f"{genre} {n} T={temp}: prefill {time.perf_counter() - t0:.1f} s", flush=True)
 
 fwd = {"ms": 0.0, "cur": []}  # the forwards of the round being timed: their ms, and (level, k, ms) each
-_add = P.LevelCosts.add
+_add = M.LevelCosts.add
 
 
 def add(self, k, seconds):
@@ -44,19 +45,19 @@ def add(self, k, seconds):
     return _add(self, k, seconds)
 
 
-P.LevelCosts.add = add
-_init = P.AdaptiveTop.__init__
+M.LevelCosts.add = add
+_init = A.AdaptiveTop.__init__
 
 
 def init(self, *a, **kw):
     _init(self, *a, **kw)
-    for i, c in self.planner.costs.items():
+    for i, c in self.planner.measured.costs.items():
         c.level_name = self.names[i]
 
 
-P.AdaptiveTop.__init__ = init
+A.AdaptiveTop.__init__ = init
 rounds = []
-_step = P.AdaptiveTop.step
+_step = A.AdaptiveTop.step
 
 
 def step(self, ctx, committed, limit):
@@ -72,7 +73,7 @@ def step(self, ctx, committed, limit):
     return out
 
 
-P.AdaptiveTop.step = step
+A.AdaptiveTop.step = step
 params = sampling_params(temp)
 for method in ("ar", "triforce"):
     generate(model, prompt, 4, params, method=method, config=cfg, prefilled=shared, seed=0)

@@ -13,7 +13,10 @@ import triforce.speculation.builder as builder_mod
 from triforce.generate import generate
 from triforce.sampling import SamplingParams
 from triforce.speculation.cost_model import expected_tokens
-from triforce.speculation.planner import MIN_ROUNDS, PROBE_HORIZON, PROBE_MAX, AdaptiveTop, Planner, Route
+from triforce.speculation.adaptive import AdaptiveTop
+from triforce.speculation.measurements import MIN_ROUNDS
+from triforce.speculation.planner import PROBE_HORIZON, PROBE_MAX, Planner
+from triforce.speculation.routes import Route
 from triforce.speculation.settings import SpecConfig
 from triforce.speculation.stack import StackSpec, method_stack
 
@@ -169,7 +172,7 @@ class Machine:
                 planner.record_round(route, None, self._ms)
             ms += self._ms
             match = self.ngram_match(r)
-            planner.ngram_top.rounds.append((3, 8, match))  # the text repeats for `match` tokens
+            planner.measured.ngram_top.rounds.append((3, 8, match))  # the text repeats for `match` tokens
             tokens += emitted
         return routes, ms, tokens
 
@@ -179,7 +182,7 @@ class Machine:
         if pos == 0:
             if level != 0:  # a model drafting one forward per token
                 for _ in range(k):
-                    planner.costs[level].add(1, self.cost(level, 1) / 1e3)
+                    planner.measured.costs[level].add(1, self.cost(level, 1) / 1e3)
                     self._ms += self.cost(level, 1)
             return k
         made = 0
@@ -196,7 +199,7 @@ class Machine:
             j = 0
             while j < g and self.rng.random() < self.accept(r, (below, level)):
                 j += 1
-        planner.costs[level].add(g + 1, self.cost(level, g + 1) / 1e3)
+        planner.measured.costs[level].add(g + 1, self.cost(level, g + 1) / 1e3)
         self._ms += self.cost(level, g + 1)
         planner.observe(below, level, g, g, j)
         return j + 1
@@ -204,7 +207,7 @@ class Machine:
     def _round(self, planner, route, r) -> int:
         self._ms = 0.0
         if len(route.levels) == 1:
-            planner.costs[2].add(1, self.cost(2, 1) / 1e3)
+            planner.measured.costs[2].add(1, self.cost(2, 1) / 1e3)
             self._ms = self.cost(2, 1)
             return 1
         return self._verify(planner, route, len(route.levels) - 1, route.gammas[-1], r)
@@ -280,11 +283,11 @@ def test_the_first_rounds_measure_the_stack_as_given():
     p = new_planner()
     routes, _, _ = Machine().run(p, 10)
     assert routes[0].levels == AR and all(r == Route(STACK, (2, 2)) for r in routes[1:1 + MIN_ROUNDS])
-    assert all(p._boundary(*b, p._ngram_boundary) is not None for b in ((0, 1), (1, 2)))  # priced from here on
+    assert all(p.measured.boundary(*b, p._ngram_boundary) is not None for b in ((0, 1), (1, 2)))  # priced from here on
 
 
 def test_forward_costs_never_fall_with_more_tokens_and_forget_stale_counts():
-    from triforce.speculation.planner import LevelCosts
+    from triforce.speculation.measurements import LevelCosts
     c = LevelCosts()
     for _ in range(3):
         for k, ms in ((1, 20.0), (3, 30.0), (4, 60.0), (5, 34.0)):  # 4 tokens timed in a noisy minute
@@ -332,7 +335,7 @@ def test_planner_does_not_flip_on_near_ties():
 
 def test_the_ngram_window_judges_each_proposal_against_the_text_that_followed():
     p = new_planner()
-    w = p.ngram_top
+    w = p.measured.ngram_top
     seq = [5, 6, 7]
     w.propose(3, [1, 2, 3, 4], 1)  # made before a round at position 3, from a 1-token match
     w.judge(seq + [1, 2])  # still matching where the text ends: undecided
@@ -354,13 +357,13 @@ def test_each_ngram_match_class_gets_its_own_route():
     # long matches (class 3) repeat the text, short ones (class 1) never do: lookup verified directly pays for
     # the first, plain decoding for the second; the rounds of each class take their own route
     p = new_planner()
-    w = p.ngram_top
+    w = p.measured.ngram_top
     for i in range(12):
         w.rounds.append((3, 8, 8))
         w.rounds.append((1, 8, 0))
     for k in (1, 2, 9):
         for _ in range(3):
-            p.costs[2].add(k, (20.0 + 2.0 * (k - 1)) / 1e3)
+            p.measured.costs[2].add(k, (20.0 + 2.0 * (k - 1)) / 1e3)
     p.round = 10
     p.plan()
     assert p.by_class[3].levels == NGRAM and p.by_class[3].gammas[0] >= 6
@@ -383,7 +386,7 @@ def test_the_server_metrics_count_the_adaptive_routes(models, prompt):
 
 
 def test_an_undecided_proposal_counts_with_what_it_matched_so_far():
-    w = new_planner().ngram_top
+    w = new_planner().measured.ngram_top
     for pos in (0, 1, 2):
         w.propose(pos, [7] * 8)
     w.judge([7, 7, 7, 7])  # every proposal still matches where the text ends: none decided
@@ -417,7 +420,7 @@ class SteepVerification(Machine):
 
 
 def test_a_plain_step_is_priced_from_its_own_cost_never_from_longer_forwards():
-    from triforce.speculation.planner import LevelCosts
+    from triforce.speculation.measurements import LevelCosts
     c = LevelCosts()
     for _ in range(2):
         c.add(1, 0.040)
@@ -448,7 +451,7 @@ def test_what_a_round_costs_beyond_its_forwards_is_measured_and_priced():
         return p, routes, ms / tokens
     p, routes, ms_per_token = run(report=True)
     assert p.route.levels == AR and sum(r.levels != AR for r in routes[50:]) <= 25  # probes only
-    assert p.round_costs[AR].extra_ms() == pytest.approx(1.0)
+    assert p.measured.round_costs[AR].extra_ms() == pytest.approx(1.0)
     _, blind_routes, blind = run(report=False)  # the control: priced by forwards alone, it runs retrieval
     assert sum(r.levels == AR for r in blind_routes[50:]) <= 25 and blind > 1.06 * 41.0
     assert ms_per_token < 1.04 * 41.0  # probes (a few rounds of retrieval now and then) included
@@ -497,18 +500,18 @@ def test_a_sampled_planner_scales_the_window_by_what_its_lookup_rounds_got():
     greedy = new_planner()
     for p in (sampled, greedy):
         for _ in range(12):
-            p.ngram_top.rounds.append((1, 2, 1))  # half the proposals' tokens matched
+            p.measured.ngram_top.rounds.append((1, 2, 1))  # half the proposals' tokens matched
         for k in (1, 2, 3):
             for _ in range(3):
-                p.costs[2].add(k, (20.0 + 4.0 * (k - 1)) / 1e3)
+                p.measured.costs[2].add(k, (20.0 + 4.0 * (k - 1)) / 1e3)
         p.round = 10
         p.plan()
-    assert greedy.lookup_calibration is None and greedy.route.levels == NGRAM
+    assert greedy.measured.lookup_calibration is None and greedy.route.levels == NGRAM
     window = sampled._ngram_boundary
     for _ in range(16):
         sampled.record_round(Route(NGRAM, (2,)), 1, 28.0, tokens=1)  # a 3-token forward's cost, nothing more
-    f = sampled.lookup_calibration.factor
+    f = sampled.measured.lookup_calibration.factor
     assert f == pytest.approx(2.0 / (16 * (window.tokens(2) - 1.0) + 2.0))
-    assert sampled._boundary(0, 2, window).tokens(2) == pytest.approx(1.0 + f * (window.tokens(2) - 1.0))
+    assert sampled.measured.boundary(0, 2, window).tokens(2) == pytest.approx(1.0 + f * (window.tokens(2) - 1.0))
     sampled.plan()
     assert sampled.route.levels == AR

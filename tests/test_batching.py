@@ -313,13 +313,13 @@ def test_a_level_that_sat_out_catches_up_in_forwards_that_batch(model):
     longer forward that would run alone with every other request waiting. The tokens stay generate()'s alone."""
     from dataclasses import replace
 
-    from triforce.speculation.planner import Route
+    from triforce.speculation.routes import Route
 
     config = SpecConfig(chunk_size=8, recent=8, prefill_chunk=32)
     prompt = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(4)).tolist()
     stack = replace(StackSpec.parse("ngram,retrieval:48,full", "3,4"), adaptive=True)  # (force_route: adaptive)
     behind = batch_tokens(model, new_cache(model, 64)) + 6  # plain rounds: tokens the retrieval level misses
-    assert behind < 32  # (planner.CATCH_UP: more would rebuild it instead)
+    assert behind < 32  # (rebuild.CATCH_UP: more would rebuild it instead)
 
     def route(r):  # retrieval drafting first (built), then plain decoding, then retrieval drafting again
         return Route((1, 2), (2,)) if r == 0 or r > behind else Route((2,), ())

@@ -145,9 +145,7 @@ class SharpeningHead(HeadDrafter):
 
 
 def test_the_distribution_check_catches_a_head_that_misreports_its_proposal(target, head_dir, prompt, monkeypatch):
-    import triforce.drafthead.drafter as drafter_mod
-
-    monkeypatch.setattr(drafter_mod, "HeadDrafter", SharpeningHead)
+    monkeypatch.setattr(kinds_mod, "HeadDrafter", SharpeningHead)  # what the head kind builds
     exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
     counts, _ = sampled(target, prompt, "head,full", head_dir)
     assert min(p_values(counts, exact)) < ALPHA
@@ -195,7 +193,7 @@ def test_head_is_a_bottom_only_kind(tiny_llama, tmp_path):
     config = SpecConfig(**CFG, head=str(make_head(tiny_llama, tmp_path)))
     with pytest.raises(TriforceError, match="bottom"):
         generate(tiny_llama, list(range(20)), 4, SamplingParams(), stack="ngram,head,full", config=config)
-    assert "head" in kinds_mod.KINDS
+    assert "head" in kinds_mod.KIND_CLASSES
 
 
 def test_an_interrupted_training_resumes_to_the_same_head(target, tmp_path, monkeypatch):
@@ -235,7 +233,7 @@ def test_an_adaptive_head_stack_switching_routes_keeps_greedy_output(tiny_llama,
     import dataclasses
     import random
 
-    from triforce.speculation.planner import Route
+    from triforce.speculation.routes import Route
     from triforce.speculation.stack import StackSpec
 
     model = tiny_llama
@@ -293,10 +291,9 @@ class FlatteningTreeHead(HeadDrafter):
 
 def test_the_distribution_check_catches_a_tree_head_that_misreports_its_proposal(target, head_dir, prompt,
                                                                                   monkeypatch):
-    import triforce.drafthead.drafter as drafter_mod
     from triforce.speculation.stack import StackSpec
 
-    monkeypatch.setattr(drafter_mod, "HeadDrafter", FlatteningTreeHead)
+    monkeypatch.setattr(kinds_mod, "HeadDrafter", FlatteningTreeHead)  # what the head kind builds
     exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
     counts, _ = sampled(target, prompt, StackSpec.parse("head,full", "2", tree="3,2"), head_dir)
     assert min(p_values(counts, exact)) < ALPHA

@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triforce.errors import TriforceError
-from triforce.speculation.stack import (BUDGETED, DRAFT_ONLY, KINDS, MAX_LEVELS, MAX_TREE_NODES, LevelSpec,
+from triforce.speculation.stack import (BUDGETED, DRAFT_ONLY, KIND_NAMES, MAX_LEVELS, MAX_TREE_NODES, LevelSpec,
                                         StackSpec)
 
-MIDDLE = [k for k in KINDS if k not in DRAFT_ONLY and k != "full"]  # kinds that may verify and draft
+MIDDLE = [k for k in KIND_NAMES if k not in DRAFT_ONLY and k != "full"]  # kinds that may verify and draft
 MODELS_AT_BOTTOM = MIDDLE  # a tree needs a model at the bottom
 
 
@@ -86,7 +86,7 @@ def test_valid_stacks_print_and_parse_back(args):
 
 
 # text built from the grammar's own pieces, shuffled and broken, and plain random text
-PIECES = st.sampled_from(list(KINDS) + [",", ":", " ", "", "-", "0", "1", "4", "99999999999999999999", "x", "full",
+PIECES = st.sampled_from(list(KIND_NAMES) + [",", ":", " ", "", "-", "0", "1", "4", "99999999999999999999", "x", "full",
                                          "ngram", "1.5", "+2", "\u0663", "_", "\x00", "tree", "--gammas"])
 FRAGMENT = st.one_of(st.lists(PIECES, max_size=12).map("".join), st.text(max_size=30))
 NUMBERS = st.one_of(st.none(), st.lists(st.one_of(st.integers(-3, 70).map(str), PIECES), max_size=8).map(",".join),
@@ -110,7 +110,7 @@ def test_any_text_parses_or_raises_triforce_error(levels, gammas, tree):
         assert parse_text(str(spec)) == spec
 
 
-@given(st.lists(st.sampled_from(KINDS), min_size=0, max_size=7), NUMBERS, NUMBERS)
+@given(st.lists(st.sampled_from(KIND_NAMES), min_size=0, max_size=7), NUMBERS, NUMBERS)
 def test_any_sequence_of_kinds_parses_or_raises_triforce_error(kinds, gammas, tree):
     spec = checked(",".join(kinds), gammas, tree)
     if spec is not None:

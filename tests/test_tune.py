@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from triforce.tuning.tune import (chosen_flags, expected_tokens, per_token_acceptance, pooled_mean_accepted,
-                                 predict_ms, predict_two_level_ms, probe_seeds)
+from triforce.speculation.cost_model import expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms
+from triforce.tuning.tune import chosen_flags, pooled_mean_accepted, probe_seeds
 
 
 @pytest.mark.parametrize("a", [0.0, 0.3, 0.7, 0.95])

@@ -263,7 +263,7 @@ def measure_shape(name: str, contexts: list[int], gamma: int, gamma_draft: int, 
 @torch.inference_mode()
 def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamma: int, gamma_draft: int,
                     budget: int, hbm: float, log, breakdown_too: bool) -> None:
-    from ..speculation.kinds import KINDS
+    from ..speculation.kinds import KIND_CLASSES
     from ..speculation.settings import SpecConfig
 
     cfg = model.cfg
@@ -293,7 +293,7 @@ def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamm
     row["ar_over_floor"] = row["ar_graph_ms"] / row["hbm_floor_ms"]
     # the retrieval level: built from the full cache's recorded queries (the last graph step's)
     graphs.forward(tok, cache, last=1)
-    retr = KINDS["retrieval"].new_cache(cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, budget=budget,
+    retr = KIND_CLASSES["retrieval"].new_cache(cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, budget=budget,
                                         recent=64, max_new=256, dtype=model.dtype, device="cuda", model=model,
                                         config=SpecConfig(chunk_size=8))
     retr.build(cache)  # once to warm up (kernels' first launches), then timed

@@ -24,7 +24,7 @@ from ..corpus import CODE_MODULES
 from ..model import Transformer
 
 TEMPERATURES = (0.5, 0.7, 1.0)
-KINDS = ("chat", "code", "chat", "docs", "chat", "random")  # each shard's prompts are of one kind, in turn
+PROMPT_KINDS = ("chat", "code", "chat", "docs", "chat", "random")  # each shard's prompts are of one kind, in turn
 PROMPT_TOKENS = 48  # code and docs prompts; chat prompts are as long as their request
 RANDOM_PROMPT_TOKENS = 16
 
@@ -142,8 +142,8 @@ def save_atomic(obj, path: Path) -> None:
 
 
 def shard_kind(index: int) -> str:
-    return KINDS[index % len(KINDS)]
+    return PROMPT_KINDS[index % len(PROMPT_KINDS)]
 
 
 def shard_temperature(index: int) -> float:
-    return TEMPERATURES[(index // len(KINDS)) % len(TEMPERATURES)]
+    return TEMPERATURES[(index // len(PROMPT_KINDS)) % len(TEMPERATURES)]

@@ -26,6 +26,8 @@ from ..caches import new_window_cache
 from ..caches.base import KVCache, TokenBlock
 from ..model import Transformer
 from ..sampling import SamplingParams, probs_from_logits, sample
+from ..speculation.drafters import draft_tree
+from ..speculation.state import ModelState
 from ..speculation.tree import DraftTree
 from .head import DraftHead, embed_tokens
 
@@ -48,8 +50,8 @@ def prepare_for_drafting(head: DraftHead, model: Transformer) -> None:
 
 
 class HeadDrafter:
-    """Drafts chains from a DraftHead; `sources` are the model states above it, nearest first (BuiltStack sets
-    them: their record_features() is on), whose features it reads."""
+    """Drafts chains and trees from a DraftHead, reading the features of the model states above it
+    (read_features_of)."""
 
     name = "head"
 
@@ -61,7 +63,7 @@ class HeadDrafter:
         self.lm_model = lm_model or model
         prepare_for_drafting(head, model)
         self.window, self.max_rollback, self.kv_dtype = head.cfg.window, max_rollback + 8, kv_dtype
-        self.sources: list = []
+        self.sources: list[ModelState] = []  # the states whose features it reads, nearest first
         self.feature_layers = head.feature_layers  # the target layers whose inputs it reads (None: final norm's output)
         self.cache: KVCache | None = None
         self.start = 0  # the cache's first position
@@ -71,6 +73,12 @@ class HeadDrafter:
         self.seconds = 0.0
         self.catch_up_rows = 0
         self.on_forward = None  # called with (1, seconds) per drafted token (the adaptive planner's cost of the level)
+
+    def read_features_of(self, states: list[ModelState]) -> None:
+        """Read the features of `states` (the levels above, nearest first), which record them from now on."""
+        self.sources = states
+        for s in states:
+            s.record_features(self.feature_layers)
 
     def _reset(self, start: int) -> None:
         c = self.head.cfg
@@ -204,8 +212,6 @@ class HeadDrafter:
         """A draft tree in the shape of `template` (speculation.drafters.draft_tree): each depth the tree so far is
         fed as one token block, each node reading its parent's prediction as its feature; a vertex's children come
         from the LM head over its prediction."""
-        from ..speculation.drafters import draft_tree
-
         t = time.perf_counter()
         root = self._catch_up(ctx, committed)
         if root is None:

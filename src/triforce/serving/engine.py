@@ -149,14 +149,14 @@ def request_bytes(s: EngineSettings, prompt_tokens: int, max_tokens: int, stack:
     request's own, else the server's."""
     from ..memory import kv_bytes, kv_value_bytes
     from ..speculation.builder import max_rollback
-    from ..speculation.kinds import KINDS
+    from ..speculation.kinds import KIND_CLASSES
 
     model, stack = s.model, stack or s.stack
     capacity = full_cache_tokens(prompt_tokens, max_tokens, stack)
     total = kv_bytes(model.cfg, capacity, kv_value_bytes(model.kv_dtype))
     rollback, draft_value = max_rollback(stack), kv_value_bytes(s.config.draft_kv_dtype)
     for lvl in stack.levels[:-1]:
-        tokens = KINDS[lvl.kind].cache_tokens(s.config, lvl, rollback, capacity)
+        tokens = KIND_CLASSES[lvl.kind].cache_tokens(s.config, lvl, rollback, capacity)
         cfg = s.draft_model.cfg if lvl.kind == "draft" and s.draft_model is not None else model.cfg
         total += kv_bytes(cfg, tokens, draft_value)
     return total

@@ -16,12 +16,13 @@ from ..errors import TriforceError
 from ..execution.runner import DIRECT, ModelRunner
 from ..model import Transformer
 from ..sampling import SamplingParams
-from .drafters import ModelDrafter
-from .kinds import KINDS, BuildContext
-from .level import Level
-from .planner import AdaptiveTop, Route
+from .adaptive import AdaptiveTop
+from .drafters import Drafter, ModelDrafter
+from .kinds import KIND_CLASSES, BuildContext
+from .level import Level, chain_of
 from .provenance import RoundLog, RoundProvenance, drafted_by
 from .rebuild import RebuildPolicy
+from .routes import Route
 from .settings import SpecConfig
 from .shortcut import NGramShortcut
 from .stack import REBUILT, ROLLBACK_SLACK, StackSpec
@@ -46,7 +47,7 @@ def max_rollback(stack: StackSpec) -> int:
 class BuiltStack:
     """A stack spec's levels built for one generation: prefill() them, then each round `top.step()` makes the
     round's tokens and after_commit() runs the rebuild policy (rebuild.RebuildPolicy). `top` is the stack's top
-    level, or for an adaptive stack (StackSpec.adaptive) a planner.AdaptiveTop choosing each round's route through
+    level, or for an adaptive stack (StackSpec.adaptive) an adaptive.AdaptiveTop choosing each round's route through
     the levels (`force_route`: a function of the round index giving the route to run, or None to let the planner
     choose; for tests). `runner`: how the levels' forwards run (execution/runner.py; a server's batches them)."""
 
@@ -54,77 +55,105 @@ class BuiltStack:
                  generator: torch.Generator, prompt_len: int, max_new_tokens: int,
                  draft_model: Transformer | None = None, prefilled: PrefilledPrompt | None = None,
                  force_route=None, runner: ModelRunner = DIRECT):
+        self.model, self.params, self.config, self.generator = model, params, config, generator
+        self.notes: list[str] = []
+        self.round_log = RoundLog()  # every level's verifications of the round in progress (provenance)
+        self.prefilled = prefilled
+        self.stack = self._runnable(stack, prompt_len)
+        build = self._build_context(full_capacity(prompt_len, max_new_tokens, self.stack), draft_model, runner)
+        # level names in the stats: the kind, or kind:budget where the stack names a budget
+        self.states: list[ModelState | None] = [KIND_CLASSES[lvl.kind].state(build, lvl, str(lvl))
+                                                for lvl in self.stack.levels]
+        self.full = self.states[-1]
+        self.rebuild_policy = RebuildPolicy(self.stack, self.states, config, max_rollback(self.stack))
+        bottom = self._bottom_drafter(build)
+        self.adaptive = self._adaptive_top(bottom, force_route)
+        self.top: Level | Drafter | AdaptiveTop = (self.adaptive if self.adaptive is not None
+                                                   else self._fixed_stack(bottom, build))
+
+    def _runnable(self, stack: StackSpec, prompt_len: int) -> StackSpec:
+        """The stack checked against the settings and the model, without the levels that would equal the full
+        model for this prompt (_useful)."""
+        model, config = self.model, self.config
         config.validate()
         stack.check()
         stack.check_budgets(model.cfg.max_context, {"retrieval": config.budget, "h2o": config.budget,
                                                      "streaming": config.streaming_budget},
                             config.sink + MIN_STREAMING_WINDOW)
-        self.model, self.params, self.config, self.generator = model, params, config, generator
-        self.notes: list[str] = []
-        self.round_log = RoundLog()  # every level's verifications of the round in progress (provenance)
-        self.stack = self._useful(stack, prompt_len)
-        if model.windows is not None and self.stack.tree:
+        stack = self._useful(stack, prompt_len)
+        if model.windows is not None and stack.tree:
             raise TriforceError(f"draft trees (--tree, the sequoia method) are not supported yet for models with "
                                 f"sliding-window layers such as this {model.cfg.arch} model: use chain stacks")
-        if model.windows is not None and max_rollback(self.stack) > DEFAULT_EXTRA:
-            raise TriforceError(f"the stack {self.stack.levels_text} with --gammas {','.join(map(str, self.stack.gammas))} "
-                                f"may roll back {max_rollback(self.stack)} tokens, more than the sliding-window "
-                                f"layers' ring of this {model.cfg.arch} model keeps ({DEFAULT_EXTRA}): use smaller gammas")
-        capacity = full_capacity(prompt_len, max_new_tokens, self.stack)
-        self.prefilled = prefilled
-        full_cache = None
+        if model.windows is not None and max_rollback(stack) > DEFAULT_EXTRA:
+            raise TriforceError(f"the stack {stack.levels_text} with --gammas {','.join(map(str, stack.gammas))} "
+                                f"may roll back {max_rollback(stack)} tokens, more than the sliding-window "
+                                f"layers' ring of this {model.cfg.arch} model keeps ({DEFAULT_EXTRA}): use smaller "
+                                f"gammas")
+        return stack
+
+    def _build_context(self, capacity: int, draft_model: Transformer | None, runner: ModelRunner) -> BuildContext:
+        """What the kinds build the levels from, with the full level's cache: the prefilled prompt's, or a new one,
+        made before the levels since a kv4 level reads an int8 target's planes."""
+        model, prefilled = self.model, self.prefilled
         if prefilled is not None:
             if prefilled.model is not model:
                 raise ValueError("the prefilled prompt was made with another model")
             full_cache = prefilled.cache
             if full_cache.capacity < capacity:
                 raise ValueError(f"the prefilled prompt's cache holds {full_cache.capacity} tokens, {capacity} needed")
-        else:  # made here, before the levels: a kv4 level reads an int8 target's planes
-            full_cache = new_cache(model, capacity, record_queries=any(KINDS[lvl.kind].needs_queries()
+        else:
+            full_cache = new_cache(model, capacity, record_queries=any(KIND_CLASSES[lvl.kind].needs_queries()
                                                                         for lvl in self.stack.levels))
         # the drafting caches take their buffers from where the full cache's came from (a server's pool)
-        build = BuildContext(model, params, config, capacity, max_rollback(self.stack), draft_model, full_cache,
-                             generator, getattr(full_cache, "pool", None), runner)
+        return BuildContext(model, self.params, self.config, capacity, max_rollback(self.stack), draft_model,
+                            full_cache, self.generator, getattr(full_cache, "pool", None), runner)
 
-        # level names in the stats: the kind, or kind:budget where the stack names a budget
-        self.states: list[ModelState | None] = [KINDS[lvl.kind].state(build, lvl, str(lvl)) for lvl in self.stack.levels]
-        self.full = self.states[-1]
-        self.rebuild_policy = RebuildPolicy(self.stack, self.states, config, max_rollback(self.stack))
-        bottom_spec, bottom_state = self.stack.levels[0], self.states[0]
-        proposer = (ModelDrafter(bottom_state, generator) if bottom_state is not None
-                    else KINDS[bottom_spec.kind].drafter(build, bottom_spec))
-        if hasattr(proposer, "sources"):  # a draft head reads the features of the levels above, nearest first
-            proposer.sources = [s for s in self.states[1:] if s is not None]
-            for s in proposer.sources:
-                s.record_features(getattr(proposer, "feature_layers", None))
-        self.adaptive = None
-        if self.stack.adaptive and len(self.stack.levels) > 1 and not self.stack.tree:
-            if model.device.type == "cpu":
-                names = [s.name if s is not None else lvl.kind for s, lvl in zip(self.states, self.stack.levels)]
-                kinds = [lvl.kind for lvl in self.stack.levels]
-                n = len(kinds) - 1
-                start = Route(tuple(range(n + 1)), self.stack.gammas)
-                self.adaptive = AdaptiveTop(kinds, names, self.states,
-                                            proposer if bottom_state is None else None, start, generator,
-                                            self.rebuild_policy.catch_up, self.rebuild_policy.catch_up_ms,
-                                            force=force_route, sampled=not params.greedy, log=self.round_log)
-                self.top = self.adaptive
-                return
+    def _bottom_drafter(self, build: BuildContext) -> Drafter:
+        """The bottom level as a drafter: its model state drafting autoregressively, or its kind's model-less
+        drafter, connected to the states above it (a draft head reads their features)."""
+        spec, state = self.stack.levels[0], self.states[0]
+        if state is not None:
+            return ModelDrafter(state, self.generator)
+        kind = KIND_CLASSES[spec.kind]
+        drafter = kind.drafter(build, spec)
+        kind.connect_drafter(drafter, [s for s in self.states[1:] if s is not None])
+        return drafter
+
+    def _adaptive_top(self, bottom: Drafter, force_route) -> AdaptiveTop | None:
+        """For an adaptive chain stack of two levels or more on the CPU, the planner's top; else None (noted where
+        the device is the reason)."""
+        if not (self.stack.adaptive and len(self.stack.levels) > 1 and not self.stack.tree):
+            return None
+        if self.model.device.type != "cpu":
             self.notes.append("the adaptive planner times forwards on the CPU only: the stack runs as given here")
-        tree = fixed_tree(self.stack.tree) if self.stack.tree else None  # drafted by the bottom level only
-        # the top level's n-gram shortcut past the levels between (shortcut.NGramShortcut); below a draft head, an
-        # n-gram drafter of its own: repeated text is then verified directly, new text drafted by the head
+            return None
+        levels = self.stack.levels
+        names = [s.name if s is not None else lvl.kind for s, lvl in zip(self.states, levels)]
+        start = Route(tuple(range(len(levels))), self.stack.gammas)
+        return AdaptiveTop([lvl.kind for lvl in levels], names, self.states,
+                           bottom if self.states[0] is None else None, start, self.generator,
+                           self.rebuild_policy.catch_up, self.rebuild_policy.catch_up_ms, force=force_route,
+                           sampled=not self.params.greedy, log=self.round_log)
+
+    def _fixed_stack(self, bottom: Drafter, build: BuildContext) -> Level | Drafter:
+        """The levels as given, bottom-up, each verifying the one below: its top (the bottom drafter alone for
+        `full` alone). A tree is drafted by the bottom level only. The top level's n-gram shortcut past the
+        levels between (shortcut.NGramShortcut) uses the bottom n-gram drafter, or, below a draft head, one of its
+        own: repeated text is then verified directly, new text drafted by the head."""
+        config, bottom_kind = self.config, self.stack.levels[0].kind
+        tree = fixed_tree(self.stack.tree) if self.stack.tree else None
         shortcut = None
-        if config.ngram_shortcut > 0 and bottom_spec.kind == "ngram" and len(self.stack.levels) > 2:
-            shortcut = NGramShortcut(proposer, config.ngram_shortcut)
-        elif config.ngram_shortcut > 0 and bottom_spec.kind == "head":
-            shortcut = NGramShortcut(KINDS["ngram"].drafter(build, bottom_spec), config.ngram_shortcut)
+        if config.ngram_shortcut > 0 and bottom_kind == "ngram" and len(self.stack.levels) > 2:
+            shortcut = NGramShortcut(bottom, config.ngram_shortcut)
+        elif config.ngram_shortcut > 0 and bottom_kind == "head":
+            shortcut = NGramShortcut(KIND_CLASSES["ngram"].drafter(build, self.stack.levels[0]), config.ngram_shortcut)
+        node = bottom
         for i, (state, gamma) in enumerate(zip(self.states[1:], self.stack.gammas), start=2):
             top = i == len(self.stack.levels)
-            proposer = Level(state.name, proposer, state, gamma, generator, tree=tree,
-                             shortcut=shortcut if top else None, log=self.round_log)
+            node = Level(state.name, node, state, gamma, self.generator, tree=tree,
+                         shortcut=shortcut if top else None, log=self.round_log)
             tree = None
-        self.top = proposer
+        return node
 
     def _useful(self, stack: StackSpec, prompt_len: int) -> StackSpec:
         """Drop retrieval and H2O levels whose budget holds the whole prompt: they would equal the full
@@ -146,8 +175,8 @@ class BuiltStack:
         prefilled prompt, the full cache is just rolled back to it. In an adaptive stack a retrieval or H2O
         level is built when a route first runs it (RebuildPolicy.catch_up: a level never built is behind), not
         here: the first round is a plain step, so the first token does not wait for a build (the next rounds run
-        the stack as given, and build it). With 8 requests at 8K arriving together, the builds here put their
-        first tokens 0.4-1.2 s later (docs/serving.md)."""
+        the stack as given, and build it); requests arriving together would otherwise wait for each other's builds
+        (docs/serving.md)."""
         head = prompt[:-1]
         if self.prefilled is not None:
             self.prefilled.restore(prompt)
@@ -161,7 +190,7 @@ class BuiltStack:
             if state is None or (self.adaptive is not None and lvl.kind in REBUILT):
                 continue
             t = state.runner.own_clock()  # (its own time, not a wait for others' forwards: RebuildPolicy.catch_up_ms)
-            KINDS[lvl.kind].prefill(state, head, self.full, self.config)
+            KIND_CLASSES[lvl.kind].prefill(state, head, self.full, self.config)
             if lvl.kind in REBUILT:
                 self.rebuild_policy.count(state.runner.own_clock() - t)
 
@@ -183,18 +212,15 @@ class BuiltStack:
         top = self.top
         levels = drafted_by(top, len(tokens))
         bonus = tokens[-1] if tokens and levels[-1] == self.full.name else None
-        return RoundProvenance(tokens, levels, list(getattr(top, "rejected", ())), bonus, self.round_log.take(),
-                               getattr(top, "route_text", None), texts)
+        rejected = top.rejected if isinstance(top, (Level, AdaptiveTop)) else []
+        route = top.route_text if isinstance(top, AdaptiveTop) else None
+        return RoundProvenance(tokens, levels, list(rejected), bonus, self.round_log.take(), route, texts)
 
     def stats(self) -> dict:
         if self.adaptive is not None:
             levels = self.adaptive.level_stats()
         else:
-            levels = []
-            node = self.top
-            while node is not None:
-                levels.append(node.stats())
-                node = getattr(node, "drafter", None)
+            levels = [node.stats() for node in chain_of(self.top)]
         out = {"stack": self.stack.levels_text, "gammas": list(self.stack.gammas), "levels": levels,
                "config": asdict(self.config)}
         if self.adaptive is not None:

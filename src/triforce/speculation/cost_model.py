@@ -1,6 +1,6 @@
 """The cost model of a speculation stack: predicted ms per generated token from each level's forward cost and
 each boundary's acceptance. `triforce tune` prices its grid with it before a run; the adaptive planner
-(planner.py) re-prices its candidate routes with it while a run goes on. One model, two users.
+(routes.py) re-prices its candidate routes with it while a run goes on. One model, two users.
 
 Terms:
 - a *round* at level i: the level below drafts gamma tokens, level i scores them in one forward of
@@ -19,6 +19,7 @@ costs 25 + 4 x 4 = 41 ms: 12.2 ms per token, against an `ar` step of 20 ms: 1.64
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import Callable, Mapping, Sequence, Union
 
 # A level's forward cost in ms by tokens fed: a table {k: ms} (tune's measurements) or a function of k, which
@@ -80,16 +81,59 @@ def ms_per_token(bottom_ms: float, steps: Sequence[Step]) -> float:
     costs (a model: one forward of 1 token; n-gram lookup: 0), `steps` the verifying levels, bottom first. Each
     round of a level costs its forward of 1 + drafted tokens plus gamma tokens of the level below, and yields
     tokens(gamma) tokens."""
-    return chain_ms(bottom_ms, [(s.gamma, cost_at(s.costs, 1 + s.boundary.drafted(s.gamma)), s.boundary.tokens(s.gamma))
-                                for s in steps])
+    return chain_ms(bottom_ms, [round_terms(lambda k, c=s.costs: cost_at(c, k), s.boundary, s.gamma) for s in steps])
 
 
-def chain_ms(bottom_ms: float, rounds: Sequence[tuple[int, float, float]]) -> float:
-    """ms_per_token's arithmetic, from each level's (gamma, ms of its round's forward, tokens per round)."""
+# One verifying level's round as chain_ms takes it: (gamma, ms of the verifying forward, tokens per round)
+RoundTerms = tuple[int, float, float]
+
+
+def round_terms(cost: Callable[[float], float], boundary: Boundary, gamma: int) -> RoundTerms:
+    """A level's round at `gamma` over `boundary`, its forward of 1 + drafted tokens priced by `cost`."""
+    return gamma, cost(1 + boundary.drafted(gamma)), boundary.tokens(gamma)
+
+
+def chain_ms(bottom_ms: float, rounds: Sequence[RoundTerms]) -> float:
+    """ms_per_token's arithmetic, from each level's round_terms, bottom first."""
     ms = bottom_ms
     for gamma, forward_ms, tokens in rounds:
         ms = (forward_ms + gamma * ms) / tokens
     return ms
+
+
+def cheapest_chain(bottom_ms: float, tables: Sequence[Sequence[RoundTerms]], extra_ms: float = 0.0
+                   ) -> tuple[float, tuple[RoundTerms, ...]]:
+    """The cheapest combination of one round per level (`tables`: each level's candidate gammas' round_terms,
+    bottom first) -> (its ms per token, counting `extra_ms` more per round at the top; the combination)."""
+    best = None
+    for combo in product(*tables):
+        ms = chain_ms(bottom_ms, combo) + extra_ms / combo[-1][2]
+        if best is None or ms < best[0]:
+            best = (ms, combo)
+    return best
+
+
+def interpolate(costs: Mapping[int, float], k: int) -> float:
+    """A forward's cost at k tokens from a table measured at some counts: linear between the counts around k (k
+    within the table's range)."""
+    lo = max(s for s in costs if s <= k)
+    hi = min((s for s in costs if s >= k), default=lo)
+    return costs[lo] if hi == lo else costs[lo] + (costs[hi] - costs[lo]) * (k - lo) / (hi - lo)
+
+
+def tree_ms_per_token(draft_costs: Mapping[int, float], verify_costs: Mapping[int, float], widths: Sequence[int],
+                      nodes: int, tokens: float) -> float:
+    """Predicted ms per token of a widths-per-depth draft tree of `nodes` nodes (Sequoia) yielding `tokens` per
+    round: the drafter's forwards, one per depth but the last, each feeding the tree so far (after the root's row),
+    and the verification of every node, over the tokens a round yields."""
+    fed, drafting = 0, interpolate(draft_costs, 1)
+    width = 1
+    for w in widths[:-1]:
+        width *= w
+        fed += width
+        drafting += interpolate(draft_costs, fed + 1)
+    verify = interpolate(verify_costs, nodes + 1)
+    return (drafting + verify) / tokens
 
 
 def predict_ms(cost_full: Costs, cost_retr: Costs, a_full: float, a_retr: float, gamma: int, gamma_draft: int) -> float:

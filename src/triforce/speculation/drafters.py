@@ -1,18 +1,41 @@
-"""Drafters at the bottom of a speculation stack: a model sampling autoregressively, or n-gram lookup.
-
-Every proposer implements
-    propose(ctx, committed, k) -> (tokens: list[int], q: [len(tokens), V] proposal distributions, or
-                                   None: point masses at the tokens (deterministic or greedy drafts))
-    step(ctx, committed, limit) -> tokens        (one round when used as the top of a stack)
+"""Drafters at the bottom of a speculation stack: a model sampling autoregressively, or n-gram lookup (a trained
+draft head is drafthead.drafter.HeadDrafter). What a level drafts from is a `Drafter`; a level is one too
+(level.Level), for the level above it.
 """
 from __future__ import annotations
 
 import time
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from .state import ModelState, extended
 from .tree import DraftTree
+
+
+class Drafter(Protocol):
+    """What a level drafts from."""
+
+    name: str  # the level's name in the stats and the tokens' provenance
+
+    def propose(self, ctx: list[int], committed: int, k: int) -> tuple[list[int], torch.Tensor | None]:
+        """Up to k tokens after `ctx` (of which `committed` are committed) -> (tokens, q [len(tokens), V]: the
+        distributions they were drawn from, or None: point masses at the tokens, for deterministic or greedy
+        drafts)."""
+        ...
+
+    def stats(self) -> dict: ...
+
+
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can also draft a token tree (Sequoia): the models at the bottom of a stack."""
+
+    def propose_tree(self, ctx: list[int], committed: int, template: tuple[int, ...]
+                     ) -> tuple[DraftTree, torch.Tensor | None]:
+        """A draft tree in the shape of `template` (tree.fixed_tree / best_tree) -> (the tree, q [len + 1, V]: the
+        row each vertex's children came from, or None when greedy)."""
+        ...
 
 
 def sample_children(row: torch.Tensor, m: int, greedy: bool, generator: torch.Generator | None) -> list[int]:

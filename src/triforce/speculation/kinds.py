@@ -1,6 +1,6 @@
 """Level kinds: how each kind of level gets its model state, fills it from the prompt, and keeps
 it up to date. Adding a kind means its grammar (stack.KIND_GRAMMAR: torch-free, the CLI checks stacks
-before loading anything) and one class here, in KINDS; importing this module checks the two agree.
+before loading anything) and one class here, in KIND_CLASSES; importing this module checks the two agree.
 
 Every kind but ngram gives a ModelState (a model with a KV cache): such a level can draft at the
 bottom (ModelDrafter) or verify the level below. ngram has no model: it can only draft. The full
@@ -16,12 +16,14 @@ import torch
 from ..caches import BufferPool, H2OCache, KVCache, RetrievalCache, SlidingWindowCache, StreamingCache, new_cache
 from ..caches.base import Buildable, Rebuildable, Windowed, kv_dtype
 from ..caches.quantized import QuantizedCache
+from ..drafthead.drafter import HeadDrafter
+from ..drafthead.loading import head_for
 from ..errors import TriforceError
 from ..execution.runner import DIRECT, ModelRunner
 from ..loading.weights import draft_weights
 from ..model import Transformer
 from ..sampling import SamplingParams
-from .drafters import NGramDrafter
+from .drafters import Drafter, NGramDrafter
 from .settings import SpecConfig
 from .stack import KIND_GRAMMAR, LevelSpec
 from .state import ModelState, prefill
@@ -66,9 +68,13 @@ class Kind:
         """The level's model state (None: a drafter without a model)."""
         raise NotImplementedError
 
-    def drafter(self, build: BuildContext, spec: LevelSpec):
+    def drafter(self, build: BuildContext, spec: LevelSpec) -> Drafter:
         """A model-less bottom drafter (only kinds whose state() is None)."""
         raise NotImplementedError
+
+    def connect_drafter(self, drafter: Drafter, above: list[ModelState]) -> None:
+        """Connect the model-less bottom drafter to the model states above it (nearest first), before the first
+        round; most need nothing."""
 
     def prefill(self, state: ModelState, head: list[int], full: ModelState, config: SpecConfig) -> None:
         state.prefill(head, config.prefill_chunk)
@@ -238,12 +244,13 @@ class Head(Kind):
         return None
 
     def drafter(self, build, spec):
-        from ..drafthead.drafter import HeadDrafter
-        from ..drafthead.loading import head_for
-
         head = head_for(build.model, build.config.head)
         return HeadDrafter(head, build.model, build.params, build.generator, build.max_rollback,
                            kv_dtype(build.config.draft_kv_dtype))
+
+    def connect_drafter(self, drafter, above):
+        """The head drafts from the features the levels above compute: each records them from now on."""
+        drafter.read_features_of(above)
 
 
 def drafting_cache(model: Transformer, config: SpecConfig, make) -> KVCache:
@@ -268,6 +275,8 @@ def rebuild(state: ModelState, full: ModelState) -> None:
     state.stable = len(full.fed)
 
 
-KINDS: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), H2O(), KV4(), Head())}
-if set(KINDS) != set(KIND_GRAMMAR):  # a kind the grammar accepts and nothing builds, or the reverse
-    raise ImportError(f"speculation kinds out of step: classes for {sorted(KINDS)}, grammar for {sorted(KIND_GRAMMAR)}")
+KIND_CLASSES: dict[str, Kind] = {k.name: k for k in (Full(), NGram(), Draft(), Streaming(), Retrieval(), H2O(), KV4(),
+                                                     Head())}
+if set(KIND_CLASSES) != set(KIND_GRAMMAR):  # a kind the grammar accepts and nothing builds, or the reverse
+    raise ImportError(f"speculation kinds out of step: classes for {sorted(KIND_CLASSES)}, grammar for "
+                      f"{sorted(KIND_GRAMMAR)}")

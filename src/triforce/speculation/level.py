@@ -12,10 +12,12 @@ their distributions, so a level is itself a drafter (`propose`) for the level ab
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import torch
 
 from ..sampling import Scores, sample
+from .drafters import Drafter, TreeDrafter
 from .provenance import RoundLog, cut_tail, drafted_by
 from .shortcut import NGramShortcut
 from .state import ModelState, extended
@@ -125,8 +127,8 @@ def verify_rates(rounds: int, proposed: int, accepted: int) -> dict:
 
 class Level:
     """`drafter` proposes up to `gamma` tokens, `verifier` checks them in one forward. With a tree
-    template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a model at the
-    bottom: ModelDrafter.propose_tree), each round drafts that tree instead of a chain (Sequoia).
+    template (parents: tree.fixed_tree / best_tree) and a drafter that can draft trees (a TreeDrafter: a model at
+    the bottom), each round drafts that tree instead of a chain (Sequoia).
 
     `shortcut` (shortcut.NGramShortcut, at the top of a stack with levels between an n-gram drafter and it)
     chooses each round's drafter: its n-gram proposal, verified directly, or `drafter`.
@@ -135,7 +137,7 @@ class Level:
     the draft tail the last round cut, and each round is recorded in `log` (a RoundLog shared by the stack's levels).
     """
 
-    def __init__(self, name: str, drafter, verifier: ModelState, gamma: int, generator: torch.Generator,
+    def __init__(self, name: str, drafter: Drafter, verifier: ModelState, gamma: int, generator: torch.Generator,
                  tree: tuple[int, ...] | None = None, shortcut: NGramShortcut | None = None, on_round=None,
                  log: RoundLog | None = None):
         self.on_round = on_round  # called with (asked, drafted, accepted) after each round (the adaptive planner)
@@ -143,7 +145,9 @@ class Level:
         self.origins: list[str] = []
         self.rejected: list[int] = []
         self.name, self.drafter, self.verifier, self.gamma, self.generator = name, drafter, verifier, gamma, generator
-        self.tree = tree if tree and hasattr(drafter, "propose_tree") else None
+        if tree and not isinstance(drafter, TreeDrafter):  # (StackSpec.check allows trees below such kinds only)
+            raise TypeError(f"a draft tree needs a drafter that drafts trees, not {drafter.name}")
+        self.tree = tree or None
         self.shortcut = shortcut if self.tree is None else None
         self.rounds = self.drafted = self.accepted = self.syncs = 0
         self.seconds = 0.0
@@ -270,3 +274,12 @@ class Level:
             **({"tree_nodes": len(self.tree), "acceptance_by_rank": [round(a, 4) for a in self.acceptance_by_rank()],
                 "tried_by_rank": list(self.rank_tried)} if self.tree is not None else {}),
         }
+
+
+def chain_of(top: Level | Drafter) -> Iterator[Level | Drafter]:
+    """A stack's levels from `top` down: each Level, then the drafter at the bottom."""
+    node = top
+    while isinstance(node, Level):
+        yield node
+        node = node.drafter
+    yield node

@@ -68,7 +68,7 @@ class RoundProvenance:
     rejected: list[int]  # the top verifier's draft past what it accepted: the tail it cut (empty: none drafted or cut)
     bonus: int | None  # the top verifier's own token among `tokens` (its bonus or residual draw); None if cut off
     verifications: list[tuple[str, tuple[int, ...], int]]  # RoundLog's: every verification in the round
-    route: str | None = None  # an adaptive stack's route for the round (planner.Route.text); None for a fixed stack
+    route: str | None = None  # an adaptive stack's route for the round (routes.Route.text); None for a fixed stack
     texts: list[str] | None = None  # with a tokenizer: each token's text; together exactly the chunk's text
 
     def as_dict(self, decode=None) -> dict:

@@ -14,10 +14,11 @@ from __future__ import annotations
 from ..caches.base import Rebuildable
 from .kinds import rebuild
 from .level import Level
-from .planner import CATCH_UP
 from .settings import SpecConfig
 from .stack import REBUILT, StackSpec
 from .state import ModelState
+
+CATCH_UP = 32  # an adaptive stack's level that sat out this many committed tokens is rebuilt, not re-fed
 
 
 class RebuildPolicy:

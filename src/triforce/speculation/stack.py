@@ -51,7 +51,7 @@ KIND_GRAMMAR: dict[str, KindGrammar] = {g.name: g for g in (
     KindGrammar("draft", "draft (needs --draft PATH)"),
     KindGrammar("full", "full (last, exactly once)", drafts_trees=False),
 )}
-KINDS = tuple(KIND_GRAMMAR)
+KIND_NAMES = tuple(KIND_GRAMMAR)
 DRAFT_ONLY = tuple(k for k, g in KIND_GRAMMAR.items() if g.draft_only)
 BUDGETED = tuple(k for k, g in KIND_GRAMMAR.items() if g.budgeted)
 REBUILT = tuple(k for k, g in KIND_GRAMMAR.items() if g.rebuilt)
@@ -82,7 +82,7 @@ class LevelSpec:
     @classmethod
     def parse(cls, text: str) -> LevelSpec:
         kind, _, budget = text.strip().partition(":")
-        if kind not in KINDS:
+        if kind not in KIND_NAMES:
             raise TriforceError(f"unknown level kind {kind!r} in --levels; {GRAMMAR}")
         if not budget:
             return cls(kind)

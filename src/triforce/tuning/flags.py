@@ -32,7 +32,7 @@ from ..storage import atomic_write, cache_root, exclusive, writable_dir
 
 FILE = "tuned.json"
 FILE_ENV = "TRIFORCE_TUNED_FILE"
-KINDS = ("chain", "tree")
+ENTRY_KINDS = ("chain", "tree")  # what a tuned entry sets: a chain's flags, or a tree
 CONTEXT_FACTOR = 2.0  # an entry serves contexts within this factor of the one it was tuned at
 
 _code_hash: str | None = None
@@ -94,7 +94,7 @@ def _read(path: Path) -> list[dict]:
 def record(loaded, kind: str, context_length: int, temperature: float, flags: dict, measured: dict) -> Path:
     """Save what a tune run chose (replacing an entry of the same identity, kind, context and
     temperature); -> the file. Written atomically under a lock, so concurrent tune runs keep both."""
-    assert kind in KINDS
+    assert kind in ENTRY_KINDS
     path = _path(loaded)
     writable_dir(path.parent)
     entry = {"identity": identity(loaded), "kind": kind, "context_length": int(context_length),

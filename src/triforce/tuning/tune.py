@@ -24,8 +24,7 @@ import torch
 
 from ..caches.base import Buildable
 from ..errors import TriforceError
-# the one cost model (shared with the adaptive planner); tune prices its grid with it
-from ..speculation.cost_model import expected_tokens, per_token_acceptance, predict_ms, predict_two_level_ms  # noqa: F401
+from ..speculation.cost_model import per_token_acceptance, predict_ms, predict_two_level_ms, tree_ms_per_token
 from .measure import sampling_params, time_forwards
 
 
@@ -51,6 +50,13 @@ def pooled_mean_accepted(runs: list[list[dict]]) -> dict[str, float]:
     return {name: accepted / rounds for name, (accepted, rounds) in acc.items()}
 
 
+def two_level_grid(cost_full: dict, draft_ms: float, a: float, max_gamma: int) -> list[dict]:
+    """A two-level stack's predicted ms/token for every gamma up to max_gamma, best first (its bottom level drafting
+    a token in `draft_ms`, the full level accepting each draft with probability a)."""
+    return sorted(({"gamma": g, "predicted_ms_per_token": round(predict_two_level_ms(cost_full, draft_ms, a, g), 2)}
+                   for g in range(1, max_gamma + 1)), key=lambda r: r["predicted_ms_per_token"])
+
+
 def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tokens: int, repeats: int,
              temperature: float, seed: int, log=print) -> dict:
     """The kv4 level's draft step (the drafting weights over a 4-bit reading of the prefilled prompt: the
@@ -58,12 +64,12 @@ def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tok
     acceptance of its drafts from a quantspec run at gamma max_gamma; the predicted ms/token of quantspec for
     every gamma, best first."""
     from ..generate import generate
-    from ..speculation.kinds import KINDS, BuildContext
+    from ..speculation.kinds import KIND_CLASSES, BuildContext
     from ..speculation.stack import LevelSpec
 
     full = shared.restore(prompt)
     build_context = BuildContext(model, sampling_params(temperature), config, full.capacity, 64, full_cache=full)
-    state = KINDS["kv4"].state(build_context, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
+    state = KIND_CLASSES["kv4"].state(build_context, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
     cache: Buildable = state.cache
     with torch.inference_mode():
         cache.build(full)
@@ -74,8 +80,7 @@ def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tok
             for s in probe_seeds(temperature, seed)]
     a = per_token_acceptance(pooled_mean_accepted(runs)["full"], max_gamma)
     log(f"kv4: per-token acceptance {a:.3f}; forward ms k=1 {step:.1f} (full {cost_full[1]:.1f})")
-    grid = sorted(({"gamma": g, "predicted_ms_per_token": round(predict_two_level_ms(cost_full, step, a, g), 2)}
-                   for g in range(1, max_gamma + 1)), key=lambda r: r["predicted_ms_per_token"])
+    grid = two_level_grid(cost_full, step, a, max_gamma)
     return {"acceptance": round(a, 4), "cost_kv4_ms": round(step, 2), "best": grid[0], "top": grid[:5]}
 
 
@@ -99,8 +104,7 @@ def tune_head(model, shared, prompt, cost_full: dict, max_gamma: int, config, to
     drafted = [lv[-1] for lv in runs]
     step = 1e3 * sum(d["seconds"] for d in drafted) / max(1, sum(d["tokens"] for d in drafted))
     log(f"head: per-token acceptance {a:.3f}; {step:.2f} ms per drafted token (full forward k=1 {cost_full[1]:.1f})")
-    grid = sorted(({"gamma": g, "predicted_ms_per_token": round(predict_two_level_ms(cost_full, step, a, g), 2)}
-                   for g in range(1, max_gamma + 1)), key=lambda r: r["predicted_ms_per_token"])
+    grid = two_level_grid(cost_full, step, a, max_gamma)
     return {"acceptance": round(a, 4), "cost_head_ms_per_token": round(step, 3), "best": grid[0], "top": grid[:5]}
 
 
@@ -111,7 +115,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
 
     from ..corpus import demo_tokens
     from ..generate import generate
-    from ..speculation.kinds import KINDS, drafting_cache, drafting_model
+    from ..speculation.kinds import KIND_CLASSES, drafting_cache, drafting_model
     from ..speculation.state import PrefilledPrompt
 
     config = replace(config, adapt=False)  # fixed stacks are what is measured
@@ -130,7 +134,7 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
                  for k in tqdm(ks, desc="full-cache forwards", disable=not progress, leave=False)}
     cost_retr: dict[int, dict[int, float]] = {}
     for b in budgets:
-        rc = drafting_cache(drafting, config, lambda n_layers, **kw: KINDS["retrieval"].new_cache(  # the level's own
+        rc = drafting_cache(drafting, config, lambda n_layers, **kw: KIND_CLASSES["retrieval"].new_cache(  # the level's own
             n_layers, budget=b, recent=config.recent, max_new=64, model=drafting, config=config, **kw))
         shared.restore(prompt)  # the timed forwards replaced the recorded queries
         with torch.inference_mode():
@@ -428,7 +432,7 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     expected tokens of Sequoia's optimal tree (tree.best_tree) of as many nodes, for reference."""
     from ..generate import generate
     from ..speculation.builder import max_rollback
-    from ..speculation.kinds import KINDS, BuildContext
+    from ..speculation.kinds import KIND_CLASSES, BuildContext
     from ..speculation.stack import StackSpec
     from ..speculation.tree import best_tree, tree_value
 
@@ -445,28 +449,17 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_nodes + 3)) | {max_nodes + 2})
     cost_full = {k: time_forwards(model, full, length, k, repeats) * 1e3 for k in sizes}
     build_context = BuildContext(model, sampling_params(temperature), config, length + 256, max_rollback(probe))
-    state = KINDS["streaming"].state(build_context, probe.levels[0], "streaming")
-    KINDS["streaming"].prefill(state, prompt[:-1], None, config)
+    state = KIND_CLASSES["streaming"].state(build_context, probe.levels[0], "streaming")
+    KIND_CLASSES["streaming"].prefill(state, prompt[:-1], None, config)
     cost_stream = {k: time_forwards(state.model, state.cache, state.cache.length, k, repeats) * 1e3 for k in sizes}
     shared.restore(prompt)
 
-    def interp(costs: dict[int, float], k: int) -> float:
-        lo = max(s for s in costs if s <= k)
-        hi = min((s for s in costs if s >= k), default=lo)
-        return costs[lo] if hi == lo else costs[lo] + (costs[hi] - costs[lo]) * (k - lo) / (hi - lo)
-
     rows = []
     for widths, parents in width_trees(max_nodes, max_depth):
-        fed, drafting = 0, interp(cost_stream, 1)  # the root's row, then one forward per depth but the last
-        width = 1
-        for w in widths[:-1]:
-            width *= w
-            fed += width
-            drafting += interp(cost_stream, fed + 1)
-        verify = interp(cost_full, len(parents) + 1)
         e = tree_value(parents, acceptance)
         rows.append({"tree": ",".join(map(str, widths)), "nodes": len(parents), "expected_tokens": round(e, 3),
-                     "predicted_ms_per_token": round((drafting + verify) / e, 2)})
+                     "predicted_ms_per_token": round(tree_ms_per_token(cost_stream, cost_full, widths, len(parents),
+                                                                       e), 2)})
     rows.sort(key=lambda r: r["predicted_ms_per_token"])
     best = rows[0]
     optimal = tree_value(best_tree(acceptance, best["nodes"], max_depth), acceptance)
