@@ -161,6 +161,38 @@ def test_streamed_chunks_carry_each_rounds_provenance(tiny):
     assert rounds[0]["prompt_tokens"] == len(ids) and rounds[0]["prefix_cache_tokens"] == 0
 
 
+def json_rounds(loaded, ids, max_tokens):
+    """`triforce generate --json`'s `rounds` for the same prompt, stack and settings (greedy): each round's
+    provenance, as commands/generate.py collects it."""
+    from triforce.generate import generate_stream
+
+    stream = generate_stream(loaded.model, ids, max_tokens, stack=STACK, config=CONFIG, eos_ids=loaded.eos_token_ids,
+                             tokenizer=loaded.tokenizer)
+    return [chunk.provenance.as_dict(loaded.tokenizer.decode) for chunk in stream]
+
+
+def test_a_whole_response_carries_the_answers_rounds(tiny):
+    """A non-streamed response's `triforce` field has the whole answer's provenance (`rounds`): the streamed chunks'
+    concatenated (less the first's note of how the prompt was read, which the whole response has at its top) and
+    `--json`'s `rounds`, for the same greedy request; completions and chat alike."""
+    tok = tiny.tokenizer
+    messages = [{"role": "user", "content": DOC}]
+    chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))["input_ids"]
+    with serving(tiny, prefix_cache_bytes=0) as (url, _):  # (each request prefills its whole prompt, as --json)
+        c = client(url)
+        whole = c.completions.create(model="tiny", prompt=DOC, max_tokens=48, temperature=0)
+        chunks = list(c.completions.create(model="tiny", prompt=DOC, max_tokens=48, temperature=0, stream=True))
+        chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0)
+    streamed = [ext(ch) for ch in chunks if "tokens" in ext(ch)]
+    opening = ("prompt_tokens", "prefix_cache_tokens", "time_to_first_token")
+    assert all(key in streamed[0] for key in opening) and "rounds" not in ext(chunks[-1])
+    assert ext(whole)["rounds"] == [{k: v for k, v in r.items() if k not in opening} for r in streamed]
+    assert ext(whole)["rounds"] == json_rounds(tiny, tok(DOC)["input_ids"], 48)
+    assert ext(chat)["rounds"] == json_rounds(tiny, chat_ids, 48)
+    assert "".join(t["text"] for r in ext(chat)["rounds"] for t in r["tokens"]) == chat.choices[0].message.content
+    assert any(t["level"] != "full" for r in ext(whole)["rounds"] for t in r["tokens"])  # (drafted tokens among them)
+
+
 def test_bad_requests_get_400_naming_the_field(tiny):
     with serving(tiny, max_queue=2) as (url, _):
         def post(body, path="/v1/completions"):

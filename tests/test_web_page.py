@@ -40,20 +40,27 @@ def test_the_page_loads_nothing_from_elsewhere():
     assert "connect-src 'self'" in POLICY and "default-src 'none'" in POLICY and set(FILES) == set(read_files())
 
 
-@pytest.fixture(scope="module")
-def browser():
+def missing_step() -> str | None:
+    """The install step the browser tests lack (None: selenium, chromium and chromedriver are all here)."""
     try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
+        import selenium  # noqa: F401
     except ImportError:
-        pytest.skip("selenium is not installed: pip install selenium (the test extra: ./install.sh test, or ci)")
+        return "selenium is not installed: pip install selenium (the test extra: ./install.sh test, or ci)"
     if CHROMIUM is None:
-        pytest.skip(f"chromium is not installed: {APT}")
+        return f"chromium is not installed: {APT}"
     if DRIVER is None:
-        pytest.skip(f"chromedriver is not installed: {APT}")
+        return f"chromedriver is not installed: {APT}"
+    return None
+
+
+def start_chromium(window: str = "1400,1050"):
+    """Headless Chromium under Selenium, its networking blocked but for the loopback address (the caller quits it)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1050",
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", f"--window-size={window}",
                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-default-apps", "--disable-extensions",
                 # networking blocked: no name resolves but the loopback address the server listens on
@@ -63,6 +70,14 @@ def browser():
     os.environ.setdefault("SE_OFFLINE", "true")  # (Selenium Manager: never look for drivers online)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=DRIVER))
     driver.set_script_timeout(30)
+    return driver
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if (step := missing_step()) is not None:
+        pytest.skip(step)
+    driver = start_chromium()
     yield driver
     driver.quit()
 
@@ -99,12 +114,13 @@ def open_page(browser, url: str):
     wait(lambda: "context" in browser.find_element("id", "server").text, 30, "the server's info")
 
 
-def fill(browser, prompt: str = QUESTION, *, max_tokens: int = 24, chat: bool = True, stack: str = "",
+def fill(browser, prompt: str | None = QUESTION, *, max_tokens: int = 24, chat: bool = True, stack: str = "",
          gammas: str = "") -> None:
-    """The form's fields (temperature 0), set as a user would leave them."""
+    """The form's fields (temperature 0), set as a user would leave them; prompt None: the box as it is (a file
+    dropped in it)."""
     browser.execute_script("""
         const [prompt, maxTokens, chat, stack, gammas] = arguments;
-        document.getElementById('prompt').value = prompt;
+        if (prompt !== null) document.getElementById('prompt').value = prompt;
         document.getElementById('max-tokens').value = maxTokens;
         document.getElementById('temperature').value = 0;
         document.getElementById('chat').checked = chat;

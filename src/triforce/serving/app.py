@@ -201,12 +201,16 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
 
     async def _collect(request: Request, job: Job, events: asyncio.Queue, shape: ResponseShape):
         async def outcome():
-            parts = []
+            parts, rounds = [], []
             while True:
                 ev = await events.get()
                 if ev["type"] == "delta":
                     parts.append(ev["text"])
+                    if ev["triforce"] is not None:
+                        rounds.append(ev["triforce"])
                 else:
+                    if ev["type"] == "done":  # the whole answer's provenance: the stream's, in one list
+                        ev["triforce"] = {**ev["triforce"], "rounds": rounds}
                     return ev, "".join(parts)
 
         waiter = asyncio.ensure_future(outcome())
@@ -232,6 +236,8 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
             ev = await events.get()
             if ev["type"] == "delta":
                 extra = ev.get("triforce")  # the round's provenance: sent even when its text is held back
+                if "opening" in ev:  # the page's panel shows how the prompt was read as soon as the first round
+                    extra = {**extra, **ev["opening"]}
                 if ev["text"] or extra:
                     yield _sse(shape.chunk(ev["text"], extra=extra))
             elif ev["type"] == "done":

@@ -17,7 +17,9 @@ waits in the queue, and one that could never fit (more than the whole budget) is
 
 A request (`Job`) reports through `job.deliver(event)`, called on the worker thread, in order:
     {"type": "delta", "text": str, "tokens": [ids], "triforce": {...}}   one per speculation round (text may be "";
-                                                                        triforce: its provenance, RoundProvenance)
+                                                                        triforce: its provenance, RoundProvenance;
+                                                                        the first also has "opening": {...}, how
+                                                                        the prompt was read)
     {"type": "done", "finish_reason": "stop" | "length", "usage": {...}, "triforce": {...}}
 or  {"type": "error", "status": int, "code": str, "message": str}   (timeout 504, shutdown 503, a bug 500)
 and nothing after that. A cancelled request (client gone) gets nothing more.
@@ -416,10 +418,11 @@ class Engine:
                     last = now
                     n += len(chunk.tokens)
                 extra = chunk.provenance.as_dict(decode) if chunk.provenance is not None else None
-                if extra is not None and opening:
-                    extra.update(opening, time_to_first_token=round(now - job.arrived, 4))
+                ev = {"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens), "triforce": extra}
+                if extra is not None and opening:  # apart from the round's provenance, which stays --json's form
+                    ev["opening"] = {**opening, "time_to_first_token": round(now - job.arrived, 4)}
                     opening = {}
-                job.deliver({"type": "delta", "text": chunk.text, "tokens": list(chunk.tokens), "triforce": extra})
+                job.deliver(ev)
                 if job.stopped():
                     break
         finally:
