@@ -56,7 +56,7 @@ def quant_attention_child(ops, args) -> dict:
     import torch
 
     from decode_step_ab import random_quant_layers
-    from triforce.caches.quantized import GROUP_K
+    from triforce.caches.quant_codes import GROUP_K
 
     torch.manual_seed(0)
     H, D, g, S, L = args.heads, args.head_dim, args.group, args.context // GROUP_K * GROUP_K, args.layers

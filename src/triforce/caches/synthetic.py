@@ -6,7 +6,8 @@ import torch
 
 from .base import KVCache
 from .offload import OffloadedCache
-from .quantized import GROUP_K, QuantizedCache, fp_from
+from .quant_codes import GROUP_K, fp_from
+from .quantized import QuantizedCache
 from .sliding import SlidingWindowCache
 
 

@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..errors import TriforceError
+from triforce.errors import TriforceError
 
 PROFILE_FILE = "triforce_export.json"  # what the directory was exported from, and with which profile
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -31,8 +31,8 @@ def export_hf(out: str | Path, model: str | None = None, *, rope_theta: float | 
     import torch
     import transformers
 
-    from .. import storage
-    from ..loading import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, converted_gguf_dir, gguf_file_of
+    from triforce import storage
+    from triforce.loading import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, converted_gguf_dir, gguf_file_of
 
     out = Path(out).expanduser()
     gguf = gguf_file_of(model)
