@@ -1,7 +1,7 @@
 """Time one decode step at long context: ours vs transformers' generate vs the physical floor.
 
-    python -m triforce.bench.decode_step --contexts 8192,32768 [--no-transformers]
-    python -m triforce.bench.decode_step --kv-dtype int8 # the quantized cache, and a kv4 draft step over it
+    python benchmarks/decode_step.py --contexts 8192,32768 [--no-transformers]
+    python benchmarks/decode_step.py --kv-dtype int8 # the quantized cache, and a kv4 draft step over it
 
 (The lab's A/B comparisons of kernels, draft weights and KV dtypes: benchmarks/decode_step_ab.py.)
 

@@ -1,4 +1,4 @@
-"""The lab's A/B comparisons on the decode step (not user commands: `python -m triforce.bench.decode_step` times
+"""The lab's A/B comparisons on the decode step (not user commands: `python benchmarks/decode_step.py` times
 the step itself). Each mode alternates its two sides in one process, so both see the same minutes of a host whose
 speed drifts; results and the commands that made them: docs/journal.md and the reference docs.
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from triforce.bench.decode_step import time_kv4, time_ours
+from decode_step import time_kv4, time_ours
 from triforce.tuning.measure import time_forwards
 
 

@@ -1,4 +1,4 @@
-"""GPU measurements for docs/gpu.md: `python -m triforce.bench.gpu [--shapes llama2-7b,llama3-8b] [--json F]`.
+"""GPU measurements for docs/gpu.md: `python benchmarks/gpu_costs.py [--shapes llama2-7b,llama3-8b] [--json F]`.
 
 On one CUDA GPU, with random-weight bf16 models of 7B/8B shape (the time of a forward does not depend
 on the weights' values) and K/V filled with random values up to the context length (no prefill):
@@ -480,7 +480,7 @@ def print_repriced(priced: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m triforce.bench.gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/gpu_costs.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="llama2-7b,llama3-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--contexts", default="32768,65536,131072", help="context lengths (skipped where K/V do not fit)")

@@ -1,7 +1,7 @@
 """The model as a plain Hugging Face directory, with the long-context profile triforce runs it with, for peers
 that load only such directories (vLLM).
 
-    python -m triforce.bench.hf_export DIR [--model FILE.gguf]
+    python benchmarks/hf_export.py DIR [--model FILE.gguf]
 
 transformers will not save_pretrained a model it loaded from a GGUF file, so the weights come from triforce's own
 dequantized conversion (loading.converted_gguf_dir: fp32, the same numbers triforce computes with in fp32) and go
@@ -77,7 +77,7 @@ def export_hf(out: str | Path, model: str | None = None, *, rope_theta: float | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m triforce.bench.hf_export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/hf_export.py", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="the directory to write")
     p.add_argument("--model", help="a .gguf file (default: the embedded model, with its long-context profile)")
     p.add_argument("--rope-theta", type=float, help="the RoPE base (default: the model's profile)")

@@ -169,7 +169,7 @@ def main(argv: list[str]) -> int:
                     upward.append(f"{f.relative_to(root.parent)}:{node.lineno}: {name} -> {t}"
                                   f"{' (function-local)' if is_local else ''}")
             if is_local:
-                code = " ".join(s.strip() for s in lines[node.lineno - 1:node.end_lineno])
+                code = " ".join(s.split("#", 1)[0].strip() for s in lines[node.lineno - 1:node.end_lineno])
                 local.append((f"{f.relative_to(root.parent)}:{node.lineno}", code, reason(lines, node)))
 
     eager_cycles, every_cycles = cycles(eager), cycles(every)

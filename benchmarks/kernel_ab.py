@@ -85,7 +85,7 @@ def step_child(ops, args) -> dict:
     import torch
 
     from triforce import kernels
-    from triforce.bench.decode_step import random_cache, time_forwards
+    from decode_step import random_cache, time_forwards
     from triforce.loading import load_model
 
     with kernels.override(ops):

@@ -1,6 +1,6 @@
 """Prefix-affinity routing against round robin, on `triforce serve --replicas N`'s deployment.
 
-    python -m triforce.bench.routing --out docs/benchmarks/DATE-MACHINE-ray
+    python benchmarks/routing.py --out docs/benchmarks/DATE-MACHINE-ray
 
 One local Ray instance per routing (loopback, `--replicas` replicas of `--threads` threads, cold
 caches), the HTTP API in front as `triforce serve --replicas N` runs it. The workload: `--docs`
@@ -172,7 +172,7 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m triforce.bench.routing", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/routing.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for results.json and summary.md")
     p.add_argument("--docs", type=int, default=4)
     p.add_argument("--questions", type=int, default=8)
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = runs["round-robin"]["ttft"]["mean"] / runs["prefix"]["ttft"]["mean"]
     summary = {
         "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python -m triforce.bench.routing " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/routing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "settings": {**vars(a), "out": str(a.out), "prefix_cache_bytes": budget, "stack": f"{STACK} --gammas {GAMMAS}",
                      "model": "SmolLM2-135M-Instruct (embedded)"},
         "ttft": {k: v["ttft"] for k, v in runs.items()},

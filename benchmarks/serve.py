@@ -1,10 +1,10 @@
 """A bounded load test of `triforce serve`, and its time-to-first-token with the prefix cache.
 
-    python -m triforce.bench.serve                 # 40 requests, 4 at a time, some cancelled mid-stream
-    python -m triforce.bench.serve --ttft 8192     # first token: no cache, in-memory cache, after a restart
-    python -m triforce.bench.serve --batch-compare 8 --prompt-tokens 8192 --max-tokens 128 --out DIR
+    python benchmarks/serve.py                 # 40 requests, 4 at a time, some cancelled mid-stream
+    python benchmarks/serve.py --ttft 8192     # first token: no cache, in-memory cache, after a restart
+    python benchmarks/serve.py --batch-compare 8 --prompt-tokens 8192 --max-tokens 128 --out DIR
                                                    # --max-batch 8 against the batch-1 server, same load, one run
-    python -m triforce.bench.serve --peer vllm --clients 1,4,8 --prompt-tokens 8192 --max-tokens 64 --out DIR
+    python benchmarks/serve.py --peer vllm --clients 1,4,8 --prompt-tokens 8192 --max-tokens 64 --out DIR
                                                    # triforce serve against vLLM's CPU server, same load, one run
 
 Both start `triforce serve` as a child process on 127.0.0.1 (a free port; loopback only), drive it
@@ -404,7 +404,7 @@ def batch_compare(args) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         strip = lambda run: {**run, "results": [{k: v for k, v in r.items() if k != "text"} for r in run["results"]]}
         atomic_write(args.out / "results.json", json.dumps({
-            "command": "python -m triforce.bench.serve " + " ".join(sys.argv[1:]),
+            "command": "python benchmarks/serve.py " + " ".join(sys.argv[1:]),
             "prompt_tokens": [r["server"]["prefilled_tokens"] + r["server"]["prefix_cache_tokens"] + 1
                               for r in one[0]["results"] if r["server"]],
             "max_tokens": args.max_tokens, "method": args.method, "requests": n,
@@ -688,7 +688,7 @@ def peer_compare(args) -> int:
     print(f"exit codes: {codes}; {time.perf_counter() - started:.0f} s in all")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = "python -m triforce.bench.serve " + " ".join(sys.argv[1:])
+        command = "python benchmarks/serve.py " + " ".join(sys.argv[1:])
         result = {"command": command, "machine": _machine(), "prompt_tokens": [len(p) for p in prompts],
                   "document_tokens": len(doc), "max_tokens": args.max_tokens, "clients": counts,
                   "rounds": args.rounds, "method": args.method, "temperature": args.temperature,
@@ -743,7 +743,7 @@ def _machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m triforce.bench.serve", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python benchmarks/serve.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="passed to triforce serve (default: the embedded model)")
     p.add_argument("--method", default="triforce", help="passed to triforce serve (default triforce)")
@@ -797,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import httpx  # noqa: F401  (the loads' client)
     except ImportError:
-        print("python -m triforce.bench.serve needs httpx, which `./install.sh` installs (the serve extra): run "
+        print("python benchmarks/serve.py needs httpx, which `./install.sh` installs (the serve extra): run "
               "./install.sh, or pip install 'httpx>=0.27'", file=sys.stderr)
         return 2
     # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too

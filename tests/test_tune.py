@@ -81,7 +81,8 @@ def test_two_level_prediction():
 
 
 def test_interleaved_forward_timing_takes_turns_and_leaves_the_cache_as_found(monkeypatch):
-    """The decode-step benchmark's step / verification ratio (benchmarks/decode_step.py): the two sizes alternate on one cache (k1, k2, k1, k2, ...), each
+    """The decode-step benchmark's step / verification ratio (benchmarks/decode_step.py): the two sizes alternate on
+    one cache (k1, k2, k1, k2, ...), each
     forward after a rollback to the context, and the cache ends at that length."""
     from conftest import hf_tiny, ours_from_hf
     from triforce.caches import new_cache

@@ -257,7 +257,7 @@ class Transformer(nn.Module):
 
     @property
     def graphs(self):
-        """On CUDA, the CUDA graphs of the decode-sized forwards (execution/graphs.py); None elsewhere or when turned off."""
+        """On CUDA, the CUDA graphs of the decode-sized forwards (execution/graphs.py); None elsewhere or when off."""
         return self.execution.graphs
 
     @graphs.setter

@@ -58,6 +58,6 @@ def new_window_cache(n_layers: int, n_kv_heads: int, head_dim: int, window: int,
 def new_plane_view(target: QuantizedCache, max_rollback: int) -> QuantizedCache:
     """A cache reading `target`'s (an int8 cache's) upper planes, shared, as 4 bits, with a full-precision buffer of
     its own: how kv4's level reads an int8 target (speculation/kinds.py builds that one through drafting_cache, in
-    the drafting dtype); bench/decode_step.py times a kv4 draft step through this one."""
+    the drafting dtype); benchmarks/decode_step.py times a kv4 draft step through this one."""
     return QuantizedCache(target.n_layers, target.n_kv_heads, target.head_dim, target.capacity,
                           max_rollback=max_rollback, shared=target)
