@@ -1126,8 +1126,7 @@ torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch
 constexpr int64_t QB = 64;  // caches/quantized.py GROUP_K
 constexpr int QTILE = 3;  // rows per register tile of a group's scores and p v (6 on AVX-512 spilled accumulators:
                           // 32K, 15 rows, 3 measured 10-15% faster than 6 on Zen 5, 4 level with 3)
-// one lane of 8 channels for a group's 64 tokens (caches/quant_codes.py pack_keys)
-constexpr int64_t LANE_BYTES = 4 * QB;
+constexpr int64_t LANE_BYTES = 4 * QB;  // one lane of 8 channels for a group's 64 tokens (caches/quantized.py pack_keys)
 constexpr float TINY = 0x1p-100f;  // a largest value below this rounds to all zeros (caches/quantized.py TINY: 1 / it stays finite)
 
 ALWAYS_INLINE float vmax_all(const Vec& v) {
@@ -1592,7 +1591,7 @@ bool amx_attention() { return amx_usable(); }
 // The arithmetic peak of this build's vector units on all threads, in FLOP/s: W-lane FMAs (2 FLOPs per lane) or, with
 // dot, AVX512-BF16's vdpbf16ps (4 per fp32 lane: two products, two sums); 0 for dot where the build has no
 // AVX512-BF16. Twelve independent chains per thread (more than latency x issue rate, 4 x 2, on the CPUs we know),
-// operands in registers: what the attention's arithmetic is compared with (benchmarks/decode_step.py). (MKL's sgemm,
+// operands in registers: what the attention's arithmetic is compared with (bench/decode_step.py). (MKL's sgemm,
 // the figure before, runs AVX2 code on AMD's AVX-512 CPUs: 225 GFLOP/s on Zen 5 against 536 for zmm FMAs.)
 double vector_peak_flops(bool dot) {
   constexpr int CHAINS = 12;
