@@ -1,7 +1,7 @@
 """A bounded load test of `triforce serve`, and its time-to-first-token with the prefix cache.
 
-    python benchmarks/serve.py                 # 40 requests, 4 at a time, some cancelled mid-stream
-    python benchmarks/serve.py --ttft 8192     # first token: no cache, in-memory cache, after a restart
+    python benchmarks/serve.py                     # 40 requests, 4 at a time, some cancelled mid-stream
+    python benchmarks/serve.py --ttft 8192         # first token: no cache, in-memory cache, after a restart
     python benchmarks/serve.py --batch-compare 8 --prompt-tokens 8192 --max-tokens 128 --out DIR
                                                    # --max-batch 8 against the batch-1 server, same load, one run
     python benchmarks/serve.py --peer vllm --clients 1,4,8 --prompt-tokens 8192 --max-tokens 64 --out DIR

@@ -20,6 +20,7 @@ STACK, GAMMAS = "ngram,retrieval:256,full", "3,4"  # the local deployment's stac
 
 
 def free_port() -> int:
+    """A loopback port free now (bound and let go: the caller binds it next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
