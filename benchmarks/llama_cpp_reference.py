@@ -66,7 +66,7 @@ def main() -> None:
     import llama_cpp
     from llama_cpp import Llama
 
-    from triforce.bench.perplexity import model_tokens
+    from triforce.commands.perplexity import model_tokens
     from triforce.generate import generate_ar
     from triforce.loading import load_model
     from triforce.sampling import SamplingParams

@@ -37,7 +37,7 @@ from triforce.corpus import demo_tokens
 from triforce.loading import load_model
 from triforce.caches import new_cache
 from triforce.speculation.state import prefill
-from triforce.bench.decode_step import time_ours, attention_flops
+from decode_step import time_ours, attention_flops
 prefill_sizes, context, verify, steps, threads = json.loads(sys.argv[1])
 if threads:
     torch.set_num_threads(threads)

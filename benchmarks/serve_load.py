@@ -1,6 +1,6 @@
 """`triforce serve` alone under loads of N concurrent requests on one cached document: time to first token and
 aggregate decode tokens/s per load, with each request's server-side prefill time (the cached prefix's copy, the
-question's prefill and the drafting levels' builds). The loads of `python -m triforce.bench.serve --peer vllm`
+question's prefill and the drafting levels' builds). The loads of `python benchmarks/serve.py --peer vllm`
 without the peer, for A/B runs of the server itself (two rounds: the second starts with the engine's buffer pool
 filled by the first).
 
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-from triforce.bench import serve
+import serve
 from triforce.loading import load_model
 
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from triforce.bench.decode_step import random_cache
+from decode_step import random_cache
 from triforce.loading import load_model
 
 torch.set_num_threads(2)

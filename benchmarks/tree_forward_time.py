@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from triforce.bench.decode_step import random_cache
+from decode_step import random_cache
 from triforce.loading import load_model
 from triforce.speculation.state import _tree_block
 from triforce.speculation.tree import DraftTree, fixed_tree

@@ -1,6 +1,6 @@
 """`triforce bench --prompts N`'s summary: every ratio is the median of the per-prompt ratios (each against its own
 prompt's baseline), and the table's header says so; with one prompt the table reads as before."""
-from triforce.bench import methods
+from triforce.bench import methods, results
 
 
 def _rows(ar, fast, reference=None, llama=None):
@@ -25,13 +25,13 @@ def test_speedups_are_medians_of_per_prompt_ratios_and_the_header_says_so():
     # per prompt: ar 10 / 20 / 40, ngram 5 / 16 / 10 -> ratios 2.0, 1.25, 4.0 (median 2.0); the medians' ratio,
     # 20 / 10 = 2.0 here by chance, so the reference and the peer make the difference visible
     rows = _rows([10.0, 20.0, 40.0], [5.0, 16.0, 10.0], reference=[30.0, 20.0, 80.0], llama=[30.0, 30.0, 200.0])
-    summary = {r["method"]: r for r in methods.summarize(rows)}
+    summary = {r["method"]: r for r in results.summarize(rows)}
     assert summary["ngram"]["speedup_vs_ar"] == 2.0
     # reference / ngram per prompt: 6.0, 1.25, 8.0 -> 6.0 (the medians' ratio would be 30 / 10 = 3.0)
     assert summary["ngram"]["speedup_vs_reference"] == 6.0
     # llama.cpp / ar per prompt: 3.0, 1.5, 5.0 -> 3.0 (the medians' ratio would be 30 / 20 = 1.5)
     assert summary["llama.cpp"]["ar_faster_by"] == 3.0
-    md = methods.markdown(list(summary.values()))
+    md = results.markdown(list(summary.values()))
     assert "| ms/token (median of 3 prompts) | speedup vs ar (median of per-prompt ratios) |" in md
     assert "speedup vs ar (fp32 KV) (median of per-prompt ratios) |" in md
     assert "our ar faster by (median of per-prompt ratios) |" in md and "| 3.0x |" in md
@@ -41,9 +41,9 @@ def test_speedups_are_medians_of_per_prompt_ratios_and_the_header_says_so():
 
 def test_one_prompt_keeps_the_plain_header_and_the_same_ratios():
     rows = _rows([20.0], [8.0], reference=[30.0], llama=[50.0])
-    summary = {r["method"]: r for r in methods.summarize(rows)}
+    summary = {r["method"]: r for r in results.summarize(rows)}
     assert summary["ngram"]["speedup_vs_ar"] == 2.5 and summary["ngram"]["speedup_vs_reference"] == 3.75
     assert summary["llama.cpp"]["ar_faster_by"] == 2.5
-    md = methods.markdown(list(summary.values()))
+    md = results.markdown(list(summary.values()))
     assert md.startswith("| context | T | method | ms/token | speedup vs ar | speedup vs ar (fp32 KV) | lossless |")
     assert "median" not in md

@@ -22,7 +22,7 @@ pytest.importorskip("vllm_router")
 
 import test_serving  # noqa: E402
 from test_serving import CONFIG, DOC, STACK, serving  # noqa: E402
-from triforce.bench.serve import free_port  # noqa: E402
+from triforce.serving.harness import free_port  # noqa: E402
 
 tiny = test_serving.tiny  # the tiny model and character tokenizer fixture
 

@@ -379,7 +379,7 @@ def test_results_survive_an_interrupted_bench(tmp_path):
     # a kill in the middle of writing results.md or the plot leaves that write's temporary (the file
     # it was replacing is whole); the next write of results there removes it
     assert all(p.name.startswith(f".tmp-{r.p.pid}-") for p in leftovers(out)), leftovers(out)
-    from triforce.bench.methods import write_outputs
+    from triforce.bench.results import write_outputs
 
     write_outputs(out, runs, results["rows"], results["meta"])
     assert leftovers(out) == []
@@ -479,7 +479,7 @@ def test_unwritable_kernel_cache_builds_for_this_run(tmp_path, reference):
 
 def _serving(env, log: Path, *args):
     """`triforce serve` (one request at a time) on a free loopback port, once it answers /health."""
-    from triforce.bench.serve import ServerProcess
+    from triforce.serving.harness import ServerProcess
 
     return ServerProcess(["--max-batch", "1", *args], log, ready_seconds=300, env=env)
 

@@ -367,7 +367,7 @@ def test_real_gemma3_270m_matches_transformers():
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     import transformers
 
-    from triforce.bench.perplexity import model_tokens, token_nll
+    from triforce.commands.perplexity import model_tokens, token_nll
     from triforce.corpus import demo_text
     from triforce.loading import load_model
 

@@ -271,7 +271,7 @@ def test_the_command_line_says_one_line_and_exits_2_for_a_damaged_gguf(base, tmp
 
 
 def test_triforce_quantize_refuses_a_damaged_gguf_before_llama_cpp(base, tmp_path):
-    from triforce.bench.quantize import quantize as quantize_file
+    from triforce.commands.quantize import quantize as quantize_file
 
     path = _write(tmp_path, base.data[:len(base.data) // 2])
     with pytest.raises(TriforceError) as refused:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import embedded_available
-from triforce.bench import methods, peers
+from triforce.bench import methods, peers, results
 from triforce.bench.peers import LlamaCppPeer, LlamaCppUnavailable
 from triforce.caches import new_cache
 
@@ -136,7 +136,7 @@ def test_not_installed_rows_explain_why(no_llama_cpp):
         assert r["ms_per_token"] is None and r["speedup_vs_ar"] is None and r["prefill_tokens_per_s"] is None
         assert r["notes"] == ["llama-cpp-python not installed: ./install.sh llama"]
         assert r["ours_prefill_tokens_per_s"] == 63.5
-    md = methods.markdown(methods.summarize(added))
+    md = results.markdown(results.summarize(added))
     assert "| 128 | 0.0 | llama.cpp | - |" in md and "not installed: ./install.sh llama |" in md
 
 
@@ -146,8 +146,8 @@ def test_bench_with_llama_cpp_missing_still_runs(smollm_torch, no_llama_cpp, tmp
     assert [r["method"] for r in rows] == ["ar", "llama.cpp"]
     assert rows[0]["ms_per_token"] > 0
     assert "not installed: ./install.sh llama" in rows[1]["notes"][0]
-    summary = methods.summarize(rows)
-    methods.write_outputs(tmp_path, rows, summary, {})
+    summary = results.summarize(rows)
+    results.write_outputs(tmp_path, rows, summary, {})
     assert "./install.sh llama" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -229,14 +229,14 @@ def test_bench_rows_for_llama_cpp(smollm_torch, tmp_path):
         # one prefill serves both temperatures
         assert got[(name, 0.0)]["prefill_seconds"] == got[(name, 0.6)]["prefill_seconds"]
         assert got[(name, 0.0)]["agree_with_ar"] is not None and got[(name, 0.6)]["agree_with_ar"] is None
-    summary = methods.summarize(rows)
-    methods.write_outputs(tmp_path, rows, summary, {})
+    summary = results.summarize(rows)
+    results.write_outputs(tmp_path, rows, summary, {})
     md = (tmp_path / "results.md").read_text()
     assert "| 128 | 0.0 | llama.cpp-fa |" in md and "prefill tokens/s" in md
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 
 
-# ---- triforce quantize (bench/quantize.py): real quantized files from llama.cpp's quantizer ----
+# ---- triforce quantize (commands/quantize.py): real quantized files from llama.cpp's quantizer ----
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
@@ -258,7 +258,7 @@ def test_f16_export_keeps_the_values_and_sets_the_profile(tiny_gguf, tmp_path):
     import gguf
     import numpy as np
 
-    from triforce.bench.quantize import export_f16
+    from triforce.commands.quantize import export_f16
 
     out = tmp_path / "f16.gguf"
     export_f16(tiny_gguf, out, rope_theta=4.0e5, context=4096, log=lambda *a: None)
@@ -313,7 +313,7 @@ def test_quantize_by_llama_cpp_gives_a_file_we_run(tiny_gguf, tmp_path, capsys):
 
 def test_an_f16_export_that_would_not_fit_is_refused(tiny_gguf, tmp_path, monkeypatch):
     from triforce import memory
-    from triforce.bench.quantize import export_f16
+    from triforce.commands.quantize import export_f16
     from triforce.errors import TriforceError
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 1000)

@@ -1,4 +1,4 @@
-"""`triforce perplexity` (bench/perplexity.py: add_arguments + run): the text tokenized as the model wants it
+"""`triforce perplexity` (commands/perplexity.py: add_arguments + run): the text tokenized as the model wants it
 (BOS first where its tokenizer adds one), perplexity equal to transformers' on the same tokens, JSON and
 table output."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import hf_tiny
-from triforce.bench.perplexity import add_arguments, main, model_tokens, run
+from triforce.cli import main as cli_main
+from triforce.commands.perplexity import add_arguments, model_tokens, run
 from triforce.errors import TriforceError
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune must be " \
@@ -79,7 +80,7 @@ def test_table_and_errors(model_dir, tmp_path, capsys):
     (tmp_path / "text.txt").write_text(TEXT[:60], encoding="utf-8")
     argv = ["--model", str(model_dir), "--text-file", str(tmp_path / "text.txt"), "--tokens", "100",
             "--rope-theta", "1e6,1e3"]
-    assert main(argv) == 0  # python -m triforce.bench.perplexity
+    assert cli_main(["perplexity", *argv]) == 0
     captured = capsys.readouterr()
     rows = [line for line in captured.out.splitlines() if line.startswith("| 1")]
     assert [r.split(" | ")[0] for r in rows] == ["| 1e+06", "| 1000"] and rows[0] != rows[1]
@@ -87,4 +88,4 @@ def test_table_and_errors(model_dir, tmp_path, capsys):
     (tmp_path / "short.txt").write_text("", encoding="utf-8")
     with pytest.raises(TriforceError, match="too short"):
         run(parse(["--model", str(model_dir), "--text-file", str(tmp_path / "short.txt"), "--tokens", "10"]))
-    assert main(["--model", str(model_dir), "--tokens", "1"]) == 2
+    assert cli_main(["perplexity", "--model", str(model_dir), "--tokens", "1"]) == 2

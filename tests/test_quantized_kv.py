@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from conftest import hf_tiny, ours_from_hf
-from triforce.caches.quantized import (GROUP_K, TILE, QuantizedCache, codes_of, fp_from, pack_keys, pack_values,
-                                       quantize, unpack_keys, unpack_values)
+from triforce.caches.quant_codes import (GROUP_K, codes_of, fp_from, pack_keys, pack_values, quantize, unpack_keys,
+                                         unpack_values)
+from triforce.caches.quantized import TILE, QuantizedCache
 from triforce.sampling import SamplingParams
 from triforce.speculation.state import ModelState, prefill
 from triforce.speculation.tree import DraftTree

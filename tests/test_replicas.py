@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from triforce import cli
-from triforce.serving.prefix_cache import block_keys, chain_hash
+from triforce.serving.prefix_blocks import block_keys, chain_hash
 
 pytest.importorskip("fastapi")
 
@@ -205,7 +205,7 @@ def test_front_end_ends_with_replica_died_when_the_replica_died_mid_answer():
 # ---- a local Ray instance: 2 replicas, 1 thread each -----------------------------------------------
 
 from conftest import embedded_available  # noqa: E402
-from triforce.bench.routing import (  # noqa: E402
+from triforce.serving.harness import (  # noqa: E402
     documents,
     kill_replica,
     local_cluster,

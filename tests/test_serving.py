@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from conftest import embedded_available, hf_tiny, ours_from_hf  # noqa: E402
 from triforce import SamplingParams, generate  # noqa: E402
-from triforce.bench.routing import uvicorn_thread  # noqa: E402
+from triforce.serving.harness import uvicorn_thread  # noqa: E402
 from triforce.loading import LoadedModel  # noqa: E402
 from triforce.serving import engine as engine_module  # noqa: E402
 from triforce.serving.prefix_cache import PrefixCache  # noqa: E402

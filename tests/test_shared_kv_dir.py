@@ -15,7 +15,8 @@ import torch
 
 from conftest import hf_tiny, ours_from_hf
 from triforce.caches import FullCache
-from triforce.serving.prefix_cache import PrefixCache, block_keys
+from triforce.serving.prefix_blocks import block_keys
+from triforce.serving.prefix_cache import PrefixCache
 
 C = 8  # tokens per block
 

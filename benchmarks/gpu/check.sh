@@ -2,7 +2,7 @@
 # Lab harness, not part of the product. The GPU checks of a lent machine in two calls (docs/gpu.md, "A lent GPU in
 # one short session"; benchmarks/gpu/prepare.sh makes what this needs), each log under $OUT as it is written:
 #   part 1 (no model file needed): `pytest -m cuda` (12 workers), each level's forward at the 7B/8B shapes
-#          (python -m triforce.bench.gpu), the decode kernel alone for both KV-head counts and every launch setting
+#          (python benchmarks/gpu_costs.py), the decode kernel alone for both KV-head counts and every launch setting
 #          (--kernel-sweep; KERNEL_S=0 skips it);
 #   part 2 (the embedded GGUF's two halves in /root/tf): the embedded model's 32K bench on the GPU for every named
 #          method and the head stacks, each output line time-stamped.
@@ -24,13 +24,13 @@ if [ "$part" = 1 ]; then
   timeout "${SUITE_S:-260}" python3 -m pytest -m cuda tests/test_cuda.py -n 12 -v -rs --durations=10 -p no:cacheprovider \
       > "$OUT/pytest_cuda.log" 2>&1
   echo "pytest rc $?"; grep -E "FAILED|ERROR" "$OUT/pytest_cuda.log" | head -20; tail -14 "$OUT/pytest_cuda.log"
-  echo "== bench.gpu"; date -u
-  timeout "${SHAPES_S:-60}" python3 -m triforce.bench.gpu --shapes "${SHAPES:-llama2-7b,llama3-8b}" \
+  echo "== gpu_costs.py"; date -u
+  timeout "${SHAPES_S:-60}" python3 benchmarks/gpu_costs.py --shapes "${SHAPES:-llama2-7b,llama3-8b}" \
       --contexts "${CONTEXTS:-131072,32768}" --json "$OUT/shapes.json" > "$OUT/bench_gpu.log" 2>&1
-  echo "bench.gpu rc $?"; date -u; tail -30 "$OUT/bench_gpu.log"
+  echo "gpu_costs.py rc $?"; date -u; tail -30 "$OUT/bench_gpu.log"
   [ "${KERNEL_S:-40}" = 0 ] && exit 0
   echo "== decode kernel sweep"; date -u
-  timeout "${KERNEL_S:-40}" python3 -m triforce.bench.gpu --kernel-sweep --contexts 131072,32768 \
+  timeout "${KERNEL_S:-40}" python3 benchmarks/gpu_costs.py --kernel-sweep --contexts 131072,32768 \
       --json "$OUT/kernel_sweep.json" > "$OUT/kernel_sweep.log" 2>&1
   echo "kernel sweep rc $?"; date -u; tail -8 "$OUT/kernel_sweep.log"
   exit 0

@@ -24,7 +24,7 @@ from .errors import TriforceError
 from .execution import Execution, Linear, QuantLinear, attention
 from .rope import Rotary, apply_rotary
 
-if TYPE_CHECKING:  # (a CUDA graph's view of a cache: graphs.py makes it)
+if TYPE_CHECKING:  # (a CUDA graph's view of a cache: execution/graphs.py makes it)
     from .caches.static import StaticView
 
 
@@ -257,7 +257,7 @@ class Transformer(nn.Module):
 
     @property
     def graphs(self):
-        """On CUDA, the CUDA graphs of the decode-sized forwards (graphs.py); None elsewhere or when turned off."""
+        """On CUDA, the CUDA graphs of the decode-sized forwards (execution/graphs.py); None elsewhere or when off."""
         return self.execution.graphs
 
     @graphs.setter

@@ -24,19 +24,6 @@ def measure_bandwidth(gib: float | None = None, repeats: int = 5, device: torch.
     return x.numel() * 4 / best
 
 
-def measure_fma_peak(n: int = 1536, repeats: int = 5) -> float:
-    """fp32 FLOP/s of a large square matmul (MKL's sgemm on all threads): the arithmetic peak that
-    compute-bound kernels (attention when verifying many rows) are compared with."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best
-
-
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights read by one decode step (the embedding table only as the LM head's weights:
     the lookup itself reads one row). Linear layers holding bf16 panels (a draft-weights

@@ -21,12 +21,45 @@ from pathlib import Path
 import torch
 
 from ..config import kv_dtype_name
-from .decode_step import load_transformers, time_transformers
 
 LLAMA_CPP_PEERS = ("llama.cpp", "llama.cpp-fa", "llama.cpp-nofa")
 PEERS = ("transformers", "transformers-lookup", "transformers-assisted") + LLAMA_CPP_PEERS
 LLAMA_CPP_INSTALL = "./install.sh llama"
 ALLOW_AMX = "TRIFORCE_LLAMA_CPP_AMX"  # =1: run a llama.cpp built with ggml's AMX code anyway
+
+
+def load_transformers(hf_dir, rope_theta: float | None = None):
+    """The same weights as a transformers model (fp32, eval), with our RoPE base if given."""
+    import transformers
+
+    kw = {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}} if rope_theta else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, **kw).eval()
+
+
+def time_transformers(hf, n_ctx: int, steps: int) -> float:
+    """Seconds per step of transformers' own `generate` (its default DynamicCache) on the model `hf`,
+    prefill excluded: (time for 1 + steps new tokens - time for 1 new token) / steps."""
+    import transformers
+
+    c = hf.config
+    kv = [(torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim), torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim))
+          for _ in range(c.num_hidden_layers)]
+    ids = torch.full((1, n_ctx + 1), 42)
+
+    def run(new: int) -> float:
+        cache = transformers.DynamicCache(config=c)
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k, v, layer)
+        t = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                    min_new_tokens=new, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        run(2)
+        one = min(run(1) for _ in range(2))
+        many = min(run(1 + steps) for _ in range(2))
+    return (many - one) / steps
 
 
 class TransformersPeer:

@@ -19,7 +19,7 @@ Attention inputs, the only thing a cache hands a layer (execution.attention disp
   StaticKV a fixed-shape forward's whole buffers and slot mask (a CUDA graph; caches/static.py)
 
 A cache whose chains sit in slots says where (`slot_layout`): the CPU's one call through every layer
-(execution/fused.py) and a CUDA graph (graphs.py) write and read its buffers themselves.
+(execution/fused.py) and a CUDA graph (execution/graphs.py) write and read its buffers themselves.
 
 Keys are stored after RoPE at their absolute positions, so a cache may keep any subset of the
 sequence, in any order. `length` is the logical sequence length (the absolute position of the next
@@ -354,7 +354,7 @@ class PlanesKV:
 @dataclass(frozen=True)
 class SlotLayout:
     """Where a cache keeps a chain of new tokens, for the forwards that write and read its buffers themselves: the
-    CPU's one call through every layer (execution/fused.py) and a CUDA graph (graphs.py).
+    CPU's one call through every layer (execution/fused.py) and a CUDA graph (execution/graphs.py).
 
     k, v: the buffers [layers, B, Hkv, slots, D].
     first: the slot of position `length` (the next token, or the prepared forward's first): a chain's tokens take

@@ -9,6 +9,7 @@ from .base import BufferPool, kv_dtype
 from .full import FullCache
 from .quantized import QuantizedCache
 from .sliding import SlidingWindowCache
+from .static import GRAPH_ROWS
 from .streaming import StreamingCache
 
 # The full-precision buffer of an int8 KV cache (its newest one or two groups of 64 tokens).
@@ -38,9 +39,7 @@ def new_cache(model, capacity: int | None = None, *, record_queries: bool = Fals
             raise TriforceError("--offload-kv needs a CUDA device and a model without sliding-window layers")
         return OffloadedCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context,
                               batch=batch, dtype=dtype, device=model.device, record_queries=record_queries)
-    if model.graphs is not None:  # room for the padding rows of a graph forward (graphs.py)
-        from ..graphs import GRAPH_ROWS
-
+    if model.graphs is not None:  # room for the padding rows of a graph forward (execution/graphs.py)
         capacity = (capacity or cfg.max_context) + GRAPH_ROWS
     kw = dict(batch=batch, dtype=dtype, device=model.device, record_queries=record_queries)
     if model.windows is not None:
@@ -59,6 +58,6 @@ def new_window_cache(n_layers: int, n_kv_heads: int, head_dim: int, window: int,
 def new_plane_view(target: QuantizedCache, max_rollback: int) -> QuantizedCache:
     """A cache reading `target`'s (an int8 cache's) upper planes, shared, as 4 bits, with a full-precision buffer of
     its own: how kv4's level reads an int8 target (speculation/kinds.py builds that one through drafting_cache, in
-    the drafting dtype); bench/decode_step.py times a kv4 draft step through this one."""
+    the drafting dtype); benchmarks/decode_step.py times a kv4 draft step through this one."""
     return QuantizedCache(target.n_layers, target.n_kv_heads, target.head_dim, target.capacity,
                           max_rollback=max_rollback, shared=target)

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Token rows of every forward captured in a CUDA graph (execution/graphs.py): the real ones first, padding after.
+# A cache that graphs write to keeps this many slots of room past its capacity for the padding rows.
+GRAPH_ROWS = 16
+
 
 @dataclass(frozen=True)
 class SlotMask:

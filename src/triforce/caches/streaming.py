@@ -13,7 +13,7 @@ window semantics.
 On the CPU kernels a forward's mask goes as a WindowGap (caches/base.py): the slots between the sinks and each
 new token's window are hidden from it, which the attention kernel skips or masks, so chains take the one C++
 call through every layer (execution.FusedDecode); PyTorch's attention gets the same mask dense. On a GPU a chain
-replays a CUDA graph (graphs.py) whose mask is the window in slots (SlotLayout.window).
+replays a CUDA graph (execution/graphs.py) whose mask is the window in slots (SlotLayout.window).
 """
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """Caches holding random keys and values as if a prompt had been prefilled: forwards timed at a context length
-without the prefill (bench/decode_step.py, bench/gpu.py). The values are unit normal; only the layout matters."""
+without the prefill (benchmarks/decode_step.py, benchmarks/gpu_costs.py). The values are unit normal; only the
+layout matters."""
 from __future__ import annotations
 
 import torch
 
 from .base import KVCache
 from .offload import OffloadedCache
-from .quantized import GROUP_K, QuantizedCache, fp_from
+from .quant_codes import GROUP_K, fp_from
+from .quantized import QuantizedCache
 from .sliding import SlidingWindowCache
 
 

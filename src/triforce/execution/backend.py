@@ -17,8 +17,8 @@ class Execution:
         fp32 model on a CPU where they build, Triton's fused operations on CUDA, else PyTorch's); linear layers get
         it where it is the CPU kernels (the matrix kernels are the CPU's only).
     fused: the one-call CPU decode of every layer (execution/fused.py).
-    graphs: on CUDA, the CUDA graphs of the model's decode-sized forwards (graphs.py); None elsewhere, or to run
-        every forward eagerly (--no-cuda-graphs)."""
+    graphs: on CUDA, the CUDA graphs of the model's decode-sized forwards (graphs.py); None elsewhere, or to run every
+        forward eagerly (--no-cuda-graphs)."""
 
     def __init__(self, backend: kernels.Backend = kernels.TORCH, graphs=None, fused: FusedDecode | None = None):
         self.backend = backend
@@ -32,7 +32,7 @@ class Execution:
         backend = kernels.Backend.for_model(device, model.dtype)
         graphs = None
         if device.type == "cuda":
-            from ..graphs import GraphedForwards
+            from .graphs import GraphedForwards
 
             graphs = GraphedForwards(model)
         for m in model.modules():

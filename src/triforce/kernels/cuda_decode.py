@@ -34,7 +34,7 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-# Launch settings (`python -m triforce.bench.gpu --kernel-sweep`, docs/gpu.md): programs per multiprocessor over
+# Launch settings (`python benchmarks/gpu_costs.py --kernel-sweep`, docs/gpu.md): programs per multiprocessor over
 # all KV heads, warps per program, software-pipelining stages of the key loop, and WHOLE_WAVES: the splits per KV
 # head rounded down, so that no multiprocessor gets one program more than the others (8 KV heads on 132
 # multiprocessors: 16 splits, 128 programs, not 17 and 136). On an H200, 4 layers of 16 token rows at 128K: Llama-3-8B's

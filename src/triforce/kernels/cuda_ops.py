@@ -5,7 +5,7 @@ microseconds, so PyTorch's RMSNorm (casts around the norm), RoPE (slices, a conc
 and a sum per tensor) and SwiGLU (three kernels) cost more than the weights they touch. These are
 the same operations as the CPU kernels' (kernels/layer_ops.cpp; same names and contracts, so
 model.py calls them through the model's backend alike), each a single kernel with fp32 arithmetic,
-one program per row: a row's result does not depend on the other rows (graphs.py needs that).
+one program per row: a row's result does not depend on the other rows (execution/graphs.py needs that).
 
     rms_norm(x [..., H], weight [H], eps) -> [..., H] in x's dtype
     rope_split(qkv [B, T, (Hq + 2 Hkv) D], cos, sin [T, D], Hq, Hkv) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]

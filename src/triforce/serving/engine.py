@@ -52,7 +52,8 @@ from ..speculation.settings import SpecConfig
 from ..speculation.stack import ROUND_SLACK, StackSpec
 from .metrics import ServerMetrics
 from .prefill import CachedPrefill, Stopped
-from .prefix_cache import PrefixCache, block_keys
+from .prefix_blocks import block_keys
+from .prefix_cache import PrefixCache
 
 log = logging.getLogger("triforce.serve")
 

@@ -46,7 +46,7 @@ from ray.serve.request_router import (
 )
 
 from .engine import QueueFull, ShuttingDown
-from .prefix_cache import block_keys, leading
+from .prefix_blocks import block_keys, leading
 
 log = logging.getLogger("triforce.serve")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import ModelConfig
-from ..ggml_blocks import random_blocks
+from triforce.config import ModelConfig
+from triforce.ggml_blocks import random_blocks
 
 LLAMA_1B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "num_hidden_layers": 16,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,
@@ -23,7 +23,7 @@ Q4_K, Q6_K = 12, 14
 
 def q4_k_m_model(n_layers: int | None = None, shape: dict = LLAMA_1B, kv_dtype: str = "fp16", seed: int = 0):
     """Our Transformer of `shape` (n_layers of them if given) with random Q4_K_M-layout weights."""
-    from ..loading import build_model
+    from triforce.loading import build_model
 
     hf = dict(shape, num_hidden_layers=n_layers or shape["num_hidden_layers"])
     cfg = ModelConfig.from_hf(hf)

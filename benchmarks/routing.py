@@ -1,6 +1,6 @@
 """Prefix-affinity routing against round robin, on `triforce serve --replicas N`'s deployment.
 
-    python -m triforce.bench.routing --out docs/benchmarks/DATE-MACHINE-ray
+    python benchmarks/routing.py --out docs/benchmarks/DATE-MACHINE-ray
 
 One local Ray instance per routing (loopback, `--replicas` replicas of `--threads` threads, cold
 caches), the HTTP API in front as `triforce serve --replicas N` runs it. The workload: `--docs`
@@ -27,28 +27,23 @@ import hashlib
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-STACK, GAMMAS = "ngram,retrieval:256,full", "3,4"
-
-
-def documents(tokenizer, n: int, tokens: int) -> list[list[int]]:
-    """n distinct prose documents of `tokens` tokens (the shipped corpus, 40K characters apart)."""
-    from ..corpus import genre_tokens
-
-    return [genre_tokens(tokenizer, "prose", tokens, offset_chars=40_000 * i) for i in range(n)]
-
-
-def question(tokenizer, i: int) -> list[int]:
-    return tokenizer(f"\n\nQuestion {i}: what does the passage above say about names? Answer:",
-                     add_special_tokens=False)["input_ids"]
-
+from triforce.serving.harness import (
+    GAMMAS,
+    STACK,
+    documents,
+    kill_replica,
+    local_cluster,
+    question,
+    stream,
+    stream_one,
+    wait_healthy,
+)
 
 def workload(tokenizer, docs: int, questions: int, doc_tokens: int, seed: int = 0) -> list[dict]:
     """Every document with every question, in one seeded random order."""
@@ -57,114 +52,6 @@ def workload(tokenizer, docs: int, questions: int, doc_tokens: int, seed: int = 
              for d in range(docs) for q in range(questions)]
     random.Random(seed).shuffle(items)
     return items
-
-
-@contextlib.contextmanager
-def uvicorn_thread(app):
-    """The app on 127.0.0.1 (a free port) in a thread; yields its base URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-
-def source_path() -> str:
-    """The folder this triforce is imported from (the replicas import the same one)."""
-    import triforce
-
-    return str(Path(triforce.__file__).resolve().parents[1])
-
-
-@contextlib.contextmanager
-def local_cluster(*, routing: str = "prefix", replicas: int = 2, threads: int = 1, prefill_chunk: int = 128,
-                  prefix_cache_bytes: int = 1 << 30, max_tokens: int = 16, max_context: int = 4096,
-                  max_queue: int = 16, kv_cache_dir=None):
-    """A local Ray instance (`replicas` x `threads` CPUs, loopback, no dashboard) running the
-    deployment of the embedded model, and the HTTP API in front (a thread here). Yields
-    (url, deployment, stack, config); everything is shut down at the end."""
-    import torch
-    from ray import serve
-
-    from ..serving import replicas as ray_replicas
-    from ..serving.server import build_front, replica_spec
-    from ..speculation.settings import SpecConfig
-    from ..speculation.stack import StackSpec
-
-    stack, config = StackSpec.parse(STACK, GAMMAS), SpecConfig(prefill_chunk=prefill_chunk)
-    args = SimpleNamespace(model=None, rope_theta=None, max_context=max_context, device="cpu", cache_dir=None,
-                           kv_dtype=None, weights="native", max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes,
-                           kv_cache_dir=kv_cache_dir, request_timeout=600.0, default_max_tokens=max_tokens,
-                           served_model_name=None, shutdown_timeout=5.0, threads=threads,
-                           cpus_per_replica=float(threads), log_level="warning")
-    spec = replica_spec(args, stack, STACK, config, None, torch.float32)
-    path = os.pathsep.join(p for p in (source_path(), os.environ.get("PYTHONPATH")) if p)
-    env = {"PYTHONPATH": path, "OMP_NUM_THREADS": str(threads), "RAY_DISABLE_USAGE_STATS": "1"}
-    ray_replicas.init_ray(None, num_cpus=replicas * threads, runtime_env={"env_vars": env})
-    deployment = None
-    try:
-        deployment = ray_replicas.deploy(spec, replicas, cpus_per_replica=float(threads), routing=routing,
-                                         max_queue=max_queue)
-        app = build_front(deployment, default_max_tokens=max_tokens, shutdown_timeout=5.0)
-        with uvicorn_thread(app) as url:
-            yield SimpleNamespace(url=url, deployment=deployment, stack=stack, config=config,
-                                  tokenizer=deployment.info["tokenizer"])
-    finally:
-        if deployment is not None:
-            deployment.close()
-        else:
-            serve.shutdown()
-            ray_replicas.ray.shutdown()
-
-
-async def stream(client, url: str, ids: list[int], max_tokens: int, on_text=None) -> dict:
-    """One greedy streamed completion; -> text, ttft (to the first text, s), the final triforce
-    field, and error (the error event's body, or None). `on_text()` runs (in a thread) at each text."""
-    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "seed": 0, "stream": True}
-    t0 = time.perf_counter()
-    out = {"text": "", "ttft": None, "triforce": None, "error": None, "status": None}
-    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        out["status"] = r.status_code
-        if r.status_code != 200:
-            out["error"] = json.loads(await r.aread()).get("error")
-            return out
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                out["error"] = chunk["error"]
-                continue
-            piece = chunk["choices"][0]["text"] if chunk["choices"] else ""
-            if piece and out["ttft"] is None:
-                out["ttft"] = time.perf_counter() - t0
-            if piece and on_text is not None:
-                await asyncio.to_thread(on_text)
-            out["text"] += piece
-            if "stats" in chunk.get("triforce", {}):  # the last chunk's (the others carry a round's provenance)
-                out["triforce"] = chunk["triforce"]
-    return out
-
-
-def stream_one(url: str, ids: list[int], max_tokens: int) -> dict:
-    import httpx
-
-    async def go():
-        async with httpx.AsyncClient() as client:
-            return await stream(client, url, ids, max_tokens)
-
-    return asyncio.run(go())
 
 
 async def run_all(url: str, items: list[dict], max_tokens: int, concurrency: int) -> list[dict]:
@@ -184,33 +71,6 @@ async def run_all(url: str, items: list[dict], max_tokens: int, concurrency: int
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 2)) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     return results
-
-
-def kill_replica(name: str) -> None:
-    """Kill one replica's actor (as a crash would: no graceful stop); Ray Serve starts another."""
-    import ray
-
-    from ..serving.replicas import DEPLOYMENT
-
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::{DEPLOYMENT}#{DEPLOYMENT}#{name}", namespace="serve"), no_restart=True)
-
-
-def wait_healthy(replicas: int, healthy: bool = True, seconds: float = 180.0) -> float:
-    """Wait until the deployment runs `replicas` healthy replicas (healthy=False: until it does not);
-    -> seconds waited."""
-    from ray import serve
-
-    from ..serving.replicas import DEPLOYMENT
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < seconds:
-        status = serve.status().applications[DEPLOYMENT].deployments[DEPLOYMENT]
-        up = status.replica_states.get("RUNNING", 0) == replicas and status.status == "HEALTHY"
-        if up == healthy:
-            return time.monotonic() - t0
-        time.sleep(0.2)
-    raise TimeoutError(f"the deployment was {'not ' if healthy else ''}back to {replicas} healthy replicas "
-                       f"after {seconds:g} s")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -277,8 +137,8 @@ def reference_texts(prompts: list[list[int]], max_tokens: int, stack, config, th
         return []
     import torch
 
-    from .. import SamplingParams, generate
-    from ..loading import load_model
+    from triforce import SamplingParams, generate
+    from triforce.loading import load_model
 
     loaded = load_model(None, max_context=4096, progress=False)
     before = torch.get_num_threads()
@@ -298,7 +158,7 @@ def kv_bytes_per_token() -> int:
     """The embedded model's K/V bytes per token in its default KV dtype (the prefix cache's unit)."""
     import torch
 
-    from ..loading import default_kv_dtype
+    from triforce.loading import default_kv_dtype
 
     kv = getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[default_kv_dtype(torch.float32)])
     n_layers, n_kv_heads, head_dim = 30, 3, 64  # SmolLM2-135M
@@ -306,13 +166,13 @@ def kv_bytes_per_token() -> int:
 
 
 def machine() -> str:
-    from ..kernels.build import cpu_model
+    from triforce.kernels.build import cpu_model
 
     return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m triforce.bench.routing", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/routing.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for results.json and summary.md")
     p.add_argument("--docs", type=int, default=4)
     p.add_argument("--questions", type=int, default=8)
@@ -373,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = runs["round-robin"]["ttft"]["mean"] / runs["prefix"]["ttft"]["mean"]
     summary = {
         "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python -m triforce.bench.routing " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/routing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "settings": {**vars(a), "out": str(a.out), "prefix_cache_bytes": budget, "stack": f"{STACK} --gammas {GAMMAS}",
                      "model": "SmolLM2-135M-Instruct (embedded)"},
         "ttft": {k: v["ttft"] for k, v in runs.items()},

@@ -25,9 +25,7 @@ import weakref
 
 import torch
 
-from .caches.static import StaticView
-
-GRAPH_ROWS = 16
+from ..caches.static import GRAPH_ROWS, StaticView
 
 
 class _Graph:

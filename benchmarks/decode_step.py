@@ -1,7 +1,7 @@
 """Time one decode step at long context: ours vs transformers' generate vs the physical floor.
 
-    python -m triforce.bench.decode_step --contexts 8192,32768 [--no-transformers]
-    python -m triforce.bench.decode_step --kv-dtype int8 # the quantized cache, and a kv4 draft step over it
+    python benchmarks/decode_step.py --contexts 8192,32768 [--no-transformers]
+    python benchmarks/decode_step.py --kv-dtype int8 # the quantized cache, and a kv4 draft step over it
 
 (The lab's A/B comparisons of kernels, draft weights and KV dtypes: benchmarks/decode_step_ab.py.)
 
@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from ..caches import new_cache
-from ..caches.synthetic import fill_random
-from ..tuning.measure import time_forwards, time_forwards_interleaved
+from triforce.caches import new_cache
+from triforce.bench.peers import load_transformers, time_transformers
+from triforce.caches.synthetic import fill_random
+from triforce.tuning.measure import time_forwards, time_forwards_interleaved
 
 
 def random_cache(model, n_ctx: int, tokens: int):
@@ -38,8 +39,8 @@ def time_ours(model, n_ctx: int, steps: int, tokens: int = 1) -> float:
 def time_kv4(model, n_ctx: int, steps: int) -> float:
     """Median seconds of a kv4 level's draft step at n_ctx over an int8 target: the bf16 draft weights reading
     the upper planes of the target's (random) cache."""
-    from ..caches import new_plane_view
-    from ..speculation.kinds import draft_weights_model
+    from triforce.caches import new_plane_view
+    from triforce.speculation.kinds import draft_weights_model
 
     target = random_cache(model, n_ctx, 1)
     view = new_plane_view(target, max_rollback=64)
@@ -53,46 +54,23 @@ def attention_flops(cfg, n_ctx: int, tokens: int) -> float:
     return 4.0 * cfg.head_dim * cfg.n_heads * tokens * n_ctx * cfg.n_layers
 
 
-def load_transformers(hf_dir, rope_theta: float | None = None):
-    """The same weights as a transformers model (fp32, eval), with our RoPE base if given."""
-    import transformers
-
-    kw = {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}} if rope_theta else {}
-    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, **kw).eval()
-
-
-def time_transformers(hf, n_ctx: int, steps: int) -> float:
-    """Seconds per step of transformers' own `generate` (its default DynamicCache) on the model `hf`,
-    prefill excluded: (time for 1 + steps new tokens - time for 1 new token) / steps."""
-    import transformers
-
-    c = hf.config
-    kv = [(torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim), torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim))
-          for _ in range(c.num_hidden_layers)]
-    ids = torch.full((1, n_ctx + 1), 42)
-
-    def run(new: int) -> float:
-        cache = transformers.DynamicCache(config=c)
-        for layer, (k, v) in enumerate(kv):
-            cache.update(k, v, layer)
+def measure_fma_peak(n: int = 1536, repeats: int = 5) -> float:
+    """fp32 FLOP/s of a large square matmul (MKL's sgemm on all threads): the arithmetic peak that
+    compute-bound kernels (attention when verifying many rows) are compared with."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
         t = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
-                    min_new_tokens=new, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t
-
-    with torch.inference_mode():
-        run(2)
-        one = min(run(1) for _ in range(2))
-        many = min(run(1 + steps) for _ in range(2))
-    return (many - one) / steps
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
 
 
 def arithmetic_peaks(kern) -> dict:
     """The arithmetic peaks the attention's rate is compared with, FLOP/s on all threads: the kernels' own
     register-resident loops (FMAs; AVX512-BF16 dot products, what a bf16 cache's verification runs on, 0 where the
     build has none), or without kernels MKL's sgemm (on AMD's AVX-512 CPUs it runs AVX2 code: half the FMA peak)."""
-    from .hardware import measure_fma_peak
-
     if kern is None:
         fma = measure_fma_peak()
         return {"fma": fma, "dot": 0.0, "words": f"{fma / 1e9:.0f} GFLOP/s (MKL sgemm)"}
@@ -114,9 +92,9 @@ def _bf16_dot_words(kern) -> str:
 
 
 def main(argv=None) -> None:
-    from ..config import KV_DTYPES, WEIGHTS
-    from ..loading import load_model
-    from .hardware import (
+    from triforce.config import KV_DTYPES, WEIGHTS
+    from triforce.loading import load_model
+    from triforce.bench.hardware import (
         floor_seconds,
         kv_bytes_per_token,
         measure_bandwidth,
@@ -156,7 +134,7 @@ def main(argv=None) -> None:
     k = args.verify_tokens
     for mode, kv in [(m, x) for m in (modes if args.synthetic_1b is None else ["native"]) for x in kvs]:
         if args.synthetic_1b is not None:
-            from .synthetic import q4_k_m_model
+            from synthetic_models import q4_k_m_model
 
             model, loaded = q4_k_m_model(args.synthetic_1b, kv_dtype=kv or "fp16"), None
             name = f"Llama-3.2-1B shape, {args.synthetic_1b} layers, random Q4_K_M"

@@ -1,4 +1,4 @@
-"""GPU measurements for docs/gpu.md: `python -m triforce.bench.gpu [--shapes llama2-7b,llama3-8b] [--json F]`.
+"""GPU measurements for docs/gpu.md: `python benchmarks/gpu_costs.py [--shapes llama2-7b,llama3-8b] [--json F]`.
 
 On one CUDA GPU, with random-weight bf16 models of 7B/8B shape (the time of a forward does not depend
 on the weights' values) and K/V filled with random values up to the context length (no prefill):
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..caches import new_cache
-from ..caches.synthetic import fill_random
-from ..storage import atomic_write
+from triforce.caches import new_cache
+from triforce.caches.synthetic import fill_random
+from triforce.storage import atomic_write
 
 SHAPES = {
     "llama2-7b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
@@ -72,8 +72,8 @@ def pcie_bandwidth(gib: float = 2.0) -> float:
 
 
 def random_model(shape: dict, dtype=torch.bfloat16):
-    from ..config import ModelConfig
-    from ..model import Transformer
+    from triforce.config import ModelConfig
+    from triforce.model import Transformer
 
     cfg = ModelConfig.from_hf(shape)
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def breakdown(model, cache, hbm: float, log, sweep: bool = False) -> dict:
     with `sweep`, the decode kernel's launch settings (kernels/cuda_decode.py PER_SM, WARPS, STAGES)."""
     import torch.nn.functional as F
 
-    from ..kernels import cuda_decode
+    from triforce.kernels import cuda_decode
 
     out = {}
     layers = model.layers
@@ -169,7 +169,7 @@ def decode_kernel_sweep(contexts: list[int], hbm: float, log, layers: int = 4, t
     same keys for one token (what the eager step runs). One row per (shape, context)."""
     import torch.nn.functional as F
 
-    from ..kernels import cuda_decode
+    from triforce.kernels import cuda_decode
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -263,8 +263,8 @@ def measure_shape(name: str, contexts: list[int], gamma: int, gamma_draft: int, 
 @torch.inference_mode()
 def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamma: int, gamma_draft: int,
                     budget: int, hbm: float, log, breakdown_too: bool) -> None:
-    from ..speculation.kinds import KIND_CLASSES
-    from ..speculation.settings import SpecConfig
+    from triforce.speculation.kinds import KIND_CLASSES
+    from triforce.speculation.settings import SpecConfig
 
     cfg = model.cfg
     cache = new_cache(model, ctx + 256, record_queries=True)
@@ -322,7 +322,7 @@ def measure_on_chip(model, row: dict, ctx: int, kv_bytes: int, wbytes: int, gamm
 def measure_streaming_level(model, row: dict, budget: int, wbytes: int, hbm: float) -> None:
     """The bottom level of the paper's stack on our side: the target with a StreamingLLM cache of `budget` tokens
     (4 sinks), forwards of 1 and 4 tokens as CUDA graphs (its window in slots) and eagerly."""
-    from ..caches.streaming import StreamingCache
+    from triforce.caches.streaming import StreamingCache
 
     cfg = model.cfg
     cache = StreamingCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, sink=4, window=budget - 4, max_rollback=16,
@@ -352,9 +352,9 @@ def measure_head_level(model, row: dict, budget: int, wbytes: int, hbm: float, w
     """A draft head (drafthead/, EAGLE's design: one decoder layer over [embedding, feature], then the target's LM
     head) of this shape, random weights, on the GPU as a head runs there (fp32, eager): one drafted token = one
     head forward of 1 position with a full `window` cache + the LM head over its prediction."""
-    from ..caches import new_window_cache
-    from ..drafthead.drafter import prepare_for_drafting
-    from ..drafthead.head import DraftHead, HeadConfig, embed_tokens
+    from triforce.caches import new_window_cache
+    from triforce.drafthead.drafter import prepare_for_drafting
+    from triforce.drafthead.head import DraftHead, HeadConfig, embed_tokens
 
     cfg = model.cfg
     with torch.device("cuda"):
@@ -388,9 +388,9 @@ def measure_generation(model, row: dict, ctx: int, n_new: int, gamma: int, gamma
     """A real prefill of a `ctx`-token prompt (random ids repeated, so the n-gram drafter finds matches),
     then `ar` and triforce for n_new tokens from it: ms/token with every host cost, and whether triforce's
     tokens are ar's (bf16, near-uniform logits of random weights: any row dependence would show)."""
-    from ..generate import generate
-    from ..speculation.settings import SpecConfig
-    from ..speculation.state import PrefilledPrompt
+    from triforce.generate import generate
+    from triforce.speculation.settings import SpecConfig
+    from triforce.speculation.state import PrefilledPrompt
 
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, model.cfg.vocab_size, (ctx // 8,), generator=g).tolist()
@@ -440,7 +440,7 @@ def reprice(rows: list[dict], acceptance: dict, gamma: int, gamma_draft: int, ho
     drafts) and head -> retrieval -> full (the head's acceptance taken as the same against either level).
     `host_ms`: host time per forward outside the graph (sampling, the token's copy), added to every forward, ar's
     and each drafted token's included. Rows without on-chip costs (offloaded only) are skipped."""
-    from ..speculation.cost_model import Boundary, Step, ms_per_token, predict_ms
+    from triforce.speculation.cost_model import Boundary, Step, ms_per_token, predict_ms
 
     out = []
     for r in rows:
@@ -480,7 +480,7 @@ def print_repriced(priced: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m triforce.bench.gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/gpu_costs.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="llama2-7b,llama3-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--contexts", default="32768,65536,131072", help="context lengths (skipped where K/V do not fit)")

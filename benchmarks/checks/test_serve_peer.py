@@ -1,18 +1,21 @@
-"""bench/serve.py's vLLM peer, the parts that need no vLLM: a missing install is one clear line naming the fix, and
+"""benchmarks/serve.py's vLLM peer, the parts that need no vLLM: a missing install is one clear line naming the fix, and
 the figures reported from streamed timings."""
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from triforce.bench import serve
+import serve
+
+SERVE = str(Path(serve.__file__))
 
 
 def test_missing_vllm_names_the_install_step(tmp_path, monkeypatch):
     monkeypatch.setenv("TRIFORCE_CACHE_DIR", str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "triforce.bench.serve", "--peer", "vllm", "--clients", "1"],
+    r = subprocess.run([sys.executable, SERVE, "--peer", "vllm", "--clients", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "run ./install.sh vllm" in r.stderr and "Traceback" not in r.stderr
@@ -48,7 +51,7 @@ def test_side_stats_from_stream_timings():
 @pytest.mark.parametrize("clients", ["1,x", "0", ""])
 def test_bad_client_counts_are_one_line(clients, tmp_path, monkeypatch):
     monkeypatch.setenv("TRIFORCE_CACHE_DIR", str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "triforce.bench.serve", "--peer", "vllm", "--clients", clients],
+    r = subprocess.run([sys.executable, SERVE, "--peer", "vllm", "--clients", clients],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "give request counts" in r.stderr and "Traceback" not in r.stderr
 

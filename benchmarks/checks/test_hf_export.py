@@ -1,4 +1,4 @@
-"""The Hugging Face directory handed to vLLM (bench/hf_export.py) computes what triforce computes: a tiny quantized
+"""The Hugging Face directory handed to vLLM (benchmarks/hf_export.py) computes what triforce computes: a tiny quantized
 GGUF exported with a long-context RoPE profile gives transformers the logits triforce gives with that profile."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from hf_export import export_hf
 from test_fuzz_gguf import _tokenizer
 from test_gguf_loading import convert, saved
 from triforce import kernels
-from triforce.bench.hf_export import export_hf
 from triforce.caches import new_cache
 from triforce.errors import TriforceError
 from triforce.loading import load_model

@@ -1,10 +1,10 @@
 """A bounded load test of `triforce serve`, and its time-to-first-token with the prefix cache.
 
-    python -m triforce.bench.serve                 # 40 requests, 4 at a time, some cancelled mid-stream
-    python -m triforce.bench.serve --ttft 8192     # first token: no cache, in-memory cache, after a restart
-    python -m triforce.bench.serve --batch-compare 8 --prompt-tokens 8192 --max-tokens 128 --out DIR
+    python benchmarks/serve.py                     # 40 requests, 4 at a time, some cancelled mid-stream
+    python benchmarks/serve.py --ttft 8192         # first token: no cache, in-memory cache, after a restart
+    python benchmarks/serve.py --batch-compare 8 --prompt-tokens 8192 --max-tokens 128 --out DIR
                                                    # --max-batch 8 against the batch-1 server, same load, one run
-    python -m triforce.bench.serve --peer vllm --clients 1,4,8 --prompt-tokens 8192 --max-tokens 64 --out DIR
+    python benchmarks/serve.py --peer vllm --clients 1,4,8 --prompt-tokens 8192 --max-tokens 64 --out DIR
                                                    # triforce serve against vLLM's CPU server, same load, one run
 
 Both start `triforce serve` as a child process on 127.0.0.1 (a free port; loopback only), drive it
@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,72 +30,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..storage import atomic_write
+from triforce.serving.harness import ServerProcess, free_port, wait_until_healthy
+from triforce.storage import atomic_write
 
 QUESTIONS = ("Who speaks first in this scene?", "Summarise the last speech.", "Which characters are named above?",
              "What is the mood of this passage?", "Quote one line spoken by a king.", "Where does the scene happen?",
              "Which words are repeated most?", "What happens next?")
 MEMORY_SLACK_BYTES = 96 << 20  # allocator noise allowed over the baseline
 CHARS_PER_TOKEN = 3.3  # the demo corpus with SmolLM2's tokenizer (the responses' usage gives the exact count)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until_healthy(server, what: str, t0: float, seconds: float, poll: float) -> float:
-    """Poll `server.url`/health until it answers 200 -> seconds since t0. SystemExit naming `what` and the end of its
-    log if its process (`server.proc`) exits first, or if `seconds` pass (the server is stopped then)."""
-    import httpx
-
-    while time.perf_counter() - t0 < seconds:
-        if server.proc.poll() is not None:
-            tail = "\n".join(server.log_path.read_text(errors="replace").splitlines()[-15:])
-            raise SystemExit(f"{what} exited with code {server.proc.returncode} while starting; the end of its log "
-                             f"({server.log_path}):\n{tail}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(poll)
-    server.stop()
-    raise SystemExit(f"{what} did not start within {seconds:.0f} s; its log: {server.log_path}")
-
-
-class ServerProcess:
-    """`python -m triforce serve ...` on 127.0.0.1 (in `env`, default this process's environment); stderr goes to a
-    log file."""
-
-    def __init__(self, extra: list[str], log_path: Path, ready_seconds: float = 600.0, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "triforce", "serve", "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        self.command = " ".join(cmd[1:])
-        self.log = open(log_path, "ab")
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.ready_seconds = wait_until_healthy(self, "the server", t0, ready_seconds, 0.5)
-
-    def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 def _metric(text: str, name: str, labels: dict | None = None) -> float:
@@ -187,7 +128,7 @@ async def _load(args, server: ServerProcess, doc: str) -> dict:
 
 
 def load_test(args) -> int:
-    from ..corpus import demo_text
+    from triforce.corpus import demo_text
 
     tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-serve-"))
     server = ServerProcess(["--max-queue", str(args.max_queue), "--max-batch", str(args.max_batch),
@@ -265,7 +206,7 @@ def wall_s(seconds: float) -> str:
 
 def ttft_test(args) -> int:
     """Cold, warm (in-memory prefix cache) and after a restart (from --kv-cache-dir) first-token times."""
-    from ..corpus import demo_text
+    from triforce.corpus import demo_text
 
     directory = Path(args.kv_cache_dir or tempfile.mkdtemp(prefix="triforce-kv-"))
     tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-serve-"))
@@ -313,7 +254,7 @@ def _prompts(args, tokenizer, n: int | None = None) -> tuple[list[int], list[lis
     when it is a multiple of the prefill chunk) and its N prompts as token ids: the document and a different
     question each. After a warm-up request has cached the document's blocks, each request prefills only its
     question, so the comparison times decoding, not prefill."""
-    from ..corpus import demo_text
+    from triforce.corpus import demo_text
 
     doc = tokenizer(demo_text(int(args.prompt_tokens * CHARS_PER_TOKEN) + 4000))["input_ids"][:args.prompt_tokens]
     questions = [f"\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n" for i in range(n or args.batch_compare)]
@@ -385,9 +326,9 @@ async def _load_once(url: str, prompts: list, max_tokens: int, timeout: float, m
 def references(args, loaded, prompts: list[list[int]]) -> list[str]:
     """generate()'s greedy text (the function behind `triforce generate`, its default settings: the server's) for
     each prompt, in this process (slow: a whole prefill each; needs no quiet machine)."""
-    from ..generate import generate
-    from ..speculation.settings import SpecConfig
-    from ..speculation.stack import method_stack
+    from triforce.generate import generate
+    from triforce.speculation.settings import SpecConfig
+    from triforce.speculation.stack import method_stack
 
     config = SpecConfig()
     stack = method_stack(args.method, config.gamma, config.gamma_draft, config.draft, adaptive=config.adapt)
@@ -404,7 +345,7 @@ def batch_compare(args) -> int:
     """The batch-1 server and a --max-batch N server on the same N concurrent greedy requests, interleaved
     (A B A B ...) in one run: aggregate decode tokens/s, and every response equal across the two (and to
     `triforce generate`'s with --references)."""
-    from ..loading import load_model
+    from triforce.loading import load_model
 
     n = args.batch_compare
     loaded = load_model(args.model, progress=False)
@@ -463,7 +404,7 @@ def batch_compare(args) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         strip = lambda run: {**run, "results": [{k: v for k, v in r.items() if k != "text"} for r in run["results"]]}
         atomic_write(args.out / "results.json", json.dumps({
-            "command": "python -m triforce.bench.serve " + " ".join(sys.argv[1:]),
+            "command": "python benchmarks/serve.py " + " ".join(sys.argv[1:]),
             "prompt_tokens": [r["server"]["prefilled_tokens"] + r["server"]["prefix_cache_tokens"] + 1
                               for r in one[0]["results"] if r["server"]],
             "max_tokens": args.max_tokens, "method": args.method, "requests": n,
@@ -484,7 +425,7 @@ PEER_MODEL_NAME = "triforce-peer"
 
 def _vllm_python(args) -> tuple[str, str]:
     """-> (the peer's python, vLLM's version); a clear exit when it is missing or does not import."""
-    from ..storage import cache_root
+    from triforce.storage import cache_root
 
     python = Path(args.peer_python).expanduser() if args.peer_python else cache_root() / VLLM_VENV / "bin" / "python"
     if not python.exists():
@@ -645,10 +586,10 @@ def peer_compare(args) -> int:
     document (each side's warm-up) reported too."""
     from transformers import AutoTokenizer
 
-    from ..errors import TriforceError
-    from ..loading import DEFAULT_MAX_CONTEXT, gguf_file_of
-    from ..storage import cache_root
-    from .hf_export import export_hf
+    from triforce.errors import TriforceError
+    from triforce.loading import DEFAULT_MAX_CONTEXT, gguf_file_of
+    from triforce.storage import cache_root
+    from hf_export import export_hf
 
     if args.peer != "vllm":
         raise SystemExit(f"unknown --peer {args.peer!r}: the peer is vllm")
@@ -747,7 +688,7 @@ def peer_compare(args) -> int:
     print(f"exit codes: {codes}; {time.perf_counter() - started:.0f} s in all")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = "python -m triforce.bench.serve " + " ".join(sys.argv[1:])
+        command = "python benchmarks/serve.py " + " ".join(sys.argv[1:])
         result = {"command": command, "machine": _machine(), "prompt_tokens": [len(p) for p in prompts],
                   "document_tokens": len(doc), "max_tokens": args.max_tokens, "clients": counts,
                   "rounds": args.rounds, "method": args.method, "temperature": args.temperature,
@@ -784,14 +725,14 @@ def _our_kv_dtype(args) -> str:
             return a.split("=", 1)[1] if "=" in a else args.serve_arg[i + 1]
     import torch
 
-    from ..loading import default_kv_dtype
+    from triforce.loading import default_kv_dtype
 
     return default_kv_dtype(torch.float32)
 
 
 def _machine() -> str:
-    from ..kernels import cpu_flags
-    from ..kernels.build import cpu_model
+    from triforce.kernels import cpu_flags
+    from triforce.kernels.build import cpu_model
 
     flags = cpu_flags()
     isa = ", ".join(name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX"))
@@ -802,7 +743,7 @@ def _machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m triforce.bench.serve", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python benchmarks/serve.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="passed to triforce serve (default: the embedded model)")
     p.add_argument("--method", default="triforce", help="passed to triforce serve (default triforce)")
@@ -856,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import httpx  # noqa: F401  (the loads' client)
     except ImportError:
-        print("python -m triforce.bench.serve needs httpx, which `./install.sh` installs (the serve extra): run "
+        print("python benchmarks/serve.py needs httpx, which `./install.sh` installs (the serve extra): run "
               "./install.sh, or pip install 'httpx>=0.27'", file=sys.stderr)
         return 2
     # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too

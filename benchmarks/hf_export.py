@@ -1,7 +1,7 @@
 """The model as a plain Hugging Face directory, with the long-context profile triforce runs it with, for peers
 that load only such directories (vLLM).
 
-    python -m triforce.bench.hf_export DIR [--model FILE.gguf]
+    python benchmarks/hf_export.py DIR [--model FILE.gguf]
 
 transformers will not save_pretrained a model it loaded from a GGUF file, so the weights come from triforce's own
 dequantized conversion (loading.converted_gguf_dir: fp32, the same numbers triforce computes with in fp32) and go
@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..errors import TriforceError
+from triforce.errors import TriforceError
 
 PROFILE_FILE = "triforce_export.json"  # what the directory was exported from, and with which profile
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -31,8 +31,8 @@ def export_hf(out: str | Path, model: str | None = None, *, rope_theta: float | 
     import torch
     import transformers
 
-    from .. import storage
-    from ..loading import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, converted_gguf_dir, gguf_file_of
+    from triforce import storage
+    from triforce.loading import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, converted_gguf_dir, gguf_file_of
 
     out = Path(out).expanduser()
     gguf = gguf_file_of(model)
@@ -77,7 +77,7 @@ def export_hf(out: str | Path, model: str | None = None, *, rope_theta: float | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m triforce.bench.hf_export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/hf_export.py", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="the directory to write")
     p.add_argument("--model", help="a .gguf file (default: the embedded model, with its long-context profile)")
     p.add_argument("--rope-theta", type=float, help="the RoPE base (default: the model's profile)")
