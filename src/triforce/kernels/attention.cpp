@@ -335,11 +335,12 @@ inline void group_scores(const float* qg, const KV* k, int64_t nw, float* s0, Pr
 // Scores of RT rows (q, row stride D) against KT = W / RT keys (k, row stride D) into s (row stride BS): the W
 // (row, key) partial-sum vectors, each the chain fma(q, k, acc) over the head's W-lane chunks from zero as in
 // dot_parts, reduced together by one hsum_lanes (its tree is the same in every lane): the bits of the groups below.
-// Per chunk it loads RT query and KT key vectors for W FMAs, where a group loads a query vector per FMA: AMD Zen 3,
-// AVX2 build, one thread, fp16 K/V, 15 rows over 32K keys x 30 layers x 3 KV heads, the scores alone 162.7 -> 147.1
-// ms, the whole attention 261.5 -> 249.4 (median CPU time, docs/benchmarks/2026-11-29-zen3-attention/). AVX2 only:
-// the AVX-512 build's 4 x 4 tile is not measured yet.
-constexpr int TILE_SCORE_ROWS = W == 8 ? 4 : 0;
+// Per chunk it loads RT query vectors into registers (asked for: GCC otherwise folds a query load into every FMA)
+// and KT key vectors for W FMAs, where a group loads a query vector per FMA. 2 rows x 4 keys on the AVX2 build: its
+// 8 accumulators, 2 query and 4 key vectors fit its 16 registers; 4 x 2 took longer (AMD Zen 3, one thread, fp16
+// K/V, 32K keys x 30 layers x 3 KV heads; docs/benchmarks/2026-11-29-zen3-attention/). The last 3 rows of an odd
+// count (and a decode step's 3) run as a group. AVX2 only: the AVX-512 build's tiles are not measured.
+constexpr int TILE_SCORE_ROWS = W == 8 ? 2 : 0;
 
 template <int64_t D, int64_t BS, int RT, typename KV>
 ALWAYS_INLINE void tile_scores(const float* q, const KV* k, float* s) {
@@ -350,7 +351,13 @@ ALWAYS_INLINE void tile_scores(const float* q, const KV* k, float* s) {
     Vec kv[KT];
     for (int i = 0; i < KT; ++i) kv[i] = load(k + i * D + c * W);
     for (int r = 0; r < RT; ++r) {
-      const Vec qv = Vec::loadu(q + r * D + c * W);
+      Reg qr = Vec::loadu(q + r * D + c * W);
+#if defined(CPU_CAPABILITY_AVX512)
+      asm volatile("" : "+v"(qr));  // in a register: one load per query vector, not one per FMA
+#else
+      asm volatile("" : "+x"(qr));
+#endif
+      const Vec qv(qr);
       for (int i = 0; i < KT; ++i) acc[r * KT + i] = fma(qv, kv[i], acc[r * KT + i]);
     }
   }
@@ -364,9 +371,9 @@ template <int64_t D, int64_t BS, typename KV>
 void scores_groups(const float* q, const KV* k, int64_t R, int64_t nw, float* s, Prefetch& pf) {
   constexpr int NC = D / W;
   int64_t r0 = 0;
-  if constexpr (TILE_SCORE_ROWS > 0) {  // tiles of RT rows while they last (decode steps' 1-3 rows: the groups)
+  if constexpr (TILE_SCORE_ROWS > 0) {  // tiles of RT rows until 3 or fewer are left (a decode step's 1-3: the groups)
     constexpr int RT = TILE_SCORE_ROWS, KT = W / RT;
-    for (; R - r0 >= RT; r0 += RT)
+    for (; R - r0 >= RT && R - r0 != 3; r0 += RT)
       for (int64_t j = 0; j < nw; j += KT) {
         pf.step(D);
         tile_scores<D, BS, RT>(q + r0 * D, k + j * D, s + r0 * BS + j);
