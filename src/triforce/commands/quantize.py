@@ -27,12 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import storage
+from .. import memory, storage
 from ..bench.peers import LlamaCppUnavailable, import_llama_cpp
 from ..errors import TriforceError
 from ..loading import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, default_model_path
 from ..loading.gguf_check import check_gguf
-from ..memory import available_bytes
 
 NAME = "quantize"
 HELP = "a real quantized GGUF (Q4_K_M, ...) of a model, by llama.cpp's quantizer"
@@ -86,7 +85,7 @@ def export_f16(src: Path, dst: Path, rope_theta: float | None, context: int | No
     import gguf  # start-up: gguf is 40 ms to import, only GGUF files need it
 
     reader = gguf.GGUFReader(src)
-    f16_bytes, avail = sum(2 * int(t.n_elements) for t in reader.tensors), available_bytes()
+    f16_bytes, avail = sum(2 * int(t.n_elements) for t in reader.tensors), memory.available_bytes()
     if avail is not None and f16_bytes > 0.8 * avail:  # gguf's writer holds every tensor until it writes the file
         raise TriforceError(f"exporting {src.name} to F16 needs about {f16_bytes / 2**30:.1f} GiB of memory and "
                             f"{avail / 2**30:.1f} GiB are available: quantize it with llama.cpp's own "

@@ -7,9 +7,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import memory
 from ..caches import new_cache
 from ..errors import TriforceError
-from ..memory import HEADROOM, available_bytes, gib
+from ..memory import HEADROOM, gib
 from ..speculation.stack import METHODS
 from .prefix_cache import PrefixCache
 from .stacks import StackChooser
@@ -83,7 +84,7 @@ def kv_budget(kv_memory: int | None, prefix_cache_bytes: int) -> int | None:
     unknown (no limit)."""
     if kv_memory is not None:
         return kv_memory
-    avail = available_bytes()
+    avail = memory.available_bytes()
     if avail is None:
         return None
     budget = int(0.9 * (avail - prefix_cache_bytes - HEADROOM))
