@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from . import storage
 from .commands import COMMANDS
 from .errors import TriforceError
@@ -34,8 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "threads", None):
-        import torch
-
         torch.set_num_threads(args.threads)
     if getattr(args, "cache_dir", None):  # every cache (converted models, kernel builds) follows --cache-dir
         os.environ[storage.CACHE_ENV] = str(Path(args.cache_dir).expanduser().resolve())

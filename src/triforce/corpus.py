@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from .errors import TriforceError
 
@@ -51,8 +52,6 @@ def genre_text(genre: str, min_chars: int = 0) -> str:
     if genre == "dialogue":
         return demo_text(min_chars)
     if genre == "prose":
-        from pydoc_data.topics import topics
-
         return "\n\n".join(topics[k] for k in sorted(topics))
     if genre == "code":
         parts, total = [], 0

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .detokenize import TextDeltas
 from .errors import TriforceError
 from .execution.runner import DIRECT, ModelRunner
 from .model import Transformer
 from .sampling import SamplingParams, make_generator
-from .speculation.settings import SpecConfig
 from .speculation.builder import BuiltStack
 from .speculation.provenance import RoundProvenance
+from .speculation.settings import SpecConfig
 from .speculation.stack import StackSpec, method_stack
 from .speculation.state import PrefilledPrompt
 
@@ -77,8 +78,6 @@ class _StopText:
     may still become a stop string, and an incomplete UTF-8 character."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
-        from .detokenize import TextDeltas
-
         self.deltas, self.stop = TextDeltas(tokenizer), stop
         self.text = ""  # all complete text so far
         self.sent = 0  # characters of it already yielded

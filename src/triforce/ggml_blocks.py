@@ -14,6 +14,9 @@ model computed from the dequantized fp32 weights, up to fp32 summation order.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +39,7 @@ KERNEL_GROUP = 32
 
 def type_name(qtype: int) -> str:
     try:
-        import gguf
+        import gguf  # start-up: gguf is 40 ms to import, only GGUF files need it
 
         return gguf.GGMLQuantizationType(qtype).name
     except (ImportError, ValueError):
@@ -62,7 +65,6 @@ class QuantTensor:
         while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
             base = base.base
         mapped = isinstance(base, np.memmap) and base.mode == "r"
-        import warnings
 
         with warnings.catch_warnings():  # a read-only map: we never write to it
             warnings.simplefilter("ignore", UserWarning)
@@ -101,8 +103,6 @@ def release(t: QuantTensor) -> None:
     No-op for tensors in ordinary memory."""
     if not t.mapped or t.raw.numel() == 0:
         return
-    import ctypes
-    import mmap
 
     page = mmap.PAGESIZE
     start = -(-t.raw.data_ptr() // page) * page
@@ -160,7 +160,7 @@ def dequantize(t: QuantTensor, ops=None) -> torch.Tensor:
     kernels (their dequantize_rows), or None for gguf's numpy code."""
     if ops is not None and t.kernel_ready():
         return ops.dequantize_rows(t.raw, t.qtype)
-    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import dequantize as gguf_dequantize  # start-up: gguf is 40 ms to import, only GGUF files need it
 
     if t.qtype == F32:
         return t.raw.view(torch.float32).reshape(t.shape)

@@ -6,7 +6,11 @@ weights as held (--weights), K and V for every token of the context in the KV dt
 """
 from __future__ import annotations
 
+import torch
+
+from .config import kv_dtype_name
 from .errors import TriforceError
+from .ggml_blocks import QuantTensor
 
 # A run needs some room beyond weights and KV (activations, the tokenizer, Python): refused if the
 # estimate exceeds what is available minus this.
@@ -58,8 +62,6 @@ def held_bytes(values: int, stored: int, matrix: bool, weights: str) -> int:
 def weight_bytes(state: dict, weights: str) -> int:
     """Bytes the tensors of `state` (torch tensors or ggml_blocks.QuantTensor, as read_gguf gives them)
     take when held as `weights` (held_bytes)."""
-    from .ggml_blocks import QuantTensor
-
     total = 0
     for t in state.values():
         if isinstance(t, QuantTensor):
@@ -79,8 +81,6 @@ KV_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1 + _GROUP_OVER
 
 def kv_value_bytes(kv_dtype) -> float:
     """Bytes per stored K/V value of a KV dtype (a name of KV_VALUE_BYTES or a torch dtype: torch.int8 is int8)."""
-    from .config import kv_dtype_name
-
     return KV_VALUE_BYTES[kv_dtype_name(kv_dtype, choices=tuple(KV_VALUE_BYTES))]
 
 
@@ -93,13 +93,9 @@ def kv_bytes(cfg, tokens: int, value_bytes: float) -> int:
 def check_kv_fits(model, tokens: int) -> None:
     """Refuse a context of `tokens` tokens whose KV cache (the model's kv_dtype) will not fit: in the GPU's free
     memory for a model on CUDA (unless its cache is offloaded to host memory: --offload-kv), else in RAM."""
-    from .config import kv_dtype_name
-
     name = kv_dtype_name(model.kv_dtype)
     need = kv_bytes(model.cfg, tokens, kv_value_bytes(model.kv_dtype))
     if model.device.type == "cuda" and not getattr(model, "offload_kv", False):
-        import torch
-
         free = torch.cuda.mem_get_info(model.device)[0]
         if need > free - HEADROOM:
             raise TriforceError(f"the KV cache of {tokens} tokens ({name}) would take {gib(need)}, but only "

@@ -5,6 +5,9 @@ import time
 
 import torch
 
+from ..execution import Linear, QuantEmbedding
+from ..memory import kv_bytes, kv_value_bytes
+
 
 def measure_bandwidth(gib: float | None = None, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Memory read bandwidth in bytes/s of `device`: a sum over a `gib` GiB fp32 tensor there (default 1 GiB,
@@ -29,8 +32,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     the lookup itself reads one row). Linear layers holding bf16 panels (a draft-weights
     copy, loading.weights.draft_weights) are counted at the panels' size, weights kept in GGML blocks
     (QuantLinear) at their stored bytes: that is what they read."""
-    from ..execution import Linear, QuantEmbedding
-
     read_as = {id(m.weight): m.panels.numel() * m.panels.element_size() for m in model.modules()
                if isinstance(m, Linear) and m.panels is not None and m.panels.dtype != m.weight.dtype}
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # QuantLinear's blocks are buffers
@@ -45,8 +46,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def kv_bytes_per_token(model, kv_element_size: float | None = None) -> int:
     """K and V bytes of one token over every layer, with elements of `kv_element_size` bytes (None:
     those of the model's own cache, memory.kv_value_bytes(model.kv_dtype)). (cfg.kv_bytes_per_token counts fp32 elements.)"""
-    from ..memory import kv_bytes, kv_value_bytes
-
     return kv_bytes(model.cfg, 1, kv_value_bytes(model.kv_dtype) if kv_element_size is None else kv_element_size)
 
 

@@ -13,12 +13,25 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..caches import new_cache
+from ..config import kv_dtype_name
+from ..corpus import GENRES, genre_tokens
 from ..errors import TriforceError
+from ..generate import generate
+from ..loading import configure_device, load_model, resolve_dtype
+from ..memory import kv_value_bytes
+from ..speculation.builder import full_capacity
+from ..speculation.kinds import drafting_model
 from ..speculation.level import verify_rates
-from ..speculation.stack import REBUILT
+from ..speculation.stack import LevelSpec, REBUILT, StackSpec, method_stack
+from ..speculation.state import PrefilledPrompt
+from ..tuning import flags as tuned_flags
+from ..tuning.flags import tuned_allowed, tuned_run
 from ..tuning.measure import sampling_params
+from . import peers as peer_mod
+from .hardware import floor_seconds, measure_bandwidth
 from .results import cells_markdown, markdown, summarize, write_outputs
 
 
@@ -27,11 +40,6 @@ def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: st
     (weights + the KV it reads) / bandwidth. The drafting levels read the bf16 draft weights where
     the run uses them, and their KV in config.draft_kv_dtype; the full level its KV in the model's
     kv_dtype. None without a bandwidth or for a level without a model of the target."""
-    from ..memory import kv_value_bytes
-    from ..speculation.kinds import drafting_model
-    from ..speculation.stack import LevelSpec
-    from .hardware import floor_seconds
-
     spec = LevelSpec.parse(level)
     if not bandwidth or spec.kind not in ("full", "retrieval", "h2o", "streaming", "kv4"):
         return None
@@ -137,16 +145,6 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     its own seed when sampling; a row's ms/token is their decode time over their tokens, its acceptances their sums
     (one run says little: the host's speed drifts within a minute, and when sampling each method samples a
     different text, where one loop or one novel stretch decides a run)."""
-    from tqdm.auto import tqdm
-
-    from ..corpus import genre_tokens
-    from ..generate import generate
-    from ..speculation.builder import full_capacity
-    from ..speculation.stack import StackSpec, method_stack
-    from ..speculation.state import PrefilledPrompt
-    from ..tuning import flags as tuned_flags
-    from . import peers as peer_mod
-
     model, tok = loaded.model, loaded.tokenizer
     rows = []
 
@@ -324,8 +322,6 @@ class _LlamaCppRuns:
     CHECK_PROMPT, CHECK_NEW = 64, 16  # the greedy agreement check with our ar, on a short prompt
 
     def __init__(self, loaded, peers, max_new, seed, config, ar_stack, progress, log, add):
-        from . import peers as peer_mod
-
         self.variants = peer_mod.llama_cpp_variants(peers)
         self.asked = [p for p in peers if p in peer_mod.LLAMA_CPP_PEERS]
         self.loaded, self.max_new, self.seed, self.config, self.ar_stack = loaded, max_new, seed, config, ar_stack
@@ -342,8 +338,6 @@ class _LlamaCppRuns:
     def _check(self, name: str, flash: bool, prompt: list[int]) -> str:
         """A row note: how many greedy tokens llama.cpp and our ar share on a short prompt (the
         same model computed twice: a wrong setting such as the RoPE base shows as early disagreement)."""
-        from ..generate import generate
-
         if name not in self.check_notes:
             short = prompt[:self.CHECK_PROMPT]
             ours = generate(self.loaded.model, short, self.CHECK_NEW, sampling_params(0.0), stack=self.ar_stack,
@@ -357,8 +351,6 @@ class _LlamaCppRuns:
         return self.check_notes[name]
 
     def run(self, n_ctx, pi, prompt, temperatures, ar_by_temp, floor_ms, ours_prefill_s) -> None:
-        from . import peers as peer_mod
-
         if not self.variants:
             return
         n_head = len(prompt) - 1
@@ -414,12 +406,6 @@ class _LlamaCppRuns:
 def main(args, config, draft_path: str | None, stacks=()) -> int:
     """`triforce bench` (the CLI has parsed and checked the speculation options into config, and
     --stacks into StackSpecs)."""
-    from ..config import kv_dtype_name
-    from ..loading import configure_device, load_model, resolve_dtype
-    from ..tuning.flags import tuned_allowed, tuned_run
-    from . import peers as peer_mod
-    from .hardware import measure_bandwidth
-
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(peer_mod.PEERS)
     if unknown:
@@ -458,7 +444,6 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
             "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."), "reference_kv_dtype": reference_kv,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     out_dir = Path(args.out)
-    from ..corpus import GENRES
 
     genres = tuple(g for g in args.genres.split(",") if g)
     if not genres or set(genres) - set(GENRES):

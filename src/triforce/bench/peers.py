@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..config import kv_dtype_name
 
@@ -30,7 +31,7 @@ ALLOW_AMX = "TRIFORCE_LLAMA_CPP_AMX"  # =1: run a llama.cpp built with ggml's AM
 
 def load_transformers(hf_dir, rope_theta: float | None = None):
     """The same weights as a transformers model (fp32, eval), with our RoPE base if given."""
-    import transformers
+    import transformers  # start-up: transformers is 1 s to import
 
     kw = {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}} if rope_theta else {}
     return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, **kw).eval()
@@ -39,7 +40,7 @@ def load_transformers(hf_dir, rope_theta: float | None = None):
 def time_transformers(hf, n_ctx: int, steps: int) -> float:
     """Seconds per step of transformers' own `generate` (its default DynamicCache) on the model `hf`,
     prefill excluded: (time for 1 + steps new tokens - time for 1 new token) / steps."""
-    import transformers
+    import transformers  # start-up: transformers is 1 s to import
 
     c = hf.config
     kv = [(torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim), torch.randn(1, c.num_key_value_heads, n_ctx, c.head_dim))
@@ -114,7 +115,7 @@ def llama_cpp_variants(peers) -> list[tuple[str, bool]]:
 def import_llama_cpp():
     """The llama_cpp module, or LlamaCppUnavailable saying why and how to install it."""
     try:
-        import llama_cpp
+        import llama_cpp  # optional: llama_cpp (the llama extra)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] == "llama_cpp":
             raise LlamaCppUnavailable(f"llama-cpp-python not installed: {LLAMA_CPP_INSTALL}") from e
@@ -235,8 +236,6 @@ class LlamaCppPeer:
     def prefill(self, prompt: list[int], max_new: int, flash: bool, label: str = "llama.cpp",
                 hint_s: float | None = None, quiet: bool = False) -> float:
         """Fill a fresh KV cache with prompt[:-1] (the last token is fed by decode); -> seconds."""
-        from tqdm.auto import tqdm
-
         n_ctx = len(prompt) + max_new + self.SLACK
         llm = self._context(n_ctx, flash)
         head = list(prompt[:-1])

@@ -7,6 +7,7 @@ import torch
 from ..errors import TriforceError
 from .base import BufferPool, kv_dtype
 from .full import FullCache
+from .offload import OffloadedCache
 from .quantized import QuantizedCache
 from .sliding import SlidingWindowCache
 from .static import GRAPH_ROWS
@@ -33,8 +34,6 @@ def new_cache(model, capacity: int | None = None, *, record_queries: bool = Fals
                               batch=batch, dtype=INT8_BUFFER_DTYPE, device=model.device,
                               record_queries=record_queries)
     if model.offload_kv:
-        from .offload import OffloadedCache
-
         if model.windows is not None or model.device.type != "cuda":
             raise TriforceError("--offload-kv needs a CUDA device and a model without sliding-window layers")
         return OffloadedCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or cfg.max_context,

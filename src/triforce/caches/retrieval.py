@@ -16,6 +16,7 @@ from itertools import product
 
 import torch
 
+from .. import kernels
 from ..errors import TriforceError
 from ..kernels.capabilities import HEAD_DIMS, capabilities
 from .base import BufferPool, KVCache, SlotKV, SlotLayout, TokenBlock, check_capacity, kv_buffer
@@ -29,8 +30,6 @@ def chunk_scores(keys: torch.Tensor, q: torch.Tensor, c: int) -> torch.Tensor:
     of every key and reads it back; benchmarks/chunk_scores_ab.py)."""
     B, Hkv, N, D = keys.shape
     if keys.device.type == "cpu" and B == 1 and D in HEAD_DIMS and keys[0].stride(-2) == D and keys.stride(-1) == 1:
-        from .. import kernels
-
         ops = kernels.cpu()
         if capabilities(ops).chunk_scores:
             return ops.chunk_scores(keys[0], q[0].contiguous(), c).unsqueeze(0)

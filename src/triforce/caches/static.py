@@ -54,7 +54,7 @@ class StaticView:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, n_heads: int, record_queries: bool,
                  window: int = 0, sink: int = 0):
-        from ..kernels import cuda_decode
+        from ..kernels import cuda_decode  # optional: triton (the CUDA kernels), only on a GPU
 
         self.k, self.v, self.slots = k, v, slots
         self.window, self.sink = window, sink

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..bench.methods import main as bench_main
 from ..config import KV_DTYPES
 from ..errors import TriforceError
 from ..speculation.stack import METHODS, StackSpec
@@ -61,7 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config, draft_path = spec_config_from_args(args)
-    from ..bench.methods import main as bench_main
 
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:

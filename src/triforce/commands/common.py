@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import kernels
 from ..config import DEFAULT_KV_DTYPE, FLOAT_KV_DTYPES, KV_DTYPES, WEIGHTS, WEIGHTS_HELP, kv_dtype_name
 from ..errors import TriforceError
 from ..speculation.settings import SpecConfig
@@ -143,8 +144,6 @@ def default_draft_kv(args) -> str:
     CUDA: the weights' dtype (the GPU attention kernel reads K/V in the activations' dtype: another would be
     converted every forward)."""
     if not str(getattr(args, "device", "cpu")).startswith("cuda"):
-        from .. import kernels
-
         # (not built here: a bad model is refused before the kernels are compiled)
         return "bf16" if kernels.bf16_cache_faster(build=False) else SpecConfig.draft_kv_dtype
     return kv_dtype_name(getattr(args, "dtype", None) or "bfloat16")

@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 
 from ..config import kv_dtype_name
+from ..corpus import demo_tokens
 from ..errors import TriforceError
+from ..generate import check_request, generate_stream
+from ..loading import configure_device, load_model, resolve_dtype
+from ..memory import check_kv_fits
+from ..sampling import SamplingParams
+from ..tuning.flags import describe, tuned_allowed, tuned_run
 from .common import add_model_args, add_spec_args, add_stack_args, planned_stack, positive_int
 
 NAME = "generate"
@@ -46,8 +52,6 @@ def read_prompt(args, tokenizer) -> list[int]:
     if sum(given) != 1:
         raise TriforceError("give exactly one of --prompt TEXT, --prompt-file FILE or --demo-tokens N")
     if args.demo_tokens is not None:
-        from ..corpus import demo_tokens
-
         return demo_tokens(tokenizer, args.demo_tokens)
     if args.prompt_file is not None:
         try:
@@ -70,9 +74,6 @@ def run(args: argparse.Namespace) -> int:
     if (planned := planned_stack(args)) is None:
         return 0
     config, draft_path, stack, name = planned
-    from ..generate import check_request, generate_stream
-    from ..loading import configure_device, load_model, resolve_dtype
-    from ..sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
     progress = not args.quiet and not args.json
@@ -84,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
     configure_device(loaded.model, args)
     prompt = read_prompt(args, loaded.tokenizer)
     check_request(len(prompt), args.max_new_tokens, loaded.config.max_context)
-    from ..tuning.flags import describe, tuned_allowed, tuned_run
-    from ..memory import check_kv_fits
 
     check_kv_fits(loaded.model, len(prompt) + args.max_new_tokens)  # refused now, not OOM-killed mid-prefill
     tuned_flags = None  # a named run without the tuned flags set takes this machine's `triforce tune` values

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import DEFAULT_KV_DTYPE, KV_DTYPES, WEIGHTS, WEIGHTS_HELP
+from ..loading.inventory import inventory, report
 from .common import positive_int
 
 NAME = "info"
@@ -25,8 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading.inventory import inventory, report
-
     print(report(inventory(args.model, args.rope_theta, args.max_context), args.weights, args.kv_dtype,
                  args.context_length))
     return 0

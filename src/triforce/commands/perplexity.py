@@ -23,6 +23,9 @@ import torch
 
 from ..caches import new_cache
 from ..config import DEFAULT_KV_DTYPE, KV_DTYPES, WEIGHTS, WEIGHTS_HELP, kv_dtype_name
+from ..corpus import demo_text
+from ..errors import TriforceError
+from ..loading import load_model
 
 NAME = "perplexity"
 HELP = "perplexity of a model on a text, by position band"
@@ -92,10 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model once per RoPE base, score the text, print the results. -> exit status 0;
     bad input raises TriforceError."""
-    from ..corpus import demo_text
-    from ..errors import TriforceError
-    from ..loading import load_model
-
     if args.tokens < 2:
         raise TriforceError(f"--tokens must be >= 2 (one token predicts the next), got {args.tokens}")
     if args.chunk < 1:

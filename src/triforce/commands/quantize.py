@@ -25,8 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import storage
+import numpy as np
+
+from .. import memory, storage
+from ..bench.peers import LlamaCppUnavailable, import_llama_cpp
 from ..errors import TriforceError
+from ..loading import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, default_model_path
+from ..loading.gguf_check import check_gguf
 
 NAME = "quantize"
 HELP = "a real quantized GGUF (Q4_K_M, ...) of a model, by llama.cpp's quantizer"
@@ -57,8 +62,6 @@ def add_arguments(p) -> None:
 
 def source_of(args) -> tuple[Path, float | None, int | None]:
     """(GGUF file, RoPE base to write or None, context to write or None) for the parsed options."""
-    from ..loading import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, default_model_path
-
     if args.model is None:
         return (default_model_path(), DEFAULT_ROPE_THETA if args.rope_theta is None else args.rope_theta,
                 args.max_context or DEFAULT_MAX_CONTEXT)
@@ -79,13 +82,10 @@ def default_output(src: Path, qtype: str, rope_theta: float | None, context: int
 def export_f16(src: Path, dst: Path, rope_theta: float | None, context: int | None, log=print) -> None:
     """Write `src` (a GGUF file) to `dst` as F16 (1-D tensors F32), metadata copied, RoPE base and context
     length replaced where given."""
-    import gguf
-    import numpy as np
-
-    from ..memory import available_bytes
+    import gguf  # start-up: gguf is 40 ms to import, only GGUF files need it
 
     reader = gguf.GGUFReader(src)
-    f16_bytes, avail = sum(2 * int(t.n_elements) for t in reader.tensors), available_bytes()
+    f16_bytes, avail = sum(2 * int(t.n_elements) for t in reader.tensors), memory.available_bytes()
     if avail is not None and f16_bytes > 0.8 * avail:  # gguf's writer holds every tensor until it writes the file
         raise TriforceError(f"exporting {src.name} to F16 needs about {f16_bytes / 2**30:.1f} GiB of memory and "
                             f"{avail / 2**30:.1f} GiB are available: quantize it with llama.cpp's own "
@@ -120,9 +120,6 @@ def export_f16(src: Path, dst: Path, rope_theta: float | None, context: int | No
 def quantize(src: Path, qtype: str, out: Path, rope_theta: float | None = None, context: int | None = None,
              threads: int | None = None, log=print) -> Path:
     """`src` exported to F16 and quantized to `qtype` by llama.cpp into `out` (atomically) -> out."""
-    from ..bench.peers import LlamaCppUnavailable, import_llama_cpp
-    from ..loading.gguf_check import check_gguf
-
     check_gguf(src)  # a damaged file: one line naming the part, before llama.cpp or gguf's reader sees it
 
     try:

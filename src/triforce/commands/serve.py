@@ -5,6 +5,7 @@ import argparse
 import os
 
 from ..errors import TriforceError
+from ..serving.server import main as serve_main, require_ray
 from .common import add_model_args, add_spec_args, add_stack_args, byte_size, planned_stack, positive_int
 
 NAME = "serve"
@@ -85,8 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.replicas > 1:
-        from ..serving.server import require_ray
-
         require_ray()  # before the stack is planned: the missing extra is said first
         if args.cpus_per_replica is None:
             args.cpus_per_replica = float(max(1, (os.cpu_count() or 1) // args.replicas))
@@ -98,6 +97,5 @@ def run(args: argparse.Namespace) -> int:
     if (planned := planned_stack(args)) is None:
         return 0
     config, draft_path, stack, name = planned
-    from ..serving.server import main as serve_main
 
     return serve_main(args, stack, name, config, draft_path)

@@ -8,7 +8,12 @@ import shlex
 import sys
 from pathlib import Path
 
+import torch
+
+from ..drafthead.evaluate import acceptance, table
+from ..drafthead.train import TrainSettings, Trainer, check_trainable
 from ..errors import TriforceError
+from ..loading import load_model
 from .common import positive_int
 
 NAME = "train-drafter"
@@ -22,8 +27,6 @@ DESCRIPTION = ("Train a draft head for a model: the model writes its own trainin
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..drafthead.train import TrainSettings
-
     d = TrainSettings()
     p.add_argument("--model", metavar="PATH",
                    help="a .gguf file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -50,11 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from ..loading import load_model
-    from ..drafthead.train import Trainer, TrainSettings, check_trainable
-
     settings = TrainSettings(tokens=args.tokens, epochs=args.epochs, batch=args.batch, lr=args.lr,
                              unroll=args.unroll, window=args.window, seed=args.seed)
     out = Path(args.out).expanduser()
@@ -70,8 +68,6 @@ def run(args) -> int:
     try:
         head = trainer.run()
         if args.evaluate:
-            from ..drafthead.evaluate import acceptance, table
-
             rows = acceptance(loaded.model, loaded.tokenizer, out, progress=not args.quiet)
             head.cfg.trained["held_out_acceptance"] = rows
             head.save(out)

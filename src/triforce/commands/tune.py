@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..tuning.tune import main as tune_main
 from .common import add_model_args, add_spec_args, positive_int, spec_config_from_args
 
 NAME = "tune"
@@ -54,6 +55,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config, _ = spec_config_from_args(args)
-    from ..tuning.tune import main as tune_main
 
     return tune_main(args, config)

@@ -141,8 +141,6 @@ def _read_weights(d: Path) -> dict[str, torch.Tensor]:
                             f"{' or '.join(WEIGHT_FILES)} beside it (download the head's weights file too)")
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             sd = load_file(str(path))
         else:
             sd = torch.load(str(path), map_location="cpu", weights_only=True)

@@ -2,7 +2,10 @@
 never reads (data.py), at a short and a long context, greedy and sampled."""
 from __future__ import annotations
 
+from tqdm.auto import tqdm
+
 from ..corpus import genre_tokens
+from ..generate import generate
 from ..model import Transformer
 from ..sampling import SamplingParams
 from ..speculation.settings import SpecConfig
@@ -16,10 +19,6 @@ def acceptance(model: Transformer, tokenizer, head_dir, *, contexts=(512, 4096),
                ) -> list[dict]:
     """Per (genre, context, temperature): the head's acceptance per drafted token and by draft position, drafting
     `gamma` tokens per round for the full target (stack head,full)."""
-    from tqdm.auto import tqdm
-
-    from ..generate import generate
-
     config = SpecConfig(head=str(head_dir), adapt=False, ngram_shortcut=0.0, gamma=gamma)  # the head's drafts alone
     rows = []
     cells = [(g, c, t) for g in genres for c in contexts for t in temperatures]

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from ..caches.base import SlotKV
@@ -141,8 +142,6 @@ class DraftHead(nn.Module):
         """Write config.json and head.safetensors atomically (each to a temporary name, then renamed; the
         weights first, so a directory with a config always has its weights). `dtype`: the weights' on disk
         (bf16 halves a shipped head; loading casts back to fp32); default as held."""
-        from safetensors.torch import save_file
-
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / (WEIGHTS_FILE + ".tmp")

@@ -7,6 +7,8 @@ import os
 import weakref
 from pathlib import Path
 
+from safetensors.torch import load_file
+
 from ..errors import TriforceError
 from ..model import Transformer
 from .eagle import load_eagle
@@ -16,8 +18,6 @@ from .head import CONFIG_FILE, FORMAT, WEIGHTS_FILE, DraftHead, HeadConfig, targ
 def load_head(directory: str | os.PathLike, model: Transformer) -> DraftHead:
     """A head saved by DraftHead.save (or converted from a published layout: drafthead.eagle) for `model`;
     TriforceError naming the problem when it is missing, damaged or made for another model."""
-    from safetensors.torch import load_file
-
     d = Path(directory)
     if (d / CONFIG_FILE).is_file() and not (d / WEIGHTS_FILE).is_file():
         return load_eagle(d, model)  # a published EAGLE checkpoint (its own config.json and weight names)

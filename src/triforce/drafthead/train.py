@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..errors import TriforceError
 from ..model import Transformer
@@ -76,8 +77,6 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------------------------------
     def make_data(self) -> None:
-        from tqdm.auto import tqdm
-
         self.data_dir.mkdir(parents=True, exist_ok=True)
         todo = [i for i in range(self.s.shards) if not (self.data_dir / f"shard-{i:05d}.pt").exists()]
         if not todo:
@@ -141,8 +140,6 @@ class Trainer:
         return total, parts
 
     def train(self) -> DraftHead:
-        from tqdm.auto import tqdm
-
         s = self.s
         tokens, feats = self.load_data()
         n = tokens.shape[0]

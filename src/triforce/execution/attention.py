@@ -199,7 +199,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Slot
     Hkv, C = k.shape[1], k.shape[2]
     g = Hq // Hkv
     if mask.last is not None:
-        from ..kernels import cuda_decode
+        from ..kernels import cuda_decode  # optional: triton (the CUDA kernels), only on a GPU
 
         out = cuda_decode.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], mask.last, scale,
                                            mask.block_m, mask.split, window=mask.window, sink=mask.sink)

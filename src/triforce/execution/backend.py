@@ -7,6 +7,7 @@ import copy
 
 from .. import kernels
 from .fused import FusedDecode
+from .graphs import GraphedForwards
 from .linear import Linear, QuantEmbedding, QuantLinear
 
 
@@ -32,8 +33,6 @@ class Execution:
         backend = kernels.Backend.for_model(device, model.dtype)
         graphs = None
         if device.type == "cuda":
-            from .graphs import GraphedForwards
-
             graphs = GraphedForwards(model)
         for m in model.modules():
             if isinstance(m, Linear) and device.type != "cpu":  # CPU-only copies of the weights: dropped

@@ -1,6 +1,7 @@
 """Find, convert and load models: the embedded default, local HF directories and GGUF files."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import json
@@ -14,13 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from .. import storage
+from .. import ggml_blocks, kernels, memory, storage
 from ..config import DEFAULT_KV_DTYPE, WEIGHTS, ModelConfig, kv_dtype_name
 from ..errors import TriforceError
+from ..ggml_blocks import QuantTensor, dequantize
 from ..model import Transformer
 from .gguf_check import REMEDY
-from .gguf_file import check_gguf_architecture
+from .gguf_file import check_gguf_architecture, read_gguf
 from .hf import load_hf_checkpoint
 from .weights import load_hf_state_dict, pack_weights, weights_to_bf16
 
@@ -116,10 +119,7 @@ def _conversion_problem(folder: Path) -> str | None:
 def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool) -> None:
     """Write the Hugging Face-format copy of `gguf_path` into the empty `folder`, manifest last: its
     tokenizer and config.json, and with `weights` its weights dequantized to fp32 (model.safetensors)."""
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    from .gguf_file import read_gguf
+    from transformers import AutoTokenizer  # start-up: transformers is 1 s to import
 
     t0 = time.perf_counter()
     hf, sd = read_gguf(gguf_path, progress=progress and weights, keep_quantized=not weights,
@@ -200,8 +200,6 @@ def converted_gguf_dir(gguf_path: Path, cache_dir=None, progress: bool = True, w
 def _convert_for_this_run(gguf_path: Path, why: storage.CacheUnwritable | None, progress: bool,
                           weights: bool) -> Path:
     """Convert into a temporary folder removed when the process exits (no caching)."""
-    import atexit
-
     if why is not None:
         _log(f"{why}; converting {gguf_path.name} for this run only")
     folder = Path(tempfile.mkdtemp(prefix="triforce-model-"))
@@ -266,8 +264,6 @@ def holds_quantized(device) -> bool:
 
 def dequantized_state_dict(sd: dict, dtype: torch.dtype) -> dict:
     """`sd` with every QuantTensor dequantized to `dtype` (one tensor at a time in fp32)."""
-    from ..ggml_blocks import QuantTensor, dequantize
-
     return {name: dequantize(t).to(dtype) if isinstance(t, QuantTensor) else t for name, t in sd.items()}
 
 
@@ -299,16 +295,12 @@ def default_kv_dtype(dtype: torch.dtype, device: str | torch.device = "cpu", bui
     if dtype != torch.float32:
         return kv_dtype_name(dtype)
     if torch.device(device).type == "cpu":
-        from .. import kernels
-
         if kernels.bf16_cache_faster(build):
             return "bf16"
     return DEFAULT_KV_DTYPE
 
 
 def _refuse_types_without_kernels(path: Path, sd: dict) -> None:
-    from .. import ggml_blocks
-
     types = sorted({ggml_blocks.type_name(t.qtype) for t in sd.values()
                     if isinstance(t, ggml_blocks.QuantTensor) and not t.kernel_ready()})
     if types:
@@ -326,16 +318,12 @@ def load_model(path: str | os.PathLike | None = None, *, rope_theta: float | Non
     dtype, 'fp32', 'bf16' or 'fp16' (or a torch dtype); None: default_kv_dtype(dtype, device). `weights`: one
     of WEIGHTS (WEIGHTS_HELP). A model whose weights would not fit in the available memory is refused
     before any is read (memory.check_fits)."""
-    from .. import memory
-
     if weights not in WEIGHTS:
         raise TriforceError(f"unknown --weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
     kv_dtype = None if kv_dtype is None else kv_dtype_name(kv_dtype)  # refused before loading
     gguf_path = gguf_file_of(path)
     sd = None
     if gguf_path is not None:
-        from .gguf_file import read_gguf
-
         check_gguf_architecture(gguf_path)  # the header alone: refuse an unsupported model in milliseconds
         hf, sd = read_gguf(gguf_path, progress=False, keep_quantized=True)  # memory-mapped: nothing read yet
         memory.check_fits(memory.weight_bytes(sd, weights), f"the weights of {gguf_path.name} with --weights {weights}",

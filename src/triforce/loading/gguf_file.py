@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from .. import ggml_blocks
 from ..config import GEMMA3_LOCAL_ROPE_THETA, GEMMA3_SLIDING_WINDOW_PATTERN, SUPPORTED_ARCHITECTURES
@@ -226,7 +227,7 @@ def open_reader(path: Path):
     parsed 2-2.5x faster (np.memmap's subclass hooks run on each of the reader's ~1M slices: 1.6 s of the
     embedded file's 98K vocabulary strings, measured; 0.6 s this way). Should gguf stop reading
     `np.memmap` through its module's `np`, this is the plain reader again."""
-    import gguf
+    import gguf  # start-up: gguf is 40 ms to import, only GGUF files need it
     import gguf.gguf_reader as module
 
     saved = module.np
@@ -270,7 +271,7 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False, 
     transformers would rebuild wrongly. It picks its GGUF tokenizer converter by architecture and for gemma3
     always builds Gemma's SentencePiece tokenizer (tokenizer.ggml.model "llama"), whatever the file holds (a
     BPE "gpt2" one is then silently mis-tokenized)."""
-    import gguf
+    import gguf  # start-up: gguf is 40 ms to import, only GGUF files need it
     from gguf.quants import dequantize
 
     part = part if part is not None else ["the header"]
@@ -351,8 +352,6 @@ def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False, 
                           truncated=False)
         _check_finite(factors, path, part[0])
         rope_parameters["freq_factors"] = factors.tolist()  # the global layers' (for Gemma 3)
-
-    from tqdm.auto import tqdm
 
     def kept(t) -> bool:
         return keep_quantized and len(t.shape) == 2 and int(t.tensor_type) != ggml_blocks.F32

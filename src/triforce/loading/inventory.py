@@ -10,9 +10,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from .. import memory
 from ..config import KV_DTYPES, WEIGHTS, ModelConfig, kv_dtype_name
 from ..errors import TriforceError
+from ..ggml_blocks import QuantTensor, type_name
+from . import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, default_kv_dtype, gguf_file_of
+from .gguf_file import check_gguf_architecture, read_gguf
+from .hf import read_hf_config
 
 VECTOR = " (1-D)"  # the suffix of a format row of vectors (norms, biases)
 
@@ -43,10 +50,6 @@ class Inventory:
 
 def inventory(path: str | os.PathLike | None, rope_theta: float | None = None,
               max_context: int | None = None) -> Inventory:
-    from ..ggml_blocks import QuantTensor, type_name
-    from . import DEFAULT_MAX_CONTEXT, DEFAULT_ROPE_THETA, gguf_file_of
-    from .gguf_file import check_gguf_architecture, read_gguf
-
     gguf_path = gguf_file_of(path)
     if gguf_path is not None:
         check_gguf_architecture(gguf_path)
@@ -62,10 +65,6 @@ def inventory(path: str | os.PathLike | None, rope_theta: float | None = None,
             rope_theta = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta
             max_context = DEFAULT_MAX_CONTEXT if max_context is None else max_context
     else:
-        from safetensors import safe_open
-
-        from .hf import read_hf_config
-
         directory = Path(path).expanduser()
         if not directory.is_dir():
             raise TriforceError(f"model not found: {directory} (pass a Hugging Face model directory or a .gguf file)")
@@ -93,9 +92,6 @@ def report(inv: Inventory, weights: str, kv_dtype: str | None, context: int | No
     if kv_dtype:
         kv_dtype = kv_dtype_name(kv_dtype)
     else:  # what a run would use: fp16, or bf16 on a CPU with AMX tiles (fp32 activations; nothing is built)
-        import torch
-
-        from . import default_kv_dtype
 
         kv_dtype = default_kv_dtype(torch.float32, build=False)
     context = context or cfg.max_context

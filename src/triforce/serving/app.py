@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Job, PromptTooLarge, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
+from .page import add_page
 from .protocol import BadRequest, GenerationRequest, ResponseShape, error_body, parse
 
 log = logging.getLogger("triforce.serve")
@@ -259,8 +260,6 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
         return await generation(request, "chat")
 
     if page is not None:
-        from .page import add_page
-
         add_page(app, {**page, "model": model_id, "max_context": max_context, "default_max_tokens": default_max_tokens,
                        "max_body_bytes": max_body, "stack_choice": choose_stack is not None})
 

@@ -7,14 +7,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import memory
+from ..caches import new_cache
 from ..errors import TriforceError
+from ..memory import HEADROOM, gib
+from ..speculation.stack import METHODS
+from .prefix_cache import PrefixCache
+from .stacks import StackChooser
 
 log = logging.getLogger("triforce.serve")
 
 
 def require_extra() -> None:
     try:
-        import fastapi  # noqa: F401
+        import fastapi  # optional: the serve extra (fastapi, prometheus_client, uvicorn)  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
@@ -39,11 +45,9 @@ def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue
           max_batch: int = 8, prefill_budget: int | None = None, kv_memory: int | None = None) -> Server:
     """The app over a loaded model (loading.LoadedModel) and a stack (its engine starts with the app)."""
     require_extra()
-    from ..caches import new_cache
-    from .app import create_app
+    from .app import create_app  # optional: fastapi, prometheus_client (the serve extra, checked just above)
     from .engine import Engine, EngineSettings
     from .metrics import ServerMetrics
-    from .prefix_cache import PrefixCache
 
     model = loaded.model
     prefix_cache = None
@@ -65,8 +69,6 @@ def build(loaded, stack, stack_name: str, config, *, draft_model=None, max_queue
                               kv_budget(kv_memory, prefix_cache_bytes if prefix_cache is not None else 0))
     engine = Engine(settings, prefix_cache, metrics)
     model_id = model_id or default_model_id(loaded)
-    from ..speculation.stack import METHODS
-    from .stacks import StackChooser
 
     page = {"stack": str(stack), "levels": [str(lvl) for lvl in stack.levels], "method": stack_name,
             "methods": list(METHODS)}
@@ -80,11 +82,9 @@ def kv_budget(kv_memory: int | None, prefix_cache_bytes: int) -> int | None:
     """The bytes the running requests' KV caches may take together: --kv-memory, or 90% of the memory available
     now (the model loaded) less the prefix cache's budget and memory.HEADROOM; None where the available memory is
     unknown (no limit)."""
-    from ..memory import HEADROOM, available_bytes, gib
-
     if kv_memory is not None:
         return kv_memory
-    avail = available_bytes()
+    avail = memory.available_bytes()
     if avail is None:
         return None
     budget = int(0.9 * (avail - prefix_cache_bytes - HEADROOM))

@@ -30,6 +30,7 @@ a request stops within one chunk's or one round's time and the engine goes on wi
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import math
 import secrets
@@ -45,9 +46,11 @@ from ..errors import TriforceError
 from ..execution import batching, omp_threads
 from ..execution.batching import ForwardGate, GatedRunner
 from ..generate import generate_stream
+from ..memory import gib, kv_bytes, kv_value_bytes
 from ..model import Transformer
 from ..sampling import SamplingParams
-from ..speculation.builder import BuiltStack
+from ..speculation.builder import BuiltStack, full_capacity, max_rollback
+from ..speculation.kinds import KIND_CLASSES
 from ..speculation.settings import SpecConfig
 from ..speculation.stack import ROUND_SLACK, StackSpec
 from .metrics import ServerMetrics
@@ -74,8 +77,6 @@ class PromptTooLarge(Exception):
     """A request whose KV caches need more than the server's whole KV budget: it can never run here."""
 
     def __init__(self, need: int, budget: int):
-        from ..memory import gib
-
         super().__init__(f"the request's KV caches would take {gib(need)}, more than this server's KV budget of "
                          f"{gib(budget)} (--kv-memory): shorten the prompt or max_tokens")
         self.need, self.budget = need, budget
@@ -136,8 +137,6 @@ POOL_BYTES_WITHOUT_BUDGET = 2 << 30
 def full_cache_tokens(prompt_tokens: int, max_tokens: int, stack: StackSpec) -> int:
     """The capacity of a request's full cache: its prompt, max_tokens and a round's lookahead, rounded up to its
     size class's step (POOL_MIN_STEP)."""
-    from ..speculation.builder import full_capacity
-
     need = max(full_capacity(prompt_tokens, max_tokens, stack),
                prompt_tokens + max_tokens + max(stack.gammas, default=0) + ROUND_SLACK)
     step = max(POOL_MIN_STEP, 1 << max(0, need.bit_length() - 4))
@@ -150,10 +149,6 @@ def request_bytes(s: EngineSettings, prompt_tokens: int, max_tokens: int, stack:
     retrieval or H2O level's budget and the tokens appended between builds, a streaming level's window and slack,
     a draft model's whole context: Kind.cache_tokens) in config.draft_kv_dtype (memory.kv_bytes). `stack`: the
     request's own, else the server's."""
-    from ..memory import kv_bytes, kv_value_bytes
-    from ..speculation.builder import max_rollback
-    from ..speculation.kinds import KIND_CLASSES
-
     model, stack = s.model, stack or s.stack
     capacity = full_cache_tokens(prompt_tokens, max_tokens, stack)
     total = kv_bytes(model.cfg, capacity, kv_value_bytes(model.kv_dtype))
@@ -484,8 +479,6 @@ def _release_memory() -> None:
     global _malloc_trim
     if _malloc_trim is None:
         try:
-            import ctypes
-
             _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
         except (OSError, AttributeError):
             _malloc_trim = False

@@ -16,6 +16,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
+import triforce
+
+from ..corpus import genre_tokens
+from ..speculation.settings import SpecConfig
+from ..speculation.stack import StackSpec
+from .server import build_front, replica_spec
+
 STACK, GAMMAS = "ngram,retrieval:256,full", "3,4"  # the local deployment's stack
 
 
@@ -29,7 +38,7 @@ def free_port() -> int:
 def wait_until_healthy(server, what: str, t0: float, seconds: float, poll: float) -> float:
     """Poll `server.url`/health until it answers 200 -> seconds since t0. SystemExit naming `what` and the end of its
     log if its process (`server.proc`) exits first, or if `seconds` pass (the server is stopped then)."""
-    import httpx
+    import httpx  # optional: httpx (the serve extra)
 
     while time.perf_counter() - t0 < seconds:
         if server.proc.poll() is not None:
@@ -81,8 +90,6 @@ class ServerProcess:
 
 def documents(tokenizer, n: int, tokens: int) -> list[list[int]]:
     """n distinct prose documents of `tokens` tokens (the shipped corpus, 40K characters apart)."""
-    from ..corpus import genre_tokens
-
     return [genre_tokens(tokenizer, "prose", tokens, offset_chars=40_000 * i) for i in range(n)]
 
 
@@ -94,7 +101,7 @@ def question(tokenizer, i: int) -> list[int]:
 @contextlib.contextmanager
 def uvicorn_thread(app):
     """The app on 127.0.0.1 (a free port) in a thread; yields its base URL."""
-    import uvicorn
+    import uvicorn  # optional: uvicorn (the serve extra)
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -114,8 +121,6 @@ def uvicorn_thread(app):
 
 def source_path() -> str:
     """The folder this triforce is imported from (the replicas import the same one)."""
-    import triforce
-
     return str(Path(triforce.__file__).resolve().parents[1])
 
 
@@ -126,13 +131,9 @@ def local_cluster(*, routing: str = "prefix", replicas: int = 2, threads: int = 
     """A local Ray instance (`replicas` x `threads` CPUs, loopback, no dashboard) running the
     deployment of the embedded model, and the HTTP API in front (a thread here). Yields
     (url, deployment, stack, config); everything is shut down at the end."""
-    import torch
-    from ray import serve
+    from ray import serve  # optional: ray
 
-    from . import replicas as ray_replicas
-    from .server import build_front, replica_spec
-    from ..speculation.settings import SpecConfig
-    from ..speculation.stack import StackSpec
+    from . import replicas as ray_replicas  # optional: ray
 
     stack, config = StackSpec.parse(STACK, GAMMAS), SpecConfig(prefill_chunk=prefill_chunk)
     args = SimpleNamespace(model=None, rope_theta=None, max_context=max_context, device="cpu", cache_dir=None,
@@ -190,7 +191,7 @@ async def stream(client, url: str, ids: list[int], max_tokens: int, on_text=None
 
 
 def stream_one(url: str, ids: list[int], max_tokens: int) -> dict:
-    import httpx
+    import httpx  # optional: httpx (the serve extra)
 
     async def go():
         async with httpx.AsyncClient() as client:
@@ -201,9 +202,9 @@ def stream_one(url: str, ids: list[int], max_tokens: int) -> dict:
 
 def kill_replica(name: str) -> None:
     """Kill one replica's actor (as a crash would: no graceful stop); Ray Serve starts another."""
-    import ray
+    import ray  # optional: ray
 
-    from .replicas import DEPLOYMENT
+    from .replicas import DEPLOYMENT  # optional: ray
 
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{DEPLOYMENT}#{DEPLOYMENT}#{name}", namespace="serve"), no_restart=True)
 
@@ -211,9 +212,9 @@ def kill_replica(name: str) -> None:
 def wait_healthy(replicas: int, healthy: bool = True, seconds: float = 180.0) -> float:
     """Wait until the deployment runs `replicas` healthy replicas (healthy=False: until it does not);
     -> seconds waited."""
-    from ray import serve
+    from ray import serve  # optional: ray
 
-    from .replicas import DEPLOYMENT
+    from .replicas import DEPLOYMENT  # optional: ray
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:

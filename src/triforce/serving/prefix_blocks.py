@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .. import kernels
 from ..config import kv_dtype_name
 from ..model import Transformer
 
@@ -42,8 +43,6 @@ def _compute_backend(model: Transformer) -> str:
     enabled = bool(getattr(getattr(model.layers[0], "backend", None), "enabled", False)) if len(model.layers) else False
     isa = "torch"
     if enabled:
-        from .. import kernels
-
         try:
             isa = kernels.chosen_isa() or "torch"
         except Exception:  # noqa: BLE001 - a bad TRIFORCE_ISA was already reported when the model loaded

@@ -50,6 +50,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save
 
 from .. import storage
 from ..model import Transformer
@@ -323,9 +325,6 @@ class PrefixCache:
             log.info("prefix cache: %d blocks on disk not loaded (over --prefix-cache-bytes); left there", over)
 
     def _read_block(self, key: str, entry) -> Block:
-        from safetensors import SafetensorError
-        from safetensors.torch import load
-
         if not isinstance(entry, dict) or entry.get("file") != f"{key}.safetensors":
             raise _Refused("its manifest entry is malformed")
         path = self.dir / entry["file"]
@@ -363,8 +362,6 @@ class PrefixCache:
     def _persist(self, new: list[Block], evicted: list[Block]) -> None:
         """Block files first, then the manifest listing them, then the evicted files go. A failure
         (full disk...) turns persistence off with one log line: serving goes on from memory."""
-        from safetensors.torch import save
-
         try:
             with self._folder_lock():
                 on_disk = self._manifest_entries(quiet=True)

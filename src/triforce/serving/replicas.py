@@ -35,6 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import ray
+import torch
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.config import RequestRouterConfig
@@ -45,7 +46,9 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from .engine import QueueFull, ShuttingDown
+from ..loading import load_model
+from .assembly import build, configure_logging
+from .engine import Job, QueueFull, ShuttingDown
 from .prefix_blocks import block_keys, leading
 
 log = logging.getLogger("triforce.serve")
@@ -75,11 +78,6 @@ class TriforceReplica:
     """One replica: an Engine over the loaded model; `generate` streams its events."""
 
     def __init__(self, spec: ReplicaSpec):
-        import torch
-
-        from ..loading import load_model
-        from .assembly import build, configure_logging
-
         if spec.threads:
             torch.set_num_threads(spec.threads)
         configure_logging(spec.log_level)
@@ -111,8 +109,6 @@ class TriforceReplica:
         """Stream the engine's events for one request (see engine.py), each naming the replica
         (`replica`; the final one in its `triforce` field too, with the Ray node's id). Cancelled
         (the client left): the job is cancelled."""
-        from .engine import Job
-
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Job(request["prompt"], request["max_tokens"], request["params"], request["seed"],

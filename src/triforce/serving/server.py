@@ -11,6 +11,7 @@ import signal
 import socket
 
 from ..errors import TriforceError
+from ..loading import configure_device, load_model, resolve_dtype
 from .assembly import build, configure_logging, require_extra
 
 log = logging.getLogger("triforce.serve")
@@ -22,7 +23,7 @@ RAY_INSTALL = "pip install 'triforce[ray]' (or ./install.sh ray)"
 def require_ray() -> None:
     """TriforceError naming what to install when Ray Serve is missing (`--replicas N`)."""
     try:
-        import ray  # noqa: F401
+        import ray  # optional: ray (the ray extra)  # noqa: F401
         from ray import serve  # noqa: F401
         from ray.serve.request_router import RequestRouter  # noqa: F401
     except ImportError as e:
@@ -33,7 +34,6 @@ def require_ray() -> None:
 def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
     """The `serve` command (arguments checked by the CLI)."""
     require_extra()
-    from ..loading import configure_device, load_model, resolve_dtype
 
     if args.kv_dtype == "int8":  # its prefix cache stores and restores float K/V blocks
         raise TriforceError("triforce serve does not support --kv-dtype int8 yet (its prefix cache holds float K/V "
@@ -78,7 +78,7 @@ def main(args, stack, stack_name: str, config, draft_path: str | None) -> int:
 
 
 def _run_uvicorn(app, args) -> int:
-    import uvicorn
+    import uvicorn  # optional: uvicorn (the serve extra)
 
     config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                              timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.access_log)
@@ -94,7 +94,7 @@ def _run_uvicorn(app, args) -> int:
 
 def replica_spec(args, stack, stack_name: str, config, draft_path: str | None, dtype):
     """What each replica of `triforce serve --replicas N` loads and builds (the same as one server)."""
-    from .replicas import ReplicaSpec
+    from .replicas import ReplicaSpec  # optional: ray
 
     load = {"rope_theta": args.rope_theta, "max_context": args.max_context, "dtype": dtype, "device": args.device,
             "cache_dir": args.cache_dir, "kv_dtype": args.kv_dtype, "weights": args.weights}
@@ -109,7 +109,7 @@ def replica_spec(args, stack, stack_name: str, config, draft_path: str | None, d
 
 def build_front(deployment, *, default_max_tokens: int, shutdown_timeout: float):
     """The HTTP API of `--replicas N` (app.py's) over the deployment's RayEngine."""
-    from .app import create_app
+    from .app import create_app  # optional: fastapi, prometheus_client (the serve extra)
     from .metrics import ServerMetrics
 
     info = deployment.info
@@ -122,7 +122,7 @@ def build_front(deployment, *, default_max_tokens: int, shutdown_timeout: float)
 
 def _serve_replicas(args, stack, stack_name: str, config, draft_path: str | None, dtype) -> int:
     """`triforce serve --replicas N`: the deployment on Ray Serve, the HTTP API here."""
-    from . import replicas as ray_replicas
+    from . import replicas as ray_replicas  # optional: ray
 
     spec = replica_spec(args, stack, stack_name, config, draft_path, dtype)
     where = f"the Ray cluster at {args.ray_address}" if args.ray_address else "a local Ray instance"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..drafthead.loading import head_for
 from ..errors import TriforceError
 from ..speculation.stack import METHODS, StackSpec, method_stack
 from .protocol import BadRequest
@@ -61,8 +62,6 @@ class StackChooser:
             raise BadRequest(f"'stack': {spec.levels_text} has a 'draft' level, and this server has no draft model "
                              f"(start it with --draft PATH)", "stack")
         if "head" in kinds:
-            from ..drafthead.loading import head_for
-
             try:
                 head_for(self.model, c.head)  # (loaded once per model: the request's stack finds it ready)
             except TriforceError as e:

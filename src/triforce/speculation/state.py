@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from tqdm.auto import tqdm
 
 from ..caches import KVCache, new_cache
 from ..caches.base import TokenBlock
@@ -24,8 +25,6 @@ def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, chunk_size: i
     list that receives the features of the last chunk's tokens ([chunk, hidden], B = 1; Transformer.forward;
     `layers`: those layers' inputs instead, [chunk, len(layers) * hidden]). `runner`: runs the forwards
     (execution/runner.py; default: each at once)."""
-    from tqdm.auto import tqdm
-
     n = ids.shape[1]
     logits = None
     with tqdm(total=n, desc="prefill", unit="tok", disable=not progress or n <= chunk_size, leave=False) as bar:

@@ -7,6 +7,7 @@ order by the verifier. Rows of per-node tensors are indexed "vertex" = node + 1,
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -118,8 +119,6 @@ def best_tree(acceptance, n_nodes: int, max_depth: int) -> tuple[int, ...]:
     Every candidate node is worth no more than its parent and its earlier sibling, so adding the most
     valuable candidate n_nodes times (best-first) is optimal (what the paper's dynamic program computes
     under this model). -> parents in the order added (a parent before its children, siblings in rank order)."""
-    import heapq
-
     reach = rank_reach(acceptance)
     parents: list[int] = []
     # candidates: (-value, tie-break, parent node, rank, depth)

@@ -23,11 +23,13 @@ import math
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..kernels.build import cpu_model
+from ..speculation.stack import StackSpec, method_stack
 from ..storage import atomic_write, cache_root, exclusive, writable_dir
 
 FILE = "tuned.json"
@@ -153,10 +155,6 @@ def tuned_run(loaded, method: str, config, context_length: int, temperature: flo
     """-> (stack, config, entry) running the named `method` with this machine's tuned flags, or None (no entry
     applies, or the method has nothing tuned): `triforce` takes a chain entry's budget and gammas, `sequoia` a
     tree entry's tree."""
-    from dataclasses import replace
-
-    from ..speculation.stack import StackSpec, method_stack
-
     kind = {"triforce": "chain", "sequoia": "tree"}.get(method)
     entry = lookup(loaded, kind, context_length, temperature, log) if kind else None
     if entry is None:

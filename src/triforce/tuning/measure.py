@@ -7,11 +7,11 @@ import time
 
 import torch
 
+from ..sampling import SamplingParams
+
 
 def sampling_params(temperature: float):
     """The benchmarks' sampling: greedy at T = 0, else temperature T with top-p 0.9."""
-    from ..sampling import SamplingParams
-
     return SamplingParams(temperature=temperature, top_p=0.9 if temperature > 0 else 1.0)
 
 

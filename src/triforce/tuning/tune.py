@@ -21,10 +21,22 @@ import time
 from dataclasses import replace
 
 import torch
+from tqdm.auto import tqdm
 
 from ..caches.base import Buildable
+from ..corpus import demo_tokens
+from ..drafthead.loading import head_for
 from ..errors import TriforceError
+from ..generate import generate
+from ..loading import configure_device, load_model, resolve_dtype
+from ..speculation.builder import max_rollback
 from ..speculation.cost_model import per_token_acceptance, predict_ms, predict_two_level_ms, tree_ms_per_token
+from ..speculation.kinds import BuildContext, KIND_CLASSES, drafting_cache, drafting_model
+from ..speculation.stack import LevelSpec, StackSpec
+from ..speculation.state import PrefilledPrompt
+from ..speculation.tree import best_tree, fixed_tree, tree_value
+from ..storage import CacheUnwritable
+from . import flags as tuned_flags
 from .measure import sampling_params, time_forwards
 
 
@@ -63,10 +75,6 @@ def tune_kv4(model, shared, prompt, cost_full: dict, max_gamma: int, config, tok
     int8 target's own upper planes, or a 4-bit cache built from the float one) and the full level's per-token
     acceptance of its drafts from a quantspec run at gamma max_gamma; the predicted ms/token of quantspec for
     every gamma, best first."""
-    from ..generate import generate
-    from ..speculation.kinds import KIND_CLASSES, BuildContext
-    from ..speculation.stack import LevelSpec
-
     full = shared.restore(prompt)
     build_context = BuildContext(model, sampling_params(temperature), config, full.capacity, 64, full_cache=full)
     state = KIND_CLASSES["kv4"].state(build_context, LevelSpec("kv4"), "kv4")  # the level as a stack builds it
@@ -89,10 +97,6 @@ def tune_head(model, shared, prompt, cost_full: dict, max_gamma: int, config, to
     """A draft head under the full level (head,full): its time per drafted token and the full level's per-token
     acceptance of its drafts from runs at gamma max_gamma (no n-gram shortcut: the head's drafts alone); the
     predicted ms/token for every gamma, best first. None when no head is available for the model (--head)."""
-    from ..drafthead.loading import head_for
-    from ..generate import generate
-    from ..speculation.stack import StackSpec
-
     try:
         head_for(model, config.head)
     except TriforceError:
@@ -111,13 +115,6 @@ def tune_head(model, shared, prompt, cost_full: dict, max_gamma: int, config, to
 def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft: int, config, tokens: int,
          repeats: int = 3, progress: bool = True, log=print, temperature: float = 0.0, seed: int = 0,
          kv4: bool = False) -> dict:
-    from tqdm.auto import tqdm
-
-    from ..corpus import demo_tokens
-    from ..generate import generate
-    from ..speculation.kinds import KIND_CLASSES, drafting_cache, drafting_model
-    from ..speculation.state import PrefilledPrompt
-
     config = replace(config, adapt=False)  # fixed stacks are what is measured
     model = loaded.model
     prompt = demo_tokens(loaded.tokenizer, n_ctx)
@@ -183,7 +180,6 @@ def tune(loaded, n_ctx: int, budgets: list[int], max_gamma: int, max_gamma_draft
 def main(args, config) -> int:
     """`triforce tune` (the CLI has parsed and checked the speculation options into config)."""
     config = replace(config, adapt=False)  # tune measures fixed stacks; the adaptive planner re-plans from them
-    from ..loading import configure_device, load_model, resolve_dtype
 
     try:
         asked = [int(x) for x in args.budgets.split(",")]
@@ -255,8 +251,6 @@ def check_candidates(model, prompt, shared, config, top: list[dict], args, log) 
     2048 ran at 2.59x `ar` where budget 1024, second by the prediction, ran at 2.65x; at T = 0.6 a prediction of 1.43x
     ran at 1.21x against the defaults' 1.31x). Sampled runs: CHECK_SEEDS seeds (one run's text, and so its
     acceptance, is one draw); greedy: one."""
-    from ..generate import generate
-
     defaults = tuple(getattr(config, k) for k in FLAGS)
     picks: list[dict] = []
     for row in top:
@@ -311,9 +305,6 @@ def _save(loaded, kind: str, args, flags: dict, measured: dict, log) -> str | No
     """Record the chosen flags as this machine's default for --method triforce (chain) or sequoia (tree) near
     this context and temperature (tuning/flags.py) -> the file, or None where the cache cannot be written
     (said, not fatal)."""
-    from ..storage import CacheUnwritable
-    from . import flags as tuned_flags
-
     what = "--method triforce" if kind == "chain" else "--method sequoia"
     try:
         path = tuned_flags.record(loaded, kind, args.context_length, args.temperature, flags, measured)
@@ -330,9 +321,6 @@ def check_tree(model, prompt, shared, config, tree: str, args, log) -> dict:
     """--check of `tune --trees`: `ar`, the chain defaults (--method triforce with config's flags: what runs
     without a tree) and `streaming,full --tree TREE` run for real, taking turns within each seed as the chain
     check does -> their ms/token ("tuned": the tree's, "default": the chain defaults')."""
-    from ..generate import generate
-    from ..speculation.stack import StackSpec
-
     runs = [("ar", dict(method="ar")), ("default", dict(method="triforce")),
             ("tuned", dict(stack=StackSpec.parse("streaming,full", config.gamma, tree=tree)))]
     seeds = probe_seeds(args.temperature, args.seed)
@@ -360,9 +348,6 @@ def tree_to_record(tree: str, checked: dict | None) -> dict | None:
 
 
 def _main_trees(args, config, loaded, log) -> int:
-    from ..corpus import demo_tokens
-    from ..speculation.state import PrefilledPrompt
-
     prompt = demo_tokens(loaded.tokenizer, args.context_length)
     t = time.perf_counter()
     shared = PrefilledPrompt(loaded.model, prompt, args.context_length + max(args.tokens, 64) + TREE_ROOM,
@@ -407,8 +392,6 @@ TREE_ROOM = 80  # cache room past the generated tokens for a tree round (the pro
 def width_trees(max_nodes: int, max_depth: int, max_width: int = 4):
     """Every widths-per-depth tree (`--tree W0,W1,...`, widths not increasing with depth) of at most
     max_nodes nodes and max_depth depths."""
-    from ..speculation.tree import fixed_tree
-
     def grow(widths):
         if widths:
             yield tuple(widths), fixed_tree(widths)
@@ -430,12 +413,6 @@ def tune_trees(loaded, shared, prompt: list[int], config, tokens: int, temperatu
     then, for every widths-per-depth tree, predicted ms/token = (the draft's forwards, one per depth,
     each feeding the tree so far, + the verification of all nodes) / expected tokens per round. Also the
     expected tokens of Sequoia's optimal tree (tree.best_tree) of as many nodes, for reference."""
-    from ..generate import generate
-    from ..speculation.builder import max_rollback
-    from ..speculation.kinds import KIND_CLASSES, BuildContext
-    from ..speculation.stack import StackSpec
-    from ..speculation.tree import best_tree, tree_value
-
     model = loaded.model
     probe = StackSpec.parse("streaming,full", config.gamma, tree=PROBE_TREE)
     res = generate(model, prompt, tokens, sampling_params(temperature), stack=probe, config=config, prefilled=shared,
