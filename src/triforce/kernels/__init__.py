@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import sys
 from pathlib import Path
 
 import torch
 
 from ..errors import TriforceError
+from . import build as builder  # (named so: several functions here take a `build` flag)
 
 _HERE = Path(__file__).parent
 _SOURCES = ("attention.cpp", "layer_ops.cpp", "linear_panels.cpp", "quant_linear.cpp", "quant_packed.cpp",
@@ -49,9 +51,7 @@ class KernelChoiceError(TriforceError):
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux names them (/proc/cpuinfo); elsewhere, what PyTorch detects."""
-    from .build import proc_cpu_flags
-
-    line = proc_cpu_flags()
+    line = builder.proc_cpu_flags()
     if line is not None:
         return frozenset(line.split())
     try:
@@ -65,8 +65,6 @@ def cpu_flags() -> frozenset[str]:
 
 def runnable_isas(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The kernel variants this CPU can execute, best first (an x86-64 CPU only)."""
-    import platform
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ()
     flags = cpu_flags() if flags is None else flags
@@ -100,10 +98,8 @@ def chosen_isa(flags: frozenset[str] | None = None) -> str | None:
 def _optional_cflags(isa: str) -> list[str]:
     """The optional instructions' flags for `isa` that both this CPU has and the compiler knows (an older compiler
     without one builds the variant without it rather than failing the whole build)."""
-    from .build import accepted_flags
-
     flags = cpu_flags()
-    return accepted_flags([flag for need, flag in _OPTIONAL.get(isa, ()) if need in flags])
+    return builder.accepted_flags([flag for need, flag in _OPTIONAL.get(isa, ()) if need in flags])
 
 
 def variant(isa: str, optional: bool = True):
@@ -113,10 +109,8 @@ def variant(isa: str, optional: bool = True):
     key = f"variant-{isa}" + ("" if optional else "-plain")
     if key in _state:
         return _state[key]
-    from .build import build_and_load
-
     try:
-        module = build_and_load(f"triforce_cpu_{isa}" + ("" if optional else "_plain"), [_HERE / s for s in _SOURCES],
+        module = builder.build_and_load(f"triforce_cpu_{isa}" + ("" if optional else "_plain"), [_HERE / s for s in _SOURCES],
                                 [_HERE / h for h in _HEADERS],
                                 cflags=_COMMON_CFLAGS + _CFLAGS[isa] + (_optional_cflags(isa) if optional else []),
                                 ldflags=["-fopenmp"])
@@ -173,9 +167,7 @@ def bf16_cache_faster(build: bool = True) -> bool:
     flags until the kernels are built, as amx_attention."""
     if amx_attention(build):
         return True
-    from .build import cpu_vendor
-
-    return bf16_dot_attention(build) and cpu_vendor() == "AuthenticAMD"
+    return bf16_dot_attention(build) and builder.cpu_vendor() == "AuthenticAMD"
 
 
 class Backend:
@@ -200,7 +192,7 @@ class Backend:
     def for_model(cls, device: torch.device | str, dtype: torch.dtype) -> Backend:
         device = torch.device(device)
         if device.type == "cuda":
-            from . import cuda_ops
+            from . import cuda_ops  # optional: triton (the CUDA kernels), only on a GPU
 
             return cls(False, cuda_ops) if cuda_ops.available() else TORCH
         return cls(device.type == "cpu" and dtype == torch.float32 and cpu() is not None)

@@ -133,7 +133,7 @@ def _built(folder: Path) -> Path | None:
 def _compile(name: str, sources: list[Path], headers: list[Path], cflags: list[str], ldflags: list[str],
              folder: Path) -> None:
     """Build into `folder` (private to this process) with PyTorch's builder."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # start-up: cpp_extension imports setuptools; only a build needs it
 
     _ninja_on_path()
     # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
@@ -186,7 +186,7 @@ def _ninja_on_path() -> None:
     on PATH when a virtual environment's scripts are run without activating it."""
     if shutil.which("ninja") is None:
         try:
-            import ninja
+            import ninja  # optional: the ninja package (a build tool), checked only where it is missing
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except (ImportError, AttributeError):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..rope import apply_rotary
+
 try:
     import triton
     import triton.language as tl
@@ -92,8 +94,6 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
     B, T, N = qkv.shape
     D = N // (n_heads + 2 * n_kv_heads)
     if D % 2 or (D // 2) & (D // 2 - 1):  # tl.arange needs a power of two: PyTorch's operations
-        from ..rope import apply_rotary
-
         q, k, v = qkv.split([n_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
         return (apply_rotary(q.view(B, T, n_heads, D), cos, sin).transpose(1, 2).contiguous(),
                 apply_rotary(k.view(B, T, n_kv_heads, D), cos, sin).transpose(1, 2).contiguous(),
