@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from ..config import _rope_config

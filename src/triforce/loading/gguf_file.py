@@ -246,7 +246,7 @@ _DAMAGED = (TypeError, ValueError, KeyError, IndexError, OverflowError, ZeroDivi
 
 
 def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
-              check_tokenizer: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
+              check_tokenizer: bool = False) -> tuple[dict, dict[str, torch.Tensor | ggml_blocks.QuantTensor]]:
     """_read_gguf, where a value of the file that cannot be used (a damaged or hand-made file) is a
     TriforceError naming the file and the part (check_gguf), never another exception."""
     part = ["the header"]  # what _read_gguf is reading, for the error
@@ -259,7 +259,7 @@ def read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False,
 
 
 def _read_gguf(path: Path, progress: bool = True, keep_quantized: bool = False, check_tokenizer: bool = False,
-               part: list[str] | None = None) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
+               part: list[str] | None = None) -> tuple[dict, dict[str, torch.Tensor | ggml_blocks.QuantTensor]]:
     """-> (HF config dict, HF-named state dict). The config round-trips through JSON.
 
     The state dict holds fp32 tensors, or with `keep_quantized` the 2-D weights (projections,
