@@ -37,7 +37,10 @@ from triforce.corpus import demo_tokens
 from triforce.loading import load_model
 from triforce.caches import new_cache
 from triforce.speculation.state import prefill
-from decode_step import time_ours, attention_flops
+try:  # a side from before the lab left the package (2026-11-29) times itself with its own copy
+    from triforce.bench.decode_step import time_ours, attention_flops
+except ImportError:
+    from decode_step import time_ours, attention_flops
 prefill_sizes, context, verify, steps, threads = json.loads(sys.argv[1])
 if threads:
     torch.set_num_threads(threads)
@@ -74,7 +77,8 @@ def worktree(commit: str) -> Path:
 
 
 def run_side(src: Path, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(src / "src"))
+    # the side's package, and this checkout's lab instruments (decode_step.py) that time it
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "src"), str(ROOT / "benchmarks")]))
     cmd = [sys.executable, "-c", PROBE, json.dumps([args.prefill, args.context, args.verify, args.steps, args.threads])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=src)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
