@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
+from triforce.serving.harness import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_web_page import fill, marked_tokens, missing_step, open_page, panel_levels, start_chromium, status, \
@@ -33,12 +31,6 @@ QUESTION = "Who speaks the first line of the text above, and what does he ask?"
 PATIENCE = 7200  # seconds: the server's request timeout, and how long the page may take to answer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def document(n_tokens: int) -> str:
     """The demo corpus' first `n_tokens` tokens as text, then the question."""
     from triforce.corpus import demo_tokens
@@ -46,24 +38,6 @@ def document(n_tokens: int) -> str:
 
     tokenizer = load_model(progress=False).tokenizer  # (the embedded model's, found as the server finds it)
     return tokenizer.decode(demo_tokens(tokenizer, n_tokens)) + "\n\n" + QUESTION
-
-
-def serve(port: int, log) -> tuple[subprocess.Popen, str]:
-    """`triforce serve` with its defaults (the embedded model, the adaptive triforce stack), once it answers: (the
-    process, its address)."""
-    server = subprocess.Popen([sys.executable, "-m", "triforce", "serve", "--port", str(port),
-                               "--request-timeout", str(PATIENCE)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert server.poll() is None, f"triforce serve exited with {server.returncode}"
-        try:
-            return httpx.get(url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait(up, 600, "triforce serve to start")
-    return server, url
 
 
 def main() -> int:
@@ -79,31 +53,31 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "document.txt"
         prompt_file.write_text(document(args.tokens), encoding="utf-8")
-        with open(Path(tmp) / "serve.log", "w") as log:
-            server, url = serve(free_port(), log)
-            browser = None
-            try:
-                browser = start_chromium(args.window)
-                open_page(browser, url)
-                browser.find_element("id", "file").send_keys(str(prompt_file))  # as a file dropped on the box
-                wait(lambda: browser.find_element("id", "file-note").text, 60, "the file to be read")
-                fill(browser, None, max_tokens=args.max_tokens)  # the server's stack, greedy, the chat template
-                started = time.monotonic()
-                browser.find_element("id", "run").click()
-                wait(lambda: status(browser).startswith(("done", "stopped", "error")), PATIENCE, "the answer")
-                print(f"page: {status(browser)} after {time.monotonic() - started:.0f} s", file=sys.stderr)
-                assert status(browser).startswith("done"), f"the page did not finish the answer: {status(browser)}"
-                final = json.loads(browser.find_element("id", "stats").get_attribute("textContent"))
-                assert panel_levels(browser) == verify_counts(final["stats"]), "the panel is not the server's stats"
-                browser.execute_script("window.scrollTo(0, 0)")
-                assert browser.save_screenshot(args.out), "no screenshot"
-                tokens = marked_tokens(browser)
-                prompt_tokens = int(browser.find_element("id", "prompt-tokens").text)
-            finally:
-                if browser is not None:
-                    browser.quit()
-                server.terminate()
-                server.wait(60)
+        # `triforce serve` with its defaults (the embedded model, the adaptive triforce stack), once it answers
+        server = ServerProcess(["--request-timeout", str(PATIENCE)], Path(tmp) / "serve.log")
+        url = server.url
+        browser = None
+        try:
+            browser = start_chromium(args.window)
+            open_page(browser, url)
+            browser.find_element("id", "file").send_keys(str(prompt_file))  # as a file dropped on the box
+            wait(lambda: browser.find_element("id", "file-note").text, 60, "the file to be read")
+            fill(browser, None, max_tokens=args.max_tokens)  # the server's stack, greedy, the chat template
+            started = time.monotonic()
+            browser.find_element("id", "run").click()
+            wait(lambda: status(browser).startswith(("done", "stopped", "error")), PATIENCE, "the answer")
+            print(f"page: {status(browser)} after {time.monotonic() - started:.0f} s", file=sys.stderr)
+            assert status(browser).startswith("done"), f"the page did not finish the answer: {status(browser)}"
+            final = json.loads(browser.find_element("id", "stats").get_attribute("textContent"))
+            assert panel_levels(browser) == verify_counts(final["stats"]), "the panel is not the server's stats"
+            browser.execute_script("window.scrollTo(0, 0)")
+            assert browser.save_screenshot(args.out), "no screenshot"
+            tokens = marked_tokens(browser)
+            prompt_tokens = int(browser.find_element("id", "prompt-tokens").text)
+        finally:
+            if browser is not None:
+                browser.quit()
+            server.stop()
     print(json.dumps({
         "screenshot": args.out, "prompt_tokens": prompt_tokens,
         "answer_tokens": len(tokens), "tokens_by_level": dict(Counter(t["level"] for t in tokens)),
