@@ -28,7 +28,8 @@ if importlib.util.find_spec("hypothesis") is not None:
 # include them): every test that loads the embedded model (the `smollm` fixture, or a skip when it is not
 # installed: the CLI runs) or compiles or exercises the CPU kernels (the `kern` fixture, a `kernels` parameter,
 # SLOW_TESTS). Marked here, by what a test uses, rather than test by test; the real converter's and the real Gemma 3
-# file's tests carry the marker themselves.
+# file's tests carry the marker themselves, as do the statistical (chi-square) tests beyond one representative per
+# family and the few other tests over 10 s (so that the inner loop stays within minutes).
 SLOW_FIXTURES = {"smollm", "smollm_torch", "kern", "reference"}
 # tests that compile a kernel variant of their own or compare the compiled kernels with PyTorch (the kernels
 # themselves are built once per machine and source, by the first model any test builds, and cached)

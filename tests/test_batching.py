@@ -424,6 +424,7 @@ def test_batched_sampling_follows_target_distribution(small_vocab):
     assert max(gate.stats.sizes) > 1
 
 
+@pytest.mark.slow  # the check's power in the fast tier: test_speculation_distribution's test_check_detects_a_wrong_sampler
 def test_batched_check_detects_a_wrong_sampler(small_vocab, monkeypatch):
     """The research code's bug (a rejection resampled from p, not the residual) at the boundary that has draft
     distributions (draft -> full; the n-gram level's drafts are one-hot and keep the real rule)."""
@@ -565,6 +566,7 @@ def test_admission_by_memory_400_and_429(loaded):
         assert name in metrics, name
 
 
+@pytest.mark.slow  # two 10K-token requests: about 2 minutes
 def test_memory_stays_bounded_over_many_generated_tokens(loaded):
     """Two requests of 10K tokens each, batched: the server's resident memory after them is what it was after a
     warm-up of the same shape (every request's caches freed), and the KV budget is all given back."""

@@ -70,6 +70,7 @@ def test_invalid_stack_is_one_line_exit_2_before_loading(levels, gammas, words):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # five CLI runs, each a subprocess that imports torch
 def test_print_stack_shows_what_a_method_expands_to():
     r = run("generate", "--method", "triforce", "--gamma", "5", "--gamma-draft", "2", "--print-stack")
     assert r.returncode == 0 and r.stdout.strip() == "ngram,retrieval,full --gammas 2,5"  # gammas given: fixed
@@ -292,6 +293,7 @@ def test_bench_runs_user_stacks_beside_methods(tmp_path):
     assert bad.returncode == 2 and "no 'full' level" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow  # a `triforce bench` of six runs in a subprocess
 def test_bench_interleaves_several_runs_per_method(tmp_path):
     r = run("bench", "--context-lengths", "600", "--methods", "ngram", "--temperatures", "0,0.7", "--samples", "3",
             "--max-new-tokens", "6", "--out", str(tmp_path), "--quiet", "--genres", "code")

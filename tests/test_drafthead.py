@@ -122,6 +122,7 @@ def sampled(target, prompt, stack, head_dir, runs=1000):
     return counts, accepted
 
 
+@pytest.mark.slow  # statistical tests beyond one per family (pyproject.toml's `slow` marker)
 @pytest.mark.parametrize("stack", ["head,full", "head,retrieval,full"])
 def test_sampled_tokens_with_a_head_follow_the_target_distribution(target, head_dir, prompt, stack):
     exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
@@ -144,6 +145,7 @@ class SharpeningHead(HeadDrafter):
         return tokens, q
 
 
+@pytest.mark.slow
 def test_the_distribution_check_catches_a_head_that_misreports_its_proposal(target, head_dir, prompt, monkeypatch):
     monkeypatch.setattr(kinds_mod, "HeadDrafter", SharpeningHead)  # what the head kind builds
     exact = exact_marginals(target, prompt, SamplingParams(temperature=1.0))
@@ -269,6 +271,7 @@ def test_greedy_output_with_head_trees_is_ar_output(tiny_llama, tmp_path, levels
     assert res.stats["levels"][-2]["tree_nodes"] > 0
 
 
+@pytest.mark.slow
 def test_sampled_tokens_with_head_trees_follow_the_target_distribution(target, head_dir, prompt):
     from triforce.speculation.stack import StackSpec
 
@@ -289,6 +292,7 @@ class FlatteningTreeHead(HeadDrafter):
         return tree, q
 
 
+@pytest.mark.slow
 def test_the_distribution_check_catches_a_tree_head_that_misreports_its_proposal(target, head_dir, prompt,
                                                                                   monkeypatch):
     from triforce.speculation.stack import StackSpec

@@ -389,6 +389,7 @@ def test_an_eagle3_heads_q_is_zero_outside_its_draft_vocabulary(sampling_target,
     assert q.shape[0] > 10 and torch.all(q[:, outside] == 0) and torch.allclose(q.sum(-1), torch.ones(q.shape[0]))
 
 
+@pytest.mark.slow  # statistical tests beyond one per family (pyproject.toml's `slow` marker)
 def test_sampled_tokens_with_an_eagle3_head_follow_the_target_distribution(sampling_target, eagle3_dir,
                                                                            sampling_prompt):
     params = SamplingParams(temperature=1.0)

@@ -70,6 +70,7 @@ SCHEMA = {
 }
 
 
+@pytest.mark.slow  # about 400 requests
 def test_fuzzed_requests_never_get_a_server_error(tiny):  # noqa: F811
     from schemathesis import GenerationMode
 

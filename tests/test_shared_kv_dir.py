@@ -156,6 +156,7 @@ def _child_writes(folder: str, seed: int) -> None:
     cache.close()
 
 
+@pytest.mark.slow  # two spawned writer processes, each importing torch
 def test_concurrent_writer_processes(model, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="triforce.serve")
     ctx = multiprocessing.get_context("spawn")

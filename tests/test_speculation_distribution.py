@@ -98,8 +98,11 @@ def p_values(counts, exact) -> list[float]:
     return out
 
 
-CASES = [("triforce", "ngram"), ("triforce", "streaming"), ("triforce", "draft"), ("retrieval", "ngram"),
-         ("streaming", "ngram"), ("ngram", "ngram"), ("draft", "ngram"), ("ar", "ngram"), ("sequoia", "ngram")]
+# The fast tier (-m "not slow") keeps one representative of each family of statistical tests; the rest of the
+# family is marked slow (CI's default part runs them all).
+CASES = [("triforce", "ngram")] + [pytest.param(m, d, marks=pytest.mark.slow) for m, d in [
+    ("triforce", "streaming"), ("triforce", "draft"), ("retrieval", "ngram"), ("streaming", "ngram"),
+    ("ngram", "ngram"), ("draft", "ngram"), ("ar", "ngram"), ("sequoia", "ngram")]]
 
 
 @pytest.mark.parametrize("method,drafter", CASES)
@@ -116,6 +119,7 @@ USER_STACKS = [("ngram,streaming:8,retrieval:12,full", "2,2,3", SamplingParams(t
                ("ngram,h2o:12,full", "2,3", SamplingParams(temperature=0.8, top_k=5))]
 
 
+@pytest.mark.slow  # the family's representative in the fast tier: test_sampled_tokens_follow_target_distribution
 @pytest.mark.parametrize("levels,gammas,params", USER_STACKS)
 def test_user_stacks_follow_target_distribution(models, prompt, levels, gammas, params):
     from triforce.speculation.stack import StackSpec
@@ -132,6 +136,7 @@ def long_prompt():
     return (base * 5)[:200]  # long enough that kv4 reads most of it from its 4-bit planes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("levels,gammas,params", [("ngram,kv4,full", "2,3", SamplingParams(temperature=0.8, top_k=5))])
 def test_kv4_stacks_follow_target_distribution(models, long_prompt, levels, gammas, params):
     """kv4 verifying the n-gram drafter and drafting for the full level (quantspec's kv4,full is the same
@@ -175,6 +180,7 @@ def test_check_detects_a_wrong_sampler(models, prompt, exact, monkeypatch):
 SHORTCUT_STACK = ("ngram,streaming:8,retrieval:12,full", "2,2,3")
 
 
+@pytest.mark.slow
 def test_ngram_shortcut_follows_target_distribution(models, prompt, exact, monkeypatch):
     """The top verifies the n-gram proposal itself whenever it comes from a bigram match (so the route depends
     on the sampled history), through the levels between otherwise: the tokens still follow the target."""
@@ -188,6 +194,7 @@ def test_ngram_shortcut_follows_target_distribution(models, prompt, exact, monke
     assert sum(t["shortcut_rounds"] < t["rounds"] for t in tops) > 0.2 * N_SAMPLES
 
 
+@pytest.mark.slow  # the check's power in the fast tier: test_check_detects_a_wrong_sampler
 def test_check_detects_a_shortcut_that_retries(models, prompt, exact, monkeypatch):
     """A wrong router: a direct round whose first draft is rejected is thrown away and redone through the levels
     between (a second chance for the n-gram's token). The same check catches it."""
@@ -242,6 +249,7 @@ TREE_STACKS = [("draft,full", "3", "3,2", SamplingParams(temperature=1.0, top_k=
                ("draft,retrieval:12,full", "2,3", "4,1", SamplingParams(temperature=1.0))]
 
 
+@pytest.mark.slow  # trees in the fast tier: tests/test_tree_verify.py's test_tree_rule_is_exact_and_the_check_has_power[0]
 @pytest.mark.parametrize("levels,gammas,tree,params", TREE_STACKS)
 def test_tree_stacks_follow_target_distribution(models, prompt, levels, gammas, tree, params):
     from triforce.speculation.stack import StackSpec
@@ -252,6 +260,7 @@ def test_tree_stacks_follow_target_distribution(models, prompt, levels, gammas, 
     assert min(pv) > ALPHA, f"{levels} --tree {tree}: chi-square p-values {pv}"
 
 
+@pytest.mark.slow
 def test_check_detects_children_sampled_with_replacement(models, prompt, exact, monkeypatch):
     """The deliberately wrong tree sampler: siblings drawn independently (with replacement), which
     Sequoia's rule (it removes a rejected child from q) does not correct for: the check must fail."""
