@@ -156,10 +156,14 @@ def smollm():
 
 @pytest.fixture
 def all_threads():
+    """The embedded-model tests on this process's share of the cores: all of them, or under pytest-xdist (-n) the
+    cores over the workers, so that workers' OpenMP teams do not outnumber the cores (a team waits at each barrier
+    for threads that another worker's team keeps off the cores)."""
     import os
 
     before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     yield
     torch.set_num_threads(before)
 
