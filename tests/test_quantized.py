@@ -7,6 +7,8 @@ gguf.quants from real (tiny) weights, K-quants as random valid blocks (gguf has 
 in the Q4_K_M layout llama.cpp writes. Each kernel is checked against gguf.quants.dequantize + matmul."""
 from __future__ import annotations
 
+import zlib
+
 import gguf
 import numpy as np
 import pytest
@@ -170,7 +172,8 @@ def q4_k_m(name: str, w: np.ndarray):
         return None
     qtype = (Q.Q6_K if name in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight") else
              Q.Q5_K if name == "blk.1.attn_output.weight" else Q.Q8_0 if name == "blk.1.attn_k.weight" else Q.Q4_K)
-    t = random_blocks(int(qtype), w.shape[0], w.shape[1], np.random.default_rng(abs(hash(name)) % 2 ** 32), std=0.05)
+    t = random_blocks(int(qtype), w.shape[0], w.shape[1], np.random.default_rng(zlib.crc32(name.encode())),
+                      std=0.05)  # (crc32, not hash(): the same blocks in every process, so a failure reproduces)
     return t.raw.numpy(), qtype
 
 
