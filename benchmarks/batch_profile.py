@@ -14,14 +14,17 @@ It prints, over the decode phase (the first request's first token to the last re
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import threading
 import time
 
 import torch
 
+from decode_step import random_cache, time_ours
 from triforce.bench.hardware import measure_bandwidth
 from triforce.corpus import demo_text
+from triforce.execution.linear import Linear, QuantLinear
 from triforce.execution.runner import forward_batch, weight_bytes
 from triforce.loading import load_model
 from triforce.memory import kv_bytes, kv_value_bytes
@@ -51,6 +54,7 @@ def run_load(server, prompts, max_tokens: int) -> tuple[float, float, list[int]]
     """Submit every prompt at once -> (first token time, last end time, tokens per request)."""
     done = threading.Event()
     state = {"left": len(prompts), "first": None}
+    routes = collections.Counter()  # the adaptive default's rounds by route, over every request
     counts = [0] * len(prompts)
     lock = threading.Lock()
 
@@ -62,8 +66,7 @@ def run_load(server, prompts, max_tokens: int) -> tuple[float, float, list[int]]
                     state["first"] = state["first"] or time.perf_counter()
                 elif ev["type"] in ("done", "error"):
                     if ev["type"] == "done" and (ad := ev["triforce"]["stats"].get("adaptive")):
-                        for route, n in ad["routes"].items():
-                            state.setdefault("routes", {})[route] = state.get("routes", {}).get(route, 0) + n
+                        routes.update(ad["routes"])
                     if ev["type"] == "error":
                         print("error:", ev)
                     state["left"] -= 1
@@ -75,8 +78,8 @@ def run_load(server, prompts, max_tokens: int) -> tuple[float, float, list[int]]
     for i, p in enumerate(prompts):
         server.engine.submit(Job(p, max_tokens, SamplingParams(temperature=0.0), 0, (), deliver_for(i)))
     done.wait(3600)
-    if state.get("routes"):
-        print("adaptive rounds by route:", state["routes"])
+    if routes:
+        print("adaptive rounds by route:", dict(routes))
     return state["first"], state["end"], counts
 
 
@@ -138,32 +141,24 @@ def kernel_floor(model, a, step_bound: float) -> str:
     """The same batched forward back to back (runner.forward_batch over N caches of that length) and the costs per
     row (row_costs), measured before the engine starts: the engine's start releases this thread's OpenMP team
     (execution/omp_threads.py), after which a forward from here runs on another team than the gate's."""
-    from triforce.caches import new_cache
-    from triforce.caches.synthetic import fill_random
+    filled = a.context + a.max_tokens // 2  # the mean context of the decode phase
+    caches = [random_cache(model, filled, 1) for _ in range(a.requests)]
+    calls = [(torch.randint(0, model.cfg.vocab_size, (1, 1)), c, 1) for c in caches]
+
+    def batched():
+        forward_batch(model, calls)
+        for c in caches:
+            c.rollback(filled)
 
     with torch.inference_mode():
-        caches = []
-        for _ in range(a.requests):
-            c = new_cache(model, a.context + a.max_tokens + 64)
-            fill_random(c, a.context + a.max_tokens // 2)
-            caches.append(c)
-        tokens1 = [torch.randint(0, model.cfg.vocab_size, (1, 1)) for _ in caches]
-        times = []
-        for rep in range(a.reps + 2):
-            t0 = time.perf_counter()
-            forward_batch(model, [(t, c, 1) for t, c in zip(tokens1, caches)])
-            dt = time.perf_counter() - t0
-            for c in caches:
-                c.rollback(a.context + a.max_tokens // 2)
-            if rep >= 2:
-                times.append(dt)
-    fb = statistics.median(times)
-    line = (f"forward_batch of {a.requests} x 1 row back to back: {fb * 1e3:.1f} ms ({step_bound / fb:.0%} of the "
-            f"bound's speed): {a.requests / fb:.0f} tokens/s if nothing else ran")
+        ms = _median_ms(batched, a.reps)
+    line = (f"forward_batch of {a.requests} x 1 row back to back: {ms:.1f} ms ({step_bound * 1e3 / ms:.0%} of the "
+            f"bound's speed): {a.requests / ms * 1e3:.0f} tokens/s if nothing else ran")
     return line + "\n" + row_costs(model, a.context, a.requests, a.reps)
 
 
 def _median_ms(fn, reps: int) -> float:
+    """Median milliseconds of fn() over `reps` calls after 2 untimed ones."""
     for _ in range(2):
         fn()
     times = []
@@ -178,24 +173,11 @@ def row_costs(model, context: int, rows: int, reps: int) -> str:
     """What each row of a batched forward costs: the linear layers over 1 and `rows` rows (every layer once,
     as a forward runs them), and a decode step over 16 and `context` cached tokens (the difference: one row's
     attention over `context` tokens and its K/V reads)."""
-    from triforce.caches import new_cache
-    from triforce.caches.synthetic import fill_random
-    from triforce.execution.linear import Linear, QuantLinear
-
     layers = [m for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
     with torch.inference_mode():
         xs = {r: [torch.randn(1, r, m.in_features) for m in layers] for r in (1, rows)}
         lin = {r: _median_ms(lambda: [m(x) for m, x in zip(layers, xs[r])], reps) for r in (1, rows)}
-        step = {}
-        tok = torch.tensor([[1]])
-        for n in (16, context):
-            c = new_cache(model, n + 8)
-            fill_random(c, n)
-
-            def one():
-                model(tok, c)
-                c.rollback(n)
-            step[n] = _median_ms(one, reps)
+    step = {n: time_ours(model, n, reps) * 1e3 for n in (16, context)}  # (decode_step.py's decode step)
     extra = (lin[rows] - lin[1]) / (rows - 1)
     return (f"linear layers: 1 row {lin[1]:.1f} ms, {rows} rows {lin[rows]:.1f} ms ({extra:.2f} ms per row after the "
           f"first); decode step at 16 tokens {step[16]:.1f} ms, at {context} {step[context]:.1f} ms (one row's "
