@@ -27,9 +27,6 @@
 //    that a verification's rows stay exactly the decode step's.
 // p v is one loop for both (block_pv): TILE rows x DC vectors of accumulators, each V element read
 // once per tile of rows.
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
-
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -1658,14 +1655,14 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k_hi, torch::Tensor
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "quant_attention: head dim 64, 128 or 256");
   TORCH_CHECK(R <= MAX_ROWS && T >= 1 && R % T == 0, "quant_attention: at most 64 rows, a multiple of T");
   TORCH_CHECK(Sq % QB == 0 && k_hi.size(0) == H && k_hi.size(2) == D / 2 && k_hi.stride(1) == D / 2 &&
-                  v_hi.sizes() == k_hi.sizes() && v_hi.stride(1) == D / 2 && k_hi.scalar_type() == torch::kUInt8 &&
-                  v_hi.scalar_type() == torch::kUInt8,
+                  v_hi.sizes() == k_hi.sizes() && v_hi.stride(1) == D / 2 && k_hi.scalar_type() == torch::kByte &&
+                  v_hi.scalar_type() == torch::kByte,
               "quant_attention: planes [H, Sq, D / 2] uint8 with contiguous rows, Sq a multiple of 64");
   const bool eight = k_lo.numel() > 0;
   TORCH_CHECK(eight == (v_lo.numel() > 0), "quant_attention: both lower planes or neither");
   TORCH_CHECK(!eight || (k_lo.sizes() == k_hi.sizes() && v_lo.sizes() == k_hi.sizes() && k_lo.stride(1) == D / 2 &&
-                         v_lo.stride(1) == D / 2 && k_lo.scalar_type() == torch::kUInt8 &&
-                         v_lo.scalar_type() == torch::kUInt8),
+                         v_lo.stride(1) == D / 2 && k_lo.scalar_type() == torch::kByte &&
+                         v_lo.scalar_type() == torch::kByte),
               "quant_attention: lower planes shaped as the upper ones");
   TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && k_zero.scalar_type() == torch::kHalf &&
                   v_scale.scalar_type() == torch::kHalf && v_zero.scalar_type() == torch::kHalf &&

@@ -1,3 +1,6 @@
+// pybind11 and the tensor casters; not <torch/extension.h>, which adds the whole C++ frontend to parse (ops.h)
+#include <torch/python.h>
+
 #include "ops.h"
 #include "simd.h"
 

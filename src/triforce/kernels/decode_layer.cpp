@@ -4,6 +4,8 @@
 // 50 us per layer (1.5 ms of a 9 ms step of the embedded model at 8K), and calling one layer at a time
 // still cost about 20 us per layer of argument conversion and checks (0.65 ms of a 7 ms step at 1K on an
 // Intel Xeon): decode_layers runs every layer in one call over weights converted once (LayerStack).
+#include <ATen/ops/add.h>
+
 #include "ops.h"
 
 namespace triforce {
@@ -15,7 +17,7 @@ namespace {
 torch::Tensor linear(const torch::Tensor& x, const LinearWeights& w, const c10::optional<torch::Tensor>& bias) {
   torch::Tensor y = (w.types.size() == 1 && w.types[0] < 0) ? linear_panels(x, w.parts[0], w.rows[0])
                                                            : linear_packed(x, w.parts, w.types, w.rows);
-  return bias.has_value() ? y + *bias : y;
+  return bias.has_value() ? at::add(y, *bias) : y;
 }
 
 // y += x for a fresh contiguous fp32 y of x's shape -> y: a residual connection without a tensor operation's
@@ -159,9 +161,9 @@ std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack
                 "decode_layers_quant: plane ", j, " must be [n_layers, 1, Hkv, >= ", rows, ", ", cols,
                 "] with contiguous rows of ", c10::toString(dtype));
   };
-  for (int j : {0, 4}) check(j, q_end, D / 2, torch::kUInt8);
+  for (int j : {0, 4}) check(j, q_end, D / 2, torch::kByte);
   if (eight)
-    for (int j : {1, 5}) check(j, q_end, D / 2, torch::kUInt8);
+    for (int j : {1, 5}) check(j, q_end, D / 2, torch::kByte);
   for (int j : {2, 3}) check(j, q_end / G, D, torch::kHalf);
   for (int j : {6, 7}) check(j, q_end, D / 32, torch::kHalf);
   TORCH_CHECK(planes[3].strides() == planes[2].strides() && planes[7].strides() == planes[6].strides(),

@@ -1,7 +1,18 @@
 // The functions of the `triforce_cpu_<isa>` extension (bindings.cpp): fp32 arithmetic on the CPU,
 // one source compiled per ISA (simd.h).
 #pragma once
-#include <torch/extension.h>
+// Not <torch/extension.h> (pybind11 and the whole C++ API: 35 s of parsing per source on a Zen 3 core, most of a
+// kernel build): the tensor type, its factories and ATen's threads. bindings.cpp adds pybind11 (torch/python.h).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+namespace torch {
+using namespace at;  // torch::Tensor, torch::empty, torch::kFloat: the names the kernels use (as torch/types.h does)
+}  // namespace torch
 
 #include <vector>
 

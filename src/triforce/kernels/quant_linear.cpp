@@ -331,7 +331,7 @@ torch::Tensor linear_quant(torch::Tensor x, std::vector<torch::Tensor> parts, st
   std::vector<int64_t> first(parts.size() + 1, 0);  // output column of each part's first row
   for (size_t i = 0; i < parts.size(); ++i) {
     const auto& p = parts[i];
-    TORCH_CHECK(p.scalar_type() == torch::kUInt8 && p.dim() == 2 && p.is_contiguous(),
+    TORCH_CHECK(p.scalar_type() == torch::kByte && p.dim() == 2 && p.is_contiguous(),
                 "linear_quant: parts are contiguous uint8 [N, row_bytes]");
     TORCH_CHECK(row_length(types[i], p.size(1)) == K, "linear_quant: part ", i, " has rows of ",
                 row_length(types[i], p.size(1)), " weights, x has ", K);
@@ -360,7 +360,7 @@ torch::Tensor linear_quant(torch::Tensor x, std::vector<torch::Tensor> parts, st
 }
 
 torch::Tensor dequantize_rows(torch::Tensor raw, int64_t type) {
-  TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(),
+  TORCH_CHECK(raw.scalar_type() == torch::kByte && raw.dim() == 2 && raw.is_contiguous(),
               "dequantize_rows: raw is contiguous uint8 [N, row_bytes]");
   const int64_t N = raw.size(0), rb = raw.size(1), K = row_length(type, rb);
   auto out = torch::empty({N, K}, torch::kFloat);

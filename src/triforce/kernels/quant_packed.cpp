@@ -442,7 +442,7 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
     const auto& p = parts[i];
     with_packed(types[i], [&](auto f) {
       using F = decltype(f);
-      TORCH_CHECK(p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.dim() == 2 &&
+      TORCH_CHECK(p.scalar_type() == torch::kByte && p.is_contiguous() && p.dim() == 2 &&
                       K % F::QK == 0 && p.size(0) == (rows[i] + P - 1) / P && p.size(1) == K / F::QK * P * F::BYTES,
                   "linear_packed: part ", i, " is not ", rows[i], " packed rows of ", K, " weights");
     });
@@ -482,7 +482,7 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
 }
 
 torch::Tensor unpack_rows(torch::Tensor packed, int64_t head, int64_t tail, int64_t size, int64_t start, int64_t stop) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) % (P * size) == 0 && head % 2 == 0 && tail % 2 == 0 && (size - head - tail) % 4 == 0 &&
                   0 <= start && start <= stop && stop <= packed.size(0) * P,
               "unpack_rows: packed [groups, blocks * 16 * size] uint8 and rows within it");
