@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
+
+# Under pytest-xdist (-n) each worker has its share of the cores: for the embedded-model tests (all_threads) and
+# for the processes its tests start (the CLI and server tests: OMP_NUM_THREADS, which torch reads at start-up).
+# Otherwise every worker's OpenMP teams span all the cores, and a team waits at each barrier for threads that the
+# other workers keep off the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+CORE_SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(CORE_SHARE))
 
 from triforce import kernels
 from triforce.config import ModelConfig
@@ -14,15 +24,13 @@ from triforce.loading import build_model
 # every time (derandomized, no example database) and a bounded number of them; no per-example deadline
 # (a loaded host would break it). HYPOTHESIS_PROFILE=thorough runs ten times as many.
 if importlib.util.find_spec("hypothesis") is not None:
-    import os as _os
-
     from hypothesis import HealthCheck, settings
 
     _common = dict(derandomize=True, database=None, deadline=None, print_blob=True,
                    suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("ci", max_examples=200, **_common)
     settings.register_profile("thorough", max_examples=2000, **_common)
-    settings.load_profile(_os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The `slow` marker (the fast inner-loop subset is `python -m pytest -m "not slow"`; the default run and CI
 # include them): every test that loads the embedded model (the `smollm` fixture, or a skip when it is not
@@ -159,11 +167,8 @@ def all_threads():
     """The embedded-model tests on this process's share of the cores: all of them, or under pytest-xdist (-n) the
     cores over the workers, so that workers' OpenMP teams do not outnumber the cores (a team waits at each barrier
     for threads that another worker's team keeps off the cores)."""
-    import os
-
     before = torch.get_num_threads()
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(CORE_SHARE)
     yield
     torch.set_num_threads(before)
 

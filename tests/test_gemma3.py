@@ -304,7 +304,7 @@ def test_every_stack_equals_ar_on_a_sliding_window_model(tiny_gemma, levels, gam
     m = tiny_gemma
     base = ids_of(60, seed=7)[0].tolist()
     prompt = (base * 4)[:230]  # repeats, so the n-gram drafter proposes
-    ref = generate_ar(m, prompt, 60).tokens
+    ref = generate_ar(m, prompt, 60, config=GEMMA_SPEC).tokens  # the same prefill chunks
     res = generate(m, prompt, 60, stack=StackSpec.parse(levels, gammas), config=GEMMA_SPEC)
     assert res.tokens == ref
     assert not res.stats.get("notes")
@@ -391,7 +391,7 @@ def test_real_gemma3_270m_matches_transformers():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,n_prompt", [("prose", 8000), ("code", 4000)])
-def test_real_gemma3_270m_every_stack_equals_ar(kind, n_prompt):
+def test_real_gemma3_270m_every_stack_equals_ar(kind, n_prompt, all_threads):
     """The real Gemma 3 270M GGUF (./install.sh gemma3, or TRIFORCE_GEMMA3_GGUF=path): every named method and user stacks with
     retrieval and streaming levels (over its 3 global layers; its 15 sliding-window layers keep the
     target's window) give ar's greedy tokens on prose (Shakespeare) and code (Python)."""
@@ -401,7 +401,6 @@ def test_real_gemma3_270m_every_stack_equals_ar(kind, n_prompt):
     from triforce.corpus import demo_tokens
     from triforce.loading import load_model
 
-    torch.set_num_threads(os.cpu_count() or 1)
     loaded = load_model(path, progress=False)
     model = loaded.model
     prompt = (demo_tokens(loaded.tokenizer, n_prompt, offset_chars=100_000) if kind == "prose"

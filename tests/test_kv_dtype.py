@@ -110,7 +110,7 @@ def test_greedy_equals_ar_for_each_kv_dtype(kv, use_kernels, small_draft):
     with kernels.override(kernels.cpu() if use_kernels else None):
         for n, seed in ((200, 0), (333, 1)):
             prompt = _prompt(n, seed)
-            ref = generate_ar(m, prompt, 48).tokens
+            ref = generate_ar(m, prompt, 48, config=SPEC).tokens  # the same prefill chunks
             for kw in (dict(method="triforce"), dict(method="retrieval"), dict(stack=ALL_KINDS), dict(stack=KV4_STACK)):
                 res = generate(m, prompt, 48, config=SPEC, draft_model=small_draft, **kw)
                 assert res.tokens == ref, (kv, kw)

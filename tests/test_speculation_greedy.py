@@ -41,7 +41,7 @@ CASES = [(m, d) for m in METHODS if m != "triforce" for d in ["-"]] + [("triforc
 @pytest.mark.parametrize("n_prompt,seed", [(200, 0), (333, 1), (90, 2)])
 def test_greedy_equals_ar(target, small_draft, method, drafter, n_prompt, seed):
     prompt = _prompt(n_prompt, seed)
-    ref = generate_ar(target, prompt, 64).tokens
+    ref = generate_ar(target, prompt, 64, config=TINY_SPEC).tokens  # the same prefill chunks
     cfg = TINY_SPEC if drafter == "-" else SpecConfig(**{**TINY_SPEC.__dict__, "draft": drafter})
     res = generate(target, prompt, 64, method=method, config=cfg, draft_model=small_draft)
     assert res.tokens == ref
@@ -120,7 +120,7 @@ def test_ngram_shortcut_alternating_routes_keep_greedy_exact(target, monkeypatch
         prompt = _prompt(n_prompt, seed)
         stack = StackSpec.parse("ngram,streaming:24,retrieval:40,full", "2,2,4")
         res = generate(target, prompt, 64, stack=stack, config=TINY_SPEC)
-        assert res.tokens == generate_ar(target, prompt, 64).tokens
+        assert res.tokens == generate_ar(target, prompt, 64, config=TINY_SPEC).tokens
         top = res.stats["levels"][0]
         assert 0 < top["shortcut_rounds"] < top["rounds"]
 

@@ -32,7 +32,7 @@ import torch
 
 from .. import storage
 
-DEFAULT_WAIT_SECONDS = 600.0  # a first build takes about 80 s on 2 cores; a waiter gives up after this
+DEFAULT_WAIT_SECONDS = 600.0  # a first build takes 85-115 s on 2 Zen 3 cores; a waiter gives up after this
 
 
 def _compiler_version() -> str:
@@ -159,7 +159,7 @@ def build_and_load(name: str, sources: list[Path], headers: list[Path], cflags: 
     except storage.CacheUnwritable as e:
         log(f"triforce: {e}; building the CPU kernels for this run only")
         with tempfile.TemporaryDirectory(prefix="triforce-kernels-") as tmp:
-            log("triforce: compiling the CPU kernels (about a minute)...")
+            log("triforce: compiling the CPU kernels (a minute or two)...")
             _compile(name, sources, headers, cflags, ldflags, Path(tmp))
             so = _built(Path(tmp))
             return _import(so.stem, so)
@@ -171,7 +171,7 @@ def build_and_load(name: str, sources: list[Path], headers: list[Path], cflags: 
             if final.exists():  # not a complete build (made by hand?): build it again
                 shutil.rmtree(final, ignore_errors=True)
             t = time.perf_counter()
-            log("triforce: compiling the CPU kernels (once, about a minute)...")
+            log("triforce: compiling the CPU kernels (once, a minute or two)...")
             with storage.atomic_directory(final) as tmp:
                 _compile(name, sources, headers, cflags, ldflags, tmp)
                 if _built(tmp) is None:
