@@ -129,6 +129,25 @@ def no_traceback(run: Run) -> None:
     assert "Traceback" not in run.stderr, run.stderr
 
 
+def processes_working_in(root: Path, within: float = 10.0) -> list[str]:
+    """The processes whose working directory is under `root` (a kernel build's ninja and compilers run in its
+    folder) once `within` seconds have passed without them going (Linux /proc), each as its command line."""
+    def working() -> list[str]:
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                if Path(os.readlink(proc / "cwd")).is_relative_to(root):
+                    found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+            except OSError:
+                pass
+        return found
+
+    end = time.monotonic() + within
+    while (found := working()) and time.monotonic() < end:
+        time.sleep(0.25)
+    return found
+
+
 # ---------------------------------------------------------------- storage primitives (always run)
 
 def test_atomic_write_failure_leaves_old_file_and_no_temporary(tmp_path, monkeypatch):
@@ -415,6 +434,9 @@ def test_killed_kernel_build_then_a_normal_run(tmp_path, sig, reference):
     time.sleep(8)
     t = r.signal(sig, group=sig == signal.SIGKILL)  # SIGKILL: as a closed terminal kills the whole job
     code = r.finish(60)
+    # nothing of the build runs on: ninja gives each compiler a process group of its own, out of reach of a signal
+    # to the run's group and of PyTorch's builder, which kills ninja alone (they ran on for half a minute)
+    assert processes_working_in(cache) == []
     if sig == signal.SIGINT:
         # a few seconds at most; the build left alone runs for a minute or more, so 30 s allows a loaded host
         assert code == 130 and time.monotonic() - t < 30

@@ -130,17 +130,58 @@ def _built(folder: Path) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
+# The build, in a child process that leads its own process group. PyTorch's builder runs ninja with subprocess.run,
+# which on an interrupt kills ninja alone; ninja runs each compiler in a process group of its own, so they ran on
+# for half a minute after a Ctrl-C had ended the run. Ninja stops its compilers on SIGTERM: the child sends it to
+# its group (ninja) when this process ends the build (an interrupt or an error here) or dies (PR_SET_PDEATHSIG).
+_BUILD_CHILD = r"""
+import ctypes, json, os, signal, sys
+spec = json.loads(sys.argv[1])
+def stop(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)  # ninja, which stops the compilers it started
+    os._exit(1)
+signal.signal(signal.SIGTERM, stop)
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG (Linux)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != spec["parent"]:  # the parent died before the line above
+    sys.exit(1)
+from torch.utils.cpp_extension import load
+load(spec["name"], spec["sources"], extra_cflags=spec["cflags"], extra_ldflags=spec["ldflags"],
+     build_directory=spec["folder"], verbose=False)
+"""
+
+
 def _compile(name: str, sources: list[Path], headers: list[Path], cflags: list[str], ldflags: list[str],
              folder: Path) -> None:
-    """Build into `folder` (private to this process) with PyTorch's builder."""
-    from torch.utils.cpp_extension import load  # start-up: cpp_extension imports setuptools; only a build needs it
+    """Build into `folder` (private to this process) with PyTorch's builder, in a child process (_BUILD_CHILD)."""
+    import json
+    import signal
 
     _ninja_on_path()
     # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
     # (our folder key covers them too; this keeps PyTorch's own bookkeeping honest)
     hh = hashlib.sha1(b"".join(h.read_bytes() for h in headers)).hexdigest()[:12]
-    load(name, [str(s) for s in sources], extra_cflags=cflags + [f"-DTRIFORCE_HEADERS={hh}"],
-         extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
+    spec = dict(name=name, sources=[str(s) for s in sources], cflags=cflags + [f"-DTRIFORCE_HEADERS={hh}"],
+                ldflags=ldflags, folder=str(folder), parent=os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", _BUILD_CHILD, json.dumps(spec)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = child.communicate()
+    except BaseException:
+        child.terminate()  # (its handler stops ninja and so the compilers)
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        raise
+    if child.returncode != 0:
+        lines = output.strip().splitlines()
+        detail = [line for line in lines if "error" in line.lower()][:5] or lines[-5:]
+        raise RuntimeError(f"the kernel build exited with {child.returncode}: " + " | ".join(detail))
 
 
 def build_and_load(name: str, sources: list[Path], headers: list[Path], cflags: list[str], ldflags: list[str],
