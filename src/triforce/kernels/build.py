@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -143,7 +145,7 @@ def stop(*_):
     os._exit(1)
 signal.signal(signal.SIGTERM, stop)
 try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG (Linux)
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG (Linux)
 except (OSError, AttributeError):
     pass
 if os.getppid() != spec["parent"]:  # the parent died before the line above
@@ -157,9 +159,6 @@ load(spec["name"], spec["sources"], extra_cflags=spec["cflags"], extra_ldflags=s
 def _compile(name: str, sources: list[Path], headers: list[Path], cflags: list[str], ldflags: list[str],
              folder: Path) -> None:
     """Build into `folder` (private to this process) with PyTorch's builder, in a child process (_BUILD_CHILD)."""
-    import json
-    import signal
-
     _ninja_on_path()
     # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
     # (our folder key covers them too; this keeps PyTorch's own bookkeeping honest)
