@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from triforce.serving.harness import ServerProcess, free_port, wait_until_healthy
+from triforce.serving.harness import ServerProcess, die_with_parent, free_port, wait_until_healthy
 from triforce.storage import atomic_write
 
 QUESTIONS = ("Who speaks first in this scene?", "Summarise the last speech.", "Which characters are named above?",
@@ -249,14 +250,15 @@ def ttft_test(args) -> int:
     return 0 if ok and code == 0 else 1
 
 
-def _prompts(args, tokenizer, n: int | None = None) -> tuple[list[int], list[list[int]]]:
+def _prompts(args, tokenizer, n: int | None = None, tokens: int | None = None) -> tuple[list[int], list[list[int]]]:
     """The batch comparison's document (exactly --prompt-tokens tokens of the demo corpus, whole prefix-cache blocks
     when it is a multiple of the prefill chunk) and its N prompts as token ids: the document and a different
     question each. After a warm-up request has cached the document's blocks, each request prefills only its
     question, so the comparison times decoding, not prefill."""
     from triforce.corpus import demo_text
 
-    doc = tokenizer(demo_text(int(args.prompt_tokens * CHARS_PER_TOKEN) + 4000))["input_ids"][:args.prompt_tokens]
+    tokens = tokens or args.prompt_tokens
+    doc = tokenizer(demo_text(int(tokens * CHARS_PER_TOKEN) + 4000))["input_ids"][:tokens]
     questions = [f"\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n" for i in range(n or args.batch_compare)]
     return doc, [doc + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
 
@@ -274,13 +276,15 @@ def _decode_union(results: list[dict]) -> float:
 
 
 async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0: float,
-                 model: str | None = None, temperature: float = 0.0, seed: int | None = None) -> dict:
+                 model: str | None = None, temperature: float = 0.0, seed: int | None = None,
+                 stack: str | None = None) -> dict:
     """One streamed completion (greedy unless `temperature`; `seed`: the request's, so that a sampled load can be
     run again) -> its text, tokens and the times (since t0) of its first and last tokens and of every chunk with
-    text. `model`: the name to ask for (a server that serves one model under a name)."""
+    text. `model`: the name to ask for (a server that serves one model under a name); `stack`: triforce serve's
+    per-request method (serving/stacks.py; None: the server's own)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": temperature,
             "stream_options": {"include_usage": True}, **({"model": model} if model else {}),
-            **({"seed": seed} if seed is not None and temperature > 0 else {})}
+            **({"seed": seed} if seed is not None and temperature > 0 else {}), **({"stack": stack} if stack else {})}
     out = {"text": "", "tokens": 0, "first_at": None, "last_at": None, "status": None, "error": None, "server": None,
            "times": []}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -306,13 +310,13 @@ async def _timed(client, url: str, prompt: str | list[int], max_tokens: int, t0:
 
 
 async def _load_once(url: str, prompts: list, max_tokens: int, timeout: float, model: str | None = None,
-                     temperature: float = 0.0) -> dict:
+                     temperature: float = 0.0, stack: str | None = None) -> dict:
     """The prompts as concurrent streamed requests (request i sampled with seed i when `temperature` > 0)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=timeout) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_timed(client, url, p, max_tokens, t0, model, temperature, i)
+        results = await asyncio.gather(*(_timed(client, url, p, max_tokens, t0, model, temperature, i, stack)
                                          for i, p in enumerate(prompts)))
         wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
@@ -456,7 +460,8 @@ class VllmProcess:
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on 127.0.0.1 in its own process
     group (its engine runs in child processes); its output goes to a log file."""
 
-    def __init__(self, python: str, model_dir: Path, args, max_len: int, max_seqs: int, log_path: Path):
+    def __init__(self, python: str, model_dir: Path, args, max_len: int, max_seqs: int, log_path: Path,
+                 kv_gib: float):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -464,7 +469,7 @@ class VllmProcess:
                "--served-model-name", PEER_MODEL_NAME, "--dtype", args.peer_dtype, "--max-model-len", str(max_len),
                "--max-num-seqs", str(max_seqs), "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
                *args.peer_arg]
-        self.env = {"VLLM_CPU_OMP_THREADS_BIND": args.peer_threads, "VLLM_CPU_KVCACHE_SPACE": str(args.peer_kv_gib)}
+        self.env = {"VLLM_CPU_OMP_THREADS_BIND": args.peer_threads, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
         tcmalloc = _tcmalloc()
         if tcmalloc:
             self.env["LD_PRELOAD"] = tcmalloc
@@ -472,7 +477,7 @@ class VllmProcess:
         self.log = open(log_path, "ab")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         self.ready_seconds = wait_until_healthy(self, "vLLM", t0, args.peer_ready_seconds, 1.0)
 
     def settings(self) -> dict:
@@ -513,19 +518,24 @@ class VllmProcess:
 
 
 def _side_stats(run: dict) -> dict:
-    """Client-side figures of one load: aggregate decode tokens/s, time to first token (each request's, from the
-    load's start: queueing included) and inter-token latency (the gaps between streamed chunks, vLLM's
+    """Client-side figures of one load: aggregate decode tokens/s, each request's own decode tokens/s (after its
+    first token; their mean), time to first token (each request's, from the load's start: queueing included) and
+    inter-token latency (the gaps between streamed chunks, vLLM's
     benchmark's definition; a chunk of a speculating server may carry several tokens, so its per-token time,
     TPOT, is reported too)."""
     done = [r for r in run["results"] if r["status"] == 200 and not r["error"] and r["first_at"] is not None]
     ttft = [r["first_at"] for r in done]
     itl = [b - a for r in done for a, b in zip(r["times"], r["times"][1:])]
     tpot = [(r["last_at"] - r["first_at"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
+    per_request = [(r["tokens"] - 1) / (r["last_at"] - r["first_at"]) for r in done
+                   if r["tokens"] > 1 and r["last_at"] > r["first_at"]]
     ms = lambda v: round(1000 * v, 1)
     return {"requests": len(run["results"]), "completed": len(done), "tokens": run["tokens"],
             "wall_s": round(run["wall"], 2), "decode_tokens_per_s": round(run["decode_tokens_per_second"], 2),
             "overall_tokens_per_s": round(run["tokens_per_second"], 2),
-            "ttft_p50_s": round(_pct(ttft, 0.5), 2), "ttft_p99_s": round(_pct(ttft, 0.99), 2),
+            "per_request_tokens_per_s": round(statistics.mean(per_request), 2) if per_request else float("nan"),
+            "ttft_p50_s": round(_pct(ttft, 0.5), 2), "ttft_p95_s": round(_pct(ttft, 0.95), 2),
+            "ttft_p99_s": round(_pct(ttft, 0.99), 2),
             "itl_p50_ms": ms(_pct(itl, 0.5)), "itl_p99_ms": ms(_pct(itl, 0.99)),
             "tpot_mean_ms": ms(statistics.mean(tpot)) if tpot else float("nan"),
             "chunks_per_token": round(sum(len(r["times"]) for r in done) / max(1, sum(r["tokens"] for r in done)),
@@ -535,10 +545,11 @@ def _side_stats(run: dict) -> dict:
 
 
 async def _load_guarded(url: str, prompts: list, max_tokens: int, timeout: float, model: str | None,
-                        temperature: float = 0.0) -> dict:
+                        temperature: float = 0.0, stack: str | None = None) -> dict:
     """_load_once, but a load that runs past `timeout` is a result (what happened), not an exception."""
     try:
-        return await asyncio.wait_for(_load_once(url, prompts, max_tokens, timeout, model, temperature), timeout)
+        return await asyncio.wait_for(_load_once(url, prompts, max_tokens, timeout, model, temperature, stack),
+                                      timeout)
     except (asyncio.TimeoutError, Exception) as e:  # httpx's timeouts and a server that died are results here
         what = (f"did not finish within {timeout:.0f} s" if isinstance(e, asyncio.TimeoutError)
                 else f"{type(e).__name__}: {e}")
@@ -578,144 +589,260 @@ def wait_until_quiet(limit: float = 15.0, window: float = 0.5, busy: float = 0.1
         a = b
 
 
+def _counts(text: str, what: str, example: str) -> list[int]:
+    """'1,4,8' -> [1, 4, 8] (sorted, once each); SystemExit naming the option otherwise."""
+    try:
+        values = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"{what} {text!r}: give request counts, e.g. {example}" if what == "--clients"
+                         else f"{what} {text!r}: give token counts, e.g. {example}")
+    return values
+
+
+class StepBound:
+    """What one batched `ar` step of N requests must cost on this machine, from the model's sizes and this machine's
+    measured bandwidth and vector peak (measured at each prompt length, before its servers start):
+    - bytes: every linear layer's weights once (as stored: runner.weight_bytes) and each request's K/V once, at
+      the load's mean length (its prompt and half its answer), over the read bandwidth (bench/hardware.py);
+    - FLOPs: N rows through the linear layers (2 per weight) and each row's attention over its K/V (4 per key and
+      query head dimension), over the build's FMA peak on every core (kernels' vector_peak_flops).
+    The bound is N tokens per such step: `bytes` its bandwidth bound (issue 69's), `roofline` the slower of the two.
+    A speculating server may pass it: a verified round makes several tokens per request from one read."""
+
+    def __init__(self, model, kv_dtype: str):
+        from triforce.bench.hardware import kv_bytes_per_token
+        from triforce.execution.linear import Linear, QuantLinear
+        from triforce.execution.runner import weight_bytes
+        from triforce.memory import kv_value_bytes
+
+        cfg = model.cfg
+        self.weight_bytes = weight_bytes(model)
+        self.kv_token_bytes = kv_bytes_per_token(model, kv_value_bytes(kv_dtype))
+        self.linear_macs = sum(m.in_features * m.out_features for m in model.modules()
+                               if isinstance(m, (Linear, QuantLinear)))
+        self.attention_width = cfg.n_layers * cfg.n_heads * cfg.head_dim
+        self.ops = model.backend.ops
+
+    def measure(self) -> dict:
+        """This minute's bandwidth and peak (the machine's figures move between runs: both are recorded)."""
+        from triforce.bench.hardware import measure_bandwidth
+
+        peak = max(self.ops.vector_peak_flops(False) for _ in range(3)) if self.ops is not None else float("nan")
+        return {"bandwidth_gb_s": round(measure_bandwidth() / 1e9, 1), "fma_peak_gflop_s": round(peak / 1e9, 1)}
+
+    def at(self, n: int, tokens: float, hw: dict) -> dict:
+        step_bytes = self.weight_bytes + n * self.kv_token_bytes * tokens
+        flops = n * (2 * self.linear_macs + 4 * tokens * self.attention_width)
+        t_bytes = step_bytes / (hw["bandwidth_gb_s"] * 1e9)
+        t_flops = flops / (hw["fma_peak_gflop_s"] * 1e9)
+        return {"step_mb": round(step_bytes / 1e6, 1), "step_gflop": round(flops / 1e9, 2),
+                "bytes_tokens_per_s": round(n / t_bytes, 1),
+                "roofline_tokens_per_s": round(n / max(t_bytes, t_flops), 1) if t_flops == t_flops else float("nan")}
+
+
 def peer_compare(args) -> int:
-    """`triforce serve --max-batch N` and vLLM's CPU server, both running, on the same loads: for each count of
-    --clients, that many concurrent streamed requests, greedy or at --temperature (the document and a question
-    each: every prompt shares the document's prefix, which a warm-up request has put in both servers' prefix
-    caches), sides interleaved, each load started once the machine is quiet (wait_until_quiet). Cold prefill of the
-    document (each side's warm-up) reported too."""
+    """`triforce serve --max-batch N` for each of --methods (a request's own `stack`, so that one server serves
+    them all) and vLLM's CPU server (--peer vllm; none: ours alone), on the same loads: at each of --prompt-tokens,
+    for each count of --clients, that many concurrent streamed requests, greedy or at --temperature (a document of
+    that length and a question each: every prompt shares the document's prefix, which a warm-up request has put in
+    both servers' prefix caches), sides interleaved, each load started once the machine is quiet
+    (wait_until_quiet). Per prompt length the servers start afresh (a 32K context's caches for 16 requests on both
+    sides would not fit beside each other), after this minute's bandwidth and peak are measured for the bound
+    (StepBound). Cold prefill of each document (each side's warm-up) is reported too."""
     from transformers import AutoTokenizer
 
+    from triforce.commands.common import byte_size
     from triforce.errors import TriforceError
-    from triforce.loading import DEFAULT_MAX_CONTEXT, gguf_file_of
+    from triforce.loading import DEFAULT_MAX_CONTEXT, gguf_file_of, load_model
+    from triforce.speculation.stack import METHODS
     from triforce.storage import cache_root
     from hf_export import export_hf
 
-    if args.peer != "vllm":
-        raise SystemExit(f"unknown --peer {args.peer!r}: the peer is vllm")
-    try:
-        counts = sorted({int(c) for c in args.clients.split(",")})
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise SystemExit(f"--clients {args.clients!r}: give request counts, e.g. 1,4,8")
+    counts = _counts(args.clients, "--clients", "1,4,8")
+    lengths = _counts(str(args.prompt_tokens), "--prompt-tokens", "2048,8192")
+    methods = [m.strip() for m in (args.methods or args.method).split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SystemExit(f"--methods {args.methods!r}: give methods of triforce generate ({', '.join(METHODS)}), "
+                         f"e.g. ar,triforce")
     n = max(counts)
-    python, version = _vllm_python(args)
-    if args.model and gguf_file_of(args.model) is None:
-        model_dir = Path(args.model)  # a Hugging Face directory already: vLLM reads it as it is
+    peer = args.peer == "vllm"
+    python, version = _vllm_python(args) if peer else (None, None)
+    loaded = load_model(args.model, progress=False)  # the bound's sizes (and the prompts' tokenizer without vLLM)
+    if not peer:
+        model_dir, tokenizer, max_len = None, loaded.tokenizer, loaded.model.cfg.max_context
     else:
-        name = Path(args.model).stem if args.model else "embedded"
-        try:
-            model_dir = export_hf(cache_root() / "hf-export" / name, args.model)
-        except TriforceError as e:
-            raise SystemExit(f"cannot write the model for vLLM: {e}") from None
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    doc, prompts = _prompts(args, tokenizer, n)
-    max_len = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", DEFAULT_MAX_CONTEXT)
-    if len(max(prompts, key=len)) + args.max_tokens > max_len:
-        raise SystemExit(f"--prompt-tokens {args.prompt_tokens} with --max-tokens {args.max_tokens} is past the "
+        if args.model and gguf_file_of(args.model) is None:
+            model_dir = Path(args.model)  # a Hugging Face directory already: vLLM reads it as it is
+        else:
+            name = Path(args.model).stem if args.model else "embedded"
+            try:
+                model_dir = export_hf(cache_root() / "hf-export" / name, args.model)
+            except TriforceError as e:
+                raise SystemExit(f"cannot write the model for vLLM: {e}") from None
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        max_len = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings",
+                                                                          DEFAULT_MAX_CONTEXT)
+    question_room = 64  # a question's tokens, at most (QUESTIONS)
+    if max(lengths) + question_room + args.max_tokens > max_len:
+        raise SystemExit(f"--prompt-tokens {max(lengths)} with --max-tokens {args.max_tokens} is past the "
                          f"model's {max_len}-token context: use fewer prompt tokens")
+    kv_dtype = _our_kv_dtype(args)
+    bound = StepBound(loaded.model, kv_dtype)
+    del loaded
     tmp = Path(tempfile.mkdtemp(prefix="triforce-bench-peer-"))
-    sides = [] if args.peer_only else ["triforce"]
-    sides.append("vllm")
-    servers, urls, models, cold, settings = {}, {}, {}, {}, {}
-    rows: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in counts} for s in sides}
+    sides = [] if args.peer_only else list(methods)
+    if peer:
+        sides.append("vllm")
+    if not sides:
+        raise SystemExit("--peer-only needs --peer vllm")
+    results, settings = [], {}
     started = time.perf_counter()
-    try:
-        if "triforce" in sides:
-            ours = ServerProcess(["--method", args.method, "--prefix-cache-bytes", args.prefix_cache_bytes,
-                                  "--max-batch", str(n), "--max-queue", str(2 * n), "--request-timeout",
-                                  str(args.deadline), *args.serve_arg,
-                                  *(["--model", args.model] if args.model else [])],
-                                 tmp / "triforce.log")
-            servers["triforce"], urls["triforce"], models["triforce"] = ours, ours.url, None
-            settings["triforce"] = {"command": ours.command, "ready_s": round(ours.ready_seconds, 1),
-                                    "startup": ours.log_path.read_text(errors="replace").splitlines()[0],
-                                    "weights": "as stored in the GGUF file (the embedded model: Q4_1)"
-                                    if "--weights" not in args.serve_arg else "see command",
-                                    "kv_dtype": _our_kv_dtype(args)}
-            print(f"triforce: {ours.command} (ready in {ours.ready_seconds:.0f} s)", flush=True)
-        peer = VllmProcess(python, model_dir, args, max_len, n, tmp / "vllm.log")
-        servers["vllm"], urls["vllm"], models["vllm"] = peer, peer.url, PEER_MODEL_NAME
-        settings["vllm"] = {**peer.settings(), "ready_s": round(peer.ready_seconds, 1), "pip": list(VLLM_PINS),
-                            "installed": version, "tcmalloc": peer.env.get("LD_PRELOAD")}
-        print(f"vllm: {peer.command} (ready in {peer.ready_seconds:.0f} s)\n  {settings['vllm']}", flush=True)
-        # the document's cold prefill, and its blocks into each side's prefix cache
-        for side in sides:
-            warm = asyncio.run(_load_guarded(urls[side], [doc + [doc[0]]], 4, args.deadline, models[side]))
-            r = warm["results"][0]
-            cold[side] = {"prompt_tokens": len(doc) + 1, "error": r["error"],
-                          "ttft_s": None if r["first_at"] is None else round(r["first_at"], 2)}
-            print(f"{side}: cold prefill of {len(doc) + 1} tokens: first token after {cold[side]['ttft_s']} s "
-                  f"{r['error'] or ''}", flush=True)
-        for rep in range(args.rounds):
-            for c in counts:
-                for side in sides:
-                    if cold[side]["error"]:
-                        continue
-                    quiet_s = wait_until_quiet()
-                    run = asyncio.run(_load_guarded(urls[side], prompts[:c], args.max_tokens, args.deadline,
-                                                    models[side], args.temperature))
-                    stats = _side_stats(run)
-                    rows[side][c].append({**stats, "waited_for_quiet_s": round(quiet_s, 1),
-                                          "texts": [r["text"] for r in run["results"]],
-                                          "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
-                                                        "tokens": r["tokens"], "server": r.get("server")}
-                                                       for r in run["results"]]})
-                    print(f"round {rep + 1}, N={c}, {side}: {stats}", flush=True)
-    finally:
-        codes = {side: server.stop() for side, server in servers.items()}
-    table = ["| N | server | decode tokens/s (aggregate) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT mean | "
-             "chunks/token | completed |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in counts:
-        for side in sides:
-            for s in rows[side][c]:
-                table.append(f"| {c} | {side} | {s['decode_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} s | "
-                             f"{s['ttft_p99_s']:.2f} s | {s['itl_p50_ms']:.1f} ms | {s['itl_p99_ms']:.1f} ms | "
-                             f"{s['tpot_mean_ms']:.1f} ms | {s['chunks_per_token']:.2f} | "
-                             f"{s['completed']}/{s['requests']} |")
-    same = {}
-    if "triforce" in sides and args.temperature == 0:  # sampled texts differ between samplers by design
-        for c in counts:
-            pairs = list(zip(rows["triforce"][c], rows["vllm"][c]))
-            same[c] = [sum(a == b for a, b in zip(t["texts"], v["texts"])) for t, v in pairs]
+    for length in lengths:
+        doc, prompts = _prompts(args, tokenizer, n, length)
+        wait_until_quiet()
+        hw = bound.measure()
+        print(f"{length} tokens: bandwidth {hw['bandwidth_gb_s']} GB/s, FMA peak {hw['fma_peak_gflop_s']} GFLOP/s",
+              flush=True)
+        servers, urls, models, stacks, cold = {}, {}, {}, {}, {}
+        rows: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in counts} for s in sides}
+        try:
+            if not args.peer_only:
+                cache_bytes = max(byte_size(args.prefix_cache_bytes), 2 * bound.kv_token_bytes * len(doc))
+                ours = ServerProcess(["--method", args.method, "--prefix-cache-bytes", str(cache_bytes),
+                                      "--max-batch", str(n), "--max-queue", str(2 * n), "--request-timeout",
+                                      str(args.deadline), *args.serve_arg,
+                                      *(["--model", args.model] if args.model else [])],
+                                     tmp / f"triforce-{length}.log")
+                servers["triforce"] = ours
+                for m in methods:
+                    urls[m], models[m], stacks[m] = ours.url, None, m
+                settings["triforce"] = {"command": ours.command, "ready_s": round(ours.ready_seconds, 1),
+                                        "startup": ours.log_path.read_text(errors="replace").splitlines()[0],
+                                        "weights": "as stored in the GGUF file (the embedded model: Q4_1)"
+                                        if "--weights" not in args.serve_arg else "see command",
+                                        "kv_dtype": kv_dtype, "methods": "each request's `stack`: " + ", ".join(methods)}
+                print(f"triforce: {ours.command} (ready in {ours.ready_seconds:.0f} s)", flush=True)
+            if peer:
+                seq_len = min(max_len, -(-(length + question_room + args.max_tokens) // 256) * 256)
+                kv_gib = args.peer_kv_gib or _peer_kv_gib(n, seq_len, bound.kv_token_bytes)
+                vllm = VllmProcess(python, model_dir, args, seq_len, n, tmp / f"vllm-{length}.log", kv_gib)
+                servers["vllm"], urls["vllm"], models["vllm"], stacks["vllm"] = vllm, vllm.url, PEER_MODEL_NAME, None
+                settings["vllm"] = {**vllm.settings(), "ready_s": round(vllm.ready_seconds, 1),
+                                    "pip": list(VLLM_PINS), "installed": version,
+                                    "tcmalloc": vllm.env.get("LD_PRELOAD")}
+                print(f"vllm: {vllm.command} (ready in {vllm.ready_seconds:.0f} s)\n  {settings['vllm']}",
+                      flush=True)
+            # the document's cold prefill, and its blocks into each server's prefix cache
+            for name, server in servers.items():
+                side = "vllm" if name == "vllm" else methods[0]
+                warm = asyncio.run(_load_guarded(urls[side], [doc + [doc[0]]], 4, args.deadline, models[side]))
+                r = warm["results"][0]
+                cold[name] = {"prompt_tokens": len(doc) + 1, "error": r["error"],
+                              "ttft_s": None if r["first_at"] is None else round(r["first_at"], 2)}
+                print(f"{name}: cold prefill of {len(doc) + 1} tokens: first token after {cold[name]['ttft_s']} s "
+                      f"{r['error'] or ''}", flush=True)
+            for rep in range(args.rounds):
+                for c in counts:
+                    for side in sides:
+                        if cold["vllm" if side == "vllm" else "triforce"]["error"]:
+                            continue
+                        quiet_s = wait_until_quiet()
+                        run = asyncio.run(_load_guarded(urls[side], prompts[:c], args.max_tokens, args.deadline,
+                                                        models[side], args.temperature, stacks[side]))
+                        stats = _side_stats(run)
+                        rows[side][c].append({**stats, "waited_for_quiet_s": round(quiet_s, 1),
+                                              "texts": [r["text"] for r in run["results"]],
+                                              "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
+                                                            "tokens": r["tokens"], "server": r.get("server")}
+                                                           for r in run["results"]]})
+                        print(f"{length} tokens, round {rep + 1}, N={c}, {side}: {stats}", flush=True)
+        finally:
+            codes = {name: server.stop() for name, server in servers.items()}
+        mean_tokens = length + args.max_tokens / 2
+        results.append({"prompt_tokens": length, "hardware": hw, "cold_prefill": cold, "exit_codes": codes,
+                        "bound": {str(c): bound.at(c, mean_tokens, hw) for c in counts},
+                        "runs": {side: {str(c): rows[side][c] for c in counts} for side in sides},
+                        "identical": _identical(rows, sides, counts, args.temperature)})
+    table = _sweep_table(results, sides, counts)
     print("\n" + "\n".join(table))
-    for side in sides:
-        print(f"{side}: cold prefill of {cold[side]['prompt_tokens']} tokens: {cold[side]['ttft_s']} s "
-              f"{cold[side]['error'] or ''}")
-    if same:
-        print(f"identical responses (triforce vs vLLM, per N and round): {same}")
-    print(f"exit codes: {codes}; {time.perf_counter() - started:.0f} s in all")
+    for r in results:
+        for name, c in r["cold_prefill"].items():
+            print(f"{r['prompt_tokens']} tokens, {name}: cold prefill of {c['prompt_tokens']} tokens: {c['ttft_s']} s "
+                  f"{c['error'] or ''}")
+        if r["identical"]:
+            print(f"{r['prompt_tokens']} tokens, identical responses (per N and round): {r['identical']}")
+    print(f"exit codes: {[r['exit_codes'] for r in results]}; {time.perf_counter() - started:.0f} s in all")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         command = "python benchmarks/serve.py " + " ".join(sys.argv[1:])
-        result = {"command": command, "machine": _machine(), "prompt_tokens": [len(p) for p in prompts],
-                  "document_tokens": len(doc), "max_tokens": args.max_tokens, "clients": counts,
-                  "rounds": args.rounds, "method": args.method, "temperature": args.temperature,
-                  "settings": settings, "cold_prefill": cold,
-                  "runs": {side: {str(c): rows[side][c] for c in counts} for side in sides},
-                  "identical_responses": {str(c): v for c, v in same.items()}, "exit_codes": codes}
+        result = {"command": command, "machine": _machine(), "max_tokens": args.max_tokens, "clients": counts,
+                  "rounds": args.rounds, "methods": methods, "temperature": args.temperature,
+                  "settings": settings, "weight_bytes": bound.weight_bytes, "kv_bytes_per_token": bound.kv_token_bytes,
+                  "lengths": results}
         atomic_write(args.out / "results.json", json.dumps(result, indent=1))
-        md = [f"# triforce serve vs vLLM CPU {settings['vllm'].get('version', version)}", "",
-              f"Command: `{command}`", "", f"Machine: {result['machine']}", "",
+        title = f"triforce serve ({', '.join(methods)})" + (f" vs vLLM CPU {version}" if peer else "")
+        md = [f"# {title}", "", f"Command: `{command}`", "", f"Machine: {result['machine']}", "",
               f"Load: N concurrent streamed "
               f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g} (request i: seed i)'} requests "
-              f"of {len(doc)} document tokens and a question each "
-              f"({min(map(len, prompts[:n]))}-{max(map(len, prompts[:n]))} tokens), {args.max_tokens} tokens each; "
+              f"of a document of the given length and a question each, {args.max_tokens} tokens each; "
               "each load started once the machine was quiet (under 10% CPU over 0.5 s: wait_until_quiet); "
-              "the document was prefilled once by a warm-up request on each side (its prefix cached), so TTFT is "
-              "the question's prefill plus queueing. ITL: gaps between streamed chunks; TPOT: "
-              "(last token - first token) / (tokens - 1) per request.", "", *table, "",
-              *(f"- {side}: cold prefill of {cold[side]['prompt_tokens']} tokens, first token after "
-                f"{cold[side]['ttft_s']} s {cold[side]['error'] or ''}" for side in sides), "",
-              "vLLM settings: `" + json.dumps(settings["vllm"]) + "`", ""]
-        if "triforce" in sides:
-            md.append("triforce settings: `" + json.dumps(settings["triforce"]) + "`")
+              "the document was prefilled once by a warm-up request on each server (its prefix cached), so TTFT is "
+              "the question's prefill plus queueing. Aggregate: tokens after each request's first over the time "
+              "any request was decoding; per request: the mean of each request's own rate.", "",
+              f"Bound: one batched `ar` step of N requests reads the weights once ({bound.weight_bytes / 1e6:.0f} MB) "
+              f"and each request's K/V ({bound.kv_token_bytes / 1e3:.1f} KB per token, {kv_dtype}) at prompt + "
+              f"{args.max_tokens // 2} tokens, over the read bandwidth measured before that length's servers "
+              "started (bytes); the roofline takes the slower of that and the step's FLOPs over the FMA peak on "
+              "every core (benchmarks/serve.py, StepBound). Speculation may pass it.", "", *table, ""]
+        for r in results:
+            md.append(f"- {r['prompt_tokens']} tokens: bandwidth {r['hardware']['bandwidth_gb_s']} GB/s, FMA peak "
+                      f"{r['hardware']['fma_peak_gflop_s']} GFLOP/s; cold prefill of the document: " + "; ".join(
+                          f"{name} {c['ttft_s']} s {c['error'] or ''}".strip() for name, c in r["cold_prefill"].items()))
+        md += ["", *(f"{name} settings: `" + json.dumps(s) + "`" for name, s in settings.items())]
         atomic_write(args.out / "results.md", "\n".join(md) + "\n")
         atomic_write(args.out / "command.txt", command + "\n")
         print(f"wrote {args.out / 'results.json'}, results.md, command.txt")
-    ok = all(s["completed"] == s["requests"] for side in sides for c in counts for s in rows[side][c])
+    ok = all(s["completed"] == s["requests"] for r in results for side in sides for runs in r["runs"][side].values()
+             for s in runs)
     return 0 if ok else 1
+
+
+def _peer_kv_gib(n: int, seq_len: int, token_bytes: int) -> int:
+    """vLLM's KV space for n requests of seq_len tokens each (its bf16 cache: our fp16's bytes), a quarter spare, in
+    whole GiB (VLLM_CPU_KVCACHE_SPACE takes an integer): the whole load runs at once, as ours does."""
+    return max(1, math.ceil(1.25 * n * seq_len * token_bytes / 2**30))
+
+
+def _identical(rows: dict, sides: list[str], counts: list[int], temperature: float) -> dict:
+    """Greedy loads: per N and round, how many responses each side shares with the first (ours: every method must
+    give the same text; vLLM's other arithmetic may not)."""
+    if temperature != 0 or len(sides) < 2:
+        return {}
+    first = sides[0]
+    return {side: {str(c): [sum(a == b for a, b in zip(x["texts"], y["texts"]))
+                            for x, y in zip(rows[first][c], rows[side][c])] for c in counts} for side in sides[1:]}
+
+
+def _sweep_table(results: list[dict], sides: list[str], counts: list[int]) -> list[str]:
+    table = ["| prompt tokens | N | server | decode tokens/s (aggregate) | per request | TTFT p50 | TTFT p95 | "
+             "bound: bytes (of it) | bound: roofline (of it) | ITL p50 | completed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for c in counts:
+            b = r["bound"][str(c)]
+            for side in sides:
+                for s in r["runs"][side][str(c)]:
+                    agg = s["decode_tokens_per_s"]
+                    table.append(f"| {r['prompt_tokens']} | {c} | {side} | {agg:.1f} | "
+                                 f"{s['per_request_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} s | "
+                                 f"{s['ttft_p95_s']:.2f} s | {b['bytes_tokens_per_s']:.0f} "
+                                 f"({agg / b['bytes_tokens_per_s']:.0%}) | {b['roofline_tokens_per_s']:.0f} "
+                                 f"({agg / b['roofline_tokens_per_s']:.0%}) | {s['itl_p50_ms']:.1f} ms | "
+                                 f"{s['completed']}/{s['requests']} |")
+    return table
 
 
 def _our_kv_dtype(args) -> str:
@@ -750,7 +877,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=1500, help="about this many tokens of shared document per prompt")
+    p.add_argument("--prompt-tokens", default="1500",
+                   help="about this many tokens of shared document per prompt (with --peer: a list, e.g. "
+                        "2048,8192,32768, each length a sweep of its own)")
     p.add_argument("--cancel-every", type=int, default=8, help="every Nth request is cancelled after 2 chunks (0: none)")
     p.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue (default 4)")
     p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (default 8)")
@@ -772,17 +901,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="with --batch-compare: write DIR/results.json; with --peer: results.json, results.md and "
                         "command.txt")
-    p.add_argument("--peer", choices=["vllm"],
+    p.add_argument("--peer", choices=["vllm", "none"],
                    help="instead: triforce serve --max-batch N and the peer's server (vLLM's CPU build, from "
-                        "./install.sh vllm) on the same loads, --clients concurrent requests of --prompt-tokens "
-                        "and --max-tokens: aggregate decode tokens/s, TTFT and inter-token latency p50/p99")
+                        "./install.sh vllm; none: ours alone) on the same loads, --clients concurrent requests of "
+                        "each --prompt-tokens and --max-tokens: aggregate and per-request decode tokens/s, TTFT "
+                        "p50/p95, inter-token latency, and the machine's bound for each load")
     p.add_argument("--clients", default="1,4,8", help="with --peer: the concurrent request counts (default 1,4,8)")
+    p.add_argument("--methods", help="with --peer: our methods, each request naming its own (default: --method), "
+                                     "e.g. ar,triforce")
     p.add_argument("--peer-python", help="with --peer: the Python of vLLM's virtualenv (default: the one "
                                          "./install.sh vllm made under the cache directory)")
     p.add_argument("--peer-dtype", default="float32", help="with --peer: vLLM's --dtype (default float32)")
     p.add_argument("--peer-threads", default="0-1", help="with --peer: VLLM_CPU_OMP_THREADS_BIND (default 0-1: both "
                                                          "cores of this machine; vLLM's default keeps one free)")
-    p.add_argument("--peer-kv-gib", type=float, default=4, help="with --peer: VLLM_CPU_KVCACHE_SPACE (default 4)")
+    p.add_argument("--peer-kv-gib", type=int,
+                   help="with --peer: VLLM_CPU_KVCACHE_SPACE (default: the K/V of every request of the largest load at "
+                        "once, a quarter spare)")
     p.add_argument("--peer-ready-seconds", type=float, default=900.0,
                    help="with --peer: how long vLLM may take to start (it compiles its model first)")
     p.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
@@ -800,7 +934,10 @@ def main(argv: list[str] | None = None) -> int:
         print("python benchmarks/serve.py needs httpx, which `./install.sh` installs (the serve extra): run "
               "./install.sh, or pip install 'httpx>=0.27'", file=sys.stderr)
         return 2
-    # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too
+    if not args.peer:
+        _one_length(p, args)
+    # a SIGTERM unwinds like an exception, so that the `finally` blocks stop the server child too (and a SIGKILL
+    # stops it through die_with_parent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.ttft:
         return ttft_test(args)
@@ -809,6 +946,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         return peer_compare(args)
     return load_test(args)
+
+
+def _one_length(p: argparse.ArgumentParser, args) -> None:
+    """Every mode but --peer takes one --prompt-tokens."""
+    try:
+        args.prompt_tokens = int(args.prompt_tokens)
+    except ValueError:
+        p.error(f"--prompt-tokens {args.prompt_tokens!r}: one token count here (a list only with --peer)")
 
 
 if __name__ == "__main__":

@@ -105,3 +105,55 @@ def test_each_load_waits_for_the_machine_to_go_quiet_within_a_limit():
     readings = iter([(0, 0), (90, 100), (180, 200), (185, 300), (190, 400)])  # busy 90%, 90%, then 5%
     assert 0.9 <= serve.wait_until_quiet(limit=5.0, window=0.3, ticks=lambda: next(readings)) < 1.5
     assert serve.wait_until_quiet(limit=5.0, window=0.3, ticks=lambda: None) == 0.3  # unreadable: one window
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is pid (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_the_bench_leaves_no_server_behind_however_it_ends(sig, tmp_path):
+    """The bench killed in the middle of its loads (SIGTERM: its `finally` stops the server; SIGKILL: nothing of it
+    runs, and the server stops by itself through die_with_parent): within seconds no `triforce serve` it started is
+    left running."""
+    import os
+    import signal
+    import time
+
+    server = None
+    bench = subprocess.Popen([sys.executable, SERVE, "--peer", "none", "--methods", "ar", "--clients", "1",
+                              "--prompt-tokens", "256", "--max-tokens", "4000", "--rounds", "3"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in bench.stdout:  # the load has begun once the warm-up's cold prefill is printed
+            if "cold prefill" in line:
+                server = next(p for p in _children(bench.pid) if "serve" in Path(f"/proc/{p}/cmdline").read_text())
+                break
+        assert server is not None, "the bench did not reach its loads"
+        time.sleep(1.0)  # inside the first load
+        bench.send_signal(getattr(signal, sig))
+        deadline = time.monotonic() + 30
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server), f"triforce serve (pid {server}) still runs 30 s after the bench got {sig}"
+    finally:
+        bench.kill()
+        bench.wait()
+        if server is not None and _alive(server):  # (a failed check leaves nothing behind either)
+            os.kill(server, signal.SIGKILL)
