@@ -530,7 +530,12 @@ def _side_stats(run: dict) -> dict:
     per_request = [(r["tokens"] - 1) / (r["last_at"] - r["first_at"]) for r in done
                    if r["tokens"] > 1 and r["last_at"] > r["first_at"]]
     ms = lambda v: round(1000 * v, 1)
+    # triforce serve's own account of each request's prefill (the cached prefix's copy, the question's prefill, the
+    # drafting levels' builds): its last streamed chunk
+    prefill = sorted(round(r["server"]["prefill_seconds"], 2) for r in done
+                     if isinstance(r.get("server"), dict) and "prefill_seconds" in r["server"])
     return {"requests": len(run["results"]), "completed": len(done), "tokens": run["tokens"],
+            **({"server_prefill_s": prefill} if prefill else {}),
             "wall_s": round(run["wall"], 2), "decode_tokens_per_s": round(run["decode_tokens_per_second"], 2),
             "overall_tokens_per_s": round(run["tokens_per_second"], 2),
             "per_request_tokens_per_s": round(statistics.mean(per_request), 2) if per_request else float("nan"),
@@ -744,6 +749,10 @@ def peer_compare(args) -> int:
                               "ttft_s": None if r["first_at"] is None else round(r["first_at"], 2)}
                 print(f"{name}: cold prefill of {len(doc) + 1} tokens: first token after {cold[name]['ttft_s']} s "
                       f"{r['error'] or ''}", flush=True)
+                # then the largest load once, 2 tokens a request, untimed: a server in service holds the buffers of
+                # the loads it served (our cache pool; vLLM's blocks), and their first touch (4-5 s for eight 8K
+                # caches here) is not what a load in service waits for
+                asyncio.run(_load_guarded(urls[side], prompts[:n], 2, args.deadline, models[side]))
             for rep in range(args.rounds):
                 for c in counts:
                     for side in sides:
