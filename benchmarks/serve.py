@@ -6,10 +6,14 @@
                                                    # --max-batch 8 against the batch-1 server, same load, one run
     python benchmarks/serve.py --peer vllm --clients 1,4,8 --prompt-tokens 8192 --max-tokens 64 --out DIR
                                                    # triforce serve against vLLM's CPU server, same load, one run
+    python benchmarks/serve.py --peer vllm --methods ar,triforce --clients 1,2,4,8,16 \
+        --prompt-tokens 2048,8192,32768 --max-tokens 128 --out DIR
+                                                   # the sweep: each length, N and method, with the bound per load
+    python benchmarks/serve.py --peer none --clients 1,4,8 --prompt-tokens 8192   # the same loads, ours alone
 
-Both start `triforce serve` as a child process on 127.0.0.1 (a free port; loopback only), drive it
-over HTTP, stop it with SIGTERM (a graceful shutdown: exit code 0 expected) and stop by themselves
-within --deadline seconds. The load test reports p50 / p95 time to first token and tokens/s, checks
+Each starts `triforce serve` as a child process on 127.0.0.1 (a free port; loopback only), drives it
+over HTTP, stops it with SIGTERM (a graceful shutdown: exit code 0 expected) and ends within --deadline
+seconds; a server also stops when the bench dies, however it dies (harness.die_with_parent). The load test reports p50 / p95 time to first token and tokens/s, checks
 that no request failed but the cancelled ones, that a burst past the queue gets 429s, that the
 engine still answers afterwards, and that the server's resident memory less its prefix cache
 returns to its baseline (after one warm-up request). Exit code 0 when every check passes, 1 if not.
