@@ -60,9 +60,9 @@ class CachedPrefill(PrefilledPrompt):
                 cache.commit(len(blocks) * chunk)
                 return cache
 
-            # With the cores to itself, between the batch's forwards (runner.exclusive): 8 requests at 8K each copying
-            # their 180 MB of cached K/V on their own threads beside each other took 2.9 s to their first tokens, one
-            # alone 0.2 s (a batch's gate waits while any member thread works outside it)
+            # With the cores to itself, between the batch's forwards (runner.exclusive): on the request's thread (one
+            # OpenMP thread) it held up the batch anyway, as the gate waits while any member works outside it, and
+            # took longer (8 requests at 8K at once on the Zen 3 VM: first tokens after 1.26-1.39 s against 1.49-1.55)
             self.cache = runner.exclusive(restore)
             n = len(blocks) * chunk
             last_q = blocks[-1].q_last if blocks else None  # [n_layers, n_heads, D]
