@@ -629,6 +629,7 @@ class StepBound:
         cfg = model.cfg
         self.weight_bytes = weight_bytes(model)
         self.kv_token_bytes = kv_bytes_per_token(model, kv_value_bytes(kv_dtype))
+        self.kv_token_bytes_16 = kv_bytes_per_token(model, 2)  # (a peer's 16-bit cache)
         self.linear_macs = sum(m.in_features * m.out_features for m in model.modules()
                                if isinstance(m, (Linear, QuantLinear)))
         self.attention_width = cfg.n_layers * cfg.n_heads * cfg.head_dim
@@ -736,7 +737,7 @@ def peer_compare(args) -> int:
                 print(f"triforce: {ours.command} (ready in {ours.ready_seconds:.0f} s)", flush=True)
             if peer:
                 seq_len = min(max_len, -(-(length + question_room + args.max_tokens) // 256) * 256)
-                kv_gib = args.peer_kv_gib or _peer_kv_gib(n, seq_len, bound.kv_token_bytes)
+                kv_gib = args.peer_kv_gib or _peer_kv_gib(n, seq_len, bound.kv_token_bytes_16, args.peer_dtype)
                 vllm = VllmProcess(python, model_dir, args, seq_len, n, tmp / f"vllm-{length}.log", kv_gib)
                 servers["vllm"], urls["vllm"], models["vllm"], stacks["vllm"] = vllm, vllm.url, PEER_MODEL_NAME, None
                 settings["vllm"] = {**vllm.settings(), "ready_s": round(vllm.ready_seconds, 1),
@@ -823,10 +824,12 @@ def peer_compare(args) -> int:
     return 0 if ok else 1
 
 
-def _peer_kv_gib(n: int, seq_len: int, token_bytes: int) -> int:
-    """vLLM's KV space for n requests of seq_len tokens each (its bf16 cache: our fp16's bytes), a quarter spare, in
-    whole GiB (VLLM_CPU_KVCACHE_SPACE takes an integer): the whole load runs at once, as ours does."""
-    return max(1, math.ceil(1.25 * n * seq_len * token_bytes / 2**30))
+def _peer_kv_gib(n: int, seq_len: int, token_bytes: int, dtype: str) -> int:
+    """vLLM's KV space for n requests of seq_len tokens each (its cache in its --dtype: `token_bytes` are ours in 16
+    bits, doubled for float32), a quarter spare, in whole GiB (VLLM_CPU_KVCACHE_SPACE takes an integer): the whole
+    load runs at once, as ours does."""
+    wide = 2 if dtype in ("float32", "float", "fp32") else 1
+    return max(1, math.ceil(1.25 * n * seq_len * token_bytes * wide / 2**30))
 
 
 def _identical(rows: dict, sides: list[str], counts: list[int], temperature: float) -> dict:
