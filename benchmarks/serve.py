@@ -598,15 +598,14 @@ def wait_until_quiet(limit: float = 15.0, window: float = 0.5, busy: float = 0.1
         a = b
 
 
-def _counts(text: str, what: str, example: str) -> list[int]:
-    """'1,4,8' -> [1, 4, 8] (sorted, once each); SystemExit naming the option otherwise."""
+def _counts(text: str, what: str, of: str, example: str) -> list[int]:
+    """'1,4,8' -> [1, 4, 8] (sorted, once each); SystemExit naming the option (`what`, counts `of` what) otherwise."""
     try:
         values = sorted({int(c) for c in text.split(",")})
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise SystemExit(f"{what} {text!r}: give request counts, e.g. {example}" if what == "--clients"
-                         else f"{what} {text!r}: give token counts, e.g. {example}")
+        raise SystemExit(f"{what} {text!r}: give {of} counts, e.g. {example}")
     return values
 
 
@@ -616,7 +615,8 @@ class StepBound:
     - bytes: every linear layer's weights once (as stored: runner.weight_bytes) and each request's K/V once, at
       the load's mean length (its prompt and half its answer), over the read bandwidth (bench/hardware.py);
     - FLOPs: N rows through the linear layers (2 per weight) and each row's attention over its K/V (4 per key and
-      query head dimension), over the build's FMA peak on every core (kernels' vector_peak_flops).
+      query head dimension), over the FMA peak on every core (decode_step.arithmetic_peaks: the kernels' own
+      loop, or MKL's sgemm without kernels).
     The bound is N tokens per such step: `bytes` its bandwidth bound (issue 69's), `roofline` the slower of the two.
     A speculating server may pass it: a verified round makes several tokens per request from one read."""
 
@@ -637,9 +637,10 @@ class StepBound:
 
     def measure(self) -> dict:
         """This minute's bandwidth and peak (the machine's figures move between runs: both are recorded)."""
+        from decode_step import arithmetic_peaks
         from triforce.bench.hardware import measure_bandwidth
 
-        peak = max(self.ops.vector_peak_flops(False) for _ in range(3)) if self.ops is not None else float("nan")
+        peak = arithmetic_peaks(self.ops)["fma"]
         return {"bandwidth_gb_s": round(measure_bandwidth() / 1e9, 1), "fma_peak_gflop_s": round(peak / 1e9, 1)}
 
     def at(self, n: int, tokens: float, hw: dict) -> dict:
@@ -649,7 +650,7 @@ class StepBound:
         t_flops = flops / (hw["fma_peak_gflop_s"] * 1e9)
         return {"step_mb": round(step_bytes / 1e6, 1), "step_gflop": round(flops / 1e9, 2),
                 "bytes_tokens_per_s": round(n / t_bytes, 1),
-                "roofline_tokens_per_s": round(n / max(t_bytes, t_flops), 1) if t_flops == t_flops else float("nan")}
+                "roofline_tokens_per_s": round(n / max(t_bytes, t_flops), 1)}
 
 
 def peer_compare(args) -> int:
@@ -670,8 +671,8 @@ def peer_compare(args) -> int:
     from triforce.storage import cache_root
     from hf_export import export_hf
 
-    counts = _counts(args.clients, "--clients", "1,4,8")
-    lengths = _counts(str(args.prompt_tokens), "--prompt-tokens", "2048,8192")
+    counts = _counts(args.clients, "--clients", "request", "1,4,8")
+    lengths = _counts(str(args.prompt_tokens), "--prompt-tokens", "token", "2048,8192")
     methods = [m.strip() for m in (args.methods or args.method).split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:

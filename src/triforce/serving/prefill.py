@@ -52,19 +52,19 @@ class CachedPrefill(PrefilledPrompt):
         self.block_queries: dict[int, torch.Tensor] = {}
         with torch.inference_mode():
             blocks = prefix_cache.lookup(self.head) if prefix_cache is not None else []
+            n = len(blocks) * chunk  # block_size == chunk (the engine makes the prefix cache with its prefill chunk)
 
             def restore():
                 cache = new_cache(model, capacity, record_queries=True, pool=pool)
-                for i, b in enumerate(blocks):  # block_size == chunk (the engine makes the prefix cache with its chunk)
+                for i, b in enumerate(blocks):
                     cache.write_positions(i * chunk, b.k, b.v)
-                cache.commit(len(blocks) * chunk)
+                cache.commit(n)
                 return cache
 
             # With the cores to itself, between the batch's forwards (runner.exclusive): on the request's thread (one
             # OpenMP thread) it held up the batch anyway, as the gate waits while any member works outside it, and
             # took longer (8 requests at 8K at once on the Zen 3 VM: first tokens after 1.26-1.39 s against 1.49-1.55)
             self.cache = runner.exclusive(restore)
-            n = len(blocks) * chunk
             last_q = blocks[-1].q_last if blocks else None  # [n_layers, n_heads, D]
             ids = torch.tensor([self.head], device=model.device)
             for start in range(n, len(self.head), chunk):
