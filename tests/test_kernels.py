@@ -69,6 +69,8 @@ class _Counting:
 
     def __getattr__(self, name):
         fn = getattr(self.kern, name)
+        if not callable(fn):  # the module's constants (HALF_KV, PACKED_MANY_ROWS) as they are
+            return fn
 
         def counted(*a, **kw):
             self.calls += 1

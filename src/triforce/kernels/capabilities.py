@@ -21,6 +21,8 @@ class Capabilities:
         self.half_kv = bool(getattr(ops, "HALF_KV", False))
         # the integer kernel over interleaved GGML blocks (QuantLinear.pack)
         self.linear_packed = hasattr(ops, "linear_packed")
+        # ... and the GGML types it takes many rows of at once (a prefill chunk) faster than dequantized weights
+        self.packed_many_rows = frozenset(getattr(ops, "PACKED_MANY_ROWS", ()))
         # quantized blocks unpacked by the kernels (quantized.unpack_rows)
         self.unpack_rows = hasattr(ops, "unpack_rows")
         # every layer of a decode-sized forward in one call (execution/fused.py), over a K/V cache ...

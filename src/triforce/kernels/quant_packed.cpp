@@ -410,6 +410,163 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
   }
 }
 
+#if !defined(CPU_CAPABILITY_AVX512)
+// Many rows of x at once (a prefill chunk, a long verification): the same integer block sums by another
+// arithmetic. The tile path above multiplies bytes (vpmaddubsw) twice per code, once against xq and once
+// against xr, and widens in between: at 2-16 rows it ran at 21-32 GMAC/s a core, and prefill took the
+// weights to fp32 for MKL's GEMM instead (115-120 GFLOP/s on both cores of a Zen 3, 66-69% of the FMA peak).
+// Here a block's codes are widened to 16-bit words once, kept in L1, and every x row of a chunk multiplies
+// them with vpmaddwd against X = 256 xq + xr itself (|X| <= 32639 fits a word): 16 multiply-adds of 16-bit x
+// per instruction, against 8 above, and 2 per cycle on Zen 3 (as many as FMAs). The block's integer sum per
+// output is the same exact int32 (|sum| <= 32 * 255 * 32639), and the block scale and min are applied by
+// the same fp32 operations in the same order as group_tile's, so every output equals the tile path's bit for
+// bit: a prefill row equals a decode step's whatever the chunk.
+//
+// AVX2 only for now (the AVX-512 build keeps the tile path: its vpdpbusd already multiplies 64 bytes an
+// instruction, and there was no AVX-512 machine to measure a word path on). Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0;
+// the K-quants keep the tile path.
+//
+// Layout of a block's widened codes: for k-pair p (the block's weights 2p, 2p + 1) and half h (rows 8h ..
+// 8h + 7), one vector of the 8 rows' two codes as words, a row per int32 lane, so vpmaddwd against X's pair
+// broadcast adds to the row's own lane: no horizontal sums. Made from a packed word (a lane per row, 4 codes)
+// by a byte shuffle and a widening, once per block for all rows of the pass.
+constexpr int64_t MANY_ROWS = 64;  // x rows per pass over a group's blocks: their X (64 B a block) stay in L2
+constexpr int MANY_TB = 4;         // x rows per register tile: 2 TB accumulators, TB broadcasts, codes
+
+// v: 8 rows x 4 codes (bytes) -> out[0]: the rows' codes 0, 1 as words, out[1]: codes 2, 3
+ALWAYS_INLINE void widen_pairs(__m256i v, bool is_signed, __m256i* out) {
+  // per 128-bit lane (4 rows): codes 0, 1 of the rows, then codes 2, 3; then qwords to [0-3 01, 4-7 01 | 23s]
+  const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, order), 0xD8);
+  if (is_signed) {
+    out[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(t));
+    out[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(t, 1));
+  } else {
+    out[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(t));
+    out[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(t, 1));
+  }
+}
+
+// The 16 rows' codes of the block at `blk` as words: c[p][h] (p: k-pair, h: half; see above)
+template <class F>
+ALWAYS_INLINE void block_words(const uint8_t* blk, __m256i (*c)[2]) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* codes = blk + P * F::HEAD + 4 * 8 * h;
+    IV qh = izero();
+    if constexpr (F::HIGH) {
+      qh = iload(codes);
+      codes += 4 * P;
+    }
+    for (int j = 0; j < F::WORDS; ++j) {
+      const IV v = iload(codes + 4 * P * j);
+      __m256i w[2];
+      if constexpr (F::FOUR) {
+        IV a = low_nibbles(v), b = high_nibbles(v);  // codes 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3
+        if constexpr (F::HIGH) {
+          a = ior(a, fifth_bits(qh, 4 * j));
+          b = ior(b, fifth_bits(qh, 16 + 4 * j));
+        }
+        widen_pairs(a, false, w);
+        c[2 * j][h] = w[0], c[2 * j + 1][h] = w[1];
+        widen_pairs(b, false, w);
+        c[8 + 2 * j][h] = w[0], c[8 + 2 * j + 1][h] = w[1];
+      } else {
+        widen_pairs(v, true, w);
+        c[2 * j][h] = w[0], c[2 * j + 1][h] = w[1];
+      }
+    }
+  }
+}
+
+// acc += vpmaddwd(w, x), in inline assembly: through the intrinsics GCC 12 reassociated the sums into a tree,
+// computing every product of a block first and spilling them to the stack (38 GMAC/s a core at 512 rows), then
+// read w from memory once per row instead of once per TB rows.
+ALWAYS_INLINE void madd_into(__m256i& acc, __m256i w, __m256i x) {
+  __m256i p;
+  asm("vpmaddwd %2, %1, %0" : "=x"(p) : "x"(w), "x"(x));
+  asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(p));
+}
+
+// s[t][h]: the exact sums q X of the block for TB rows (X[t]: the row's X of this block), rows 8h .. 8h + 7
+template <int TB>
+ALWAYS_INLINE void block_sums(const __m256i (*c)[2], const int16_t* const* X, __m256i (*s)[2]) {
+  for (int t = 0; t < TB; ++t) s[t][0] = s[t][1] = _mm256_setzero_si256();
+  for (int p = 0; p < 16; ++p) {
+    __m256i xb[TB];
+    for (int t = 0; t < TB; ++t) xb[t] = bcast4(X[t] + 2 * p);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = c[p][h];
+      for (int t = 0; t < TB; ++t) madd_into(s[t][h], w, xb[t]);
+    }
+  }
+}
+
+// TB rows from X (row stride K) through block_sums, each row's sums handed to finish(r + t, sums)
+template <int TB, class Fin>
+ALWAYS_INLINE void many_tile(const __m256i (*c)[2], const int16_t* X, int64_t K, Fin& finish, int64_t r) {
+  const int16_t* xs[TB];
+  for (int t = 0; t < TB; ++t) xs[t] = X + t * K;
+  __m256i s[TB][2];
+  block_sums<TB>(c, xs, s);
+  for (int t = 0; t < TB; ++t) finish(r + t, s[t]);
+}
+
+// Groups [g0, g1) of one packed part against all M rows of x (X16: their X, [M, K] int16), MANY_ROWS at a time.
+template <class F>
+void groups_many(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, const QX* x, const int16_t* X16,
+                 int64_t K, int64_t M, float* y, int64_t ldy) {
+  constexpr int GB = P * F::BYTES;
+  const int64_t gbytes = nb * GB;
+  alignas(32) __m256i c[16][2];
+  alignas(32) float acc[MANY_ROWS][P];
+  for (int64_t m0 = 0; m0 < M; m0 += MANY_ROWS) {
+    const int64_t rows = std::min<int64_t>(MANY_ROWS, M - m0);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = w + g * gbytes;
+      std::memset(acc, 0, sizeof(acc));
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = gp + b * GB;
+        for (int l = 0; l < GB; l += 64) prefetch_l2(blk + pf_blocks<GB>() * GB + l);
+        block_words<F>(blk, c);
+        const Vec d[2] = {half16(blk), half16(blk + 2 * 8)};
+        Vec mn[2];
+        if constexpr (F::MIN) mn[0] = half16(blk + 2 * P), mn[1] = half16(blk + 2 * P + 2 * 8);
+        auto s_finish = [&](int64_t r, const __m256i* s) {  // group_tile's epilogue for row m0 + r
+          const QX& xr = x[m0 + r];
+          for (int h = 0; h < 2; ++h) {
+            IV v = s[h];
+            if constexpr (F::OFFSET != 0) v = isub(v, iset(F::OFFSET * xr.isum[b]));
+            Vec a = Vec::loadu(acc[r] + 8 * h);
+            a = fma(tof(v), d[h] * Vec(xr.scale[b]), a);
+            if constexpr (F::MIN) a = fma(mn[h], Vec(xr.fsum[b]), a);
+            a.store(acc[r] + 8 * h);
+          }
+        };
+        int64_t r = 0;
+        for (; r + MANY_TB <= rows; r += MANY_TB) many_tile<MANY_TB>(c, X16 + (m0 + r) * K + 32 * b, K, s_finish, r);
+        switch (rows - r) {
+          case 3: many_tile<3>(c, X16 + (m0 + r) * K + 32 * b, K, s_finish, r); break;
+          case 2: many_tile<2>(c, X16 + (m0 + r) * K + 32 * b, K, s_finish, r); break;
+          case 1: many_tile<1>(c, X16 + (m0 + r) * K + 32 * b, K, s_finish, r); break;
+          default: break;
+        }
+      }
+      const int64_t valid = std::min<int64_t>(P, N - g * P);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * ldy + g * P, acc[r], valid * sizeof(float));
+    }
+  }
+}
+template <class F>
+constexpr bool has_many_rows() { return F::KIND == 0; }
+#else
+template <class F>
+constexpr bool has_many_rows() { return false; }
+#endif
+// fewest x rows for groups_many (below it, the tile path; Zen 3, one thread, Q4_1 3072 x 576 and 576 x 1536:
+// even at 8 rows, 1.2x at 16, 1.4x at 64)
+constexpr int64_t MANY_ROWS_FROM = 16;
+
 enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
 template <class Fn>
@@ -461,11 +618,20 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
   std::vector<int32_t> is(M * 3 * nb);
   std::vector<QX> qx(M);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    qx[m] = {planes.data() + m * 2 * K, planes.data() + m * 2 * K + K, fl.data() + m * 2 * nb,
-             is.data() + m * 3 * nb, fl.data() + m * 2 * nb + nb, is.data() + m * 3 * nb + nb};
-    quantize_row(xp + m * K, K, qx[m]);
-  }
+  bool many = M >= MANY_ROWS_FROM;
+  for (size_t i = 0; i < parts.size(); ++i) with_packed(types[i], [&](auto f) { many = many && has_many_rows<decltype(f)>(); });
+  std::vector<int16_t> X16(many ? M * K : 0);  // groups_many's X = 256 xq + xr
+  auto quantize = [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      qx[m] = {planes.data() + m * 2 * K, planes.data() + m * 2 * K + K, fl.data() + m * 2 * nb,
+               is.data() + m * 3 * nb, fl.data() + m * 2 * nb + nb, is.data() + m * 3 * nb + nb};
+      quantize_row(xp + m * K, K, qx[m]);
+      if (many)
+        for (int64_t k = 0; k < K; ++k) X16[m * K + k] = static_cast<int16_t>(256 * qx[m].q[k] + qx[m].r[k]);
+    }
+  };
+  if (M >= 16) at::parallel_for(0, M, 8, quantize);  // (a prefill chunk's rows: each on its own, as one row is)
+  else quantize(0, M);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, gfirst.back(), 1, [&](int64_t b, int64_t e) {
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -473,12 +639,30 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
       if (lo >= hi) continue;
       with_packed(types[i], [&](auto f) {
         using F = decltype(f);
-        groups<F>(parts[i].data_ptr<uint8_t>(), K / F::QK, rows[i], lo - gfirst[i], hi - gfirst[i], qx.data(), M,
-                            yp + first[i], N);
+        const uint8_t* w = parts[i].data_ptr<uint8_t>();
+        if constexpr (has_many_rows<F>()) {
+#if !defined(CPU_CAPABILITY_AVX512)
+          if (many) {
+            groups_many<F>(w, K / F::QK, rows[i], lo - gfirst[i], hi - gfirst[i], qx.data(), X16.data(), K, M,
+                           yp + first[i], N);
+            return;
+          }
+#endif
+        }
+        groups<F>(w, K / F::QK, rows[i], lo - gfirst[i], hi - gfirst[i], qx.data(), M, yp + first[i], N);
       });
     }
   });
   return y;
+}
+
+std::vector<int64_t> packed_many_rows_types() {
+  std::vector<int64_t> out;
+  for (int64_t t : {T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K, T_Q5_K, T_Q6_K})
+    with_packed(t, [&](auto f) {
+      if (has_many_rows<decltype(f)>()) out.push_back(t);
+    });
+  return out;
 }
 
 torch::Tensor unpack_rows(torch::Tensor packed, int64_t head, int64_t tail, int64_t size, int64_t start, int64_t stop) {
