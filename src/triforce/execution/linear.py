@@ -77,12 +77,11 @@ class QuantLinear(nn.Module):
     PANEL_MAX_ROWS at a time: once `pack()`ed on a CPU with the kernels, Q4_0 / Q4_1 / Q5_0 / Q5_1 /
     Q8_0 / Q4_K / Q5_K / Q6_K weights are held interleaved 16 rows at a time (the same bytes) for the
     integer kernel (kernels/quant_packed.cpp: x taken to 16 bits per 32-element block), other formats
-    as stored for the block kernel (kernels/quant_linear.cpp: fp32 arithmetic). Longer inputs (prefill)
-    go through the integer kernel's many-row path in one call where it takes all the parts' types
-    (capabilities' packed_many_rows: the AVX2 build's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0), so that each
-    row is the decode step's bit for bit; otherwise, or without kernels, they dequantize a few thousand
-    rows at a time (about 8 MB of fp32) and use F.linear: never a whole fp32 matrix. Either way a row's
-    result does not depend on the other rows."""
+    as stored for the block kernel (kernels/quant_linear.cpp: fp32 arithmetic); where the integer kernel
+    has a many-row path for all the parts' types (capabilities' packed_many_rows: the AVX2 build's Q4_0 /
+    Q4_1 / Q5_0 / Q5_1 / Q8_0), a verification's rows go through it in one call, the same bits. Longer
+    inputs (prefill), or no kernels, dequantize a few thousand rows at a time (about 8 MB of fp32) and use
+    F.linear: never a whole fp32 matrix. Either way a row's result does not depend on the other rows."""
 
     backend: kernels.Backend = kernels.TORCH  # the model's, set by execution.Execution
     PANEL_BYTES = 8 << 20
@@ -136,11 +135,11 @@ class QuantLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         ops = self.backend.ops
         raws = [self._buffers[name] for name in self._names]  # (Module.__getattr__ costs more: 121 calls a step)
-        if ops is not None and rows > PANEL_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready \
-                and all(self.packed) and self.types_set <= capabilities(ops).packed_many_rows:
-            # a prefill chunk or a long verification, in one call of the integer kernel's many-row path: each
-            # row is what the decode step gives it (2K prefill of the embedded model on a Zen 3: linears 1.4x
-            # faster than dequantized weights through MKL's GEMM)
+        if ops is not None and PANEL_MAX_ROWS < rows <= KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 \
+                and self.kernel_ready and all(self.packed) and self.types_set <= capabilities(ops).packed_many_rows:
+            # a long verification in one call of the integer kernel's many-row path (the same bits as 16 rows at a
+            # time: Zen 3, one thread, 64 rows of the embedded model's Q4_1 shapes 1.4x the 16-row tiles). Not
+            # prefill (more rows): there it measured 0.77-1.10x dequantized weights through MKL's GEMM on Zen 3
             y = ops.linear_packed(x, raws, self.types, self.rows)
             return y if self.bias is None else y + self.bias
         if ops is not None and PANEL_MAX_ROWS < rows <= KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 \
