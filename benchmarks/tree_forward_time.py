@@ -1,6 +1,6 @@
 """Median time of a full-level forward of the embedded model over a random cache of N tokens (fp16 KV,
 native weights, 2 threads): a decode step, chains, and draft trees' token blocks of the same sizes
-(docs/trees.md).
+(docs/trees.md), then chains of 32 and 64 tokens.
 
     python benchmarks/tree_forward_time.py 32768      # 5 timed forwards each
     python benchmarks/tree_forward_time.py 32768 3    # 3
@@ -43,4 +43,6 @@ for widths in ((3, 1, 1, 1, 1), (2, 2, 2, 1), (4, 1, 1, 1)):
     tree = DraftTree(tuple([42] * len(parents)), parents)
     out[f"chain {len(tree) + 1}"] = timed(len(tree) + 1)
     out[f"tree {','.join(map(str, widths))} ({len(tree)} nodes + 1)"] = timed(len(tree) + 1, _tree_block(1, tree, "cpu"))
+for T in (32, 64):  # long verifications: their linear layers on the integer kernel's many-row path, where it has one
+    out[f"chain {T}"] = timed(T)
 print(" | ".join(f"{name} {ms:.1f}" for name, ms in out.items()))
