@@ -423,8 +423,8 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
 // bit: a prefill row equals a decode step's whatever the chunk.
 //
 // AVX2 only for now (the AVX-512 build keeps the tile path: its vpdpbusd already multiplies 64 bytes an
-// instruction, and there was no AVX-512 machine to measure a word path on). Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0;
-// the K-quants keep the tile path.
+// instruction, and there was no AVX-512 machine to measure a word path on). Every packed format: a K-quant's
+// sub-blocks are its units of 32 weights (Q6_K's two scale groups summed apart).
 //
 // Layout of a block's widened codes: for k-pair p (the block's weights 2p, 2p + 1) and half h (rows 8h ..
 // 8h + 7), one vector of the 8 rows' two codes as words, a row per int32 lane, so vpmaddwd against X's pair
@@ -448,31 +448,55 @@ ALWAYS_INLINE void widen_pairs(__m256i v, bool is_signed, __m256i* out) {
   }
 }
 
-// The 16 rows' codes of the block at `blk` as words: c[p][h] (p: k-pair, h: half; see above)
+// The 16 rows' codes of 32-weight unit u of the block at `blk` as words: c[p][h] (p: k-pair, h: half; see above).
+// A unit is the block (Q4_0 ... Q8_0, u = 0) or a K-quant's sub-block (u = 0 .. 7), read as group_tile_k and
+// group_tile_q6k read it.
 template <class F>
-ALWAYS_INLINE void block_words(const uint8_t* blk, __m256i (*c)[2]) {
+ALWAYS_INLINE void unit_words(const uint8_t* blk, int u, __m256i (*c)[2]) {
   for (int h = 0; h < 2; ++h) {
-    const uint8_t* codes = blk + P * F::HEAD + 4 * 8 * h;
-    IV qh = izero();
-    if constexpr (F::HIGH) {
-      qh = iload(codes);
-      codes += 4 * P;
-    }
-    for (int j = 0; j < F::WORDS; ++j) {
-      const IV v = iload(codes + 4 * P * j);
-      __m256i w[2];
-      if constexpr (F::FOUR) {
-        IV a = low_nibbles(v), b = high_nibbles(v);  // codes 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3
-        if constexpr (F::HIGH) {
-          a = ior(a, fifth_bits(qh, 4 * j));
-          b = ior(b, fifth_bits(qh, 16 + 4 * j));
+    const int lane0 = 8 * h;
+    __m256i w[2];
+    if constexpr (F::KIND == 0) {
+      const uint8_t* codes = blk + P * F::HEAD + 4 * lane0;
+      IV qh = izero();
+      if constexpr (F::HIGH) {
+        qh = iload(codes);
+        codes += 4 * P;
+      }
+      for (int j = 0; j < F::WORDS; ++j) {
+        const IV v = iload(codes + 4 * P * j);
+        if constexpr (F::FOUR) {
+          IV a = low_nibbles(v), b = high_nibbles(v);  // codes 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3
+          if constexpr (F::HIGH) {
+            a = ior(a, fifth_bits(qh, 4 * j));
+            b = ior(b, fifth_bits(qh, 16 + 4 * j));
+          }
+          widen_pairs(a, false, w);
+          c[2 * j][h] = w[0], c[2 * j + 1][h] = w[1];
+          widen_pairs(b, false, w);
+          c[8 + 2 * j][h] = w[0], c[8 + 2 * j + 1][h] = w[1];
+        } else {
+          widen_pairs(v, true, w);
+          c[2 * j][h] = w[0], c[2 * j + 1][h] = w[1];
         }
+      }
+    } else if constexpr (F::KIND == 1) {  // Q4_K / Q5_K: sub-block u from the low (even u) or high nibbles
+      const uint8_t* codes = blk + (F::HIGH ? 48 : 16) * P + 4 * lane0;
+      for (int j = 0; j < 8; ++j) {
+        const IV v = iload(codes + 4 * P * (8 * (u / 2) + j));
+        IV a = u % 2 == 0 ? low_nibbles(v) : high_nibbles(v);
+        if constexpr (F::HIGH) a = ior(a, sll16_4(bytes_and(srl16(iload(blk + 16 * P + 4 * lane0 + 4 * P * j), u), 1)));
         widen_pairs(a, false, w);
         c[2 * j][h] = w[0], c[2 * j + 1][h] = w[1];
-        widen_pairs(b, false, w);
-        c[8 + 2 * j][h] = w[0], c[8 + 2 * j + 1][h] = w[1];
-      } else {
-        widen_pairs(v, true, w);
+      }
+    } else {  // Q6_K: sub-block u = 4 n + i
+      const int n = u / 4, i = u % 4;
+      const uint8_t* words = blk + 2 * P + 4 * lane0;
+      for (int j = 0; j < 8; ++j) {
+        IV ql = iload(words + 4 * P * (16 * n + 8 * (i & 1) + j));
+        ql = bytes_and(i >= 2 ? srl16(ql, 4) : ql, 15);
+        const IV qh = sll16_4(bytes_and(srl16(iload(words + 4 * P * (32 + 8 * n + j)), 2 * i), 3));
+        widen_pairs(ior(ql, qh), false, w);
         c[2 * j][h] = w[0], c[2 * j + 1][h] = w[1];
       }
     }
@@ -488,35 +512,44 @@ ALWAYS_INLINE void madd_into(__m256i& acc, __m256i w, __m256i x) {
   asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(p));
 }
 
-// s[t][h]: the exact sums q X of the block for TB rows (X[t]: the row's X of this block), rows 8h .. 8h + 7
-template <int TB>
-ALWAYS_INLINE void block_sums(const __m256i (*c)[2], const int16_t* const* X, __m256i (*s)[2]) {
-  for (int t = 0; t < TB; ++t) s[t][0] = s[t][1] = _mm256_setzero_si256();
-  for (int p = 0; p < 16; ++p) {
-    __m256i xb[TB];
-    for (int t = 0; t < TB; ++t) xb[t] = bcast4(X[t] + 2 * p);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i w = c[p][h];
-      for (int t = 0; t < TB; ++t) madd_into(s[t][h], w, xb[t]);
+// s[t][h][q]: the exact sums q X of a unit for TB rows (X[t]: the row's X of this unit), rows 8h .. 8h + 7; with
+// HALVES, q = 0 / 1 for the unit's weights 0-15 / 16-31 (Q6_K's scale groups), else the whole unit in q = 0
+template <int TB, bool HALVES>
+ALWAYS_INLINE void unit_sums(const __m256i (*c)[2], const int16_t* const* X, __m256i (*s)[2][2]) {
+  constexpr int Q = HALVES ? 2 : 1;
+  for (int t = 0; t < TB; ++t)
+    for (int h = 0; h < 2; ++h)
+      for (int q = 0; q < Q; ++q) s[t][h][q] = _mm256_setzero_si256();
+  // (two loops, so that q is a constant in each: an index known only at run time put the sums on the stack)
+  for (int q = 0; q < 2; ++q)
+    for (int p = 8 * q; p < 8 * q + 8; ++p) {
+      __m256i xb[TB];
+      for (int t = 0; t < TB; ++t) xb[t] = bcast4(X[t] + 2 * p);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = c[p][h];
+        for (int t = 0; t < TB; ++t) madd_into(s[t][h][HALVES ? q : 0], w, xb[t]);
+      }
     }
-  }
 }
 
-// TB rows from X (row stride K) through block_sums, each row's sums handed to finish(r + t, sums)
-template <int TB, class Fin>
+// TB rows from X (row stride K) through unit_sums, each row's sums handed to finish(r + t, sums)
+template <int TB, bool HALVES, class Fin>
 ALWAYS_INLINE void many_tile(const __m256i (*c)[2], const int16_t* X, int64_t K, Fin& finish, int64_t r) {
   const int16_t* xs[TB];
   for (int t = 0; t < TB; ++t) xs[t] = X + t * K;
-  __m256i s[TB][2];
-  block_sums<TB>(c, xs, s);
+  __m256i s[TB][2][2];
+  unit_sums<TB, HALVES>(c, xs, s);
   for (int t = 0; t < TB; ++t) finish(r + t, s[t]);
 }
 
-// Groups [g0, g1) of one packed part against all M rows of x (X16: their X, [M, K] int16), MANY_ROWS at a time.
+// Groups [g0, g1) of one packed part against all M rows of x (X16: their X, [M, K] int16), MANY_ROWS at a time;
+// each output's epilogue is its tile function's (group_tile, group_tile_k, group_tile_q6k), unit by unit in order.
 template <class F>
 void groups_many(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, const QX* x, const int16_t* X16,
                  int64_t K, int64_t M, float* y, int64_t ldy) {
-  constexpr int GB = P * F::BYTES;
+  constexpr int GB = P * F::BYTES, UNITS = F::QK / 32;
+  constexpr bool HALVES = F::KIND == 2;
+  constexpr int TB = HALVES ? 2 : MANY_TB;  // (Q6_K: 2 sums a row and half, so half the rows within the registers)
   const int64_t gbytes = nb * GB;
   alignas(32) __m256i c[16][2];
   alignas(32) float acc[MANY_ROWS][P];
@@ -528,28 +561,61 @@ void groups_many(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = gp + b * GB;
         for (int l = 0; l < GB; l += 64) prefetch_l2(blk + pf_blocks<GB>() * GB + l);
-        block_words<F>(blk, c);
         const Vec d[2] = {half16(blk), half16(blk + 2 * 8)};
-        Vec mn[2];
-        if constexpr (F::MIN) mn[0] = half16(blk + 2 * P), mn[1] = half16(blk + 2 * P + 2 * 8);
-        auto s_finish = [&](int64_t r, const __m256i* s) {  // group_tile's epilogue for row m0 + r
-          const QX& xr = x[m0 + r];
+        for (int u = 0; u < UNITS; ++u) {
+          unit_words<F>(blk, u, c);
+          const int64_t bx = UNITS * b + u;  // the x block of this unit
+          // the unit's per-output factors, as the tile functions form them
+          Vec f0[2], f1[2];
           for (int h = 0; h < 2; ++h) {
-            IV v = s[h];
-            if constexpr (F::OFFSET != 0) v = isub(v, iset(F::OFFSET * xr.isum[b]));
-            Vec a = Vec::loadu(acc[r] + 8 * h);
-            a = fma(tof(v), d[h] * Vec(xr.scale[b]), a);
-            if constexpr (F::MIN) a = fma(mn[h], Vec(xr.fsum[b]), a);
-            a.store(acc[r] + 8 * h);
+            const int lane0 = 8 * h;
+            if constexpr (F::KIND == 0) {
+              if constexpr (F::MIN) f1[h] = half16(blk + 2 * P + 2 * lane0);
+            } else if constexpr (F::KIND == 1) {
+              IV words[3];
+              for (int j = 0; j < 3; ++j) words[j] = iload(blk + 4 * P + 4 * P * j + 4 * lane0);
+              IV sc, m;
+              k_scale_min(words, u, sc, m);
+              f0[h] = d[h] * tof(sc);
+              f1[h] = half16(blk + 2 * P + 2 * lane0) * tof(m);
+            } else {
+              const int sg = 2 * u;  // scale of weights 0-15 (sg + 1: 16-31)
+              const IV sw = iload(blk + 2 * P + 4 * lane0 + 4 * P * (48 + sg / 4));
+              f0[h] = d[h] * tof(signed_byte(sw, sg % 4));
+              f1[h] = d[h] * tof(signed_byte(sw, sg % 4 + 1));
+            }
           }
-        };
-        int64_t r = 0;
-        for (; r + MANY_TB <= rows; r += MANY_TB) many_tile<MANY_TB>(c, X16 + (m0 + r) * K + 32 * b, K, s_finish, r);
-        switch (rows - r) {
-          case 3: many_tile<3>(c, X16 + (m0 + r) * K + 32 * b, K, s_finish, r); break;
-          case 2: many_tile<2>(c, X16 + (m0 + r) * K + 32 * b, K, s_finish, r); break;
-          case 1: many_tile<1>(c, X16 + (m0 + r) * K + 32 * b, K, s_finish, r); break;
-          default: break;
+          auto finish = [&](int64_t r, const __m256i (*s)[2]) {  // the tile function's epilogue for row m0 + r
+            const QX& xr = x[m0 + r];
+            for (int h = 0; h < 2; ++h) {
+              Vec a = Vec::loadu(acc[r] + 8 * h);
+              if constexpr (F::KIND == 0) {
+                IV v = s[h][0];
+                if constexpr (F::OFFSET != 0) v = isub(v, iset(F::OFFSET * xr.isum[bx]));
+                a = fma(tof(v), d[h] * Vec(xr.scale[bx]), a);
+                if constexpr (F::MIN) a = fma(f1[h], Vec(xr.fsum[bx]), a);
+              } else if constexpr (F::KIND == 1) {
+                a = fma(tof(s[h][0]), f0[h] * Vec(xr.scale[bx]), a);
+                a = fma(f1[h], Vec(-xr.fsum[bx]), a);
+              } else {
+                const IV s0 = isub(s[h][0], iset(32 * xr.isum16[2 * bx]));
+                const IV s1 = isub(s[h][1], iset(32 * xr.isum16[2 * bx + 1]));
+                const Vec sx(xr.scale[bx]);
+                a = fma(tof(s0), f0[h] * sx, a);
+                a = fma(tof(s1), f1[h] * sx, a);
+              }
+              a.store(acc[r] + 8 * h);
+            }
+          };
+          const int16_t* X = X16 + m0 * K + 32 * bx;
+          int64_t r = 0;
+          for (; r + TB <= rows; r += TB) many_tile<TB, HALVES>(c, X + r * K, K, finish, r);
+          switch (rows - r) {
+            case 3: if constexpr (TB > 3) many_tile<3, HALVES>(c, X + r * K, K, finish, r); break;
+            case 2: if constexpr (TB > 2) many_tile<2, HALVES>(c, X + r * K, K, finish, r); break;
+            case 1: many_tile<1, HALVES>(c, X + r * K, K, finish, r); break;
+            default: break;
+          }
         }
       }
       const int64_t valid = std::min<int64_t>(P, N - g * P);
@@ -558,14 +624,22 @@ void groups_many(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1
   }
 }
 template <class F>
-constexpr bool has_many_rows() { return F::KIND == 0; }
+constexpr bool has_many_rows() { return true; }
 #else
 template <class F>
 constexpr bool has_many_rows() { return false; }
 #endif
-// fewest x rows for groups_many (below it, the tile path; Zen 3, one thread, Q4_1 3072 x 576 and 576 x 1536:
-// even at 8 rows, 1.2x at 16, 1.4x at 64)
-constexpr int64_t MANY_ROWS_FROM = 16;
+// Fewest x rows for groups_many, per format (below it, the tile path: the codes' widening is not yet repaid).
+// Zen 3, one thread, best of alternated processes, many-row / tile speed: Q8_0 1.13-1.26 at 4-5 rows, 1.4 at 8;
+// Q6_K 1.25-1.31 at 4-5, 1.75 at 8 (0.83-0.90 at 2); Q4_K 0.85-1.05 at 4-5, 1.2 at 8; Q4_1 0.8-0.9 at 4-5, 1.0 at 8,
+// 1.2 at 16.
+template <class F>
+constexpr int64_t many_rows_from() {
+  if constexpr (!has_many_rows<F>()) return INT64_MAX;
+  else if constexpr (F::KIND == 2) return 4;  // Q6_K
+  else if constexpr (F::KIND == 1) return 8;  // Q4_K, Q5_K
+  else return F::FOUR ? 16 : 4;               // Q4_0, Q4_1, Q5_0, Q5_1; Q8_0
+}
 
 enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
@@ -618,8 +692,8 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
   std::vector<int32_t> is(M * 3 * nb);
   std::vector<QX> qx(M);
   const float* xp = x.data_ptr<float>();
-  bool many = M >= MANY_ROWS_FROM;
-  for (size_t i = 0; i < parts.size(); ++i) with_packed(types[i], [&](auto f) { many = many && has_many_rows<decltype(f)>(); });
+  bool many = false;  // a part takes groups_many
+  for (size_t i = 0; i < parts.size(); ++i) with_packed(types[i], [&](auto f) { many = many || M >= many_rows_from<decltype(f)>(); });
   std::vector<int16_t> X16(many ? M * K : 0);  // groups_many's X = 256 xq + xr
   auto quantize = [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
@@ -642,7 +716,7 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
         const uint8_t* w = parts[i].data_ptr<uint8_t>();
         if constexpr (has_many_rows<F>()) {
 #if !defined(CPU_CAPABILITY_AVX512)
-          if (many) {
+          if (M >= many_rows_from<F>()) {
             groups_many<F>(w, K / F::QK, rows[i], lo - gfirst[i], hi - gfirst[i], qx.data(), X16.data(), K, M,
                            yp + first[i], N);
             return;
