@@ -13,6 +13,8 @@ one you want to keep before changing the source.
     python benchmarks/kernel_ab.py OLD.so NEW.so                       # quant_attention, 3 and 15 rows, int8, 32K
     python benchmarks/kernel_ab.py OLD.so NEW.so --what step --kv int8   # embedded model: decode step, 5-token verification
     python benchmarks/kernel_ab.py OLD.so NEW.so --bits 4 --rows 3 --rounds 8
+    python benchmarks/kernel_ab.py OLD.so NEW.so --what linear --format Q6_K --shapes 3072x512 --rows 5,64
+        # linear_packed's GMAC/s on one thread (higher is faster here)
 """
 from __future__ import annotations
 
@@ -103,11 +105,47 @@ def step_child(ops, args) -> dict:
     return out
 
 
+def linear_child(ops, args) -> dict:
+    """ms of linear_packed per row count over random blocks of `--format` (gguf's quantization of N(0, 0.02) values,
+    random K-quant blocks), one matrix per `--shapes` entry, one thread (a kernel's rate, not the machine's)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as Q
+
+    from triforce.ggml_blocks import QuantTensor, pack_rows, random_blocks
+
+    torch.set_num_threads(1)
+    qtype = Q[args.format]
+    rng = np.random.default_rng(0)
+    out = {}
+    for shape in args.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            w = random_blocks(int(qtype), n, k, rng)
+        else:
+            import gguf
+            w = QuantTensor.from_numpy(gguf.quants.quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32),
+                                                            qtype), int(qtype), k)
+        parts = [pack_rows(w)]
+        for rows in args.rows:
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            reps = max(3, int(2e8 / (rows * n * k)))
+            y = ops.linear_packed(x, parts, [int(qtype)], [n])
+            best = float("inf")
+            for _ in range(args.loops):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    ops.linear_packed(x, parts, [int(qtype)], [n])
+                best = min(best, (time.perf_counter() - t) / reps)
+            out[f"{args.format} {n}x{k}, {rows} rows: GMAC/s"] = (rows * n * k / best / 1e9, digest(y))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("builds", nargs="+", help="kernel .so files, the first the reference")
-    ap.add_argument("--what", choices=("quant-attention", "step"), default="quant-attention")
+    ap.add_argument("--what", choices=("quant-attention", "step", "linear"), default="quant-attention")
     ap.add_argument("--rounds", type=int, default=6, help="processes per build (default 6)")
     ap.add_argument("--rows", default="3,15", help="quant-attention: row counts (3: a decode step of 3 query heads per "
                                                  "KV head; 15: a 5-token verification)")
@@ -120,12 +158,15 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
     ap.add_argument("--kv", default="int8", help="step: the KV dtype")
     ap.add_argument("--verify-tokens", type=int, default=5)
+    ap.add_argument("--format", default="Q4_1", help="linear: the GGML type (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K)")
+    ap.add_argument("--shapes", default="3072x576,576x1536",
+                    help="linear: N x K matrices (the embedded model's gate/up and down; K-quants need K % 256 == 0)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.rows = [int(r) for r in str(args.rows).split(",")]
     if args.child:
         ops = load_build(args.builds[0])
-        run = quant_attention_child if args.what == "quant-attention" else step_child
+        run = {"quant-attention": quant_attention_child, "step": step_child, "linear": linear_child}[args.what]
         print(json.dumps(run(ops, args)))
         return
     if missing := [b for b in args.builds if not Path(b).is_file()]:
@@ -133,7 +174,8 @@ def main() -> None:
     child = [sys.executable, __file__, "--child", "--what", args.what, "--rows", ",".join(map(str, args.rows)),
              "--bits", str(args.bits), "--context", str(args.context), "--layers", str(args.layers), "--loops",
              str(args.loops), "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--group", str(args.group),
-             "--kv", args.kv, "--verify-tokens", str(args.verify_tokens)]
+             "--kv", args.kv, "--verify-tokens", str(args.verify_tokens), "--format", args.format, "--shapes",
+             args.shapes]
     results: dict[str, list[dict]] = {b: [] for b in args.builds}
     for r in range(args.rounds):
         for b in args.builds:
@@ -145,7 +187,8 @@ def main() -> None:
     ref = args.builds[0]
     for key in results[ref][0]:
         base = statistics.median(x[key][0] for x in results[ref])
-        print(f"\n{key} ({args.what}, {args.context} context; median, min-max of {args.rounds} processes)")
+        where = "one thread" if args.what == "linear" else f"{args.context} context"
+        print(f"\n{key} ({args.what}, {where}; median, min-max of {args.rounds} processes)")
         for b in args.builds:
             v = [x[key][0] for x in results[b]]
             same = all(x[key][1] == results[ref][0][key][1] for x in results[b])

@@ -78,8 +78,8 @@ class QuantLinear(nn.Module):
     Q8_0 / Q4_K / Q5_K / Q6_K weights are held interleaved 16 rows at a time (the same bytes) for the
     integer kernel (kernels/quant_packed.cpp: x taken to 16 bits per 32-element block), other formats
     as stored for the block kernel (kernels/quant_linear.cpp: fp32 arithmetic); where the integer kernel
-    has a many-row path for all the parts' types (capabilities' packed_many_rows: the AVX2 build's Q4_0 /
-    Q4_1 / Q5_0 / Q5_1 / Q8_0), a verification's rows go through it in one call, the same bits. Longer
+    has a many-row path for all the parts' types (capabilities' packed_many_rows: every packed type on the
+    AVX2 build), a verification's rows go through it in one call, the same bits. Longer
     inputs (prefill), or no kernels, dequantize a few thousand rows at a time (about 8 MB of fp32) and use
     F.linear: never a whole fp32 matrix. Either way a row's result does not depend on the other rows."""
 
