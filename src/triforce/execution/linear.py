@@ -136,14 +136,13 @@ class QuantLinear(nn.Module):
         ops = self.backend.ops
         raws = [self._buffers[name] for name in self._names]  # (Module.__getattr__ costs more: 121 calls a step)
         if ops is not None and PANEL_MAX_ROWS < rows <= KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 \
-                and self.kernel_ready and all(self.packed) and self.types_set <= capabilities(ops).packed_many_rows:
-            # a long verification in one call of the integer kernel's many-row path (the same bits as 16 rows at a
-            # time: Zen 3, one thread, 64 rows of the embedded model's Q4_1 shapes 1.4x the 16-row tiles). Not
-            # prefill (more rows): there it measured 0.77-1.10x dequantized weights through MKL's GEMM on Zen 3
-            y = ops.linear_packed(x, raws, self.types, self.rows)
-            return y if self.bias is None else y + self.bias
-        if ops is not None and PANEL_MAX_ROWS < rows <= KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 \
                 and self.kernel_ready:  # a verification: the kernel 16 rows at a time, as the decode step computes
+            if all(self.packed) and self.types_set <= capabilities(ops).packed_many_rows:
+                # or in one call of the integer kernel's many-row path, the same bits (Zen 3, one thread, 64 rows of
+                # the embedded model's Q4_1 shapes 1.4x the 16-row tiles). Not prefill (more rows): there it
+                # measured 0.77-1.10x dequantized weights through MKL's GEMM on Zen 3
+                y = ops.linear_packed(x, raws, self.types, self.rows)
+                return y if self.bias is None else y + self.bias
             x2 = x.reshape(rows, x.shape[-1])
             y = torch.cat([self(x2[r:r + PANEL_MAX_ROWS]) for r in range(0, rows, PANEL_MAX_ROWS)])
             return y.view(*x.shape[:-1], self.out_features)

@@ -56,8 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [..., K] fp32 @ W^T, W given as parts in Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked 16 rows at a time "
         "[ceil(N_i / 16), 16 row_bytes] uint8 with N_i rows each -> [..., sum N_i] fp32 (x taken to 16 bits per block)",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("rows"));
-  // the GGML types whose many-row path (16 rows or more) linear_packed has: QuantLinear sends a prefill chunk
-  // through it, bit for bit each row's decode-step result, rather than through dequantized weights and F.linear
+  // the GGML types whose many-row path linear_packed has (from 4-16 rows per format, the tiles' bits): QuantLinear
+  // sends a verification's 17-64 rows through it in one call instead of 16 rows at a time
   m.attr("PACKED_MANY_ROWS") = py::cast(triforce::packed_many_rows_types());
   m.def("unpack_rows", &triforce::unpack_rows, GIL_FREE,
         "rows [start, stop) of a linear_packed part back in the file's layout [stop - start, row_bytes] uint8 "

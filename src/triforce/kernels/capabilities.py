@@ -21,7 +21,7 @@ class Capabilities:
         self.half_kv = bool(getattr(ops, "HALF_KV", False))
         # the integer kernel over interleaved GGML blocks (QuantLinear.pack)
         self.linear_packed = hasattr(ops, "linear_packed")
-        # ... and the GGML types it takes many rows of at once (a prefill chunk) faster than dequantized weights
+        # ... and the GGML types it has a many-row path for (a verification's rows in one call, the same bits)
         self.packed_many_rows = frozenset(getattr(ops, "PACKED_MANY_ROWS", ()))
         # quantized blocks unpacked by the kernels (quantized.unpack_rows)
         self.unpack_rows = hasattr(ops, "unpack_rows")

@@ -88,7 +88,7 @@ torch::Tensor dequantize_rows(torch::Tensor raw, int64_t type);
 // pack_rows): [ceil(N_i / 16), row_bytes * 16] uint8 holding `rows[i]` rows each.
 torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                             std::vector<int64_t> rows);
-// the GGML types linear_packed takes through its many-row path (prefill chunks: exact as the tiles, faster)
+// the GGML types linear_packed has a many-row path for (from a few rows per format: the tiles' bits, faster)
 std::vector<int64_t> packed_many_rows_types();
 
 // quant_packed.cpp: rows [start, stop) of such a packed part back in the file's layout [stop - start, blocks * size]

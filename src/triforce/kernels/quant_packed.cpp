@@ -411,16 +411,17 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
 }
 
 #if !defined(CPU_CAPABILITY_AVX512)
-// Many rows of x at once (a prefill chunk, a long verification): the same integer block sums by another
-// arithmetic. The tile path above multiplies bytes (vpmaddubsw) twice per code, once against xq and once
+// Several rows of x at once (a verification, a serving batch; from many_rows_from's count): the same integer
+// block sums by another arithmetic. The tile path above multiplies bytes (vpmaddubsw) twice per code, once against xq and once
 // against xr, and widens in between: at 2-16 rows it ran at 21-32 GMAC/s a core, and prefill took the
 // weights to fp32 for MKL's GEMM instead (115-120 GFLOP/s on both cores of a Zen 3, 66-69% of the FMA peak).
 // Here a block's codes are widened to 16-bit words once, kept in L1, and every x row of a chunk multiplies
 // them with vpmaddwd against X = 256 xq + xr itself (|X| <= 32639 fits a word): 16 multiply-adds of 16-bit x
-// per instruction, against 8 above, and 2 per cycle on Zen 3 (as many as FMAs). The block's integer sum per
-// output is the same exact int32 (|sum| <= 32 * 255 * 32639), and the block scale and min are applied by
-// the same fp32 operations in the same order as group_tile's, so every output equals the tile path's bit for
-// bit: a prefill row equals a decode step's whatever the chunk.
+// per instruction, against 8 above (on Zen 3 a vpmaddwd and its vpaddd issue about once a cycle: 58-67 GMAC/s a
+// core with registers only, the FMAs 46-50). The block's integer sum per output is the same exact int32
+// (|sum| <= 32 * 255 * 32639), and the block scale and min are applied by the same fp32 operations in the same
+// order as the tile functions', so every output equals the tile path's bit for bit. Prefill chunks do not come
+// here (QuantLinear): on Zen 3 this path ran at 0.77-1.10x MKL's GEMM on dequantized weights.
 //
 // AVX2 only for now (the AVX-512 build keeps the tile path: its vpdpbusd already multiplies 64 bytes an
 // instruction, and there was no AVX-512 machine to measure a word path on). Every packed format: a K-quant's
