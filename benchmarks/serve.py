@@ -38,9 +38,18 @@ from typing import Callable
 from triforce.serving.harness import ServerProcess, die_with_parent, free_port, wait_until_healthy
 from triforce.storage import atomic_write
 
-QUESTIONS = ("Who speaks first in this scene?", "Summarise the last speech.", "Which characters are named above?",
-             "What is the mood of this passage?", "Quote one line spoken by a king.", "Where does the scene happen?",
-             "Which words are repeated most?", "What happens next?")
+# a question per request after the shared document, by --genre (triforce.corpus.GENRES)
+QUESTIONS = {
+    "dialogue": ("Who speaks first in this scene?", "Summarise the last speech.", "Which characters are named above?",
+                 "What is the mood of this passage?", "Quote one line spoken by a king.", "Where does the scene happen?",
+                 "Which words are repeated most?", "What happens next?"),
+    "prose": ("Summarise the last paragraph.", "Which topics are named above?", "What is the main claim of this text?",
+              "Explain the first idea in simpler words.", "Which dates or numbers appear above?",
+              "What would a critic say about this?", "Which terms are defined above?", "What could come next?"),
+    "code": ("What does the last function do?", "Which classes are defined above?", "Explain one error message above.",
+             "Which modules are imported?", "Write a docstring for the last function.", "What could be simplified?",
+             "Which function is the longest?", "How would you test this code?"),
+}
 MEMORY_SLACK_BYTES = 96 << 20  # allocator noise allowed over the baseline
 CHARS_PER_TOKEN = 3.3  # the demo corpus with SmolLM2's tokenizer (the responses' usage gives the exact count)
 
@@ -118,7 +127,7 @@ async def _load(args, server: ServerProcess, doc: str) -> dict:
         async def run(i: int):
             async with sem:
                 cancel = 2 if args.cancel_every and i % args.cancel_every == args.cancel_every - 1 else None
-                prompt = f"{doc}\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n"
+                prompt = f"{doc}\n\nRequest {i}. {QUESTIONS['dialogue'][i % len(QUESTIONS['dialogue'])]}\n"
                 out = await _one(client, server.url, prompt, args.max_tokens, cancel, 0.0 if i % 2 == 0 else 0.7, i)
                 return {**out, "index": i}
 
@@ -233,15 +242,15 @@ def ttft_test(args) -> int:
     server = ServerProcess(flags, tmp / "server.log")
     print(f"server: {server.command}")
     try:
-        ask(server, "no cache", QUESTIONS[0])
-        ask(server, "in-memory cache", QUESTIONS[1])
+        ask(server, "no cache", QUESTIONS["dialogue"][0])
+        ask(server, "in-memory cache", QUESTIONS["dialogue"][1])
     finally:
         server.stop()
     server = ServerProcess(flags, tmp / "server.log")
     loaded = re.findall(r"prefix cache: loaded .*", server.log_path.read_text())
     print(f"restarted in {server.ready_seconds:.1f} s: {loaded[-1] if loaded else 'no prefix cache loaded'}")
     try:
-        ask(server, "after a restart (disk)", QUESTIONS[2])
+        ask(server, "after a restart (disk)", QUESTIONS["dialogue"][2])
     finally:
         code = server.stop()
     cold = rows[0][3]
@@ -259,11 +268,14 @@ def _prompts(args, tokenizer, n: int | None = None, tokens: int | None = None) -
     when it is a multiple of the prefill chunk) and its N prompts as token ids: the document and a different
     question each. After a warm-up request has cached the document's blocks, each request prefills only its
     question, so the comparison times decoding, not prefill."""
-    from triforce.corpus import demo_text
+    from triforce.corpus import genre_text
 
     tokens = tokens or args.prompt_tokens
-    doc = tokenizer(demo_text(int(tokens * CHARS_PER_TOKEN) + 4000))["input_ids"][:tokens]
-    questions = [f"\n\nRequest {i}. {QUESTIONS[i % len(QUESTIONS)]}\n" for i in range(n or args.batch_compare)]
+    doc = tokenizer(genre_text(args.genre, int(tokens * CHARS_PER_TOKEN) + 4000))["input_ids"][:tokens]
+    if len(doc) < tokens:
+        raise SystemExit(f"--genre {args.genre}: its text has {len(doc)} tokens, fewer than --prompt-tokens {tokens}")
+    asked = QUESTIONS[args.genre]
+    questions = [f"\n\nRequest {i}. {asked[i % len(asked)]}\n" for i in range(n or args.batch_compare)]
     return doc, [doc + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
 
 
@@ -793,7 +805,8 @@ def peer_compare(args) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         command = "python benchmarks/serve.py " + " ".join(sys.argv[1:])
-        result = {"command": command, "machine": _machine(), "max_tokens": args.max_tokens, "clients": counts,
+        result = {"command": command, "machine": _machine(), "genre": args.genre, "max_tokens": args.max_tokens,
+                  "clients": counts,
                   "rounds": args.rounds, "methods": methods, "temperature": args.temperature,
                   "settings": settings, "weight_bytes": bound.weight_bytes, "kv_bytes_per_token": bound.kv_token_bytes,
                   "lengths": results}
@@ -802,7 +815,8 @@ def peer_compare(args) -> int:
         md = [f"# {title}", "", f"Command: `{command}`", "", f"Machine: {result['machine']}", "",
               f"Load: N concurrent streamed "
               f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g} (request i: seed i)'} requests "
-              f"of a document of the given length and a question each, {args.max_tokens} tokens each; "
+              f"of a document of the given length ({args.genre}: triforce.corpus.genre_text) and a question each, "
+              f"{args.max_tokens} tokens each; "
               "each load started once the machine was quiet (under 10% CPU over 0.5 s: wait_until_quiet); "
               "the document was prefilled once by a warm-up request on each server (its prefix cached), so TTFT is "
               "the question's prefill plus queueing. Aggregate: tokens after each request's first over the time "
@@ -941,6 +955,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="with --peer: one more argument for triforce serve (repeatable)")
     p.add_argument("--peer-only", action="store_true", help="with --peer: run vLLM alone (its settings' trials)")
+    p.add_argument("--genre", choices=sorted(QUESTIONS), default="dialogue",
+                   help="with --peer or --batch-compare: the shared document's text (triforce.corpus: dialogue, the "
+                        "demo plays; prose; code, Python's standard library) and its questions (default dialogue)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="with --peer: the loads' sampling temperature (default 0: greedy; request i of a load has "
                         "seed i)")

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <numeric>
 #include <cstring>
 #include <string>
@@ -1023,92 +1024,168 @@ torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, i
 // on the tiles and still compute the model `ar` computes, whichever path each forward takes (the sums in another
 // order: the last bits, as between the per-row and rows-in-lanes paths; model.bf16_attention is the same on
 // PyTorch's path).
+//
+// One attention call (q [H, R, D] over its own k / v): its scaled queries, its H * nb work items (head, block of
+// BS keys; item() computes one into the blocks' partial results) and merge(). Several calls (a serving batch's
+// sequences, each over its own cache) run their items in one parallel region (run_items): one fork and join a
+// layer instead of one per sequence, and the threads' shares balanced over all the items, where one call's few
+// (3 heads x 9 blocks at 2K) split 14 / 13 between two threads. An item's arithmetic does not depend on which
+// call or thread runs it, so every row is the same bits either way.
 template <int64_t D, typename KV>
-torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                  const bool* visible, const int64_t* gap, double scale, bool lanes, bool amx, bool exact) {
-  constexpr int64_t BS = block_keys<D, KV>();
-  constexpr bool RB = std::is_same_v<KV, c10::BFloat16>;
-  const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
-  const int64_t NV = (R + W - 1) / W, RP = NV * W;
-  const auto qs = scaled_queries(q, scale, lanes || exact, RP, RB);  // scores_exact reads them transposed
+struct Attention {
+  static constexpr int64_t BS = block_keys<D, KV>();
+  static constexpr bool RB = std::is_same_v<KV, c10::BFloat16>;
+  int64_t H, R, S, T, NV, RP, nb, ks, vs;
+  bool causal, lanes, amx, exact;
+  const bool* visible;
+  const int64_t* gap;
+  torch::Tensor qs, parts;
   // AMX or AVX512-BF16 (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs]
   // [16 rows][2] (RP is a multiple of 16 on AVX-512, the only build with either)
   std::vector<uint16_t> qb;
-  if ((amx || BF16_DOT) && RB && lanes) {
-    const int64_t NQ = RP / 16;
-    qb.assign(H * NQ * D * 16, 0);
-    const float* qt = qs.data_ptr<float>();
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t g = 0; g < NQ; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t i = 0; i < 16; ++i) {
-            const c10::BFloat16 x(qt[(h * D + d) * RP + g * 16 + i]);  // already a bf16 value: exact
-            qb[(((h * NQ + g) * (D / 32) + d / 32) * 16 + (d % 32) / 2) * 32 + i * 2 + d % 2] = x.x;
-          }
-  }
-  const int64_t nb = (S + BS - 1) / BS;
-  // per-block partial results (not zero-filled: every block writes all of its rows)
-  const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
-  float* const o_part = parts.data_ptr<float>();
-  float* const m_part = o_part + H * nb * R * D;
-  float* const l_part = m_part + H * nb * R;
-  const float* qp = qs.data_ptr<float>();
-  const KV* kp = reinterpret_cast<const KV*>(k.data_ptr());
-  const KV* vp = reinterpret_cast<const KV*>(v.data_ptr());
-  const int64_t ks = k.stride(0), vs = v.stride(0);
-  at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> s(MAX_ROWS * BS);  // RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W
-    std::vector<float> st(exact ? BS * RP : 0);  // scores_exact's keys x rows
-    if (!qb.empty() && amx) amx_configure();
-    for (int64_t w = b; w < e; ++w) {
-      const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
-      const KV* kh = kp + h * ks + j0 * D;
-      const KV* vh = vp + h * vs + j0 * D;
-      const bool last = blk + 1 == nb;
-      const char* next_k = last ? nullptr : reinterpret_cast<const char*>(kh + BS * D);
-      const char* next_v = last ? nullptr : reinterpret_cast<const char*>(vh + BS * D);
-      float* ob = o_part + w * R * D;
-      float* mb = m_part + w * R;
-      float* lb = l_part + w * R;
-      // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u; a token block (a draft
-      // tree): to the rows of the tokens t with visible[t][u]. The keys before the new tokens are seen by every
-      // row: only the new ones are checked, a division each. gap (a StreamingLLM window): keys gap[0] ..
-      // gap[1 + t] - 1 are hidden from token t's rows (between the sinks and its window); a block that every
-      // row's gap covers is not read at all.
-      int64_t mask_from = causal ? std::clamp<int64_t>(S - T - j0, 0, n) : n;
-      if (gap != nullptr) {
-        const int64_t from = std::max(gap[0], j0);  // the block's first key a gap can hide
-        const auto [to_min, to_max] = std::minmax_element(gap + 1, gap + 1 + T);
-        if (from == j0 && *to_min >= j0 + n) {  // hidden from every row
-          for (int64_t r = 0; r < R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
-          continue;
-        }
-        if (from < j0 + n && *to_max > from) mask_from = std::min(mask_from, from - j0);
-      }
-      const auto mask = [&](int64_t r, int64_t j) {
-        const int64_t u = j0 + j - (S - T), t = r % T;
-        if (gap != nullptr && j0 + j >= gap[0] && j0 + j < gap[1 + t]) return false;
-        if (u < 0) return true;
-        return causal ? (visible ? visible[t * T + u] : u <= t) : true;
-      };
-      if (lanes)
-        block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s.data(), next_k, next_v, ob, mb, lb,
-                           qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx);
-      else
-        block_rows<D, BS, RB>(exact ? nullptr : qp + h * R * D, kh, vh, R, n, mask_from, mask, s.data(), next_k,
-                              next_v, ob, mb, lb, exact ? qp + h * D * RP : nullptr, RP, st.data());
+  const float* qp;
+  const KV *kp, *vp;
+  float *o_part, *m_part, *l_part;
+
+  Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T_, bool causal_,
+            const bool* visible_, const int64_t* gap_, double scale, bool lanes_, bool amx_, bool exact_)
+      : H(q.size(0)), R(q.size(1)), S(k.size(1)), T(T_), NV((R + W - 1) / W), RP(NV * W), nb((S + BS - 1) / BS),
+        ks(k.stride(0)), vs(v.stride(0)), causal(causal_), lanes(lanes_), amx(amx_), exact(exact_), visible(visible_),
+        gap(gap_) {
+    qs = scaled_queries(q, scale, lanes || exact, RP, RB);  // scores_exact reads them transposed
+    if ((amx || BF16_DOT) && RB && lanes) {
+      const int64_t NQ = RP / 16;
+      qb.assign(H * NQ * D * 16, 0);
+      const float* qt = qs.data_ptr<float>();
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t g = 0; g < NQ; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t i = 0; i < 16; ++i) {
+              const c10::BFloat16 x(qt[(h * D + d) * RP + g * 16 + i]);  // already a bf16 value: exact
+              qb[(((h * NQ + g) * (D / 32) + d / 32) * 16 + (d % 32) / 2) * 32 + i * 2 + d % 2] = x.x;
+            }
     }
-  });
-  return merge_blocks<D, RB>(o_part, H, nb, R, q.options());
+    // per-block partial results (not zero-filled: every block writes all of its rows)
+    parts = torch::empty({H * nb * R * (D + 2)}, q.options());
+    o_part = parts.data_ptr<float>();
+    m_part = o_part + H * nb * R * D;
+    l_part = m_part + H * nb * R;
+    qp = qs.data_ptr<float>();
+    kp = reinterpret_cast<const KV*>(k.data_ptr());
+    vp = reinterpret_cast<const KV*>(v.data_ptr());
+  }
+
+  int64_t items() const { return H * nb; }
+  bool uses_amx() const { return !qb.empty() && amx; }
+
+  // Work item w = (head, block): its rows' p v, maximum and sum into the partial results. s: MAX_ROWS * BS floats,
+  // st: BS * RP (scores_exact's keys x rows), this thread's scratch.
+  void item(int64_t w, float* s, float* st) const {
+    const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
+    const KV* kh = kp + h * ks + j0 * D;
+    const KV* vh = vp + h * vs + j0 * D;
+    const bool last = blk + 1 == nb;
+    const char* next_k = last ? nullptr : reinterpret_cast<const char*>(kh + BS * D);
+    const char* next_v = last ? nullptr : reinterpret_cast<const char*>(vh + BS * D);
+    float* ob = o_part + w * R * D;
+    float* mb = m_part + w * R;
+    float* lb = l_part + w * R;
+    // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u; a token block (a draft
+    // tree): to the rows of the tokens t with visible[t][u]. The keys before the new tokens are seen by every
+    // row: only the new ones are checked, a division each. gap (a StreamingLLM window): keys gap[0] ..
+    // gap[1 + t] - 1 are hidden from token t's rows (between the sinks and its window); a block that every
+    // row's gap covers is not read at all.
+    int64_t mask_from = causal ? std::clamp<int64_t>(S - T - j0, 0, n) : n;
+    if (gap != nullptr) {
+      const int64_t from = std::max(gap[0], j0);  // the block's first key a gap can hide
+      const auto [to_min, to_max] = std::minmax_element(gap + 1, gap + 1 + T);
+      if (from == j0 && *to_min >= j0 + n) {  // hidden from every row
+        for (int64_t r = 0; r < R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
+        return;
+      }
+      if (from < j0 + n && *to_max > from) mask_from = std::min(mask_from, from - j0);
+    }
+    const auto mask = [&](int64_t r, int64_t j) {
+      const int64_t u = j0 + j - (S - T), t = r % T;
+      if (gap != nullptr && j0 + j >= gap[0] && j0 + j < gap[1 + t]) return false;
+      if (u < 0) return true;
+      return causal ? (visible ? visible[t * T + u] : u <= t) : true;
+    };
+    if (lanes)
+      block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob, mb, lb,
+                         qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx);
+    else
+      block_rows<D, BS, RB>(exact ? nullptr : qp + h * R * D, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob,
+                            mb, lb, exact ? qp + h * D * RP : nullptr, RP, st);
+  }
+
+  torch::Tensor merge() const { return merge_blocks<D, RB>(o_part, H, nb, R, qs.options()); }
+};
+
+// Every item of every call in one parallel region (a thread's items may span calls: an item is the same whoever
+// runs it). One call's items go to the threads in equal contiguous shares, so that each streams its blocks in order
+// (an item prefetches the next block of its head); a batch's in chunks taken as threads come free (parallel_chunks).
+template <int64_t D, typename KV>
+void run_items(const std::vector<Attention<D, KV>>& calls) {
+  constexpr int64_t BS = block_keys<D, KV>();
+  constexpr int64_t BATCH_CHUNK = 4;  // items per chunk of a batch
+  std::vector<int64_t> first(calls.size() + 1, 0);  // the calls' first items
+  int64_t scratch = 0;  // scores_exact's keys x rows, the largest call's
+  bool amx = false;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    first[c + 1] = first[c] + calls[c].items();
+    if (calls[c].exact) scratch = std::max(scratch, BS * calls[c].RP);
+    amx = amx || calls[c].uses_amx();
+  }
+  // a thread's scratch: scores of up to MAX_ROWS rows (RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W), then
+  // scores_exact's keys x rows
+  const int64_t per_thread = MAX_ROWS * BS + scratch;
+  const std::unique_ptr<float[]> buffers(new float[per_thread * at::get_num_threads()]);  // (not zero-filled: written before read)
+  std::vector<char> configured(at::get_num_threads(), 0);
+  const auto run = [&](int64_t b, int64_t e) {
+    const int t = at::get_thread_num();
+    float* s = buffers.get() + per_thread * t;
+    if (amx && !configured[t]) amx_configure(), configured[t] = 1;
+    size_t c = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+    for (int64_t w = b; w < e; ++w) {
+      while (w >= first[c + 1]) ++c;
+      calls[c].item(w - first[c], s, s + MAX_ROWS * BS);
+    }
+  };
+  if (calls.size() == 1) at::parallel_for(0, first.back(), 1, run);
+  else parallel_chunks(first.back(), BATCH_CHUNK, run);
+}
+
+// One call (q [H, R, D] over k / v) or several, all of one head dim and K/V dtype, each with its own cache, mask and
+// row count; path as decode_attention's.
+struct Call {
+  torch::Tensor q, k, v;
+  int64_t T;
+  bool causal;
+  const bool* visible;
+  const int64_t* gap;
+};
+
+template <int64_t D, typename KV>
+std::vector<torch::Tensor> attend(const std::vector<Call>& calls, double scale, bool lanes, bool amx, int64_t path) {
+  std::vector<Attention<D, KV>> jobs;
+  jobs.reserve(calls.size());
+  for (const Call& c : calls)
+    jobs.emplace_back(c.q, c.k, c.v, c.T, c.causal, c.visible, c.gap, scale, lanes, amx,
+                      path == 4 || (path == 0 && exact_rows(c.q.size(1))));
+  run_items(jobs);
+  std::vector<torch::Tensor> out;
+  out.reserve(jobs.size());
+  for (const auto& j : jobs) out.push_back(j.merge());
+  return out;
 }
 
 template <typename KV>
-torch::Tensor run_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                     const bool* visible, const int64_t* gap, double scale, bool lanes, bool amx, bool exact) {
-  switch (q.size(2)) {
-    case 64: return run<64, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx, exact);
-    case 128: return run<128, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx, exact);
-    default: return run<256, KV>(q, k, v, T, causal, visible, gap, scale, lanes, amx, exact);
+std::vector<torch::Tensor> attend_kv(const std::vector<Call>& calls, double scale, bool lanes, bool amx, int64_t path) {
+  switch (calls[0].q.size(2)) {
+    case 64: return attend<64, KV>(calls, scale, lanes, amx, path);
+    case 128: return attend<128, KV>(calls, scale, lanes, amx, path);
+    default: return attend<256, KV>(calls, scale, lanes, amx, path);
   }
 }
 
@@ -1539,9 +1616,10 @@ torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch
 // measurements). bf16 K/V: the bf16 arithmetic (run()).
 bool bf16_dot_attention() { return BF16_DOT || amx_usable(); }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
-                               double scale, int64_t path, c10::optional<torch::Tensor> visible,
-                               c10::optional<torch::Tensor> gap) {
+namespace {
+// decode_attention's checks of one call (its error messages name decode_attention: the batch's calls are its)
+Call checked_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
+                  const c10::optional<torch::Tensor>& visible, const c10::optional<torch::Tensor>& gap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H, R, D], k/v [H, S, D]");
   const int64_t D = q.size(2);
   TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(2) == D && v.size(2) == D,
@@ -1569,10 +1647,18 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                 "token's first key past its gap)");
     gp = gap->data_ptr<int64_t>();
   }
+  return {q, k, v, T, causal, vis, gp};
+}
+
+std::vector<torch::Tensor> attend_calls(const std::vector<Call>& calls, double scale, int64_t path) {
   TORCH_CHECK(path >= 0 && path <= 4,
               "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX), 4 (per row, scores in lanes)");
-  TORCH_CHECK(path != 3 || (amx_usable() && k.scalar_type() == torch::kBFloat16),
+  const auto dtype = calls[0].k.scalar_type();
+  TORCH_CHECK(path != 3 || (amx_usable() && dtype == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
+  for (const Call& c : calls)
+    TORCH_CHECK(c.k.scalar_type() == dtype && c.q.size(2) == calls[0].q.size(2),
+                "decode_attention: a batch's calls must share the K/V dtype and head dim");
   // path 0 (what the model runs) is the per-row path at every row count, its scores computed rows-in-lanes where
   // exact_rows says that is faster (path 4, scores_exact: the same bits): a row's sums then run in the same order
   // whatever rows come with it, so a verification's rows are bit for bit the decode step's and greedy output stays
@@ -1581,13 +1667,30 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   // runs only when asked.
   const bool lanes = path == 2 || path == 3;
   const bool amx = path == 3;
-  const bool exact = path == 4 || (path == 0 && exact_rows(q.size(1)));
-  switch (k.scalar_type()) {
-    case torch::kFloat: return run_kv<float>(q, k, v, T, causal, vis, gp, scale, lanes, false, exact);
-    case torch::kBFloat16: return run_kv<c10::BFloat16>(q, k, v, T, causal, vis, gp, scale, lanes, amx, exact);
-    case torch::kHalf: return run_kv<c10::Half>(q, k, v, T, causal, vis, gp, scale, lanes, false, exact);
+  switch (dtype) {
+    case torch::kFloat: return attend_kv<float>(calls, scale, lanes, false, path);
+    case torch::kBFloat16: return attend_kv<c10::BFloat16>(calls, scale, lanes, amx, path);
+    case torch::kHalf: return attend_kv<c10::Half>(calls, scale, lanes, false, path);
     default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
   }
+}
+}  // namespace
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
+                               double scale, int64_t path, c10::optional<torch::Tensor> visible,
+                               c10::optional<torch::Tensor> gap) {
+  return attend_calls({checked_call(q, k, v, T, causal, visible, gap)}, scale, path)[0];
+}
+
+std::vector<torch::Tensor> decode_attention_batch(const std::vector<torch::Tensor>& q, const std::vector<torch::Tensor>& k,
+                                                  const std::vector<torch::Tensor>& v, const std::vector<int64_t>& T,
+                                                  const std::vector<c10::optional<torch::Tensor>>& gaps, double scale) {
+  TORCH_CHECK(!q.empty() && k.size() == q.size() && v.size() == q.size() && T.size() == q.size() &&
+                  gaps.size() == q.size(), "decode_attention_batch: one k, v, T and gap per q");
+  std::vector<Call> calls;
+  calls.reserve(q.size());
+  for (size_t i = 0; i < q.size(); ++i) calls.push_back(checked_call(q[i], k[i], v[i], T[i], T[i] > 1, c10::nullopt, gaps[i]));
+  return attend_calls(calls, scale, 0);
 }
 
 bool amx_attention() { return amx_usable(); }

@@ -41,11 +41,12 @@ struct Segment {
 };
 
 // One layer over the segments' rows -> {x, then each segment's rotated q [1, Hq, T, D]}. The linear layers, norms
-// and the MLP run over every row at once (the weights read once for all segments); RoPE, the cache write and
-// attention per segment, over its own cache. Every operation is row-wise or per segment, and the kernels compute a
-// row the same way whatever rows come with it (linear_panels, linear_packed: the same sums in the same order), so a
-// segment's output is bit for bit what the same layer gives it alone. `attend` (segment index, q [Hkv, g T, D], T)
-// -> [Hkv, g T, D] reads that segment's cache.
+// and the MLP run over every row at once (the weights read once for all segments); RoPE and the cache write per
+// segment, and attention over each segment's own cache, all segments' in one call. Every operation is row-wise or
+// per segment, and the kernels compute a row the same way whatever rows come with it (linear_panels,
+// linear_packed: the same sums in the same order; decode_attention_batch: each segment's bits alone), so a
+// segment's output is bit for bit what the same layer gives it alone. `attend` (each segment's q [Hkv, g T, D])
+// -> each one's [Hkv, g T, D] over its cache.
 template <typename Attend>
 std::vector<torch::Tensor> layer_forward(torch::Tensor x, const LayerWeights& w, const torch::Tensor& cos,
                                          const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
@@ -53,11 +54,9 @@ std::vector<torch::Tensor> layer_forward(torch::Tensor x, const LayerWeights& w,
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "decode_layers: x [1, rows, hidden]");
   const int64_t R = x.size(1), g = n_heads / n_kv_heads;
   auto qkv = linear(rms_norm(x, w.attn_norm, w.eps), w.qkv, w.qkv_bias);
-  std::vector<torch::Tensor> out{torch::Tensor()};
-  torch::Tensor attn;  // [1, R, Hq * D]: each segment's attention output at its rows
+  std::vector<torch::Tensor> out{torch::Tensor()}, queries;  // queries: [Hkv, g T, D] per segment
   int64_t r0 = 0;
-  for (size_t s = 0; s < segments.size(); ++s) {
-    const auto& seg = segments[s];
+  for (const auto& seg : segments) {
     const int64_t T = seg.rows, D = seg.k_cache.size(3);
     TORCH_CHECK(seg.k_cache.dim() == 4 && seg.k_cache.size(0) == 1 && seg.slot + T <= seg.k_cache.size(2),
                 "decode_layers: k/v cache [n_layers, 1, Hkv, capacity, D] with room for the rows");
@@ -66,19 +65,27 @@ std::vector<torch::Tensor> layer_forward(torch::Tensor x, const LayerWeights& w,
                         segments.size() == 1 ? cos : cos.narrow(0, r0, T).contiguous(),
                         segments.size() == 1 ? sin : sin.narrow(0, r0, T).contiguous(), n_heads, n_kv_heads,
                         seg.k_cache.select(0, 0).narrow(1, seg.slot, T), seg.v_cache.select(0, 0).narrow(1, seg.slot, T));
-    auto a = attend(s, q.view({n_kv_heads, g * T, D}), T);
-    a = T == 1 ? a.view({1, 1, n_heads * D})  // [Hq, 1, D] is already [1, Hq * D]
-               : a.view({1, n_heads, T, D}).transpose(1, 2).reshape({1, T, n_heads * D});
-    if (segments.size() == 1) {
-      attn = a;
-    } else {
-      if (!attn.defined()) attn = torch::empty({1, R, n_heads * D}, x.options());
-      attn.narrow(1, r0, T).copy_(a);
-    }
+    queries.push_back(q.view({n_kv_heads, g * T, D}));
     out.push_back(q);
     r0 += T;
   }
   TORCH_CHECK(r0 == R, "decode_layers: the segments' rows must add up to x's");
+  const auto attended = attend(queries);
+  torch::Tensor attn;  // [1, R, Hq * D]: each segment's attention output at its rows
+  r0 = 0;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const int64_t T = segments[s].rows, D = segments[s].k_cache.size(3);
+    const auto& a = attended[s];
+    const auto rows = T == 1 ? a.view({1, 1, n_heads * D})  // [Hq, 1, D] is already [1, Hq * D]
+                             : a.view({1, n_heads, T, D}).transpose(1, 2).reshape({1, T, n_heads * D});
+    if (segments.size() == 1) {
+      attn = rows;
+    } else {
+      if (!attn.defined()) attn = torch::empty({1, R, n_heads * D}, x.options());
+      attn.narrow(1, r0, T).copy_(rows);
+    }
+    r0 += T;
+  }
   x = add_into(linear(attn, w.o, c10::nullopt), x);
   auto m = linear(silu_mul(linear(rms_norm(x, w.mlp_norm, w.eps), w.gate_up, c10::nullopt)), w.down, c10::nullopt);
   out[0] = add_into(m, x);
@@ -105,13 +112,18 @@ std::vector<torch::Tensor> decode_layers_batch(torch::Tensor x, const LayerStack
     for (size_t s = 0; s < S; ++s)
       segments[s] = {k_caches[s].select(0, i), v_caches[s].select(0, i), slots[s], rows[s]};
     const double scale = stack.layers[i].scale;
-    const auto attend = [&](size_t s, const torch::Tensor& q, int64_t T) {
-      const auto& seg = segments[s];
-      c10::optional<torch::Tensor> gap;
-      if (!gaps.empty() && gaps[s].numel() > 0) gap = gaps[s];
-      return decode_attention(q, seg.k_cache.narrow(2, 0, seg.slot + T).select(0, 0),
-                              seg.v_cache.narrow(2, 0, seg.slot + T).select(0, 0), T, T > 1, scale, 0, c10::nullopt,
-                              gap);
+    const auto attend = [&](const std::vector<torch::Tensor>& q) {
+      std::vector<torch::Tensor> k(S), v(S);
+      std::vector<int64_t> T(S);
+      std::vector<c10::optional<torch::Tensor>> gap(S);
+      for (size_t s = 0; s < S; ++s) {
+        const auto& seg = segments[s];
+        T[s] = seg.rows;
+        k[s] = seg.k_cache.narrow(2, 0, seg.slot + T[s]).select(0, 0);
+        v[s] = seg.v_cache.narrow(2, 0, seg.slot + T[s]).select(0, 0);
+        if (!gaps.empty() && gaps[s].numel() > 0) gap[s] = gaps[s];
+      }
+      return decode_attention_batch(q, k, v, T, gap, scale);
     };
     auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, segments, attend);
     out[0] = xq[0];
@@ -191,8 +203,8 @@ std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack
     ql.fv = static_cast<const char*>(fv.data_ptr()) + i * fv.stride(0) * fv.element_size();
     ql.fk_s = fk.stride(2), ql.fv_s = fv.stride(2), ql.F = F;
     ql.kv = fk.scalar_type();
-    const auto attend = [&](size_t, const torch::Tensor& q, int64_t T) {
-      return quant_attention_layer(q, ql, lim, fmask, T, scale);
+    const auto attend = [&](const std::vector<torch::Tensor>& q) {  // (one segment)
+      return std::vector<torch::Tensor>{quant_attention_layer(q[0], ql, lim, fmask, T, scale)};
     };
     auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, {{kc, vc, slot, T}}, attend);
     out[0] = xq[0];

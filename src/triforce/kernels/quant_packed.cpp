@@ -558,7 +558,7 @@ void groups_many(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1
     const int64_t rows = std::min<int64_t>(MANY_ROWS, M - m0);
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gp = w + g * gbytes;
-      std::memset(acc, 0, sizeof(acc));
+      std::memset(acc, 0, rows * sizeof(acc[0]));  // (the pass's rows only: a decode batch has a few of 64)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = gp + b * GB;
         for (int l = 0; l < GB; l += 64) prefetch_l2(blk + pf_blocks<GB>() * GB + l);
@@ -705,10 +705,11 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
         for (int64_t k = 0; k < K; ++k) X16[m * K + k] = static_cast<int16_t>(256 * qx[m].q[k] + qx[m].r[k]);
     }
   };
-  if (M >= 16) at::parallel_for(0, M, 8, quantize);  // (a prefill chunk's rows: each on its own, as one row is)
+  // (each row on its own, as one row is; from 4 rows the fork is repaid: 2 us a row of 576)
+  if (M >= 4) at::parallel_for(0, M, 2, quantize);
   else quantize(0, M);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, gfirst.back(), 1, [&](int64_t b, int64_t e) {
+  const auto run = [&](int64_t b, int64_t e) {
     for (size_t i = 0; i < parts.size(); ++i) {
       const int64_t lo = std::max(b, gfirst[i]), hi = std::min(e, gfirst[i + 1]);
       if (lo >= hi) continue;
@@ -727,7 +728,11 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
         groups<F>(w, K / F::QK, rows[i], lo - gfirst[i], hi - gfirst[i], qx.data(), M, yp + first[i], N);
       });
     }
-  });
+  };
+  // One row (a decode step) streams the weights from memory: each thread an equal contiguous share, in order. From
+  // 4 rows the arithmetic is the time: groups in chunks taken as threads come free (parallel_chunks), 8 a thread.
+  if (M < 4) at::parallel_for(0, gfirst.back(), 1, run);
+  else parallel_chunks(gfirst.back(), std::max<int64_t>(1, gfirst.back() / (8 * at::get_num_threads())), run);
   return y;
 }
 
