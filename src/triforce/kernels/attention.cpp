@@ -961,16 +961,16 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   pf.finish();
 }
 
-// The blocks' partial results -> out [H, R, D]: per row, the blocks' o_b merged by their log-sum-exp
-// (blocks with l_b = 0, every key masked for the row, are skipped). parts: o [H, nb, R, D], then m and l
-// [H, nb, R].
+// The blocks' partial results -> out: per row, the blocks' o_b merged by their log-sum-exp (blocks with l_b = 0,
+// every key masked for the row, are skipped). parts: o [H, nb, R, D], then m and l [H, nb, R]. Row r of head h
+// (query head h g + r / T of the group, token r % T) goes to out + h out_h + (r / T) out_g + (r % T) out_t: for
+// [H, R, D], out_h = R D, out_g = T D, out_t = D; for a layer's attention output [T, Hq D], g D, D and Hq D.
 // B2: m_b are base-2 references (integers), the weights exact powers of two.
 template <int64_t D, bool B2 = false>
-torch::Tensor merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R, const torch::TensorOptions& opts) {
+void merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R, int64_t T, float* out, int64_t out_h,
+                  int64_t out_g, int64_t out_t) {
   const float* m_part = o_part + H * nb * R * D;
   const float* l_part = m_part + H * nb * R;
-  auto out = torch::empty({H, R, D}, opts);
-  float* op = out.data_ptr<float>();
   // a thread's share at least ~64K partial values: a decode step's 9 rows (9 x 64 blocks of 64 values at 8K)
   // merge in a few us, less than the fork of a parallel region costs
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (nb * D));
@@ -990,31 +990,29 @@ torch::Tensor merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R
         for (int c = 0; c < D / W; ++c) acc[c] = fma(Vec(wt), Vec::loadu(ob + c * W), acc[c]);
       }
       const Vec inv(1.f / l);
-      for (int c = 0; c < D / W; ++c) (acc[c] * inv).store(op + hr * D + c * W);
+      float* o = out + h * out_h + (r / T) * out_g + (r % T) * out_t;
+      for (int c = 0; c < D / W; ++c) (acc[c] * inv).store(o + c * W);
     }
   });
-  return out;
 }
 
-// The queries for either path: per-row, q scaled [H, R, D]; lanes, q scaled, transposed and zero-padded
-// [H, D, RP] (RP = NV * W). One small copy here instead of PyTorch's mul / transpose / pad / contiguous,
-// each a dispatch. round: each scaled query element rounded to bf16 (the bf16 arithmetic).
-torch::Tensor scaled_queries(const torch::Tensor& q, double scale, bool lanes, int64_t RP, bool round = false) {
-  const int64_t H = q.size(0), R = q.size(1), D = q.size(2);
-  const auto qs = torch::empty({H * (lanes ? D * RP : R * D)}, q.options());
-  const auto qa = q.accessor<float, 3>();
-  float* dst = qs.data_ptr<float>();
+// The queries for either path, from q [H, R, D] (contiguous) into dst: per-row, q scaled [H, R, D]; lanes, q
+// scaled, transposed and zero-padded [H, D, RP] (RP = NV * W). One small copy here instead of PyTorch's mul /
+// transpose / pad / contiguous, each a dispatch. round: each scaled query element rounded to bf16 (the bf16
+// arithmetic).
+void scaled_queries(const float* q, int64_t H, int64_t R, int64_t D, double scale, bool lanes, int64_t RP, bool round,
+                    float* dst) {
   const float sc = static_cast<float>(scale);
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r = 0; r < (lanes ? RP : R); ++r)
       for (int64_t d = 0; d < D; ++d) {
-        const float x = r < R ? (round ? round_bf16(qa[h][r][d] * sc) : qa[h][r][d] * sc) : 0.f;
+        const float qv = r < R ? q[(h * R + r) * D + d] * sc : 0.f;
+        const float x = round ? round_bf16(qv) : qv;
         if (lanes)
           dst[(h * D + d) * RP + r] = x;
         else
           dst[(h * R + r) * D + d] = x;
       }
-  return qs;
 }
 
 // The arithmetic: fp32 over fp32 / fp16 K/V. Over bf16 K/V (RB) every product is bf16 x bf16 (exact in fp32) as
@@ -1035,11 +1033,12 @@ template <int64_t D, typename KV>
 struct Attention {
   static constexpr int64_t BS = block_keys<D, KV>();
   static constexpr bool RB = std::is_same_v<KV, c10::BFloat16>;
+  AttentionCall c;
   int64_t H, R, S, T, NV, RP, nb, ks, vs;
   bool causal, lanes, amx, exact;
   const bool* visible;
   const int64_t* gap;
-  torch::Tensor qs, parts;
+  std::unique_ptr<float[]> qs, parts;  // the scaled queries (scaled_queries); the blocks' partial results
   // AMX or AVX512-BF16 (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs]
   // [16 rows][2] (RP is a multiple of 16 on AVX-512, the only build with either)
   std::vector<uint16_t> qb;
@@ -1047,16 +1046,17 @@ struct Attention {
   const KV *kp, *vp;
   float *o_part, *m_part, *l_part;
 
-  Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T_, bool causal_,
-            const bool* visible_, const int64_t* gap_, double scale, bool lanes_, bool amx_, bool exact_)
-      : H(q.size(0)), R(q.size(1)), S(k.size(1)), T(T_), NV((R + W - 1) / W), RP(NV * W), nb((S + BS - 1) / BS),
-        ks(k.stride(0)), vs(v.stride(0)), causal(causal_), lanes(lanes_), amx(amx_), exact(exact_), visible(visible_),
-        gap(gap_) {
-    qs = scaled_queries(q, scale, lanes || exact, RP, RB);  // scores_exact reads them transposed
+  Attention(const AttentionCall& call, double scale, bool lanes_, bool amx_, bool exact_)
+      : c(call), H(call.H), R(call.R), S(call.S), T(call.T), NV((R + W - 1) / W), RP(NV * W),
+        nb((S + BS - 1) / BS), ks(call.ks), vs(call.vs), causal(call.causal), lanes(lanes_), amx(amx_),
+        exact(exact_), visible(call.visible), gap(call.gap) {
+    const bool transposed = lanes || exact;  // scores_exact reads them transposed
+    qs.reset(new float[H * (transposed ? D * RP : R * D)]);
+    scaled_queries(call.q, H, R, D, scale, transposed, RP, RB, qs.get());
     if ((amx || BF16_DOT) && RB && lanes) {
       const int64_t NQ = RP / 16;
       qb.assign(H * NQ * D * 16, 0);
-      const float* qt = qs.data_ptr<float>();
+      const float* qt = qs.get();
       for (int64_t h = 0; h < H; ++h)
         for (int64_t g = 0; g < NQ; ++g)
           for (int64_t d = 0; d < D; ++d)
@@ -1065,14 +1065,14 @@ struct Attention {
               qb[(((h * NQ + g) * (D / 32) + d / 32) * 16 + (d % 32) / 2) * 32 + i * 2 + d % 2] = x.x;
             }
     }
-    // per-block partial results (not zero-filled: every block writes all of its rows)
-    parts = torch::empty({H * nb * R * (D + 2)}, q.options());
-    o_part = parts.data_ptr<float>();
+    // (not zero-filled: every block writes all of its rows)
+    parts.reset(new float[H * nb * R * (D + 2)]);
+    o_part = parts.get();
     m_part = o_part + H * nb * R * D;
     l_part = m_part + H * nb * R;
-    qp = qs.data_ptr<float>();
-    kp = reinterpret_cast<const KV*>(k.data_ptr());
-    vp = reinterpret_cast<const KV*>(v.data_ptr());
+    qp = qs.get();
+    kp = static_cast<const KV*>(call.k);
+    vp = static_cast<const KV*>(call.v);
   }
 
   int64_t items() const { return H * nb; }
@@ -1119,7 +1119,7 @@ struct Attention {
                             mb, lb, exact ? qp + h * D * RP : nullptr, RP, st);
   }
 
-  torch::Tensor merge() const { return merge_blocks<D, RB>(o_part, H, nb, R, qs.options()); }
+  void merge() const { merge_blocks<D, RB>(o_part, H, nb, R, T, c.out, c.out_h, c.out_g, c.out_t); }
 };
 
 // Every item of every call in one parallel region (a thread's items may span calls: an item is the same whoever
@@ -1156,33 +1156,21 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
   else parallel_chunks(first.back(), BATCH_CHUNK, run);
 }
 
-// One call (q [H, R, D] over k / v) or several, all of one head dim and K/V dtype, each with its own cache, mask and
-// row count; path as decode_attention's.
-struct Call {
-  torch::Tensor q, k, v;
-  int64_t T;
-  bool causal;
-  const bool* visible;
-  const int64_t* gap;
-};
-
+// Several calls (or one), all of one head dim and K/V dtype, each with its own cache, mask and row count; path as
+// decode_attention's. Each call's output goes where its AttentionCall says.
 template <int64_t D, typename KV>
-std::vector<torch::Tensor> attend(const std::vector<Call>& calls, double scale, bool lanes, bool amx, int64_t path) {
+void attend(const std::vector<AttentionCall>& calls, double scale, bool lanes, bool amx, int64_t path) {
   std::vector<Attention<D, KV>> jobs;
   jobs.reserve(calls.size());
-  for (const Call& c : calls)
-    jobs.emplace_back(c.q, c.k, c.v, c.T, c.causal, c.visible, c.gap, scale, lanes, amx,
-                      path == 4 || (path == 0 && exact_rows(c.q.size(1))));
+  for (const AttentionCall& c : calls)
+    jobs.emplace_back(c, scale, lanes, amx, path == 4 || (path == 0 && exact_rows(c.R)));
   run_items(jobs);
-  std::vector<torch::Tensor> out;
-  out.reserve(jobs.size());
-  for (const auto& j : jobs) out.push_back(j.merge());
-  return out;
+  for (const auto& j : jobs) j.merge();
 }
 
 template <typename KV>
-std::vector<torch::Tensor> attend_kv(const std::vector<Call>& calls, double scale, bool lanes, bool amx, int64_t path) {
-  switch (calls[0].q.size(2)) {
+void attend_kv(const std::vector<AttentionCall>& calls, double scale, bool lanes, bool amx, int64_t path) {
+  switch (calls[0].D) {
     case 64: return attend<64, KV>(calls, scale, lanes, amx, path);
     case 128: return attend<128, KV>(calls, scale, lanes, amx, path);
     default: return attend<256, KV>(calls, scale, lanes, amx, path);
@@ -1523,12 +1511,14 @@ torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch
   constexpr int64_t NB = D / 32;
   const int64_t H = q.size(0), R = q.size(1), Sq = L.Sq, F = L.F;
   const int64_t nq = Sq / QB, nf = (F + QB - 1) / QB, nb = nq + nf;
-  const auto qs = scaled_queries(q, scale, false, R);
+  const auto qc = q.contiguous();
+  std::vector<float> qs(H * R * D);
+  scaled_queries(qc.data_ptr<float>(), H, R, D, scale, false, R, false, qs.data());
   const auto parts = torch::empty({H * nb * R * (D + 2)}, q.options());
   float* const o_part = parts.data_ptr<float>();
   float* const m_part = o_part + H * nb * R * D;
   float* const l_part = m_part + H * nb * R;
-  const float* qp = qs.data_ptr<float>();
+  const float* qp = qs.data();
   const int64_t* limp = lim.data_ptr<int64_t>();
   const bool* maskp = fmask.data_ptr<bool>();
   const bool eight_bit = L.k_lo != nullptr;
@@ -1605,7 +1595,9 @@ torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch
       }
     }
   });
-  return merge_blocks<D>(o_part, H, nb, R, q.options());
+  auto out = torch::empty({H, R, D}, q.options());
+  merge_blocks<D>(o_part, H, nb, R, T, out.data_ptr<float>(), R * D, T * D, D);
+  return out;
 }
 
 }  // namespace
@@ -1617,14 +1609,15 @@ torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch
 bool bf16_dot_attention() { return BF16_DOT || amx_usable(); }
 
 namespace {
-// decode_attention's checks of one call (its error messages name decode_attention: the batch's calls are its)
-Call checked_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T, bool causal,
-                  const c10::optional<torch::Tensor>& visible, const c10::optional<torch::Tensor>& gap) {
+// decode_attention's checks of its operands -> the call, writing into out [H, R, D]
+AttentionCall checked_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T,
+                           bool causal, const c10::optional<torch::Tensor>& visible,
+                           const c10::optional<torch::Tensor>& gap, torch::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H, R, D], k/v [H, S, D]");
   const int64_t D = q.size(2);
   TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(2) == D && v.size(2) == D,
               "decode_attention: head dim 64, 128 or 256");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat, "decode_attention: q must be fp32");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "decode_attention: q must be contiguous fp32");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "decode_attention: k and v of one dtype");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
               "decode_attention: k/v rows must be contiguous");
@@ -1647,18 +1640,24 @@ Call checked_call(const torch::Tensor& q, const torch::Tensor& k, const torch::T
                 "token's first key past its gap)");
     gp = gap->data_ptr<int64_t>();
   }
-  return {q, k, v, T, causal, vis, gp};
+  out = torch::empty({H, R, D}, q.options());
+  return {q.data_ptr<float>(), H, R, D, k.data_ptr(), v.data_ptr(), S, k.stride(0), v.stride(0), k.scalar_type(),
+          T, causal, vis, gp, out.data_ptr<float>(), R * D, T * D, D};
 }
+}  // namespace
 
-std::vector<torch::Tensor> attend_calls(const std::vector<Call>& calls, double scale, int64_t path) {
+void decode_attention_calls(const std::vector<AttentionCall>& calls, double scale, int64_t path) {
+  TORCH_CHECK(!calls.empty(), "decode_attention: no calls");
   TORCH_CHECK(path >= 0 && path <= 4,
               "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX), 4 (per row, scores in lanes)");
-  const auto dtype = calls[0].k.scalar_type();
+  const auto dtype = calls[0].kv;
   TORCH_CHECK(path != 3 || (amx_usable() && dtype == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
-  for (const Call& c : calls)
-    TORCH_CHECK(c.k.scalar_type() == dtype && c.q.size(2) == calls[0].q.size(2),
-                "decode_attention: a batch's calls must share the K/V dtype and head dim");
+  for (const AttentionCall& c : calls)
+    TORCH_CHECK(c.kv == dtype && c.D == calls[0].D && (c.D == 64 || c.D == 128 || c.D == 256) && c.R <= MAX_ROWS &&
+                    c.T >= 1 && c.R % c.T == 0 && c.S >= c.T,
+                "decode_attention: a batch's calls must share the K/V dtype and head dim (64, 128 or 256), with at "
+                "most 64 rows each");
   // path 0 (what the model runs) is the per-row path at every row count, its scores computed rows-in-lanes where
   // exact_rows says that is faster (path 4, scores_exact: the same bits): a row's sums then run in the same order
   // whatever rows come with it, so a verification's rows are bit for bit the decode step's and greedy output stays
@@ -1674,23 +1673,14 @@ std::vector<torch::Tensor> attend_calls(const std::vector<Call>& calls, double s
     default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
   }
 }
-}  // namespace
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path, c10::optional<torch::Tensor> visible,
                                c10::optional<torch::Tensor> gap) {
-  return attend_calls({checked_call(q, k, v, T, causal, visible, gap)}, scale, path)[0];
-}
-
-std::vector<torch::Tensor> decode_attention_batch(const std::vector<torch::Tensor>& q, const std::vector<torch::Tensor>& k,
-                                                  const std::vector<torch::Tensor>& v, const std::vector<int64_t>& T,
-                                                  const std::vector<c10::optional<torch::Tensor>>& gaps, double scale) {
-  TORCH_CHECK(!q.empty() && k.size() == q.size() && v.size() == q.size() && T.size() == q.size() &&
-                  gaps.size() == q.size(), "decode_attention_batch: one k, v, T and gap per q");
-  std::vector<Call> calls;
-  calls.reserve(q.size());
-  for (size_t i = 0; i < q.size(); ++i) calls.push_back(checked_call(q[i], k[i], v[i], T[i], T[i] > 1, c10::nullopt, gaps[i]));
-  return attend_calls(calls, scale, 0);
+  q = q.contiguous();
+  torch::Tensor out;
+  decode_attention_calls({checked_call(q, k, v, T, causal, visible, gap, out)}, scale, path);
+  return out;
 }
 
 bool amx_attention() { return amx_usable(); }

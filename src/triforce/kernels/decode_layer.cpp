@@ -32,60 +32,54 @@ torch::Tensor add_into(torch::Tensor y, const torch::Tensor& x) {
   return y;
 }
 
-// One segment of a forward's rows: one sequence's T consecutive rows of x, over its own cache layer k_cache /
-// v_cache [1, Hkv, capacity, D], written at `slot`. A forward over several sequences (a serving batch:
-// decode_layers_batch) has one segment per sequence; a single sequence's forward has one.
+// One segment of a forward's rows: one sequence's T consecutive rows of x, over its own cache layer: k / v
+// [Hkv, capacity, D] of dtype kv (each head's rows contiguous, heads hs elements apart), written at `slot`.
+// Pointers, not tensor views: views cost a dispatch each, about 20 per sequence and layer, and a serving batch of 8
+// one-row requests spent 4 ms a step on them (26.3 ms against 22.4 for one 8-row request at 16 cached tokens).
+// A forward over several sequences (a serving batch: decode_layers_batch) has one segment per sequence; a single
+// sequence's forward has one.
 struct Segment {
-  torch::Tensor k_cache, v_cache;
+  char* k;
+  char* v;
+  int64_t hs;
+  c10::ScalarType kv;
   int64_t slot, rows;
+  const int64_t* gap;  // a StreamingLLM window's (decode_attention's gap), or null
 };
 
-// One layer over the segments' rows -> {x, then each segment's rotated q [1, Hq, T, D]}. The linear layers, norms
-// and the MLP run over every row at once (the weights read once for all segments); RoPE and the cache write per
-// segment, and attention over each segment's own cache, all segments' in one call. Every operation is row-wise or
-// per segment, and the kernels compute a row the same way whatever rows come with it (linear_panels,
-// linear_packed: the same sums in the same order; decode_attention_batch: each segment's bits alone), so a
-// segment's output is bit for bit what the same layer gives it alone. `attend` (each segment's q [Hkv, g T, D])
-// -> each one's [Hkv, g T, D] over its cache.
+// One layer over the segments' rows -> {x, then (queries) each segment's rotated q [1, Hq, T, D]}. The linear
+// layers, norms and the MLP run over every row at once (the weights read once for all segments); RoPE and the cache
+// write per segment, and attention over each segment's own cache, all segments' in one call. Every operation is
+// row-wise or per segment, and the kernels compute a row the same way whatever rows come with it (linear_panels,
+// linear_packed: the same sums in the same order; decode_attention_calls: each call's bits alone), so a segment's
+// output is bit for bit what the same layer gives it alone. cos / sin: [R, D] contiguous. `attend` (q: each
+// segment's [Hq, T, D] in turn, attn [1, R, Hq D]) writes each segment's attention output at its rows.
 template <typename Attend>
 std::vector<torch::Tensor> layer_forward(torch::Tensor x, const LayerWeights& w, const torch::Tensor& cos,
                                          const torch::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
-                                         const std::vector<Segment>& segments, const Attend& attend) {
+                                         const std::vector<Segment>& segments, bool queries, const Attend& attend) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "decode_layers: x [1, rows, hidden]");
-  const int64_t R = x.size(1), g = n_heads / n_kv_heads;
-  auto qkv = linear(rms_norm(x, w.attn_norm, w.eps), w.qkv, w.qkv_bias);
-  std::vector<torch::Tensor> out{torch::Tensor()}, queries;  // queries: [Hkv, g T, D] per segment
+  const int64_t R = x.size(1), D = cos.size(1), C = (n_heads + 2 * n_kv_heads) * D;
+  const auto qkv = linear(rms_norm(x, w.attn_norm, w.eps), w.qkv, w.qkv_bias).contiguous();
+  TORCH_CHECK(qkv.size(1) == R && qkv.size(2) == C, "decode_layers: qkv [1, rows, (Hq + 2 Hkv) D]");
+  auto q = torch::empty({R * n_heads * D}, x.options());
+  const float* qkvp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  std::vector<torch::Tensor> out{torch::Tensor()};
   int64_t r0 = 0;
   for (const auto& seg : segments) {
-    const int64_t T = seg.rows, D = seg.k_cache.size(3);
-    TORCH_CHECK(seg.k_cache.dim() == 4 && seg.k_cache.size(0) == 1 && seg.slot + T <= seg.k_cache.size(2),
-                "decode_layers: k/v cache [n_layers, 1, Hkv, capacity, D] with room for the rows");
-    // q [1, Hq, T, D]; k and v written into the cache's slots in its dtype, as FullCache.update stores them
-    auto q = rope_store(segments.size() == 1 ? qkv : qkv.narrow(1, r0, T).contiguous(),
-                        segments.size() == 1 ? cos : cos.narrow(0, r0, T).contiguous(),
-                        segments.size() == 1 ? sin : sin.narrow(0, r0, T).contiguous(), n_heads, n_kv_heads,
-                        seg.k_cache.select(0, 0).narrow(1, seg.slot, T), seg.v_cache.select(0, 0).narrow(1, seg.slot, T));
-    queries.push_back(q.view({n_kv_heads, g * T, D}));
-    out.push_back(q);
+    const int64_t T = seg.rows, at = seg.slot * D * c10::elementSize(seg.kv);
+    // k and v written into the cache's slots in its dtype, as FullCache.update stores them
+    rope_store_rows(qkvp + r0 * C, cp + r0 * D, sp + r0 * D, T, D, n_heads, n_kv_heads, qp + r0 * n_heads * D,
+                    seg.k + at, seg.v + at, seg.hs, seg.kv);
+    if (queries) out.push_back(q.narrow(0, r0 * n_heads * D, T * n_heads * D).view({1, n_heads, T, D}));
     r0 += T;
   }
   TORCH_CHECK(r0 == R, "decode_layers: the segments' rows must add up to x's");
-  const auto attended = attend(queries);
-  torch::Tensor attn;  // [1, R, Hq * D]: each segment's attention output at its rows
-  r0 = 0;
-  for (size_t s = 0; s < segments.size(); ++s) {
-    const int64_t T = segments[s].rows, D = segments[s].k_cache.size(3);
-    const auto& a = attended[s];
-    const auto rows = T == 1 ? a.view({1, 1, n_heads * D})  // [Hq, 1, D] is already [1, Hq * D]
-                             : a.view({1, n_heads, T, D}).transpose(1, 2).reshape({1, T, n_heads * D});
-    if (segments.size() == 1) {
-      attn = rows;
-    } else {
-      if (!attn.defined()) attn = torch::empty({1, R, n_heads * D}, x.options());
-      attn.narrow(1, r0, T).copy_(rows);
-    }
-    r0 += T;
-  }
+  auto attn = torch::empty({1, R, n_heads * D}, x.options());
+  attend(q, attn);
   x = add_into(linear(attn, w.o, c10::nullopt), x);
   auto m = linear(silu_mul(linear(rms_norm(x, w.mlp_norm, w.eps), w.gate_up, c10::nullopt)), w.down, c10::nullopt);
   out[0] = add_into(m, x);
@@ -103,29 +97,59 @@ std::vector<torch::Tensor> decode_layers_batch(torch::Tensor x, const LayerStack
   const size_t S = k_caches.size();
   TORCH_CHECK(S > 0 && v_caches.size() == S && slots.size() == S && rows.size() == S && (gaps.empty() || gaps.size() == S),
               "decode_layers_batch: one k/v cache, slot and row count (and gap, if any) per segment");
-  for (size_t s = 0; s < S; ++s)
-    TORCH_CHECK(k_caches[s].dim() == 5 && k_caches[s].size(0) == L && v_caches[s].sizes() == k_caches[s].sizes(),
-                "decode_layers: k/v cache [n_layers, 1, Hkv, capacity, D], one layer per LayerWeights");
-  std::vector<torch::Tensor> out{x};
+  TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "decode_layers: query heads a multiple of the KV heads");
+  const int64_t g = n_heads / n_kv_heads;
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  // every cache checked here once; each layer's segments are then pointer arithmetic
   std::vector<Segment> segments(S);
+  for (size_t s = 0; s < S; ++s) {
+    const auto& k = k_caches[s];
+    const auto& v = v_caches[s];
+    TORCH_CHECK(k.dim() == 5 && k.size(0) == L && k.size(1) == 1 && k.size(2) == n_kv_heads && v.sizes() == k.sizes() &&
+                    v.strides() == k.strides() && v.scalar_type() == k.scalar_type() && k.size(4) == cos.size(1) &&
+                    k.stride(4) == 1 && k.stride(3) == k.size(4),
+                "decode_layers: k/v cache [n_layers, 1, Hkv, capacity, D] of one dtype with contiguous rows, one layer "
+                "per LayerWeights");
+    TORCH_CHECK(slots[s] >= 0 && rows[s] >= 1 && slots[s] + rows[s] <= k.size(3) && g * rows[s] <= 64,
+                "decode_layers: each cache with room for its rows, at most 64 query rows per KV head");
+    const int64_t* gp = nullptr;
+    if (!gaps.empty() && gaps[s].numel() > 0) {
+      TORCH_CHECK(gaps[s].scalar_type() == torch::kLong && gaps[s].dim() == 1 && gaps[s].size(0) == rows[s] + 1 &&
+                      gaps[s].is_contiguous() && gaps[s].device().is_cpu(),
+                  "decode_layers: a gap must be a contiguous [T + 1] int64 CPU tensor");
+      gp = gaps[s].data_ptr<int64_t>();
+    }
+    segments[s] = {static_cast<char*>(k.data_ptr()), static_cast<char*>(v.data_ptr()), k.stride(2), k.scalar_type(),
+                   slots[s], rows[s], gp};
+  }
+  TORCH_CHECK(cos.size(0) == x.size(1) && sin.sizes() == cos.sizes(), "decode_layers: cos / sin [rows, D]");
+  const int64_t D = cos.size(1);
+  std::vector<torch::Tensor> out{x};
+  std::vector<Segment> layer(S);  // this layer's
+  std::vector<AttentionCall> calls(S);
   for (int64_t i = 0; i < L; ++i) {
-    for (size_t s = 0; s < S; ++s)
-      segments[s] = {k_caches[s].select(0, i), v_caches[s].select(0, i), slots[s], rows[s]};
-    const double scale = stack.layers[i].scale;
-    const auto attend = [&](const std::vector<torch::Tensor>& q) {
-      std::vector<torch::Tensor> k(S), v(S);
-      std::vector<int64_t> T(S);
-      std::vector<c10::optional<torch::Tensor>> gap(S);
+    for (size_t s = 0; s < S; ++s) {
+      const int64_t bytes = i * k_caches[s].stride(0) * k_caches[s].element_size();
+      layer[s] = segments[s];
+      layer[s].k += bytes;
+      layer[s].v += bytes;
+    }
+    const auto attend = [&](const torch::Tensor& q, torch::Tensor& attn) {
+      const float* qp = q.data_ptr<float>();
+      float* ap = attn.data_ptr<float>();
+      int64_t r0 = 0;
       for (size_t s = 0; s < S; ++s) {
-        const auto& seg = segments[s];
-        T[s] = seg.rows;
-        k[s] = seg.k_cache.narrow(2, 0, seg.slot + T[s]).select(0, 0);
-        v[s] = seg.v_cache.narrow(2, 0, seg.slot + T[s]).select(0, 0);
-        if (!gaps.empty() && gaps[s].numel() > 0) gap[s] = gaps[s];
+        const auto& seg = layer[s];
+        const int64_t T = seg.rows;
+        // q [Hkv, g T, D] over the keys up to the segment's last row; its rows into attn's [T, Hq D] at its rows
+        calls[s] = {qp + r0 * n_heads * D, n_kv_heads, g * T, D, seg.k, seg.v, seg.slot + T, seg.hs, seg.hs, seg.kv,
+                    T, T > 1, nullptr, seg.gap, ap + r0 * n_heads * D, g * D, D, n_heads * D};
+        r0 += T;
       }
-      return decode_attention_batch(q, k, v, T, gap, scale);
+      decode_attention_calls(calls, stack.layers[i].scale);
     };
-    auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, segments, attend);
+    auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, layer, queries, attend);
     out[0] = xq[0];
     if (queries) out.insert(out.end(), xq.begin() + 1, xq.end());
   }
@@ -180,11 +204,14 @@ std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack
   for (int j : {6, 7}) check(j, q_end, D / 32, torch::kHalf);
   TORCH_CHECK(planes[3].strides() == planes[2].strides() && planes[7].strides() == planes[6].strides(),
               "decode_layers_quant: zeros laid out as their scales");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "decode_layers_quant: cos / sin [T, D]");
   const auto at = [&](int j, int64_t i) { return static_cast<const char*>(planes[j].data_ptr()) +
                                                  i * planes[j].stride(0) * planes[j].element_size(); };
   std::vector<torch::Tensor> out{x};
   for (int64_t i = 0; i < L; ++i) {
-    const auto kc = fk.select(0, i), vc = fv.select(0, i);
     const double scale = stack.layers[i].scale;
     QuantLayer ql{};
     ql.k_hi = reinterpret_cast<const uint8_t*>(at(0, i));
@@ -203,10 +230,15 @@ std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack
     ql.fv = static_cast<const char*>(fv.data_ptr()) + i * fv.stride(0) * fv.element_size();
     ql.fk_s = fk.stride(2), ql.fv_s = fv.stride(2), ql.F = F;
     ql.kv = fk.scalar_type();
-    const auto attend = [&](const std::vector<torch::Tensor>& q) {  // (one segment)
-      return std::vector<torch::Tensor>{quant_attention_layer(q[0], ql, lim, fmask, T, scale)};
+    const auto attend = [&](const torch::Tensor& q, torch::Tensor& attn) {  // (one segment: [Hkv, g T, D] -> [T, Hq D])
+      const int64_t g = n_heads / n_kv_heads;
+      const auto a = quant_attention_layer(q.view({n_kv_heads, g * T, D}), ql, lim, fmask, T, scale);
+      attn.view({T, n_kv_heads, g, D}).permute({1, 2, 0, 3}).copy_(a.view({n_kv_heads, g, T, D}));
     };
-    auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, {{kc, vc, slot, T}}, attend);
+    const int64_t layer_bytes = i * fk.stride(0) * fk.element_size();
+    const Segment seg{static_cast<char*>(fk.data_ptr()) + layer_bytes, static_cast<char*>(fv.data_ptr()) + layer_bytes,
+                      fk.stride(2), fk.scalar_type(), slot, T, nullptr};
+    auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, {seg}, queries, attend);
     out[0] = xq[0];
     if (queries) out.push_back(xq[1]);
   }

@@ -104,6 +104,25 @@ std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torc
   return {q, k, v};
 }
 
+void rope_store_rows(const float* qkv, const float* cos, const float* sin, int64_t T, int64_t D, int64_t n_heads,
+                     int64_t n_kv_heads, float* q, void* k_dst, void* v_dst, int64_t head_stride, c10::ScalarType kv) {
+  switch (kv) {  // a few KB: one thread
+    case torch::kFloat:
+      rotate_tokens(qkv, cos, sin, T, D, n_heads, n_kv_heads, q, static_cast<float*>(k_dst), static_cast<float*>(v_dst),
+                    head_stride, 0, T);
+      break;
+    case torch::kHalf:
+      rotate_tokens(qkv, cos, sin, T, D, n_heads, n_kv_heads, q, static_cast<c10::Half*>(k_dst),
+                    static_cast<c10::Half*>(v_dst), head_stride, 0, T);
+      break;
+    case torch::kBFloat16:
+      rotate_tokens(qkv, cos, sin, T, D, n_heads, n_kv_heads, q, static_cast<c10::BFloat16*>(k_dst),
+                    static_cast<c10::BFloat16*>(v_dst), head_stride, 0, T);
+      break;
+    default: TORCH_CHECK(false, "rope_store: k/v must be fp32, bf16 or fp16");
+  }
+}
+
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
                          torch::Tensor k_dst, torch::Tensor v_dst) {
   check_rope_args(qkv, cos, sin, n_heads, n_kv_heads);
@@ -116,25 +135,8 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
                   k_dst.stride(2) == 1 && k_dst.stride(1) == D && k_dst.scalar_type() == v_dst.scalar_type(),
               "rope_store: k/v destinations [Hkv, T, D] with contiguous token rows, one dtype");
   auto q = torch::empty({1, n_heads, T, D}, qkv.options());
-  const int64_t hs = k_dst.stride(0);
-  const float* xp = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  switch (k_dst.scalar_type()) {  // a few KB: one thread
-    case torch::kFloat:
-      rotate_tokens(xp, cp, sp, T, D, n_heads, n_kv_heads, qp, k_dst.data_ptr<float>(), v_dst.data_ptr<float>(), hs, 0, T);
-      break;
-    case torch::kHalf:
-      rotate_tokens(xp, cp, sp, T, D, n_heads, n_kv_heads, qp, k_dst.data_ptr<c10::Half>(),
-                    v_dst.data_ptr<c10::Half>(), hs, 0, T);
-      break;
-    case torch::kBFloat16:
-      rotate_tokens(xp, cp, sp, T, D, n_heads, n_kv_heads, qp, k_dst.data_ptr<c10::BFloat16>(),
-                    v_dst.data_ptr<c10::BFloat16>(), hs, 0, T);
-      break;
-    default: TORCH_CHECK(false, "rope_store: k/v must be fp32, bf16 or fp16");
-  }
+  rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, D, n_heads, n_kv_heads,
+                  q.data_ptr<float>(), k_dst.data_ptr(), v_dst.data_ptr(), k_dst.stride(0), k_dst.scalar_type());
   return q;
 }
 

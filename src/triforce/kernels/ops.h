@@ -44,12 +44,27 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t T, bool causal,
                                double scale, int64_t path, c10::optional<torch::Tensor> visible,
                                c10::optional<torch::Tensor> gap = c10::nullopt);
-// attention.cpp: decode_attention (path 0) for several sequences at once, each q[i] over its own k[i] / v[i], causal
-// over its last T[i] keys when T[i] > 1, gaps[i] as gap: every call's work items in one parallel region, each
-// result the same bits as the call alone.
-std::vector<torch::Tensor> decode_attention_batch(const std::vector<torch::Tensor>& q, const std::vector<torch::Tensor>& k,
-                                                  const std::vector<torch::Tensor>& v, const std::vector<int64_t>& T,
-                                                  const std::vector<c10::optional<torch::Tensor>>& gaps, double scale);
+// attention.cpp: one decode_attention over raw operands. q [H, R, D] fp32 (contiguous); K / V [H, S, D] of dtype kv,
+// each head's rows contiguous, heads ks / vs elements apart; causal over the last T keys, visible and gap as
+// decode_attention's (or null). Row r of head h (query head h g + r / T of its group, token r % T) is written to
+// out + h out_h + (r / T) out_g + (r % T) out_t.
+struct AttentionCall {
+  const float* q;
+  int64_t H, R, D;
+  const void* k;
+  const void* v;
+  int64_t S, ks, vs;
+  c10::ScalarType kv;
+  int64_t T;
+  bool causal;
+  const bool* visible;
+  const int64_t* gap;
+  float* out;
+  int64_t out_h, out_g, out_t;
+};
+// attention.cpp: several such calls at once (a serving batch's sequences, each over its own cache; all of one head
+// dim and K/V dtype): every call's work items in one parallel region, each call's rows the same bits as alone.
+void decode_attention_calls(const std::vector<AttentionCall>& calls, double scale, int64_t path = 0);
 // attention.cpp: whether decode_attention runs bf16 K/V's rows-in-lanes path on AMX tiles here (compiled
 // for a CPU with AMX-BF16, the tile state granted by Linux, TRIFORCE_AMX not 0).
 bool amx_attention();
@@ -99,6 +114,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 // [Hkv, T, D] (fp32, bf16 or fp16, rounded as a tensor copy rounds) -> q [1, Hq, T, D].
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
                          torch::Tensor k_dst, torch::Tensor v_dst);
+// rope_store over raw rows: qkv [T, (Hq + 2 Hkv) D] and cos / sin [T, D] contiguous fp32, q [Hq, T, D] out, k / v
+// rows of kv at k_dst / v_dst + h head_stride + t D.
+void rope_store_rows(const float* qkv, const float* cos, const float* sin, int64_t T, int64_t D, int64_t n_heads,
+                     int64_t n_kv_heads, float* q, void* k_dst, void* v_dst, int64_t head_stride, c10::ScalarType kv);
 
 // linear_panels.cpp: x [..., K] fp32 times weights (fp32 or bf16) held in 16-output panels [P, K, 16]
 // -> [..., N] fp32.
