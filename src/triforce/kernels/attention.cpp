@@ -1034,25 +1034,22 @@ struct Attention {
   static constexpr int64_t BS = block_keys<D, KV>();
   static constexpr bool RB = std::is_same_v<KV, c10::BFloat16>;
   AttentionCall c;
-  int64_t H, R, S, T, NV, RP, nb, ks, vs;
-  bool causal, lanes, amx, exact;
-  const bool* visible;
-  const int64_t* gap;
+  int64_t NV, RP, nb;
+  bool lanes, amx, exact;
   std::unique_ptr<float[]> qs, parts;  // the scaled queries (scaled_queries); the blocks' partial results
   // AMX or AVX512-BF16 (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs]
   // [16 rows][2] (RP is a multiple of 16 on AVX-512, the only build with either)
   std::vector<uint16_t> qb;
-  const float* qp;
   const KV *kp, *vp;
   float *o_part, *m_part, *l_part;
 
   Attention(const AttentionCall& call, double scale, bool lanes_, bool amx_, bool exact_)
-      : c(call), H(call.H), R(call.R), S(call.S), T(call.T), NV((R + W - 1) / W), RP(NV * W),
-        nb((S + BS - 1) / BS), ks(call.ks), vs(call.vs), causal(call.causal), lanes(lanes_), amx(amx_),
-        exact(exact_), visible(call.visible), gap(call.gap) {
+      : c(call), NV((call.R + W - 1) / W), RP(NV * W), nb((call.S + BS - 1) / BS), lanes(lanes_), amx(amx_),
+        exact(exact_), kp(static_cast<const KV*>(call.k)), vp(static_cast<const KV*>(call.v)) {
+    const int64_t H = c.H, R = c.R;
     const bool transposed = lanes || exact;  // scores_exact reads them transposed
     qs.reset(new float[H * (transposed ? D * RP : R * D)]);
-    scaled_queries(call.q, H, R, D, scale, transposed, RP, RB, qs.get());
+    scaled_queries(c.q, H, R, D, scale, transposed, RP, RB, qs.get());
     if ((amx || BF16_DOT) && RB && lanes) {
       const int64_t NQ = RP / 16;
       qb.assign(H * NQ * D * 16, 0);
@@ -1070,20 +1067,18 @@ struct Attention {
     o_part = parts.get();
     m_part = o_part + H * nb * R * D;
     l_part = m_part + H * nb * R;
-    qp = qs.get();
-    kp = static_cast<const KV*>(call.k);
-    vp = static_cast<const KV*>(call.v);
   }
 
-  int64_t items() const { return H * nb; }
+  int64_t items() const { return c.H * nb; }
   bool uses_amx() const { return !qb.empty() && amx; }
 
   // Work item w = (head, block): its rows' p v, maximum and sum into the partial results. s: MAX_ROWS * BS floats,
   // st: BS * RP (scores_exact's keys x rows), this thread's scratch.
   void item(int64_t w, float* s, float* st) const {
+    const int64_t R = c.R, S = c.S, T = c.T;
     const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
-    const KV* kh = kp + h * ks + j0 * D;
-    const KV* vh = vp + h * vs + j0 * D;
+    const KV* kh = kp + h * c.ks + j0 * D;
+    const KV* vh = vp + h * c.vs + j0 * D;
     const bool last = blk + 1 == nb;
     const char* next_k = last ? nullptr : reinterpret_cast<const char*>(kh + BS * D);
     const char* next_v = last ? nullptr : reinterpret_cast<const char*>(vh + BS * D);
@@ -1095,6 +1090,9 @@ struct Attention {
     // row: only the new ones are checked, a division each. gap (a StreamingLLM window): keys gap[0] ..
     // gap[1 + t] - 1 are hidden from token t's rows (between the sinks and its window); a block that every
     // row's gap covers is not read at all.
+    const bool causal = c.causal;
+    const bool* visible = c.visible;
+    const int64_t* gap = c.gap;
     int64_t mask_from = causal ? std::clamp<int64_t>(S - T - j0, 0, n) : n;
     if (gap != nullptr) {
       const int64_t from = std::max(gap[0], j0);  // the block's first key a gap can hide
@@ -1111,6 +1109,7 @@ struct Attention {
       if (u < 0) return true;
       return causal ? (visible ? visible[t * T + u] : u <= t) : true;
     };
+    const float* qp = qs.get();
     if (lanes)
       block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob, mb, lb,
                          qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx);
@@ -1119,7 +1118,7 @@ struct Attention {
                             mb, lb, exact ? qp + h * D * RP : nullptr, RP, st);
   }
 
-  void merge() const { merge_blocks<D, RB>(o_part, H, nb, R, T, c.out, c.out_h, c.out_g, c.out_t); }
+  void merge() const { merge_blocks<D, RB>(o_part, c.H, nb, c.R, c.T, c.out, c.out_h, c.out_g, c.out_t); }
 };
 
 // Every item of every call in one parallel region (a thread's items may span calls: an item is the same whoever
@@ -1613,17 +1612,16 @@ namespace {
 AttentionCall checked_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T,
                            bool causal, const c10::optional<torch::Tensor>& visible,
                            const c10::optional<torch::Tensor>& gap, torch::Tensor& out) {
+  // (the head dim, the row count and T against the keys: decode_attention_calls checks them, for every caller)
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H, R, D], k/v [H, S, D]");
   const int64_t D = q.size(2);
-  TORCH_CHECK((D == 64 || D == 128 || D == 256) && k.size(2) == D && v.size(2) == D,
-              "decode_attention: head dim 64, 128 or 256");
+  TORCH_CHECK(k.size(2) == D && v.size(2) == D, "decode_attention: q, k and v of one head dim");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "decode_attention: q must be contiguous fp32");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "decode_attention: k and v of one dtype");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
               "decode_attention: k/v rows must be contiguous");
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
-  TORCH_CHECK(R <= MAX_ROWS && T >= 1 && R % T == 0 && S >= T && k.size(0) == H && v.size(0) == H && v.size(1) == S,
-              "decode_attention: bad shapes");
+  TORCH_CHECK(k.size(0) == H && v.size(0) == H && v.size(1) == S, "decode_attention: bad shapes");
   const bool* vis = nullptr;
   if (visible.has_value()) {
     TORCH_CHECK(causal, "decode_attention: a visible block [T, T] needs causal (its keys are the last T)");
@@ -1653,11 +1651,12 @@ void decode_attention_calls(const std::vector<AttentionCall>& calls, double scal
   const auto dtype = calls[0].kv;
   TORCH_CHECK(path != 3 || (amx_usable() && dtype == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
-  for (const AttentionCall& c : calls)
-    TORCH_CHECK(c.kv == dtype && c.D == calls[0].D && (c.D == 64 || c.D == 128 || c.D == 256) && c.R <= MAX_ROWS &&
-                    c.T >= 1 && c.R % c.T == 0 && c.S >= c.T,
-                "decode_attention: a batch's calls must share the K/V dtype and head dim (64, 128 or 256), with at "
-                "most 64 rows each");
+  for (const AttentionCall& c : calls) {
+    TORCH_CHECK(c.D == 64 || c.D == 128 || c.D == 256, "decode_attention: head dim 64, 128 or 256");
+    TORCH_CHECK(c.R <= MAX_ROWS && c.T >= 1 && c.R % c.T == 0 && c.S >= c.T, "decode_attention: bad shapes");
+    TORCH_CHECK(c.kv == dtype && c.D == calls[0].D, "decode_attention: a batch's calls must share the K/V dtype and "
+                                                    "head dim");
+  }
   // path 0 (what the model runs) is the per-row path at every row count, its scores computed rows-in-lanes where
   // exact_rows says that is faster (path 4, scores_exact: the same bits): a row's sums then run in the same order
   // whatever rows come with it, so a verification's rows are bit for bit the decode step's and greedy output stays

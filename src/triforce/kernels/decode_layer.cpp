@@ -235,8 +235,8 @@ std::vector<torch::Tensor> decode_layers_quant(torch::Tensor x, const LayerStack
       const auto a = quant_attention_layer(q.view({n_kv_heads, g * T, D}), ql, lim, fmask, T, scale);
       attn.view({T, n_kv_heads, g, D}).permute({1, 2, 0, 3}).copy_(a.view({n_kv_heads, g, T, D}));
     };
-    const int64_t layer_bytes = i * fk.stride(0) * fk.element_size();
-    const Segment seg{static_cast<char*>(fk.data_ptr()) + layer_bytes, static_cast<char*>(fv.data_ptr()) + layer_bytes,
+    // (the buffer's layer, as QuantLayer holds it: its rows are written here, read by quant_attention_layer)
+    const Segment seg{static_cast<char*>(const_cast<void*>(ql.fk)), static_cast<char*>(const_cast<void*>(ql.fv)),
                       fk.stride(2), fk.scalar_type(), slot, T, nullptr};
     auto xq = layer_forward(out[0], stack.layers[i], cos, sin, n_heads, n_kv_heads, {seg}, queries, attend);
     out[0] = xq[0];
