@@ -250,9 +250,11 @@ def _agreement(got, want):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_rows_attention_does_not_depend_on_the_rows_beside_it(kern, kv_dtype):
     """path 0 (the model's) gives each query row the same bits whatever rows come with it, at every row count up to
-    the kernel's 64: a verification's rows are then exactly the decode step's, and greedy output exactly ar's. (The
-    rows-in-lanes path, paths 2 and 3, sums in another order: asked for only, and told apart here.)"""
+    the kernel's 64: a verification's rows are then exactly the decode step's, and greedy output exactly ar's. Path 0
+    is the per-row arithmetic (paths 1 and 4), or over bf16 K/V where attention_dot_every_row says so the dot-product
+    one (path 2) at every row count; the other arithmetic sums in another order and is told apart here."""
     dot = kv_dtype == torch.bfloat16 and kern.bf16_dot_attention()
+    dot_rows = kv_dtype == torch.bfloat16 and kern.attention_dot_every_row()
     m = kern.attention_lanes_min_rows(dot)
     torch.manual_seed(6)
     H, S, D = 2, 700, 64
@@ -262,11 +264,11 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it(kern, kv_dtype):
     for rows in (2, 3, m - 1, m, 9, 12, 15, 16, 24, 30, 64):
         out = kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 0)
         assert torch.equal(out[:, :1], alone), rows
-        assert torch.equal(out, kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 1)), rows
-        assert torch.equal(out, kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 4)), rows
+        for path in (2,) if dot_rows else (1, 4):
+            assert torch.equal(out, kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, path)), (rows, path)
     if kv_dtype != torch.float32:
-        lanes = 3 if kv_dtype == torch.bfloat16 and kern.amx_attention() else 2
-        assert not torch.equal(kern.decode_attention(q[:, :m], k, v, 1, False, D ** -0.5, lanes),
+        other = 1 if dot_rows else 3 if kv_dtype == torch.bfloat16 and kern.amx_attention() else 2
+        assert not torch.equal(kern.decode_attention(q[:, :m], k, v, 1, False, D ** -0.5, other),
                                kern.decode_attention(q[:, :m], k, v, 1, False, D ** -0.5, 0))
 
 

@@ -79,9 +79,10 @@ class QuantLinear(nn.Module):
     integer kernel (kernels/quant_packed.cpp: x taken to 16 bits per 32-element block), other formats
     as stored for the block kernel (kernels/quant_linear.cpp: fp32 arithmetic); where the integer kernel
     has a many-row path for all the parts' types (capabilities' packed_many_rows: every packed type on the
-    AVX2 build), a verification's rows go through it in one call, the same bits. Longer
-    inputs (prefill), or no kernels, dequantize a few thousand rows at a time (about 8 MB of fp32) and use
-    F.linear: never a whole fp32 matrix. Either way a row's result does not depend on the other rows."""
+    AVX2 build), a verification's rows go through it in one call, the same bits. Longer inputs (prefill) take
+    the integer kernel too where it outruns a GEMM (capabilities' packed_prefill: AVX-512 VNNI builds), every row
+    the decode step's; elsewhere, or with no kernels, they dequantize a few thousand rows at a time (about 8 MB of
+    fp32) and use F.linear: never a whole fp32 matrix. Either way a row's result does not depend on the other rows."""
 
     backend: kernels.Backend = kernels.TORCH  # the model's, set by execution.Execution
     PANEL_BYTES = 8 << 20
@@ -135,6 +136,12 @@ class QuantLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         ops = self.backend.ops
         raws = [self._buffers[name] for name in self._names]  # (Module.__getattr__ costs more: 121 calls a step)
+        if ops is not None and rows > KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready \
+                and all(self.packed) and capabilities(ops).packed_prefill:
+            # a prefill on the integer kernel where it outruns dequantized weights (AVX-512 VNNI: 1.65-3.7x MKL's
+            # GEMM on Zen 5): every row the decode step's, so a prompt's cache does not depend on its chunking
+            y = ops.linear_packed(x, raws, self.types, self.rows)
+            return y if self.bias is None else y + self.bias
         if ops is not None and PANEL_MAX_ROWS < rows <= KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 \
                 and self.kernel_ready:  # a verification: the kernel 16 rows at a time, as the decode step computes
             if all(self.packed) and self.types_set <= capabilities(ops).packed_many_rows:

@@ -279,6 +279,14 @@ inline Vec softmax_numerators(float* x, int64_t n, float m, float* l_out, int64_
 // rounded p differ by exact powers of two whatever the block boundaries (B2).
 inline float base2_reference(float m) { return m == NEG_INF ? NEG_INF : std::ceil(m * LOG2E); }
 
+// The base-2 reference of a block's maximum score m (-inf: every key masked), as a vector (base2_reference's value;
+// both layouts compute it by these operations)
+ALWAYS_INLINE Vec reference2(const Vec& m) {
+  const Vec neg(NEG_INF);
+  return select(m != neg, (m * Vec(LOG2E)).ceil()) + select(m == neg, neg);
+}
+
+
 // Partial dot products of RG rows (q, row stride D) with KP keys from k (row stride D): acc[r][i] holds W lanes
 // whose sum is row r's score of key i. Each key vector is loaded (and widened) once for all RG rows.
 template <int64_t D, int RG, int KP, typename KV>
@@ -732,8 +740,10 @@ constexpr bool BF16_DOT = true;
 // reloaded in the inner loop. Zen 5: 33 -> 28 cycles per key, then 2% more on the whole.)
 template <int64_t D, int NVG>
 __attribute__((noinline)) void scores_dot(const uint16_t* qb, int64_t RP, const c10::BFloat16* k, int64_t n, float* st,
-                                          Prefetch& pf) {
+                                          Prefetch& pf, int64_t max_to, float* mx) {
   constexpr int JT = keys_per_tile<NVG>();
+  __m512 m[NVG];  // the rows' maximum over keys [0, max_to) (the unmasked ones), taken as the scores are stored
+  for (int g = 0; g < NVG; ++g) m[g] = _mm512_set1_ps(NEG_INF);
   const auto* kp = reinterpret_cast<const int32_t*>(k);  // [n][D / 2] dimension pairs
   auto tile = [&](auto jt_const, int64_t j) {
     constexpr int JN = decltype(jt_const)::value;
@@ -751,7 +761,10 @@ __attribute__((noinline)) void scores_dot(const uint16_t* qb, int64_t RP, const 
       }
     }
     for (int jj = 0; jj < JN; ++jj)
-      for (int g = 0; g < NVG; ++g) _mm512_storeu_ps(st + (j + jj) * RP + g * 16, acc[jj][g]);
+      for (int g = 0; g < NVG; ++g) {
+        _mm512_storeu_ps(st + (j + jj) * RP + g * 16, acc[jj][g]);
+        if (j + jj < max_to) m[g] = _mm512_max_ps(m[g], acc[jj][g]);
+      }
   };
   int64_t j = 0;
   for (; j + JT <= n; j += JT) {
@@ -759,6 +772,7 @@ __attribute__((noinline)) void scores_dot(const uint16_t* qb, int64_t RP, const 
     tile(std::integral_constant<int, JT>{}, j);
   }
   for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
+  for (int g = 0; g < NVG; ++g) _mm512_storeu_ps(mx + g * 16, m[g]);
 }
 
 // o [NR, D] = p v of NR rows over n keys: pp [(n + 1) / 2][RP] the rows' p in key pairs (bf16, the first key's in the
@@ -800,30 +814,66 @@ void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t 
   }
 }
 
+// The dot products' softmax numerator p = 2^(x log2 e - m), lane by lane: x log2 e - m (never above 0) clamped at -200,
+// 2^f for f = it - n in [-1/2, 1/2] (n its nearest integer) by the Taylor polynomial of e^(f ln 2) to degree 6
+// (relative error about 1e-7), times 2^n by vscalefps: 2^-200 and a masked score's -inf come out 0, so no select.
+// One function for both layouts (rows or keys in lanes), so that the compiler forms the same operations in each.
+// (softmax_numerators' exp2 with its 8 FMAs, a select and the bit rounding cost 13 cycles a vector of 16 on Zen 5:
+// a third of a 63-row prefill call.)
+ALWAYS_INLINE __m512 numerator2(const Vec& x, const Vec& ms) {
+  const __m512 y = _mm512_max_ps(_mm512_fmsub_ps(x, _mm512_set1_ps(LOG2E), ms), _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(0.00015403530393381606f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0013333558146428441f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009618129107628477f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055504108664821576f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// A row's sum l of its block's unrounded p on dot products: key j (from the block's start) goes to partial j % 8, each
+// partial sums its keys in order from zero, and the 8 partials are added by this tree (i + 4 first, then i + 2,
+// i + 1). Keys past a row's last one add exact zeros, so a verification's row, whose block runs on past its keys
+// (masked), sums what the decode step's block ending there sums. Rows in lanes: 8 vectors of partials, added as
+// vectors; keys in lanes: the partials in 8 lanes, each vector of 16 keys added as its two halves. T: Vec or float.
+// (16 partials kept 16 vectors live beside the exp's constants: GCC spilled them, a load and a store per add.)
+template <typename T>
+ALWAYS_INLINE T tree8(T (&a)[8]) {
+  for (int w = 4; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] = a[i] + a[i + w];
+  return a[0];
+}
+
 // The softmax numerators of one vector of 16 rows (col: their scores, row stride RP) over n keys, straight into p v's
-// key pairs pp [(n + 1) / 2][RP] (this vector's 16 lanes): p = 2^(s log2 e - m) as softmax_numerators<true> computes
-// it, rounded to bf16, the first key's in the low half (a last odd key paired with 0). Returns the unrounded p
-// summed in key order. (Stored as rounded fp32 and paired in a second pass: 7% slower on one Zen 5 core at 32K.)
-inline Vec softmax_pairs(const float* col, int64_t RP, int64_t n, const Vec& ms, int32_t* pp, Prefetch& pf) {
-  const Vec neg(NEG_INF);
-  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
-  Vec l(0.f);
-  for (int64_t u = 0; 2 * u < n; ++u) {
-    pf.step(32);
-    const Vec x0 = Vec::loadu(col + 2 * u * RP);
-    const Vec p0 = select(x0 != neg, exp2(x0 * Vec(LOG2E) - ms));
-    l = l + p0;
-    __m512i second = _mm512_setzero_si512();
-    if (2 * u + 1 < n) {
-      const Vec x1 = Vec::loadu(col + (2 * u + 1) * RP);
-      const Vec p1 = select(x1 != neg, exp2(x1 * Vec(LOG2E) - ms));
-      l = l + p1;
-      second = _mm512_and_si512(_mm512_castps_si512(round_bf16(p1)), high);
+// key pairs pp [n16 / 2][RP] (n16: n rounded up to 16; this vector's 16 lanes): p = 2^(s log2 e - m) as
+// softmax_numerators<true> computes it, rounded to bf16, the first key's in the low half. Scores col[j] for j in
+// [n, n16) are set to -inf here (p = 0: a last odd key is paired with 0). Returns l (tree8). (Stored as rounded fp32
+// and paired in a second pass: 7% slower on one Zen 5 core at 32K.)
+inline Vec softmax_pairs(float* col, int64_t RP, int64_t n, const Vec& ms, int32_t* pp, Prefetch& pf) {
+  // vcvtne2ps2bf16 (ties to even) puts the first key's 16 bf16 in words 0-15 and the second's in 16-31; lane r's pair
+  // is words r and 16 + r
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int64_t n16 = (n + 15) / 16 * 16;
+  for (int64_t j = n; j < n16; ++j) Vec(NEG_INF).store(col + j * RP);
+  Vec part[8];
+  for (int i = 0; i < 8; ++i) part[i] = Vec(0.f);
+  for (int64_t j0 = 0; j0 < n16; j0 += 16) {
+    pf.step(256);
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) {
+      const __m512 p0 = numerator2(Vec::loadu(col + (j0 + i) * RP), ms);
+      const __m512 p1 = numerator2(Vec::loadu(col + (j0 + i + 1) * RP), ms);
+      part[i % 8] = part[i % 8] + Vec(p0);
+      part[i % 8 + 1] = part[i % 8 + 1] + Vec(p1);
+      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+      _mm512_storeu_si512(pp + (j0 + i) / 2 * RP, _mm512_permutexvar_epi16(pairs, b));
     }
-    const __m512i first = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(p0)), 16);
-    _mm512_storeu_si512(pp + u * RP, _mm512_or_si512(first, second));
   }
-  return l;
+  return tree8(part);
 }
 
 // o_b [R, D] = p v over the block's n keys from pp [(n + 1) / 2][RP], the rows' p in key pairs (softmax_pairs), in
@@ -836,14 +886,153 @@ void pv_dot(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t R, in
     });
   }
 }
+
+// ---- the same arithmetic for a few rows, keys in lanes ----
+// With R rows in a vector's 16 lanes the rows-in-lanes path computes 16 / R times the scores and exps it needs (a
+// decode step: 3 rows). Here a vector holds 16 keys of one row instead: the keys are transposed in registers (dimension
+// pair d of 16 keys in one vector), and each score is the same vdpbf16ps chain over d from zero, with the key pair and
+// the query pair in the other operands (their products commute exactly; the instruction sums a lane's two products by
+// their position in the pair, the same in both layouts). The numerators, the reference and the key-order sum l are
+// softmax_pairs' operations on the same values, and p v is pv_dot on the same key pairs: every output bit equals the
+// rows-in-lanes path's (tests/test_kernels.py). Zen 5, 32K, 30 layers x 3 KV heads, 3 rows: see dot_every_row.
+constexpr int64_t KEYS_IN_LANES_MAX_ROWS = 8;
+
+// 16 rows of 16 dwords (row i at p + i * stride) -> t[c]: column c, row i in lane i
+ALWAYS_INLINE void transpose16(const int32_t* p, int64_t stride, __m512i (&t)[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_si512(p + i * stride);
+  for (int i = 0; i < 8; ++i) {
+    b[2 * i] = _mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
+    b[2 * i + 1] = _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // a[4 i + m], 128-bit lane L: column 4 L + m of rows 4 i .. 4 i + 3
+    a[4 * i] = _mm512_unpacklo_epi64(b[4 * i], b[4 * i + 2]);
+    a[4 * i + 1] = _mm512_unpackhi_epi64(b[4 * i], b[4 * i + 2]);
+    a[4 * i + 2] = _mm512_unpacklo_epi64(b[4 * i + 1], b[4 * i + 3]);
+    a[4 * i + 3] = _mm512_unpackhi_epi64(b[4 * i + 1], b[4 * i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i x0 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0x88), x1 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0xdd);
+    const __m512i y0 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0xdd);
+    t[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    t[8 + m] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+    t[4 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    t[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+  }
+}
+
+// Scores of NR rows against TT tiles of 16 keys (kp: the first key's dimension pairs, [16 TT][D / 2]) into
+// s[r * ss + 16 t + i]; qd: the rows' query pairs, row r's pair d at qd[d * 16 + r] (scores_dot's qb layout).
+template <int64_t D, int NR, int TT>
+ALWAYS_INLINE void keys_tile_scores(const int32_t* qd, const __m512i (&kt)[TT][D / 2], float* s, int64_t ss,
+                                    Prefetch& pf) {
+  __m512 acc[NR][TT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int d = 0; d < D / 2; ++d) {
+    pf.step(NR * TT);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(qd[d * 16 + r]);
+      for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)kt[t][d], qv);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TT; ++t) _mm512_storeu_ps(s + r * ss + 16 * t, acc[r][t]);
+}
+
+// Scores of R <= KEYS_IN_LANES_MAX_ROWS rows (qd as above) against the block's n keys into s[r * ss + j], for j up to
+// n rounded up to 16 (the last tile's keys past n: scores of zero keys, for the caller to mask).
+template <int64_t D>
+void keys_scores(const int32_t* qd, int64_t R, const c10::BFloat16* k, int64_t n, float* s, int64_t ss,
+                 Prefetch& pf_ref) {
+  constexpr int TT = D == 64 ? 4 : D == 128 ? 2 : 1;  // tiles per pass: kt is 8 KB
+  Prefetch pf = pf_ref;  // (a local copy: its fields stay in registers)
+  const auto* kp = reinterpret_cast<const int32_t*>(k);
+  const auto rows = [&](auto tt_const, const int32_t* keys, int64_t j) {
+    constexpr int TN = decltype(tt_const)::value;
+    __m512i kt[TN][D / 2];  // dimension pair d of tile t's 16 keys: kt[t][d]
+    for (int t = 0; t < TN; ++t)
+      for (int c = 0; c < D / 32; ++c) {
+        pf.step(2 * D);
+        __m512i col[16];
+        transpose16(keys + 16 * t * (D / 2) + 16 * c, D / 2, col);
+        for (int i = 0; i < 16; ++i) kt[t][16 * c + i] = col[i];
+      }
+    for (int64_t r0 = 0; r0 < R; r0 += 4)  // at most 4 rows per pass: 4 x TT accumulators
+      with_tile_rows<4>(R - r0, [&](auto nr) {
+        keys_tile_scores<D, decltype(nr)::value, TN>(qd + r0, kt, s + r0 * ss + j, ss, pf);
+      });
+  };
+  int64_t j = 0;
+  for (; j + 16 * TT <= n; j += 16 * TT) rows(std::integral_constant<int, TT>{}, kp + j * (D / 2), j);
+  for (; j < n; j += 16) {
+    if (j + 16 <= n) {
+      rows(std::integral_constant<int, 1>{}, kp + j * (D / 2), j);
+    } else {  // the last n % 16 keys from a zero-padded copy
+      alignas(64) int32_t pad[16 * (D / 2)] = {};
+      std::memcpy(pad, kp + j * (D / 2), (n - j) * (D / 2) * sizeof(int32_t));
+      rows(std::integral_constant<int, 1>{}, pad, j);
+    }
+  }
+  pf_ref = pf;
+}
+
+// softmax_pairs' results for R rows whose scores are by key, s[r * ss + j] (masked: -inf; only j < n read): per row its
+// reference m_b[r], l_b[r] (tree8 over the partials) and its rounded p in key pairs pp[u * RP + r].
+inline void keys_softmax_pairs(float* s, int64_t ss, int64_t R, int64_t n, int64_t RP, int32_t* pp, float* m_b,
+                               float* l_b, Prefetch& pf_ref) {
+  Prefetch pf = pf_ref;  // (a local copy: its fields stay in registers)
+  const Vec neg(NEG_INF);
+  const int64_t n16 = (n + 15) / 16 * 16;
+  for (int64_t r = 0; r < R; ++r) {
+    float* x = s + r * ss;
+    for (int64_t j = n; j < n16; ++j) x[j] = NEG_INF;  // the last tile's keys past n
+    Vec mv = neg;
+    for (int64_t j = 0; j < n16; j += 16) mv = vmax(mv, Vec::loadu(x + j));
+    const Vec m2 = reference2(Vec(_mm512_reduce_max_ps(mv)));
+    const Vec ms = select(m2 != neg, m2);
+    __m256 part = _mm256_setzero_ps();  // partial i in lane i
+    for (int64_t j = 0; j < n16; j += 16) {
+      pf.step(16);
+      const __m512 pz = numerator2(Vec::loadu(x + j), ms);
+      part = _mm256_add_ps(_mm256_add_ps(part, _mm512_castps512_ps256(pz)), _mm512_extractf32x8_ps(pz, 1));
+      alignas(32) int32_t pairs[8];  // keys 2u, 2u + 1 rounded to bf16 (vcvtneps2bf16) in dword u
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pz));
+      for (int u = 0; u < 8; ++u) pp[(j / 2 + u) * RP + r] = pairs[u];
+    }
+    alignas(64) float lanes[8], mt[16];
+    _mm256_store_ps(lanes, part);
+    m2.store(mt);
+    m_b[r] = mt[0];
+    l_b[r] = tree8(lanes);
+  }
+  pf_ref = pf;
+}
+
 #else
 constexpr bool BF16_DOT = false;
 template <int64_t D, int NVG>
-void scores_dot(const uint16_t*, int64_t, const c10::BFloat16*, int64_t, float*, Prefetch&) {}
-inline Vec softmax_pairs(const float*, int64_t, int64_t, const Vec&, int32_t*, Prefetch&) { return Vec(0.f); }
+void scores_dot(const uint16_t*, int64_t, const c10::BFloat16*, int64_t, float*, Prefetch&, int64_t, float*) {}
+inline Vec softmax_pairs(float*, int64_t, int64_t, const Vec&, int32_t*, Prefetch&) { return Vec(0.f); }
 template <int64_t D>
 void pv_dot(const int32_t*, int64_t, const c10::BFloat16*, int64_t, int64_t, float*, Prefetch*) {}
+constexpr int64_t KEYS_IN_LANES_MAX_ROWS = 0;
+template <int64_t D>
+void keys_scores(const int32_t*, int64_t, const c10::BFloat16*, int64_t, float*, int64_t, Prefetch&) {}
+inline void keys_softmax_pairs(float*, int64_t, int64_t, int64_t, int64_t, int32_t*, float*, float*, Prefetch&) {}
 #endif
+
+// Whether path 0 runs a bf16 cache on AVX512-BF16 dot products (the rows-in-lanes path: scores_dot, softmax_pairs,
+// pv_dot) at every row count, the decode step's 1-3 rows included. That path's sums do not depend on the rows beside
+// a row (each score one vdpbf16ps chain over the head's dimension pairs from zero, in a lane of its own; p summed and
+// p v paired in key order from the block's start; a verification's masked keys add exact zeros), so a verification
+// is then bit for bit the decode step wherever it runs. Zen 5 (family 26), 32K, 30 layers x 3 KV heads, bf16 K/V,
+// the per-row path (1) against it (2) (benchmarks/attention_time.py): 3 rows 20.6 vs 22.4 ms, 15 rows 36.0 vs 25.2;
+// a prefill chain's 63 rows per call ran the per-row path. Zen 4 ran the lanes path's dot products slower than the
+// per row path below 12 rows (lanes_min_rows) and is not measured with this rule; Intel's CPUs run vdpbf16ps at half
+// an FMA's rate (AMX serves there).
+inline bool dot_every_row() { return BF16_DOT && amd_avx512_family() >= 26; }
 
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
 // qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP]. qb (bf16 K/V only; else null): the queries in
@@ -859,6 +1048,20 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   const char* pf_k = nullptr;  // AMX: the next block's keys, prefetched a row per key during the softmax below
   const bool dot = std::is_same_v<KV, c10::BFloat16> && BF16_DOT && qb != nullptr && !tiles;
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    if (dot && R <= KEYS_IN_LANES_MAX_ROWS) {  // a few rows: the same arithmetic with the keys in lanes
+      const int64_t ss = (n + 15) / 16 * 16;  // st as s [R][ss]: R <= 8 rows of at most BS keys
+      Prefetch pf(next_k, next_v, block_keys<D, KV>() * D * sizeof(KV));
+      pf.pace(ss / 16 * (R * D / 2 + D * D / 16) + R * ss + n * (2 * R + 2 * ((R + TILE - 1) / TILE)) * D / 64);
+      keys_scores<D>(reinterpret_cast<const int32_t*>(qb), R, k, n, st, ss, pf);
+      for (int64_t jj = mask_from; jj < n; ++jj)
+        for (int64_t r = 0; r < R; ++r)
+          if (!mask(r, jj)) st[r * ss + jj] = NEG_INF;
+      alignas(64) int32_t pp[(BLOCK_FLOATS / D + 1) / 2 * W];  // RP = W: the rows fit one vector
+      keys_softmax_pairs(st, ss, R, n, W, pp, m_b, l_b, pf);
+      pv_dot<D>(pp, W, v, R, n, o_b, &pf);
+      pf.finish();
+      return;
+    }
     if (qb != nullptr && tiles) {  // (the tiles' loads run far ahead of a few prefetches each: spread out, they arrive)
       j_fma = n - n % 16;
       scores_amx<D>(qb, NV, RP, k, j_fma, st);
@@ -873,6 +1076,7 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   Prefetch pf(tiles ? nullptr : next_k, tiles ? nullptr : next_v, block_keys<D, KV>() * D * sizeof(KV));
   pf.pace(dot ? n * NV * (D / 2 + 16) + n * (2 * R + 2 * ((R + TILE - 1) / TILE)) * D / 64
               : n * NV * (D + 16) + n * R * D / W);
+  alignas(64) float mx[MAX_ROWS];  // dot products: each row's maximum over the keys before mask_from
   for (int64_t g0 = 0; g0 < NV && nf > 0;) {  // groups of up to NVG_MAX row vectors share each loaded key
     const int64_t left = NV - g0;
     const float* qg = qt + g0 * W;
@@ -882,10 +1086,10 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
       if (dot) {
         const uint16_t* qbg = qb + g0 * (D / 2) * 32;
         switch (ng) {
-          case 1: scores_dot<D, 1>(qbg, RP, kf, nf, sg, pf); break;
-          case 2: scores_dot<D, 2>(qbg, RP, kf, nf, sg, pf); break;
-          case 3: scores_dot<D, 3>(qbg, RP, kf, nf, sg, pf); break;
-          default: scores_dot<D, NVG_MAX>(qbg, RP, kf, nf, sg, pf); break;
+          case 1: scores_dot<D, 1>(qbg, RP, kf, nf, sg, pf, mask_from - j_fma, mx + g0 * W); break;
+          case 2: scores_dot<D, 2>(qbg, RP, kf, nf, sg, pf, mask_from - j_fma, mx + g0 * W); break;
+          case 3: scores_dot<D, 3>(qbg, RP, kf, nf, sg, pf, mask_from - j_fma, mx + g0 * W); break;
+          default: scores_dot<D, NVG_MAX>(qbg, RP, kf, nf, sg, pf, mask_from - j_fma, mx + g0 * W); break;
         }
         g0 += ng;
         continue;
@@ -911,8 +1115,12 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   for (int64_t g = 0; g < NV; ++g) {
     float* col = st + g * W;
     Vec m = neg, l(0.f);
-    for (int64_t jj = 0; jj < n; ++jj) m = vmax(m, Vec::loadu(col + jj * RP));
-    if constexpr (B2) m = select(m != neg, (m * Vec(LOG2E)).ceil()) + select(m == neg, neg);  // base2_reference
+    // (dot products: the keys before mask_from were maxed as scores_dot stored them; a pass over st from L2 took
+    // 12 cycles a key of a 63-row prefill call on Zen 5)
+    int64_t jj = 0;
+    if (dot) m = Vec::loadu(mx + g * W), jj = mask_from;
+    for (; jj < n; ++jj) m = vmax(m, Vec::loadu(col + jj * RP));
+    if constexpr (B2) m = reference2(m);  // base2_reference
     const Vec ms = select(m != neg, m);  // fully masked rows (m = -inf) subtract 0; their p are zeroed
     if (dot)
       l = softmax_pairs(col, RP, n, ms, pp + g * W, pf);
@@ -1663,7 +1871,7 @@ void decode_attention_calls(const std::vector<AttentionCall>& calls, double scal
   // exactly ar's.
   // The rows-in-lanes path (2, 3) sums in another order, which flipped a near-tie (logits 0.02 apart) at 32K: it
   // runs only when asked.
-  const bool lanes = path == 2 || path == 3;
+  const bool lanes = path == 2 || path == 3 || (path == 0 && dtype == torch::kBFloat16 && dot_every_row());
   const bool amx = path == 3;
   switch (dtype) {
     case torch::kFloat: return attend_kv<float>(calls, scale, lanes, false, path);
@@ -1727,6 +1935,7 @@ double vector_peak_flops(bool dot) {
 }
 int64_t attention_lanes_min_rows(bool bf16_dot) { return lanes_min_rows(bf16_dot); }
 bool attention_exact_rows(int64_t rows) { return exact_rows(rows); }
+bool attention_dot_every_row() { return dot_every_row(); }
 
 }  // namespace triforce
 

@@ -31,6 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_exact_rows", &triforce::attention_exact_rows, GIL_FREE,
         "whether path 0 computes this many query rows' scores rows-in-lanes in the per-row order (path 4: the per-row "
         "path's bits, faster where the rows fill the vectors' lanes on this CPU)", py::arg("rows"));
+  m.def("attention_dot_every_row", &triforce::attention_dot_every_row, GIL_FREE,
+        "whether path 0 runs bf16 K/V on AVX512-BF16 dot products (the rows-in-lanes path, path 2) at every row count "
+        "on this CPU: a decode step and a verification then share that arithmetic, exact per row");
   m.def("vector_peak_flops", &triforce::vector_peak_flops, GIL_FREE,
         "this build's vector arithmetic peak on all threads in FLOP/s: FMAs, or with dot AVX512-BF16's vdpbf16ps (0 "
         "where the build has none); register-resident chains, about 10 ms", py::arg("dot") = false);
@@ -59,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GGML types whose many-row path linear_packed has (from 4-16 rows per format, the tiles' bits): QuantLinear
   // sends a verification's 17-64 rows through it in one call instead of 16 rows at a time
   m.attr("PACKED_MANY_ROWS") = py::cast(triforce::packed_many_rows_types());
+  // whether linear_packed takes a prefill's rows too (faster than dequantized weights through PyTorch's GEMM here)
+  m.attr("PACKED_PREFILL") = triforce::packed_prefill();
   m.def("unpack_rows", &triforce::unpack_rows, GIL_FREE,
         "rows [start, stop) of a linear_packed part back in the file's layout [stop - start, row_bytes] uint8 "
         "(head / tail: each block's scale bytes before / after its code words, size: its bytes)",

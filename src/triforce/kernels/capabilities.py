@@ -23,6 +23,8 @@ class Capabilities:
         self.linear_packed = hasattr(ops, "linear_packed")
         # ... and the GGML types it has a many-row path for (a verification's rows in one call, the same bits)
         self.packed_many_rows = frozenset(getattr(ops, "PACKED_MANY_ROWS", ()))
+        # ... and whether it takes a prefill's rows too (AVX-512 VNNI builds: faster than dequantized weights there)
+        self.packed_prefill = bool(getattr(ops, "PACKED_PREFILL", False))
         # quantized blocks unpacked by the kernels (quantized.unpack_rows)
         self.unpack_rows = hasattr(ops, "unpack_rows")
         # every layer of a decode-sized forward in one call (execution/fused.py), over a K/V cache ...

@@ -74,6 +74,7 @@ bool bf16_dot_attention();
 // attention.cpp: the row count from which decode_attention's path 0 takes the rows-in-lanes path on this CPU.
 int64_t attention_lanes_min_rows(bool bf16_dot);
 bool attention_exact_rows(int64_t rows);
+bool attention_dot_every_row();
 // retrieval.cpp: the retrieval cache's chunk scores, out [H, N / c] = q [H, D] fp32 . the mean of each chunk of c
 // keys of keys [H, N, D] (fp32, bf16 or fp16; each head's rows contiguous); keys past the last whole chunk ignored.
 torch::Tensor chunk_scores(torch::Tensor keys, torch::Tensor q, int64_t c);
@@ -135,6 +136,7 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
                             std::vector<int64_t> rows);
 // the GGML types linear_packed has a many-row path for (from a few rows per format: the tiles' bits, faster)
 std::vector<int64_t> packed_many_rows_types();
+bool packed_prefill();
 
 // quant_packed.cpp: rows [start, stop) of such a packed part back in the file's layout [stop - start, blocks * size]
 // (quantized.pack_rows's inverse; head / tail: the block's scale bytes before and after its code words).

@@ -745,6 +745,14 @@ std::vector<int64_t> packed_many_rows_types() {
   return out;
 }
 
+// Whether a prefill's rows (more than a verification's 64) run here too rather than through dequantized weights and
+// PyTorch's GEMM: AVX-512 VNNI builds, where vpdpbusd multiplies 64 code bytes an instruction. AMD Zen 5, 2 threads,
+// 512 rows, random blocks (MKL's sgemm runs AVX2 code on AMD's CPUs, 210-220 GFLOP/s): Q4_0 / Q4_1 2.4-3.7x,
+// Q5_1 2.3-2.5x, Q8_0 1.9-2.2x, Q4_K 1.9-2.0x, Q5_0 / Q5_K / Q6_K 1.65-1.95x (docs/performance.md). Each row is
+// then the decode step's bits, so a prompt's cache does not depend on its prefill's chunking. (AVX2, Zen 3: 0.77-1.10x
+// MKL, not taken.)
+bool packed_prefill() { return VNNI; }
+
 torch::Tensor unpack_rows(torch::Tensor packed, int64_t head, int64_t tail, int64_t size, int64_t start, int64_t stop) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) % (P * size) == 0 && head % 2 == 0 && tail % 2 == 0 && (size - head - tail) % 4 == 0 &&
