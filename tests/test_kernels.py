@@ -256,16 +256,21 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it(kern, kv_dtype):
     dot = kv_dtype == torch.bfloat16 and kern.bf16_dot_attention()
     dot_rows = kv_dtype == torch.bfloat16 and kern.attention_dot_every_row()
     m = kern.attention_lanes_min_rows(dot)
+    most = kern.attention_chain_rows() if dot_rows else 64  # a prefill chain's calls: 256 rows on dot products
     torch.manual_seed(6)
     H, S, D = 2, 700, 64
     k, v = (torch.randn(H, S, D) * 2).to(kv_dtype), torch.randn(H, S, D).to(kv_dtype)
-    q = torch.randn(H, 64, D)
+    q = torch.randn(H, most, D)
     alone = kern.decode_attention(q[:, :1], k, v, 1, False, D ** -0.5, 0)
-    for rows in (2, 3, m - 1, m, 9, 12, 15, 16, 24, 30, 64):
+    for rows in sorted({2, 3, m - 1, m, 9, 12, 15, 16, 24, 30, 64, 65, 100, most}):
+        if rows > most:
+            continue
         out = kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, 0)
         assert torch.equal(out[:, :1], alone), rows
-        for path in (2,) if dot_rows else (1, 4):
+        for path in (2,) if dot_rows else (1, 4) if rows <= 64 else ():
             assert torch.equal(out, kern.decode_attention(q[:, :rows], k, v, 1, False, D ** -0.5, path)), (rows, path)
+    with pytest.raises(RuntimeError, match=f"at most {most} rows"):
+        kern.decode_attention(torch.randn(H, most + 1, D), k, v, 1, False, D ** -0.5, 0)
     if kv_dtype != torch.float32:
         other = 1 if dot_rows else 3 if kv_dtype == torch.bfloat16 and kern.amx_attention() else 2
         assert not torch.equal(kern.decode_attention(q[:, :m], k, v, 1, False, D ** -0.5, other),
@@ -281,7 +286,10 @@ def test_each_row_of_a_verification_is_the_decode_step_over_its_own_keys(kern, k
     H, D, g = 3, 64, 3
     for S in (1024, 1000, 517, 40):
         k, v = (torch.randn(H, S, D) * 2).to(kv_dtype), torch.randn(H, S, D).to(kv_dtype)
-        for T in (2, 4, 5, 7, 10, 17):  # 15 and 30 rows: path 0 computes the scores rows-in-lanes (exact_rows)
+        # 15 and 30 rows: path 0 computes the scores rows-in-lanes (exact_rows); 120 and 255 rows: a prefill chain's
+        # calls over a bf16 cache on dot products (attention_chain_rows), 64 rows at a time per block
+        more = (40, 85) if kv_dtype == torch.bfloat16 and kern.attention_dot_every_row() and S > 85 else ()
+        for T in (2, 4, 5, 7, 10, 17) + more:
             q = torch.randn(H, g, T, D)
             out = kern.decode_attention(q.reshape(H, g * T, D), k, v, T, True, D ** -0.5, 0).view(H, g, T, D)
             for t in range(T):

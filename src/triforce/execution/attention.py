@@ -75,9 +75,9 @@ def _kernel_reads(q: torch.Tensor, k: torch.Tensor, ops) -> bool:
             and (k.dtype == torch.float32 or capabilities(ops).half_kv))
 
 
-def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.Tensor:
+def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops, max_rows: int = KERNEL_MAX_ROWS) -> torch.Tensor:
     """The kernel over slots: a chain on its causal path, a draft tree with the block's own visibility, a
-    StreamingLLM window less its gap."""
+    StreamingLLM window less its gap. max_rows: the query rows per KV head of one call."""
     B, Hq, T, D = q.shape
     k, v = kv.keys, kv.values
     Hkv = k.shape[1]
@@ -86,10 +86,10 @@ def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.T
     if kv.window is not None:
         extra["gap"] = kv.window.gap
     causal = T > 1
-    if g * T <= KERNEL_MAX_ROWS:
+    if g * T <= max_rows:
         out = ops.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, causal, scale, **extra)
     else:  # a large tree or chain: as many query heads of each group per call as fit (the K/V read again)
-        n = KERNEL_MAX_ROWS // T
+        n = max_rows // T
         qg = q.view(Hkv, g, T, D)
         out = torch.cat([ops.decode_attention(qg[:, j:j + n].reshape(Hkv, -1, D), k[0], v[0], T, causal, scale,
                                               **extra).view(Hkv, -1, T, D) for j in range(0, g, n)], dim=1)
@@ -107,16 +107,18 @@ def _kernel_chains(q: torch.Tensor, k: torch.Tensor, ops) -> bool:
 
 
 def _kernel_chain(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.Tensor:
-    """A causal chain longer than the kernel takes in one call: KERNEL_MAX_ROWS // g tokens per call, each against
-    the keys up to its own last token. Each row then gets the decode step's bits (the kernel's path 0 sums a row in
-    the same order whatever rows come with it), so a prompt's cache does not depend on how its prefill was chunked.
-    Each call reads the keys again: at g * n rows per key that is arithmetic-bound, not read-bound."""
+    """A causal chain longer than the kernel takes in one call: attention_chain_rows // g tokens per call (64 // g,
+    or 256 // g where the kernel runs a bf16 cache on dot products at every row count), each against the keys up to
+    its own last token. Each row then gets the decode step's bits (the kernel's path 0 sums a row in the same order
+    whatever rows come with it), so a prompt's cache does not depend on how its prefill was chunked. Each call reads
+    the keys again: at 64 rows a call that was as much reading as arithmetic for a 32K prompt on Zen 5."""
     B, Hq, T, D = q.shape
     S = kv.keys.shape[2]
-    n = max(1, KERNEL_MAX_ROWS // (Hq // kv.keys.shape[1]))
+    rows = capabilities(ops).attention_chain_rows
+    n = max(1, rows // (Hq // kv.keys.shape[1]))
     return torch.cat([_kernel_attention(q[:, :, t0:t0 + n], SlotKV(kv.keys[:, :, :S - T + min(T, t0 + n)],
                                                                    kv.values[:, :, :S - T + min(T, t0 + n)]),
-                                        scale, ops) for t0 in range(0, T, n)], dim=2)
+                                        scale, ops, rows) for t0 in range(0, T, n)], dim=2)
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, chain: bool,

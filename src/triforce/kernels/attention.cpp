@@ -49,6 +49,7 @@ namespace triforce {
 namespace {
 
 constexpr int64_t MAX_ROWS = 64;
+constexpr int64_t DOT_MAX_ROWS = 256;  // a call's rows over bf16 K/V on dot products: MAX_ROWS at a time per block
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int64_t LANES_MIN_ROWS = 8;  // from this many rows on, the rows-in-lanes path (measured: equal at 6)
 
@@ -946,7 +947,7 @@ ALWAYS_INLINE void keys_tile_scores(const int32_t* qd, const __m512i (&kt)[TT][D
 template <int64_t D>
 void keys_scores(const int32_t* qd, int64_t R, const c10::BFloat16* k, int64_t n, float* s, int64_t ss,
                  Prefetch& pf_ref) {
-  constexpr int TT = D == 64 ? 4 : D == 128 ? 2 : 1;  // tiles per pass: kt is 8 KB
+  constexpr int TT = D == 64 ? 2 : 1;  // tiles per pass
   Prefetch pf = pf_ref;  // (a local copy: its fields stay in registers)
   const auto* kp = reinterpret_cast<const int32_t*>(k);
   const auto rows = [&](auto tt_const, const int32_t* keys, int64_t j) {
@@ -1049,17 +1050,22 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
   const bool dot = std::is_same_v<KV, c10::BFloat16> && BF16_DOT && qb != nullptr && !tiles;
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
     if (dot && R <= KEYS_IN_LANES_MAX_ROWS) {  // a few rows: the same arithmetic with the keys in lanes
+      // the next block's K paced over the scores, its V over the softmax and p v, as the per-row path's decode step
+      // (one stream over the whole item, as below, was 4% slower at 32K)
       const int64_t ss = (n + 15) / 16 * 16;  // st as s [R][ss]: R <= 8 rows of at most BS keys
-      Prefetch pf(next_k, next_v, block_keys<D, KV>() * D * sizeof(KV));
-      pf.pace(ss / 16 * (R * D / 2 + D * D / 16) + R * ss + n * (2 * R + 2 * ((R + TILE - 1) / TILE)) * D / 64);
-      keys_scores<D>(reinterpret_cast<const int32_t*>(qb), R, k, n, st, ss, pf);
+      const int64_t bytes = block_keys<D, KV>() * D * sizeof(KV);
+      Prefetch pk(next_k, nullptr, bytes), pv(nullptr, next_v, bytes);
+      pk.pace(ss / 16 * (R * D / 2 + D * D / 16));
+      pv.pace(R * ss + n * (2 * R + 2 * ((R + TILE - 1) / TILE)) * D / 64);
+      keys_scores<D>(reinterpret_cast<const int32_t*>(qb), R, k, n, st, ss, pk);
+      pk.finish();
       for (int64_t jj = mask_from; jj < n; ++jj)
         for (int64_t r = 0; r < R; ++r)
           if (!mask(r, jj)) st[r * ss + jj] = NEG_INF;
-      alignas(64) int32_t pp[(BLOCK_FLOATS / D + 1) / 2 * W];  // RP = W: the rows fit one vector
-      keys_softmax_pairs(st, ss, R, n, W, pp, m_b, l_b, pf);
-      pv_dot<D>(pp, W, v, R, n, o_b, &pf);
-      pf.finish();
+      alignas(64) int32_t pp[(BLOCK_FLOATS / D + 1) / 2 * std::max<int64_t>(1, KEYS_IN_LANES_MAX_ROWS)];  // stride R
+      keys_softmax_pairs(st, ss, R, n, R, pp, m_b, l_b, pv);
+      pv_dot<D>(pp, R, v, R, n, o_b, &pv);
+      pv.finish();
       return;
     }
     if (qb != nullptr && tiles) {  // (the tiles' loads run far ahead of a few prefetches each: spread out, they arrive)
@@ -1318,10 +1324,21 @@ struct Attention {
       return causal ? (visible ? visible[t * T + u] : u <= t) : true;
     };
     const float* qp = qs.get();
-    if (lanes)
+    if (lanes && R > MAX_ROWS) {  // dot products (a prefill chain's call): MAX_ROWS rows at a time over the block,
+      // which stays in L2 for the next ones (the next block prefetched over the first), where one call per MAX_ROWS
+      // rows read the keys from memory again (a 32K prefill's attention was as much reads as arithmetic). A row's
+      // arithmetic is its own lane's, whichever group it is in.
+      for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
+        const int64_t rows = std::min(MAX_ROWS, R - r0);
+        const auto group_mask = [&](int64_t r, int64_t j) { return mask(r0 + r, j); };
+        block_lanes<D, RB>(nullptr, (rows + W - 1) / W, kh, vh, rows, n, mask_from, group_mask, s,
+                           r0 == 0 ? next_k : nullptr, r0 == 0 ? next_v : nullptr, ob + r0 * D, mb + r0, lb + r0,
+                           qb.data() + (h * (RP / 16) + r0 / 16) * D * 16);
+      }
+    } else if (lanes) {
       block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob, mb, lb,
                          qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx);
-    else
+    } else
       block_rows<D, BS, RB>(exact ? nullptr : qp + h * R * D, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob,
                             mb, lb, exact ? qp + h * D * RP : nullptr, RP, st);
   }
@@ -1859,9 +1876,12 @@ void decode_attention_calls(const std::vector<AttentionCall>& calls, double scal
   const auto dtype = calls[0].kv;
   TORCH_CHECK(path != 3 || (amx_usable() && dtype == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
+  // bf16 K/V on dot products (AVX512-BF16, not AMX): up to DOT_MAX_ROWS rows (a prefill chain's calls)
+  const bool dot_chain = dtype == torch::kBFloat16 && BF16_DOT && (path == 2 || (path == 0 && dot_every_row()));
   for (const AttentionCall& c : calls) {
     TORCH_CHECK(c.D == 64 || c.D == 128 || c.D == 256, "decode_attention: head dim 64, 128 or 256");
-    TORCH_CHECK(c.R <= MAX_ROWS && c.T >= 1 && c.R % c.T == 0 && c.S >= c.T, "decode_attention: bad shapes");
+    TORCH_CHECK(c.R <= (dot_chain ? DOT_MAX_ROWS : MAX_ROWS) && c.T >= 1 && c.R % c.T == 0 && c.S >= c.T,
+                "decode_attention: bad shapes (at most ", dot_chain ? DOT_MAX_ROWS : MAX_ROWS, " rows)");
     TORCH_CHECK(c.kv == dtype && c.D == calls[0].D, "decode_attention: a batch's calls must share the K/V dtype and "
                                                     "head dim");
   }
@@ -1936,6 +1956,7 @@ double vector_peak_flops(bool dot) {
 int64_t attention_lanes_min_rows(bool bf16_dot) { return lanes_min_rows(bf16_dot); }
 bool attention_exact_rows(int64_t rows) { return exact_rows(rows); }
 bool attention_dot_every_row() { return dot_every_row(); }
+int64_t attention_chain_rows() { return dot_every_row() ? DOT_MAX_ROWS : MAX_ROWS; }
 
 }  // namespace triforce
 

@@ -34,6 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_dot_every_row", &triforce::attention_dot_every_row, GIL_FREE,
         "whether path 0 runs bf16 K/V on AVX512-BF16 dot products (the rows-in-lanes path, path 2) at every row count "
         "on this CPU: a decode step and a verification then share that arithmetic, exact per row");
+  m.def("attention_chain_rows", &triforce::attention_chain_rows, GIL_FREE,
+        "the most query rows per KV head a path-0 call over bf16 K/V takes on this CPU: 256 where it runs on dot "
+        "products at every row count (attention_dot_every_row), else 64");
   m.def("vector_peak_flops", &triforce::vector_peak_flops, GIL_FREE,
         "this build's vector arithmetic peak on all threads in FLOP/s: FMAs, or with dot AVX512-BF16's vdpbf16ps (0 "
         "where the build has none); register-resident chains, about 10 ms", py::arg("dot") = false);

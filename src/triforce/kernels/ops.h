@@ -75,6 +75,7 @@ bool bf16_dot_attention();
 int64_t attention_lanes_min_rows(bool bf16_dot);
 bool attention_exact_rows(int64_t rows);
 bool attention_dot_every_row();
+int64_t attention_chain_rows();
 // retrieval.cpp: the retrieval cache's chunk scores, out [H, N / c] = q [H, D] fp32 . the mean of each chunk of c
 // keys of keys [H, N, D] (fp32, bf16 or fp16; each head's rows contiguous); keys past the last whole chunk ignored.
 torch::Tensor chunk_scores(torch::Tensor keys, torch::Tensor q, int64_t c);
