@@ -1035,6 +1035,22 @@ inline void keys_softmax_pairs(float*, int64_t, int64_t, int64_t, int64_t, int32
 // an FMA's rate (AMX serves there).
 inline bool dot_every_row() { return BF16_DOT && amd_avx512_family() >= 26; }
 
+// Masks a block's scores (at(r, j): row r's score of key j) from mask_from on: where mask(r, j) says row r does not see
+// key j, or, for a plain causal chain (row_end: not null), from each row's row_end[r] on (the same keys: a division
+// and a branch per row and key were 20% of a prefill chain's call over one block).
+template <typename Mask, typename At>
+ALWAYS_INLINE void mask_scores(int64_t R, int64_t n, int64_t mask_from, const Mask& mask, const int64_t* row_end,
+                               const At& at) {
+  if (row_end != nullptr) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = std::max(mask_from, row_end[r]); j < n; ++j) at(r, j) = NEG_INF;
+    return;
+  }
+  for (int64_t jj = mask_from; jj < n; ++jj)
+    for (int64_t r = 0; r < R; ++r)
+      if (!mask(r, jj)) at(r, jj) = NEG_INF;
+}
+
 // One (head, block) work item on the rows-in-lanes path; the contract of block_rows, with
 // qt [D][RP] (RP = NV * W) instead of q, and st scratch [BS][RP]. qb (bf16 K/V only; else null): the queries in
 // AMX's pair layout (scores_amx); with `tiles`, AMX's tiles then compute the block's scores (but its last n % 16
@@ -1043,7 +1059,7 @@ inline bool dot_every_row() { return BF16_DOT && amd_avx512_family() >= 26; }
 template <int64_t D, bool B2, typename KV, typename Mask>
 void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t R, int64_t n, int64_t mask_from,
                  const Mask& mask, float* st, const char* next_k, const char* next_v, float* o_b, float* m_b,
-                 float* l_b, const uint16_t* qb = nullptr, bool tiles = false) {
+                 float* l_b, const uint16_t* qb = nullptr, bool tiles = false, const int64_t* row_end = nullptr) {
   const int64_t RP = NV * W;
   int64_t j_fma = 0;  // the keys from here on: scores by FMAs
   const char* pf_k = nullptr;  // AMX: the next block's keys, prefetched a row per key during the softmax below
@@ -1059,9 +1075,7 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
       pv.pace(R * ss + n * (2 * R + 2 * ((R + TILE - 1) / TILE)) * D / 64);
       keys_scores<D>(reinterpret_cast<const int32_t*>(qb), R, k, n, st, ss, pk);
       pk.finish();
-      for (int64_t jj = mask_from; jj < n; ++jj)
-        for (int64_t r = 0; r < R; ++r)
-          if (!mask(r, jj)) st[r * ss + jj] = NEG_INF;
+      mask_scores(R, n, mask_from, mask, row_end, [&](int64_t r, int64_t j) -> float& { return st[r * ss + j]; });
       alignas(64) int32_t pp[(BLOCK_FLOATS / D + 1) / 2 * std::max<int64_t>(1, KEYS_IN_LANES_MAX_ROWS)];  // stride R
       keys_softmax_pairs(st, ss, R, n, R, pp, m_b, l_b, pv);
       pv_dot<D>(pp, R, v, R, n, o_b, &pv);
@@ -1109,9 +1123,7 @@ void block_lanes(const float* qt, int64_t NV, const KV* k, const KV* v, int64_t 
     }
     g0 += ng;
   }
-  for (int64_t jj = mask_from; jj < n; ++jj)
-    for (int64_t r = 0; r < R; ++r)
-      if (!mask(r, jj)) st[jj * RP + r] = NEG_INF;
+  mask_scores(R, n, mask_from, mask, row_end, [&](int64_t r, int64_t j) -> float& { return st[j * RP + r]; });
   // block-local softmax numerators, W rows per vector (one vector at a time: its max and sum stay
   // in registers; with the vectors inner, indexed at run time, they went through memory: +15%)
   float mt[MAX_ROWS], lt[MAX_ROWS];
@@ -1216,17 +1228,28 @@ void merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R, int64_t
 // arithmetic).
 void scaled_queries(const float* q, int64_t H, int64_t R, int64_t D, double scale, bool lanes, int64_t RP, bool round,
                     float* dst) {
-  const float sc = static_cast<float>(scale);
+  // (vectors a row; the transposed copy W rows at a time, a vector of W rows per dimension: scalar, with a rounding
+  // call per element and stores 4 RP bytes apart, it took 40 us of a prefill chain's 255-row call, 2,800 calls an
+  // 8K prompt)
+  const Vec sc(static_cast<float>(scale));
+  std::vector<float> rows(W * D);
   for (int64_t h = 0; h < H; ++h)
-    for (int64_t r = 0; r < (lanes ? RP : R); ++r)
-      for (int64_t d = 0; d < D; ++d) {
-        const float qv = r < R ? q[(h * R + r) * D + d] * sc : 0.f;
-        const float x = round ? round_bf16(qv) : qv;
-        if (lanes)
-          dst[(h * D + d) * RP + r] = x;
-        else
-          dst[(h * R + r) * D + d] = x;
+    for (int64_t r0 = 0; r0 < (lanes ? RP : R); r0 += lanes ? W : 1) {
+      for (int64_t i = 0; i < (lanes ? W : 1); ++i) {
+        const int64_t r = r0 + i;
+        float* x = lanes ? rows.data() + i * D : dst + (h * R + r) * D;
+        for (int64_t d = 0; d < D; d += W) {
+          const Vec qv = r < R ? Vec::loadu(q + (h * R + r) * D + d) * sc : Vec(0.f);
+          (round ? round_bf16(qv) : qv).store(x + d);
+        }
       }
+      if (lanes)
+        for (int64_t d = 0; d < D; ++d) {
+          alignas(64) float col[W];
+          for (int64_t i = 0; i < W; ++i) col[i] = rows[i * D + d];
+          Vec::loadu(col).store(dst + (h * D + d) * RP + r0);
+        }
+    }
 }
 
 // The arithmetic: fp32 over fp32 / fp16 K/V. Over bf16 K/V (RB) every product is bf16 x bf16 (exact in fp32) as
@@ -1268,13 +1291,24 @@ struct Attention {
       const int64_t NQ = RP / 16;
       qb.assign(H * NQ * D * 16, 0);
       const float* qt = qs.get();
+      // [h][g][pair p][row i][2]: the upper halves of the (already bf16) values of dimensions 2p and 2p + 1
       for (int64_t h = 0; h < H; ++h)
         for (int64_t g = 0; g < NQ; ++g)
-          for (int64_t d = 0; d < D; ++d)
+          for (int64_t p = 0; p < D / 2; ++p) {
+            const float* x0 = qt + (h * D + 2 * p) * RP + g * 16;
+            uint16_t* o = qb.data() + (((h * NQ + g) * (D / 2) + p) * 16) * 2;
+#if defined(CPU_CAPABILITY_AVX512)
+            const __m512i a = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(x0)), 16);
+            const __m512i b = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x0 + RP)),
+                                               _mm512_set1_epi32(int(0xffff0000u)));
+            _mm512_storeu_si512(o, _mm512_or_si512(a, b));
+#else
             for (int64_t i = 0; i < 16; ++i) {
-              const c10::BFloat16 x(qt[(h * D + d) * RP + g * 16 + i]);  // already a bf16 value: exact
-              qb[(((h * NQ + g) * (D / 32) + d / 32) * 16 + (d % 32) / 2) * 32 + i * 2 + d % 2] = x.x;
+              o[2 * i] = c10::BFloat16(x0[i]).x;
+              o[2 * i + 1] = c10::BFloat16(x0[RP + i]).x;
             }
+#endif
+          }
     }
     // (not zero-filled: every block writes all of its rows)
     parts.reset(new float[H * nb * R * (D + 2)]);
@@ -1324,6 +1358,10 @@ struct Attention {
       return causal ? (visible ? visible[t * T + u] : u <= t) : true;
     };
     const float* qp = qs.get();
+    int64_t row_end[DOT_MAX_ROWS];  // a plain causal chain on the lanes path: row r sees the block's keys below it
+    const bool plain = lanes && causal && visible == nullptr && gap == nullptr;
+    if (plain)
+      for (int64_t r = 0; r < R; ++r) row_end[r] = S - T + r % T + 1 - j0;
     if (lanes && R > MAX_ROWS) {  // dot products (a prefill chain's call): MAX_ROWS rows at a time over the block,
       // which stays in L2 for the next ones (the next block prefetched over the first), where one call per MAX_ROWS
       // rows read the keys from memory again (a 32K prefill's attention was as much reads as arithmetic). A row's
@@ -1333,11 +1371,11 @@ struct Attention {
         const auto group_mask = [&](int64_t r, int64_t j) { return mask(r0 + r, j); };
         block_lanes<D, RB>(nullptr, (rows + W - 1) / W, kh, vh, rows, n, mask_from, group_mask, s,
                            r0 == 0 ? next_k : nullptr, r0 == 0 ? next_v : nullptr, ob + r0 * D, mb + r0, lb + r0,
-                           qb.data() + (h * (RP / 16) + r0 / 16) * D * 16);
+                           qb.data() + (h * (RP / 16) + r0 / 16) * D * 16, false, plain ? row_end + r0 : nullptr);
       }
     } else if (lanes) {
       block_lanes<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob, mb, lb,
-                         qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx);
+                         qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx, plain ? row_end : nullptr);
     } else
       block_rows<D, BS, RB>(exact ? nullptr : qp + h * R * D, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob,
                             mb, lb, exact ? qp + h * D * RP : nullptr, RP, st);
@@ -1376,8 +1414,10 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
       calls[c].item(w - first[c], s, s + MAX_ROWS * BS);
     }
   };
-  if (calls.size() == 1) at::parallel_for(0, first.back(), 1, run);
-  else parallel_chunks(first.back(), BATCH_CHUNK, run);
+  // (a call of more than MAX_ROWS rows, a prefill chain's, is arithmetic: its items one at a time as threads come
+  // free, where equal shares of a few uneven items left one thread waiting)
+  if (calls.size() == 1 && calls[0].c.R <= MAX_ROWS) at::parallel_for(0, first.back(), 1, run);
+  else parallel_chunks(first.back(), calls.size() == 1 ? 1 : BATCH_CHUNK, run);
 }
 
 // Several calls (or one), all of one head dim and K/V dtype, each with its own cache, mask and row count; path as
