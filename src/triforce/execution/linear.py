@@ -138,7 +138,7 @@ class QuantLinear(nn.Module):
         raws = [self._buffers[name] for name in self._names]  # (Module.__getattr__ costs more: 121 calls a step)
         if ops is not None and rows > KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready \
                 and all(self.packed) and capabilities(ops).packed_prefill:
-            # a prefill on the integer kernel where it outruns dequantized weights (AVX-512 VNNI: 1.65-3.7x MKL's
+            # a prefill on the integer kernel where it outruns dequantized weights (AVX-512 VNNI: 1.56-3.6x MKL's
             # GEMM on Zen 5): every row the decode step's, so a prompt's cache does not depend on its chunking
             y = ops.linear_packed(x, raws, self.types, self.rows)
             return y if self.bias is None else y + self.bias

@@ -747,10 +747,10 @@ std::vector<int64_t> packed_many_rows_types() {
 
 // Whether a prefill's rows (more than a verification's 64) run here too rather than through dequantized weights and
 // PyTorch's GEMM: AVX-512 VNNI builds, where vpdpbusd multiplies 64 code bytes an instruction. AMD Zen 5, 2 threads,
-// 512 rows, random blocks (MKL's sgemm runs AVX2 code on AMD's CPUs, 210-220 GFLOP/s): Q4_0 / Q4_1 2.4-3.7x,
-// Q5_1 2.3-2.5x, Q8_0 1.9-2.2x, Q4_K 1.9-2.0x, Q5_0 / Q5_K / Q6_K 1.65-1.95x (docs/performance.md). Each row is
-// then the decode step's bits, so a prompt's cache does not depend on its prefill's chunking. (AVX2, Zen 3: 0.77-1.10x
-// MKL, not taken.)
+// 512 rows, random blocks (MKL's sgemm runs AVX2 code on AMD's CPUs, 185-225 GFLOP/s; benchmarks/linear_prefill.py):
+// Q4_0 / Q4_1 2.3-3.6x, Q5_1 2.1-2.5x, Q8_0 / Q4_K / Q5_0 1.75-2.15x, Q5_K / Q6_K 1.56-1.86x. Each row is then the
+// decode step's bits, so a prompt's cache does not depend on its prefill's chunking. (AVX2, Zen 3: 0.77-1.10x MKL,
+// not taken. Intel's AVX-512 CPUs, where MKL runs AVX-512 code: not measured.)
 bool packed_prefill() { return VNNI; }
 
 torch::Tensor unpack_rows(torch::Tensor packed, int64_t head, int64_t tail, int64_t size, int64_t start, int64_t stop) {
