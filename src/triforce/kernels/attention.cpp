@@ -25,6 +25,9 @@
 //  * many rows, the per-row path's bits (scores_exact, the model's path from a CPU-dependent row count:
 //    exact_rows): the scores computed rows-in-lanes in the per-row path's order of sums, then transposed, so
 //    that a verification's rows stay exactly the decode step's.
+// Over bf16 K/V on AMD Zen 5 the model's path is instead the rows-in-lanes path on AVX512-BF16 dot products at every
+// row count (dot_every_row; with the keys in lanes for up to 8 rows, the same bits), whose sums do not depend on the
+// rows beside a row either.
 // p v is one loop for both (block_pv): TILE rows x DC vectors of accumulators, each V element read
 // once per tile of rows.
 #include <sys/syscall.h>
@@ -286,7 +289,6 @@ ALWAYS_INLINE Vec reference2(const Vec& m) {
   const Vec neg(NEG_INF);
   return select(m != neg, (m * Vec(LOG2E)).ceil()) + select(m == neg, neg);
 }
-
 
 // Partial dot products of RG rows (q, row stride D) with KP keys from k (row stride D): acc[r][i] holds W lanes
 // whose sum is row r's score of key i. Each key vector is loaded (and widened) once for all RG rows.
@@ -849,8 +851,8 @@ ALWAYS_INLINE T tree8(T (&a)[8]) {
 }
 
 // The softmax numerators of one vector of 16 rows (col: their scores, row stride RP) over n keys, straight into p v's
-// key pairs pp [n16 / 2][RP] (n16: n rounded up to 16; this vector's 16 lanes): p = 2^(s log2 e - m) as
-// softmax_numerators<true> computes it, rounded to bf16, the first key's in the low half. Scores col[j] for j in
+// key pairs pp [n16 / 2][RP] (n16: n rounded up to 16; this vector's 16 lanes): p = 2^(s log2 e - m) by numerator2,
+// rounded to bf16, the first key's in the low half. Scores col[j] for j in
 // [n, n16) are set to -inf here (p = 0: a last odd key is paired with 0). Returns l (tree8). (Stored as rounded fp32
 // and paired in a second pass: 7% slower on one Zen 5 core at 32K.)
 inline Vec softmax_pairs(float* col, int64_t RP, int64_t n, const Vec& ms, int32_t* pp, Prefetch& pf) {
@@ -1868,7 +1870,8 @@ torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch
 
 // q [H, R, D] fp32 (any layout; copied scaled), k/v [H, S, D] fp32, bf16 or fp16 (both the same)
 // with contiguous rows, D in {64, 128, 256}, T tokens per row group, causal over the last T keys if
-// `causal` -> out [H, R, D] fp32. path: 0 and 1 the per-row path (what the model runs: exact per row), 2 the rows-in-lanes path on the vector units (bf16 K/V: vdpbf16ps where the build has AVX512-BF16, else FMAs), 3 rows in lanes on AMX (bf16 K/V; for tests and
+// `causal` -> out [H, R, D] fp32. path: 0 what the model runs (the per-row path, or over bf16 K/V on Zen 5 path 2's
+// dot products at every row count: exact per row either way), 1 the per-row path, 2 the rows-in-lanes path on the vector units (bf16 K/V: vdpbf16ps where the build has AVX512-BF16, else FMAs), 3 rows in lanes on AMX (bf16 K/V; for tests and
 // measurements). bf16 K/V: the bf16 arithmetic (run()).
 bool bf16_dot_attention() { return BF16_DOT || amx_usable(); }
 
@@ -1928,9 +1931,10 @@ void decode_attention_calls(const std::vector<AttentionCall>& calls, double scal
   // path 0 (what the model runs) is the per-row path at every row count, its scores computed rows-in-lanes where
   // exact_rows says that is faster (path 4, scores_exact: the same bits): a row's sums then run in the same order
   // whatever rows come with it, so a verification's rows are bit for bit the decode step's and greedy output stays
-  // exactly ar's.
-  // The rows-in-lanes path (2, 3) sums in another order, which flipped a near-tie (logits 0.02 apart) at 32K: it
-  // runs only when asked.
+  // exactly ar's. Over bf16 K/V on Zen 5 (dot_every_row) it is path 2's dot products at every row count instead, the
+  // decode step's 1-3 rows included: the same property in another arithmetic.
+  // Elsewhere the rows-in-lanes path (2, 3) sums in another order than the per-row path, which flipped a near-tie
+  // (logits 0.02 apart) at 32K: it runs only when asked.
   const bool lanes = path == 2 || path == 3 || (path == 0 && dtype == torch::kBFloat16 && dot_every_row());
   const bool amx = path == 3;
   switch (dtype) {
