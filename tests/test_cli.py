@@ -176,6 +176,14 @@ def test_bench_writes_results(tmp_path):
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert all(sum(x["adaptive"]["routes"].values()) >= 1 for x in runs if x["method"] == "triforce")
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+    # each prompt's prefill: its seconds, FLOPs and rate, and the rate against the build's measured peaks
+    meta = json.loads((tmp_path / "results.json").read_text())["meta"]
+    (prefill,) = meta["prefills"]
+    assert prefill["context_length"] == 700 and prefill["prompt_name"] == "dialogue" and prefill["seconds"] > 0
+    assert prefill["gflop_per_s"] == pytest.approx(prefill["gflop"] / prefill["seconds"], rel=0.01, abs=0.1)
+    assert "Prefill per prompt" in md and f"| 700 | dialogue | {prefill['seconds']:.2f} |" in md
+    if meta["vector_peak_gflop_s"]:
+        assert "of the FMA peak" in md
     bad = run("bench", "--methods", "ar,medusa", "--quiet")
     assert bad.returncode == 2 and "unknown method" in bad.stderr
     bad = run("bench", "--peers", "vllm", "--quiet")

@@ -72,3 +72,16 @@ def test_a_greedy_row_that_left_ars_tokens_stops_the_table(tmp_path, monkeypatch
     monkeypatch.setattr(rf, "ROOT", tmp_path)
     with pytest.raises(ValueError, match="not equal to ar's"):
         rf.adaptive(rel, 8192, rf.ZEN5)
+
+
+def test_a_row_s_time_to_first_token_is_its_file_s_prefills(tmp_path, monkeypatch):
+    """A file that records each prompt's prefill (triforce bench's meta['prefills']) shows their span as the row's
+    time to first token; changed in the file, it changes in the row."""
+    rel = "docs/benchmarks/2026-11-30-zen5-adaptive-8k/results.json"
+    (tmp_path / rel).parent.mkdir(parents=True)
+    data = json.loads((REPO / rel).read_text())
+    for p, s in zip(data["meta"]["prefills"], (1.3, 2.5, 2.0)):
+        p["seconds"] = s
+    (tmp_path / rel).write_text(json.dumps(data))
+    monkeypatch.setattr(rf, "ROOT", tmp_path)
+    assert rf.adaptive(rel, 8192, rf.ZEN5)[5] == "1.3-2.5 s (the prefill)"

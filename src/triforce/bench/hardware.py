@@ -1,4 +1,4 @@
-"""The machine's memory bandwidth and the physical floor of a decode step."""
+"""The machine's memory bandwidth, the physical floor of a decode step, and a prefill's arithmetic."""
 from __future__ import annotations
 
 import time
@@ -53,3 +53,13 @@ def floor_seconds(model, kv_tokens: int, bandwidth: float, kv_element_size: floa
     """(weight bytes + KV bytes read) / bandwidth for one decode step attending to `kv_tokens`, whose
     K/V elements take `kv_element_size` bytes (None: those of the model's own cache, model.kv_dtype)."""
     return (weight_bytes(model) + kv_tokens * kv_bytes_per_token(model, kv_element_size)) / bandwidth
+
+
+def prefill_flops(cfg, n: int) -> tuple[float, float]:
+    """(attention, linear layers) FLOPs of prefilling n tokens from an empty cache: causal attention, 4 head_dim
+    FLOPs per (query head, visible key) for q k and p v; the layers' projections, 2 FLOPs per weight and token
+    (the LM head runs for the last token only: left out)."""
+    attention = 4.0 * cfg.head_dim * cfg.n_heads * cfg.n_layers * n * (n + 1) / 2
+    h = cfg.hidden_size
+    per_token = cfg.n_layers * (2 * h * cfg.head_dim * (cfg.n_heads + cfg.n_kv_heads) + 3 * h * cfg.intermediate_size)
+    return attention, 2.0 * n * per_token

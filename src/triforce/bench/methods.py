@@ -31,8 +31,8 @@ from ..tuning import flags as tuned_flags
 from ..tuning.flags import tuned_allowed, tuned_run
 from ..tuning.measure import sampling_params
 from . import peers as peer_mod
-from .hardware import floor_seconds, measure_bandwidth
-from .results import cells_markdown, markdown, summarize, write_outputs
+from .hardware import floor_seconds, measure_bandwidth, prefill_flops
+from .results import cells_markdown, markdown, prefill_markdown, summarize, write_outputs
 
 
 def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: str) -> float | None:
@@ -132,7 +132,7 @@ def _row(method, n_ctx, pi, temp, ms, ar_ms, floor_ms, tokens, ar_tokens, *, lev
 def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new_tokens, config, seed=0,
               progress=True, draft_model=None, log=print, bandwidth=None, peers=(), draft_dir=None,
               prompt_files=(), on_row=None, tuned=None, reference_kv: str | None = None,
-              genres: tuple[str, ...] = ("dialogue",), samples: int = 1) -> list[dict]:
+              genres: tuple[str, ...] = ("dialogue",), samples: int = 1, on_prefill=None) -> list[dict]:
     """-> one row per (context, prompt, temperature, method); `methods` are method names or StackSpecs
     (a row's method is then the stack's text). `on_row(rows)` is called after each new row (the CLI
     writes the results so far, so an interrupted run keeps its finished rows). `tuned(method, context,
@@ -144,7 +144,9 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
     its text. `samples`: runs per method and cell, interleaved with the other methods' (A B C A B C ...), each with
     its own seed when sampling; a row's ms/token is their decode time over their tokens, its acceptances their sums
     (one run says little: the host's speed drifts within a minute, and when sampling each method samples a
-    different text, where one loop or one novel stretch decides a run)."""
+    different text, where one loop or one novel stretch decides a run). `on_prefill(entry)`: each prompt's shared
+    prefill, {context_length, prompt, prompt_name, seconds, gflop, gflop_per_s} (the time to its first token, less
+    the first token's forward)."""
     model, tok = loaded.model, loaded.tokenizer
     rows = []
 
@@ -226,6 +228,11 @@ def run_bench(loaded, context_lengths, methods, temperatures, n_prompts, max_new
                                      config.prefill_chunk, progress)
             prefill_s = time.perf_counter() - t
             log(f"context {n_ctx}, prompt {pi} ({prompt_name}): prefill {prefill_s:.1f} s")
+            if on_prefill is not None:
+                flop = sum(prefill_flops(model.cfg, len(prompt)))
+                on_prefill({"context_length": n_ctx, "prompt": pi, "prompt_name": prompt_name,
+                            "seconds": round(prefill_s, 3), "gflop": round(flop / 1e9, 1),
+                            "gflop_per_s": round(flop / prefill_s / 1e9, 1)})
             if not warmed:  # first calls of every code path (kernels, oneDNN, allocator) stay untimed
                 t = time.perf_counter()
                 for stack in stacks:
@@ -437,12 +444,20 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
             raise TriforceError(f"--reference-kv-dtype {reference_kv}: {e}") from e
     bandwidth = measure_bandwidth(device=loaded.model.device)  # floors on a GPU are its HBM's
     ops = loaded.model.backend.ops
+    # the build's measured vector peaks (FMAs; AVX512-BF16 dot products where it has them), which each prompt's
+    # prefill rate is compared with in results.md
+    peaks = {}
+    if ops is not None and hasattr(ops, "vector_peak_flops"):
+        peaks = {"fma": round(ops.vector_peak_flops(False) / 1e9, 1)}
+        if ops.vector_peak_flops(True) > 0:
+            peaks["bf16_dot"] = round(ops.vector_peak_flops(True) / 1e9, 1)
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
             # the compiled CPU build (TRIFORCE_ISA), or none (PyTorch's, or a GPU's)
             "kernels": ops.ISA if ops is not None else f"none ({loaded.model.device.type})",
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "config": config.__dict__,
             "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."), "reference_kv_dtype": reference_kv,
-            "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
+            "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv),
+            "vector_peak_gflop_s": peaks, "prefills": []}
     out_dir = Path(args.out)
 
     genres = tuple(g for g in args.genres.split(",") if g)
@@ -455,8 +470,8 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
                      draft_dir=draft_model.hf_dir if draft_model else None,
                      on_row=lambda rs: write_outputs(out_dir, rs, summarize(rs), meta), genres=genres,
                      tuned=lambda m, n, t: tuned_run(loaded, m, config, n, t, log) if tuned_allowed(args, m) else None,
-                     reference_kv=reference_kv, samples=args.samples)
+                     reference_kv=reference_kv, samples=args.samples, on_prefill=meta["prefills"].append)
     summary = summarize(rows)
     write_outputs(out_dir, rows, summary, meta)
-    print(markdown(summary) + cells_markdown(rows))
+    print(markdown(summary) + cells_markdown(rows) + prefill_markdown(meta))
     return 0

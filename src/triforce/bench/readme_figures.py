@@ -73,6 +73,13 @@ def _context(data: dict, runs: list[dict], n_ctx: int) -> str:
     return f"{n_ctx} ({prompts} prompt{'s' if prompts > 1 else ''}, {data['meta']['max_new_tokens']} new tokens)"
 
 
+def _prefill(data: dict, n_ctx: int) -> str:
+    """The prompts' prefill seconds at n_ctx, from the file's per-prompt prefills ("-" in files from before
+    triforce bench recorded them): every method's first token comes after it."""
+    seconds = [p["seconds"] for p in data["meta"].get("prefills", []) if p["context_length"] == n_ctx]
+    return f"{_span(seconds, 1, ' s')} (the prefill)" if seconds else "-"
+
+
 def adaptive(rel: str, n_ctx: int, machine: str) -> list[str]:
     """The adaptive default (`triforce`) against `ar`."""
     data = _load(rel)
@@ -81,7 +88,7 @@ def adaptive(rel: str, n_ctx: int, machine: str) -> list[str]:
     ours = [r for r in runs if "adaptive" in r]
     ar = [r for r in runs if r["method"] == "ar"]
     return [_machine(data, machine), _context(data, runs, n_ctx), "`triforce` (the adaptive default)",
-            _by_temperature(ours, "speedup_vs_ar", unit="x"), _by_temperature(ar, "ms_per_token"), "-"]
+            _by_temperature(ours, "speedup_vs_ar", unit="x"), _by_temperature(ar, "ms_per_token"), _prefill(data, n_ctx)]
 
 
 def fixed(rel: str, n_ctx: int, machine: str) -> list[str]:
@@ -113,7 +120,7 @@ def llama_cpp(rel: str, n_ctx: int, machine: str) -> list[str]:
 B = "docs/benchmarks/"
 # (the row, its results file, the context, the machine kind it was measured on)
 ROWS = (
-    (adaptive, B + "2026-11-27-zen5-adaptive-8k/results.json", 8192, ZEN5),
+    (adaptive, B + "2026-11-30-zen5-adaptive-8k/results.json", 8192, ZEN5),
     (adaptive, B + "2026-11-30-zen5-adaptive-32k/results.json", 32000, ZEN5),
     (fixed, B + "2026-11-30-zen5-adaptive-32k/results.json", 32000, ZEN5),
     (llama_cpp, B + "2026-11-26-zen5-llamacpp-8k-32k/results.json", 32000, ZEN5),

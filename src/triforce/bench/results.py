@@ -223,6 +223,24 @@ def _prefill_points(summary: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return {name: sorted((n, statistics.median(v)) for n, v in ctx.items()) for name, ctx in by.items()}
 
 
+def prefill_markdown(meta: dict) -> str:
+    """Each prompt's prefill (the time to its first token, less that token's forward): seconds, its FLOPs
+    (bench.hardware.prefill_flops) and their rate against the build's measured vector peaks; "" without prefills."""
+    prefills = meta.get("prefills") or []
+    if not prefills:
+        return ""
+    peaks = meta.get("vector_peak_gflop_s") or {}
+    names = {"fma": "of the FMA peak", "bf16_dot": "of the vdpbf16ps peak"}
+    cols = [k for k in ("fma", "bf16_dot") if peaks.get(k)]
+    head = "| context | prompt | prefill s | GFLOP | GFLOP/s |" + "".join(f" {names[k]} ({peaks[k]:.0f}) |" for k in cols)
+    lines = ["", "Prefill per prompt (every method's run starts from it):", "", head,
+             "|" + "---|" * (5 + len(cols))]
+    for p in prefills:
+        lines.append(f"| {p['context_length']} | {p['prompt_name']} | {p['seconds']:.2f} | {p['gflop']:.0f} | "
+                     f"{p['gflop_per_s']:.0f} |" + "".join(f" {p['gflop_per_s'] / peaks[k]:.0%} |" for k in cols))
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: dict) -> None:
     """results.json, results.md and speedup.png, each written atomically (a reader never sees a
     half-written file; an interrupted run leaves the previous complete version, and a run killed in
@@ -231,7 +249,7 @@ def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: di
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out_dir)
         atomic_write(out_dir / "results.json", json.dumps({"meta": meta, "rows": summary, "runs": rows}, indent=1))
-        atomic_write(out_dir / "results.md", markdown(summary) + cells_markdown(rows))
+        atomic_write(out_dir / "results.md", markdown(summary) + cells_markdown(rows) + prefill_markdown(meta))
         with atomic_file(out_dir / "speedup.png") as tmp:
             plot(summary, tmp)
     except OSError as e:
