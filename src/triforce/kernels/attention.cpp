@@ -949,7 +949,10 @@ ALWAYS_INLINE void keys_tile_scores(const int32_t* qd, const __m512i (&kt)[TT][D
 template <int64_t D>
 void keys_scores(const int32_t* qd, int64_t R, const c10::BFloat16* k, int64_t n, float* s, int64_t ss,
                  Prefetch& pf_ref) {
-  constexpr int TT = D == 64 ? 2 : 1;  // tiles per pass
+  // one tile of 16 keys a pass: with 2 or 4 (more chains in flight: 24 cycles a key and head in cache against 28) the
+  // decode step's attention, bound by its reads, took 3-7% longer at 32K (alternated in one process, 30 layers x 3
+  // KV heads: 20.8 against 19.5 ms with 2; with 1, 19.9 / 19.9 and 20.5 / 20.8 against the per-row path)
+  constexpr int TT = 1;
   Prefetch pf = pf_ref;  // (a local copy: its fields stay in registers)
   const auto* kp = reinterpret_cast<const int32_t*>(k);
   const auto rows = [&](auto tt_const, const int32_t* keys, int64_t j) {
