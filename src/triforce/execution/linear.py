@@ -136,20 +136,19 @@ class QuantLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         ops = self.backend.ops
         raws = [self._buffers[name] for name in self._names]  # (Module.__getattr__ costs more: 121 calls a step)
-        if ops is not None and rows > KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready \
-                and all(self.packed) and capabilities(ops).packed_prefill:
-            # a prefill on the integer kernel where it outruns dequantized weights (AVX-512 VNNI: 1.56-3.6x MKL's
-            # GEMM on Zen 5): every row the decode step's, so a prompt's cache does not depend on its chunking
-            y = ops.linear_packed(x, raws, self.types, self.rows)
-            return y if self.bias is None else y + self.bias
-        if ops is not None and PANEL_MAX_ROWS < rows <= KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 \
-                and self.kernel_ready:  # a verification: the kernel 16 rows at a time, as the decode step computes
-            if all(self.packed) and self.types_set <= capabilities(ops).packed_many_rows:
-                # or in one call of the integer kernel's many-row path, the same bits (Zen 3, one thread, 64 rows of
-                # the embedded model's Q4_1 shapes 1.4x the 16-row tiles). Not prefill (more rows): there it
-                # measured 0.77-1.10x dequantized weights through MKL's GEMM on Zen 3
+        if ops is not None and rows > PANEL_MAX_ROWS and x.dtype == torch.float32 and self.kernel_ready \
+                and all(self.packed):
+            caps = capabilities(ops)
+            # in one call of the integer kernel, the decode step's bits for every row: a verification's rows where
+            # its many-row path takes the types (Zen 3, one thread, 64 rows of the embedded model's Q4_1 shapes 1.4x
+            # the 16-row tiles), a prefill's where it outruns dequantized weights (AVX-512 VNNI: 1.56-3.6x MKL's GEMM
+            # on Zen 5, so a prompt's cache does not depend on its chunking; on Zen 3 it measured 0.77-1.10x)
+            one_call = caps.packed_prefill if rows > KERNEL_CHUNKS_MAX_ROWS else self.types_set <= caps.packed_many_rows
+            if one_call:
                 y = ops.linear_packed(x, raws, self.types, self.rows)
                 return y if self.bias is None else y + self.bias
+        if ops is not None and PANEL_MAX_ROWS < rows <= KERNEL_CHUNKS_MAX_ROWS and x.dtype == torch.float32 \
+                and self.kernel_ready:  # a verification: the kernel 16 rows at a time, as the decode step computes
             x2 = x.reshape(rows, x.shape[-1])
             y = torch.cat([self(x2[r:r + PANEL_MAX_ROWS]) for r in range(0, rows, PANEL_MAX_ROWS)])
             return y.view(*x.shape[:-1], self.out_features)

@@ -925,61 +925,49 @@ ALWAYS_INLINE void transpose16(const int32_t* p, int64_t stride, __m512i (&t)[16
   }
 }
 
-// Scores of NR rows against TT tiles of 16 keys (kp: the first key's dimension pairs, [16 TT][D / 2]) into
-// s[r * ss + 16 t + i]; qd: the rows' query pairs, row r's pair d at qd[d * 16 + r] (scores_dot's qb layout).
-template <int64_t D, int NR, int TT>
-ALWAYS_INLINE void keys_tile_scores(const int32_t* qd, const __m512i (&kt)[TT][D / 2], float* s, int64_t ss,
-                                    Prefetch& pf) {
-  __m512 acc[NR][TT];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+// Scores of NR rows against one tile of 16 keys (kt: its dimension pair d in kt[d], keys in lanes) into
+// s[r * ss + i]; qd: the rows' query pairs, row r's pair d at qd[d * 16 + r] (scores_dot's qb layout).
+template <int64_t D, int NR>
+ALWAYS_INLINE void keys_tile_scores(const int32_t* qd, const __m512i (&kt)[D / 2], float* s, int64_t ss, Prefetch& pf) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   for (int d = 0; d < D / 2; ++d) {
-    pf.step(NR * TT);
-    for (int r = 0; r < NR; ++r) {
-      const __m512bh qv = (__m512bh)_mm512_set1_epi32(qd[d * 16 + r]);
-      for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)kt[t][d], qv);
-    }
+    pf.step(NR);
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)kt[d], (__m512bh)_mm512_set1_epi32(qd[d * 16 + r]));
   }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < TT; ++t) _mm512_storeu_ps(s + r * ss + 16 * t, acc[r][t]);
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s + r * ss, acc[r]);
 }
 
 // Scores of R <= KEYS_IN_LANES_MAX_ROWS rows (qd as above) against the block's n keys into s[r * ss + j], for j up to
-// n rounded up to 16 (the last tile's keys past n: scores of zero keys, for the caller to mask).
+// n rounded up to 16 (the last tile's keys past n: scores of zero keys, for the caller to mask). One tile of 16 keys
+// a pass: with 2 or 4 (more chains in flight: 24 cycles a key and head in cache against 28) the decode step's
+// attention, bound by its reads, took 3-7% longer at 32K (alternated in one process, 30 layers x 3 KV heads: 20.8
+// against 19.5 ms with 2; with 1, 19.9 / 19.9 and 20.5 / 20.8 against the per-row path).
 template <int64_t D>
 void keys_scores(const int32_t* qd, int64_t R, const c10::BFloat16* k, int64_t n, float* s, int64_t ss,
                  Prefetch& pf_ref) {
-  // one tile of 16 keys a pass: with 2 or 4 (more chains in flight: 24 cycles a key and head in cache against 28) the
-  // decode step's attention, bound by its reads, took 3-7% longer at 32K (alternated in one process, 30 layers x 3
-  // KV heads: 20.8 against 19.5 ms with 2; with 1, 19.9 / 19.9 and 20.5 / 20.8 against the per-row path)
-  constexpr int TT = 1;
   Prefetch pf = pf_ref;  // (a local copy: its fields stay in registers)
   const auto* kp = reinterpret_cast<const int32_t*>(k);
-  const auto rows = [&](auto tt_const, const int32_t* keys, int64_t j) {
-    constexpr int TN = decltype(tt_const)::value;
-    __m512i kt[TN][D / 2];  // dimension pair d of tile t's 16 keys: kt[t][d]
-    for (int t = 0; t < TN; ++t)
-      for (int c = 0; c < D / 32; ++c) {
-        pf.step(2 * D);
-        __m512i col[16];
-        transpose16(keys + 16 * t * (D / 2) + 16 * c, D / 2, col);
-        for (int i = 0; i < 16; ++i) kt[t][16 * c + i] = col[i];
-      }
-    for (int64_t r0 = 0; r0 < R; r0 += 4)  // at most 4 rows per pass: 4 x TT accumulators
-      with_tile_rows<4>(R - r0, [&](auto nr) {
-        keys_tile_scores<D, decltype(nr)::value, TN>(qd + r0, kt, s + r0 * ss + j, ss, pf);
-      });
-  };
-  int64_t j = 0;
-  for (; j + 16 * TT <= n; j += 16 * TT) rows(std::integral_constant<int, TT>{}, kp + j * (D / 2), j);
-  for (; j < n; j += 16) {
-    if (j + 16 <= n) {
-      rows(std::integral_constant<int, 1>{}, kp + j * (D / 2), j);
-    } else {  // the last n % 16 keys from a zero-padded copy
-      alignas(64) int32_t pad[16 * (D / 2)] = {};
-      std::memcpy(pad, kp + j * (D / 2), (n - j) * (D / 2) * sizeof(int32_t));
-      rows(std::integral_constant<int, 1>{}, pad, j);
+  for (int64_t j = 0; j < n; j += 16) {
+    alignas(64) int32_t pad[16 * (D / 2)];
+    const int32_t* keys = kp + j * (D / 2);
+    if (j + 16 > n) {  // the last n % 16 keys from a zero-padded copy
+      std::memset(pad, 0, sizeof(pad));
+      std::memcpy(pad, keys, (n - j) * (D / 2) * sizeof(int32_t));
+      keys = pad;
     }
+    __m512i kt[D / 2];  // dimension pair d of the tile's 16 keys
+    for (int c = 0; c < D / 32; ++c) {
+      pf.step(2 * D);
+      __m512i col[16];
+      transpose16(keys + 16 * c, D / 2, col);
+      for (int i = 0; i < 16; ++i) kt[16 * c + i] = col[i];
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 4)  // at most 4 rows per pass
+      with_tile_rows<4>(R - r0, [&](auto nr) {
+        keys_tile_scores<D, decltype(nr)::value>(qd + r0, kt, s + r0 * ss + j, ss, pf);
+      });
   }
   pf_ref = pf;
 }
@@ -1237,12 +1225,12 @@ void scaled_queries(const float* q, int64_t H, int64_t R, int64_t D, double scal
   // call per element and stores 4 RP bytes apart, it took 40 us of a prefill chain's 255-row call, 2,800 calls an
   // 8K prompt)
   const Vec sc(static_cast<float>(scale));
-  std::vector<float> rows(W * D);
+  alignas(64) float rows[W * 256];  // W rows of up to 256 dimensions (a heap buffer here was a malloc per call)
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r0 = 0; r0 < (lanes ? RP : R); r0 += lanes ? W : 1) {
       for (int64_t i = 0; i < (lanes ? W : 1); ++i) {
         const int64_t r = r0 + i;
-        float* x = lanes ? rows.data() + i * D : dst + (h * R + r) * D;
+        float* x = lanes ? rows + i * D : dst + (h * R + r) * D;
         for (int64_t d = 0; d < D; d += W) {
           const Vec qv = r < R ? Vec::loadu(q + (h * R + r) * D + d) * sc : Vec(0.f);
           (round ? round_bf16(qv) : qv).store(x + d);
@@ -1922,8 +1910,10 @@ void decode_attention_calls(const std::vector<AttentionCall>& calls, double scal
   const auto dtype = calls[0].kv;
   TORCH_CHECK(path != 3 || (amx_usable() && dtype == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
+  // path 0 over bf16 K/V on Zen 5: path 2's dot products at every row count (dot_every_row)
+  const bool dot_rows = path == 0 && dtype == torch::kBFloat16 && dot_every_row();
   // bf16 K/V on dot products (AVX512-BF16, not AMX): up to DOT_MAX_ROWS rows (a prefill chain's calls)
-  const bool dot_chain = dtype == torch::kBFloat16 && BF16_DOT && (path == 2 || (path == 0 && dot_every_row()));
+  const bool dot_chain = dot_rows || (path == 2 && dtype == torch::kBFloat16 && BF16_DOT);
   for (const AttentionCall& c : calls) {
     TORCH_CHECK(c.D == 64 || c.D == 128 || c.D == 256, "decode_attention: head dim 64, 128 or 256");
     TORCH_CHECK(c.R <= (dot_chain ? DOT_MAX_ROWS : MAX_ROWS) && c.T >= 1 && c.R % c.T == 0 && c.S >= c.T,
@@ -1938,7 +1928,7 @@ void decode_attention_calls(const std::vector<AttentionCall>& calls, double scal
   // decode step's 1-3 rows included: the same property in another arithmetic.
   // Elsewhere the rows-in-lanes path (2, 3) sums in another order than the per-row path, which flipped a near-tie
   // (logits 0.02 apart) at 32K: it runs only when asked.
-  const bool lanes = path == 2 || path == 3 || (path == 0 && dtype == torch::kBFloat16 && dot_every_row());
+  const bool lanes = path == 2 || path == 3 || dot_rows;
   const bool amx = path == 3;
   switch (dtype) {
     case torch::kFloat: return attend_kv<float>(calls, scale, lanes, false, path);

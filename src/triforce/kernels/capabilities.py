@@ -44,12 +44,12 @@ class Capabilities:
         when first needed: they ask Linux for the tile state)."""
         return self.ops is not None and bool(getattr(self.ops, "bf16_dot_attention", lambda: False)())
 
-
     @cached_property
     def attention_chain_rows(self) -> int:
         """The most query rows per KV head one call of the decode-attention kernel takes for a prefill chain over a
         bf16 cache (execution/attention.py, _kernel_chain): more than a verification's 64 where it runs on dot
-        products at every row count, so that each call reads the keys once for more tokens."""
+        products at every row count, so that each call reads the keys once for more tokens (asked of the kernels
+        when first needed, as bf16_dot_attention)."""
         return int(getattr(self.ops, "attention_chain_rows", lambda: 64)())
 
 
