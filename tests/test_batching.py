@@ -42,8 +42,8 @@ def model():
     return m
 
 
-def _prefilled(model, n: int, seed: int):
-    cache = new_cache(model, 512, record_queries=True)
+def _prefilled(model, n: int, seed: int, dtype=None):
+    cache = new_cache(model, 512, record_queries=True, dtype=dtype)
     ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
     model(ids, cache)
     return cache
@@ -51,12 +51,15 @@ def _prefilled(model, n: int, seed: int):
 
 @torch.inference_mode()
 def test_batched_forward_logits_equal_each_requests_forward_alone(model):
-    lengths = [5, 40, 100, 17, 63]
-    rows = [1, 5, 3, 9, 1]  # decode steps and verifications of several drafts
+    """Decode steps and verifications of several requests, over caches of several K/V dtypes (a drafting level's
+    fp16 cache batches with another request's full bf16 one: the same model's weights)."""
+    lengths = [5, 40, 100, 17, 63, 30]
+    rows = [1, 5, 3, 9, 1, 2]  # decode steps and verifications of several drafts
+    dtypes = [None, "fp16", "bf16", "fp16", "fp32", "bf16"]
     g = torch.Generator().manual_seed(1)
     calls = [torch.randint(0, 300, (1, t), generator=g) for t in rows]
-    alone_caches = [_prefilled(model, n, i) for i, n in enumerate(lengths)]
-    batch_caches = [_prefilled(model, n, i) for i, n in enumerate(lengths)]
+    alone_caches = [_prefilled(model, n, i, d) for i, (n, d) in enumerate(zip(lengths, dtypes))]
+    batch_caches = [_prefilled(model, n, i, d) for i, (n, d) in enumerate(zip(lengths, dtypes))]
     alone = [model(tokens, cache, last=t) for tokens, cache, t in zip(calls, alone_caches, rows)]
     batched = forward_batch(model, [(tokens, cache, t) for tokens, cache, t in zip(calls, batch_caches, rows)])
     for a, b in zip(alone, batched):

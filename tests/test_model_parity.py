@@ -65,7 +65,10 @@ def test_embedded_model_matches_transformers_at_2k(smollm, all_threads):
     ref_out = hf(ids, use_cache=True)
     cache = new_cache(smollm.model, 2048 + 64)
     got = prefill(smollm.model, cache, ids, chunk_size=512)
-    torch.testing.assert_close(got, ref_out.logits[:, -1], atol=2e-3, rtol=1e-3)
+    # the prompt's rows take the decode step's arithmetic (the integer kernel where it runs: activations rounded to 16
+    # bits a block), which differs from transformers' fp32 by up to 4.4e-3 at this position (logits up to 24) in one
+    # decode step after 2,047 tokens, and 2.5-6.2e-3 here depending on the chunk
+    torch.testing.assert_close(got, ref_out.logits[:, -1], atol=1e-2, rtol=1e-3)
     ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
                       do_sample=False, eos_token_id=None, pad_token_id=2)[0, 2048:].tolist()
     ours = generate_ar(smollm.model, prompt, 64, SamplingParams()).tokens

@@ -1272,6 +1272,9 @@ struct Attention {
   std::vector<uint16_t> qb;
   const KV *kp, *vp;
   float *o_part, *m_part, *l_part;
+  // tree_rows: the tree tokens it computes again, and each one's visible new tokens (its ancestors and itself, in
+  // order): branch_anc[branch_keys[i] .. branch_keys[i + 1]) for token branch_tokens[i]
+  std::vector<int64_t> branch_tokens, branch_keys, branch_anc;
 
   Attention(const AttentionCall& call, double scale, bool lanes_, bool amx_, bool exact_)
       : c(call), NV((call.R + W - 1) / W), RP(NV * W), nb((call.S + BS - 1) / BS), lanes(lanes_), amx(amx_),
@@ -1302,6 +1305,20 @@ struct Attention {
             }
 #endif
           }
+    }
+    // a draft tree's branches (tree_rows): the tokens whose keys in the block are not the first t + 1
+    if (c.visible != nullptr && c.causal && c.gap == nullptr && !amx && (!lanes || !qb.empty())) {
+      const int64_t T = c.T;
+      for (int64_t t = 0; t < T; ++t) {
+        bool chain = true;
+        for (int64_t u = 0; u < T; ++u) chain = chain && c.visible[t * T + u] == (u <= t);
+        if (chain) continue;
+        branch_tokens.push_back(t);
+        branch_keys.push_back(static_cast<int64_t>(branch_anc.size()));
+        for (int64_t u = 0; u < T; ++u)
+          if (c.visible[t * T + u]) branch_anc.push_back(u);
+      }
+      branch_keys.push_back(static_cast<int64_t>(branch_anc.size()));
     }
     // (not zero-filled: every block writes all of its rows)
     parts.reset(new float[H * nb * R * (D + 2)]);
@@ -1372,6 +1389,67 @@ struct Attention {
     } else
       block_rows<D, BS, RB>(exact ? nullptr : qp + h * R * D, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob,
                             mb, lb, exact ? qp + h * D * RP : nullptr, RP, st);
+    if (!branch_tokens.empty() && j0 + n > S - T) tree_rows(h, j0, s, ob, mb, lb);
+  }
+
+  // A draft tree's token t whose visible new keys are not the first t + 1 (a branch after its first): its rows over
+  // this block computed again, over its own keys gathered in the order the decode step will read them once the branch
+  // is accepted (the prompt's, then its ancestors' and its own, moved up), by the decode step's own path (g rows, no
+  // mask). Over the block as it lies, the masked keys between a row's keys would shift which lane sums a key's p, which
+  // key shares its pair in p v, and where the blocks end: other last bits than `ar`'s, so a greedy tree could pick
+  // another token at a near-tie. Only the blocks holding new tokens are recomputed (one or two per head).
+  void tree_rows(int64_t h, int64_t j0, float* s, float* ob, float* mb, float* lb) const {
+    const int64_t S = c.S, T = c.T, R = c.R, g = R / T, prompt = S - T;
+    const auto all = [](int64_t, int64_t) { return true; };
+    thread_local std::vector<KV> kg, vg;
+    thread_local std::vector<float> qg, og, mg, lg;
+    thread_local std::vector<uint16_t> qbg;
+    kg.resize(BS * D), vg.resize(BS * D), og.resize(g * D), mg.resize(g), lg.resize(g);
+    const KV* kh = kp + h * c.ks;
+    const KV* vh = vp + h * c.vs;
+    for (size_t i = 0; i < branch_tokens.size(); ++i) {
+      const int64_t t = branch_tokens[i];
+      const int64_t* anc = branch_anc.data() + branch_keys[i];
+      const int64_t n = std::min(BS, prompt + (branch_keys[i + 1] - branch_keys[i]) - j0);  // its keys in the block
+      if (n <= 0) {  // its keys end before this block
+        for (int64_t gi = 0; gi < g; ++gi) mb[gi * T + t] = NEG_INF, lb[gi * T + t] = 0.f;
+        continue;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t key = j0 + j < prompt ? j0 + j : prompt + anc[j0 + j - prompt];
+        std::memcpy(kg.data() + j * D, kh + key * D, D * sizeof(KV));
+        std::memcpy(vg.data() + j * D, vh + key * D, D * sizeof(KV));
+      }
+      if (lanes) {  // dot products: the rows' query pairs in qb's layout, groups of 16 rows
+        const int64_t NQ = RP / 16, NG = (g + 15) / 16;
+        qbg.assign(NG * D * 16, 0);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const int64_t r = gi * T + t;
+          for (int64_t p = 0; p < D / 2; ++p) {
+            const uint16_t* src = qb.data() + ((h * NQ + r / 16) * (D / 2) + p) * 32 + (r % 16) * 2;
+            uint16_t* dst = qbg.data() + ((gi / 16) * (D / 2) + p) * 32 + (gi % 16) * 2;
+            dst[0] = src[0], dst[1] = src[1];
+          }
+        }
+        block_lanes<D, RB>(nullptr, NG * 16 / W, kg.data(), vg.data(), g, n, n, all, s, nullptr, nullptr, og.data(),
+                           mg.data(), lg.data(), qbg.data());
+      } else {  // the per-row path, its queries [g][D]
+        qg.resize(g * D);
+        const float* qp = qs.get();
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const int64_t r = gi * T + t;
+          for (int64_t d = 0; d < D; ++d)
+            qg[gi * D + d] = exact ? qp[(h * D + d) * RP + r] : qp[(h * R + r) * D + d];
+        }
+        block_rows<D, BS, RB>(qg.data(), kg.data(), vg.data(), g, n, n, all, s, nullptr, nullptr, og.data(),
+                              mg.data(), lg.data());
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const int64_t r = gi * T + t;
+        std::memcpy(ob + r * D, og.data() + gi * D, D * sizeof(float));
+        mb[r] = mg[gi], lb[r] = lg[gi];
+      }
+    }
   }
 
   void merge() const { merge_blocks<D, RB>(o_part, c.H, nb, c.R, c.T, c.out, c.out_h, c.out_g, c.out_t); }
@@ -1903,10 +1981,9 @@ AttentionCall checked_call(const torch::Tensor& q, const torch::Tensor& k, const
 }
 }  // namespace
 
-void decode_attention_calls(const std::vector<AttentionCall>& calls, double scale, int64_t path) {
-  TORCH_CHECK(!calls.empty(), "decode_attention: no calls");
-  TORCH_CHECK(path >= 0 && path <= 4,
-              "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX), 4 (per row, scores in lanes)");
+namespace {
+// decode_attention_calls for calls of one K/V dtype and head dim
+void attend_calls(const std::vector<AttentionCall>& calls, double scale, int64_t path) {
   const auto dtype = calls[0].kv;
   TORCH_CHECK(path != 3 || (amx_usable() && dtype == torch::kBFloat16),
               "decode_attention: path 3 needs bf16 K/V and AMX (compiled for this CPU, granted by Linux)");
@@ -1914,13 +1991,9 @@ void decode_attention_calls(const std::vector<AttentionCall>& calls, double scal
   const bool dot_rows = path == 0 && dtype == torch::kBFloat16 && dot_every_row();
   // bf16 K/V on dot products (AVX512-BF16, not AMX): up to DOT_MAX_ROWS rows (a prefill chain's calls)
   const bool dot_chain = dot_rows || (path == 2 && dtype == torch::kBFloat16 && BF16_DOT);
-  for (const AttentionCall& c : calls) {
-    TORCH_CHECK(c.D == 64 || c.D == 128 || c.D == 256, "decode_attention: head dim 64, 128 or 256");
+  for (const AttentionCall& c : calls)
     TORCH_CHECK(c.R <= (dot_chain ? DOT_MAX_ROWS : MAX_ROWS) && c.T >= 1 && c.R % c.T == 0 && c.S >= c.T,
                 "decode_attention: bad shapes (at most ", dot_chain ? DOT_MAX_ROWS : MAX_ROWS, " rows)");
-    TORCH_CHECK(c.kv == dtype && c.D == calls[0].D, "decode_attention: a batch's calls must share the K/V dtype and "
-                                                    "head dim");
-  }
   // path 0 (what the model runs) is the per-row path at every row count, its scores computed rows-in-lanes where
   // exact_rows says that is faster (path 4, scores_exact: the same bits): a row's sums then run in the same order
   // whatever rows come with it, so a verification's rows are bit for bit the decode step's and greedy output stays
@@ -1935,6 +2008,26 @@ void decode_attention_calls(const std::vector<AttentionCall>& calls, double scal
     case torch::kBFloat16: return attend_kv<c10::BFloat16>(calls, scale, lanes, amx, path);
     case torch::kHalf: return attend_kv<c10::Half>(calls, scale, lanes, false, path);
     default: TORCH_CHECK(false, "decode_attention: k/v must be fp32, bf16 or fp16");
+  }
+}
+}  // namespace
+
+void decode_attention_calls(const std::vector<AttentionCall>& calls, double scale, int64_t path) {
+  TORCH_CHECK(!calls.empty(), "decode_attention: no calls");
+  TORCH_CHECK(path >= 0 && path <= 4,
+              "decode_attention: path 0 (auto), 1 (per row), 2 (lanes), 3 (lanes on AMX), 4 (per row, scores in lanes)");
+  for (const AttentionCall& c : calls)
+    TORCH_CHECK(c.D == 64 || c.D == 128 || c.D == 256, "decode_attention: head dim 64, 128 or 256");
+  // A serving batch may join caches of several K/V dtypes (a request's drafting level, fp16, beside another's full
+  // cache, bf16): one parallel region per dtype and head dim. A call's bits do not depend on the calls beside it.
+  std::vector<AttentionCall> group;
+  std::vector<bool> done(calls.size(), false);
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (done[i]) continue;
+    group.clear();
+    for (size_t j = i; j < calls.size(); ++j)
+      if (!done[j] && calls[j].kv == calls[i].kv && calls[j].D == calls[i].D) group.push_back(calls[j]), done[j] = true;
+    attend_calls(group, scale, path);
   }
 }
 

@@ -62,8 +62,8 @@ struct AttentionCall {
   float* out;
   int64_t out_h, out_g, out_t;
 };
-// attention.cpp: several such calls at once (a serving batch's sequences, each over its own cache; all of one head
-// dim and K/V dtype): every call's work items in one parallel region, each call's rows the same bits as alone.
+// attention.cpp: several such calls at once (a serving batch's sequences, each over its own cache): every call's work
+// items in one parallel region per K/V dtype and head dim, each call's rows the same bits as alone.
 void decode_attention_calls(const std::vector<AttentionCall>& calls, double scale, int64_t path = 0);
 // attention.cpp: whether decode_attention runs bf16 K/V's rows-in-lanes path on AMX tiles here (compiled
 // for a CPU with AMX-BF16, the tile state granted by Linux, TRIFORCE_AMX not 0).
