@@ -65,7 +65,7 @@ def step(self, ctx, committed, limit):
     t = time.perf_counter()
     out = _step(self, ctx, committed, limit)
     wall = (time.perf_counter() - t) * 1e3
-    route = self._last
+    route = self.route_text
     fam = route.split("@")[0]
     pred = self.planner.predicted.get(route)
     rounds.append(dict(route=route, fam=fam, wall=wall, fwd=fwd["ms"], tokens=len(out), pred=pred,

@@ -184,6 +184,10 @@ def test_bench_writes_results(tmp_path):
     assert "Prefill per prompt" in md and f"| 700 | dialogue | {prefill['seconds']:.2f} |" in md
     if meta["vector_peak_gflop_s"]:
         assert "of the FMA peak" in md
+    # the time to a 256-token answer: the prefill, then 256 tokens at each method's measured rate
+    ar = next(x for x in runs if x["method"] == "ar" and x["temperature"] == 0.0)
+    assert "Time to a 256-token answer" in md
+    assert f"| 700 | dialogue | 0.0 | ar {prefill['seconds'] + 0.256 * ar['ms_per_token']:.1f}," in md
     bad = run("bench", "--methods", "ar,medusa", "--quiet")
     assert bad.returncode == 2 and "unknown method" in bad.stderr
     bad = run("bench", "--peers", "vllm", "--quiet")

@@ -32,7 +32,7 @@ from ..tuning.flags import tuned_allowed, tuned_run
 from ..tuning.measure import sampling_params
 from . import peers as peer_mod
 from .hardware import floor_seconds, measure_bandwidth, prefill_flops
-from .results import cells_markdown, markdown, prefill_markdown, summarize, write_outputs
+from .results import answer_markdown, cells_markdown, markdown, prefill_markdown, summarize, write_outputs
 
 
 def level_floor_ms(model, n_ctx: int, config, bandwidth: float | None, level: str) -> float | None:
@@ -473,5 +473,5 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
                      reference_kv=reference_kv, samples=args.samples, on_prefill=meta["prefills"].append)
     summary = summarize(rows)
     write_outputs(out_dir, rows, summary, meta)
-    print(markdown(summary) + cells_markdown(rows) + prefill_markdown(meta))
+    print(markdown(summary) + cells_markdown(rows) + prefill_markdown(meta) + answer_markdown(rows, meta))
     return 0

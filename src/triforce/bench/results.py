@@ -241,6 +241,39 @@ def prefill_markdown(meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+ANSWER_TOKENS = 256  # the answer length of answer_markdown's time to an answer
+
+
+def answer_markdown(rows: list[dict], meta: dict, tokens: int = ANSWER_TOKENS) -> str:
+    """Per (context, prompt, temperature): each method's time to a `tokens`-token answer, its prompt's prefill (ours:
+    the shared prefill every method starts from; a peer: its own) plus `tokens` times its measured ms per token. With
+    --max-new-tokens equal to `tokens` that is the run's own time; otherwise the decode is scaled from the run's
+    rate (said in the heading). "" without prefill times."""
+    prefills = meta.get("prefills") or []
+    ours = {(p["context_length"], p["prompt"]): p["seconds"] for p in prefills}
+    names = {(p["context_length"], p["prompt"]): p["prompt_name"] for p in prefills}  # (a peer's rows carry no name)
+    cells: dict[tuple, list[tuple[str, float]]] = {}
+    for r in rows:
+        if not r.get("ms_per_token") or r.get("reference"):
+            continue
+        at = (r["context_length"], r["prompt"])
+        prefill = r.get("prefill_seconds", ours.get(at))
+        if prefill is None:
+            continue
+        key = (r["context_length"], names.get(at, r["prompt"]), r["temperature"])
+        cells.setdefault(key, []).append((r["method"], prefill + tokens * r["ms_per_token"] / 1e3))
+    if not cells:
+        return ""
+    new = meta.get("max_new_tokens")
+    how = ("the run's own decode" if new == tokens else
+           f"decode at the rate measured over {new} tokens" if new else "decode at the measured rate")
+    lines = ["", f"Time to a {tokens}-token answer (the prompt's prefill, then {tokens} tokens; {how}), seconds:", "",
+             "| context | prompt | T | per method |", "|---|---|---|---|"]
+    for (n, name, temp), ms in cells.items():
+        lines.append(f"| {n} | {name} | {temp} | " + ", ".join(f"{m} {s:.1f}" for m, s in ms) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: dict) -> None:
     """results.json, results.md and speedup.png, each written atomically (a reader never sees a
     half-written file; an interrupted run leaves the previous complete version, and a run killed in
@@ -249,7 +282,8 @@ def write_outputs(out_dir: Path, rows: list[dict], summary: list[dict], meta: di
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out_dir)
         atomic_write(out_dir / "results.json", json.dumps({"meta": meta, "rows": summary, "runs": rows}, indent=1))
-        atomic_write(out_dir / "results.md", markdown(summary) + cells_markdown(rows) + prefill_markdown(meta))
+        atomic_write(out_dir / "results.md",
+                     markdown(summary) + cells_markdown(rows) + prefill_markdown(meta) + answer_markdown(rows, meta))
         with atomic_file(out_dir / "speedup.png") as tmp:
             plot(summary, tmp)
     except OSError as e:
