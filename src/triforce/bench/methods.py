@@ -449,8 +449,8 @@ def main(args, config, draft_path: str | None, stacks=()) -> int:
     peaks = {}
     if ops is not None and hasattr(ops, "vector_peak_flops"):
         peaks = {"fma": round(ops.vector_peak_flops(False) / 1e9, 1)}
-        if ops.vector_peak_flops(True) > 0:
-            peaks["bf16_dot"] = round(ops.vector_peak_flops(True) / 1e9, 1)
+        if (dot := ops.vector_peak_flops(True)) > 0:  # (each probe runs about 10 ms of arithmetic: once)
+            peaks["bf16_dot"] = round(dot / 1e9, 1)
     meta = {"model": loaded.source, "threads": torch.get_num_threads(), "torch": torch.__version__,
             # the compiled CPU build (TRIFORCE_ISA), or none (PyTorch's, or a GPU's)
             "kernels": ops.ISA if ops is not None else f"none ({loaded.model.device.type})",

@@ -249,18 +249,16 @@ def answer_markdown(rows: list[dict], meta: dict, tokens: int = ANSWER_TOKENS) -
     the shared prefill every method starts from; a peer: its own) plus `tokens` times its measured ms per token. With
     --max-new-tokens equal to `tokens` that is the run's own time; otherwise the decode is scaled from the run's
     rate (said in the heading). "" without prefill times."""
-    prefills = meta.get("prefills") or []
-    ours = {(p["context_length"], p["prompt"]): p["seconds"] for p in prefills}
-    names = {(p["context_length"], p["prompt"]): p["prompt_name"] for p in prefills}  # (a peer's rows carry no name)
+    ours = {(p["context_length"], p["prompt"]): p for p in meta.get("prefills") or []}
     cells: dict[tuple, list[tuple[str, float]]] = {}
     for r in rows:
         if not r.get("ms_per_token") or r.get("reference"):
             continue
-        at = (r["context_length"], r["prompt"])
-        prefill = r.get("prefill_seconds", ours.get(at))
+        own = ours.get((r["context_length"], r["prompt"]))  # (a peer's rows carry its own prefill, but no prompt name)
+        prefill = r.get("prefill_seconds", own and own["seconds"])
         if prefill is None:
             continue
-        key = (r["context_length"], names.get(at, r["prompt"]), r["temperature"])
+        key = (r["context_length"], own["prompt_name"] if own else r["prompt"], r["temperature"])
         cells.setdefault(key, []).append((r["method"], prefill + tokens * r["ms_per_token"] / 1e3))
     if not cells:
         return ""
