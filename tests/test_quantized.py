@@ -123,15 +123,16 @@ def test_kernel_unpacks_the_files_bytes(kern, qtype):
 
 @pytest.mark.parametrize("qtype", PACKED, ids=lambda q: q.name)
 def test_packed_kernel_equals_dequantized_matmul(kern, qtype):
-    """linear_packed is x @ dequantized^T within PACKED_TOL, for 1-130 rows of x (each row bit for bit
+    """linear_packed is x @ dequantized^T within PACKED_TOL, for 1-300 rows of x (each row bit for bit
     what it gives alone: a verification's or a serving batch's row equals a decode step's, on the tile path and
-    the many-row one, with its 64-row passes and 4-row tiles cut short), parts of two formats concatenated,
+    the many-row one, with its 64-row passes and 4-row tiles cut short, and across the call's slices of rows:
+    about 256 KB of codes, 252 rows at this width), parts of two formats concatenated,
     an all-zero block of x. The bound has power: 8-bit activations alone (llama.cpp's) exceed it."""
     k = 512
     w, other = blocks(qtype, 37, k), blocks(Q.Q8_0 if qtype != Q.Q8_0 else Q.Q4_1, 21, k, seed=1)
     full = torch.cat([reference(w), reference(other)])
     parts = [pack_rows(w), pack_rows(other)]
-    for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64, 67, 130):  # from 4-16 rows (per format), the many-row path
+    for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64, 67, 130, 300):  # from 4-16 rows (per format), the many-row path
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         x[0, 32:64] = 0
         y = kern.linear_packed(x, parts, [w.qtype, other.qtype], [37, 21])
