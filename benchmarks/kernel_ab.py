@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--verify-tokens", type=int, default=5)
     ap.add_argument("--format", default="Q4_1", help="linear: the GGML type (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K)")
     ap.add_argument("--shapes", default="3072x576,576x1536",
-                    help="linear: N x K matrices (the embedded model's gate/up and down; K-quants need K % 256 == 0)")
+                    help="linear: N x K matrices (the embedded model's gate/up and down; K-quants need K %% 256 == 0)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.rows = [int(r) for r in str(args.rows).split(",")]

@@ -761,9 +761,12 @@ def peer_compare(args) -> int:
             # the document's cold prefill, and its blocks into each server's prefix cache
             for name, server in servers.items():
                 side = "vllm" if name == "vllm" else methods[0]
+                # (on a quiet machine, as every timed load: vLLM's engine stays busy for a while after it reports
+                # ready, and our first 2K prefill measured 1.51 s against 1.02-1.10 s alone on the Zen 5)
+                quiet_s = wait_until_quiet()
                 warm = asyncio.run(_load_guarded(urls[side], [doc + [doc[0]]], 4, args.deadline, models[side]))
                 r = warm["results"][0]
-                cold[name] = {"prompt_tokens": len(doc) + 1, "error": r["error"],
+                cold[name] = {"prompt_tokens": len(doc) + 1, "error": r["error"], "waited_for_quiet_s": round(quiet_s, 1),
                               "ttft_s": None if r["first_at"] is None else round(r["first_at"], 2)}
                 print(f"{name}: cold prefill of {len(doc) + 1} tokens: first token after {cold[name]['ttft_s']} s "
                       f"{r['error'] or ''}", flush=True)
