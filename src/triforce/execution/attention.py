@@ -113,12 +113,11 @@ def _kernel_chain(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.Tenso
     whatever rows come with it), so a prompt's cache does not depend on how its prefill was chunked. Each call reads
     the keys again: at 64 rows a call that was as much reading as arithmetic for a 32K prompt on Zen 5."""
     B, Hq, T, D = q.shape
-    S = kv.keys.shape[2]
     rows = capabilities(ops).attention_chain_rows
-    n = max(1, rows // (Hq // kv.keys.shape[1]))
-    return torch.cat([_kernel_attention(q[:, :, t0:t0 + n], SlotKV(kv.keys[:, :, :S - T + min(T, t0 + n)],
-                                                                   kv.values[:, :, :S - T + min(T, t0 + n)]),
-                                        scale, ops, rows) for t0 in range(0, T, n)], dim=2)
+    # all the calls in one parallel region (at 2K, a call's 3 heads x 1-8 blocks split unevenly over the threads),
+    # each writing its rows where the output projection reads them: [T, Hq, D], returned as [B, Hq, T, D]
+    out = ops.chain_attention(q[0], kv.keys[0], kv.values[0], scale, rows)
+    return out.view(B, T, Hq, D).transpose(1, 2)
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, chain: bool,

@@ -1237,12 +1237,13 @@ void merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R, int64_t
   });
 }
 
-// The queries for either path, from q [H, R, D] (contiguous) into dst: per-row, q scaled [H, R, D]; lanes, q
-// scaled, transposed and zero-padded [H, D, RP] (RP = NV * W). One small copy here instead of PyTorch's mul /
-// transpose / pad / contiguous, each a dispatch. round: each scaled query element rounded to bf16 (the bf16
-// arithmetic).
+// The queries for either path, from q [H, R, D] (contiguous; where q_h is not 0, row r of head h at q + h q_h +
+// (r / T) q_g + (r % T) q_t: AttentionCall's strides) into dst: per-row, q scaled [H, R, D]; lanes, q scaled,
+// transposed and zero-padded [H, D, RP] (RP = NV * W). One small copy here instead of PyTorch's mul / transpose /
+// pad / contiguous, each a dispatch. round: each scaled query element rounded to bf16 (the bf16 arithmetic).
 void scaled_queries(const float* q, int64_t H, int64_t R, int64_t D, double scale, bool lanes, int64_t RP, bool round,
-                    float* dst) {
+                    float* dst, int64_t T = 1, int64_t q_h = 0, int64_t q_g = 0, int64_t q_t = 0) {
+  if (q_h == 0) q_h = R * D, q_g = T * D, q_t = D;
   // (vectors a row; the transposed copy W rows at a time, a vector of W rows per dimension: scalar, with a rounding
   // call per element and stores 4 RP bytes apart, it took 40 us of a prefill chain's 255-row call, 2,800 calls an
   // 8K prompt)
@@ -1253,8 +1254,9 @@ void scaled_queries(const float* q, int64_t H, int64_t R, int64_t D, double scal
       for (int64_t i = 0; i < (lanes ? W : 1); ++i) {
         const int64_t r = r0 + i;
         float* x = lanes ? rows + i * D : dst + (h * R + r) * D;
+        const float* qr = r < R ? q + h * q_h + (r / T) * q_g + (r % T) * q_t : nullptr;
         for (int64_t d = 0; d < D; d += W) {
-          const Vec qv = r < R ? Vec::loadu(q + (h * R + r) * D + d) * sc : Vec(0.f);
+          const Vec qv = r < R ? Vec::loadu(qr + d) * sc : Vec(0.f);
           (round ? round_bf16(qv) : qv).store(x + d);
         }
       }
@@ -1304,7 +1306,7 @@ struct Attention {
     const int64_t H = c.H, R = c.R;
     const bool transposed = lanes || exact;  // scores_exact reads them transposed
     qs.reset(new float[H * (transposed ? D * RP : R * D)]);
-    scaled_queries(c.q, H, R, D, scale, transposed, RP, RB, qs.get());
+    scaled_queries(c.q, H, R, D, scale, transposed, RP, RB, qs.get(), c.T, c.q_h, c.q_g, c.q_t);
     if ((amx || BF16_DOT) && RB && lanes) {
       const int64_t NQ = RP / 16;
       qb.assign(H * NQ * D * 16, 0);
@@ -1509,8 +1511,10 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
   };
   // (a call of more than MAX_ROWS rows, a prefill chain's, is arithmetic: its items one at a time as threads come
   // free, where equal shares of a few uneven items left one thread waiting)
-  if (calls.size() == 1 && calls[0].c.R <= MAX_ROWS) at::parallel_for(0, first.back(), 1, run);
-  else parallel_chunks(first.back(), calls.size() == 1 ? 1 : BATCH_CHUNK, run);
+  bool heavy = false;
+  for (const auto& c : calls) heavy = heavy || c.c.R > MAX_ROWS;
+  if (calls.size() == 1 && !heavy) at::parallel_for(0, first.back(), 1, run);
+  else parallel_chunks(first.back(), calls.size() == 1 || heavy ? 1 : BATCH_CHUNK, run);
 }
 
 // Several calls (or one), all of one head dim and K/V dtype, each with its own cache, mask and row count; path as
@@ -2059,6 +2063,30 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   q = q.contiguous();
   torch::Tensor out;
   decode_attention_calls({checked_call(q, k, v, T, causal, visible, gap, out)}, scale, path);
+  return out;
+}
+
+torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t rows) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "chain_attention: q [Hq, T, D], k/v [Hkv, S, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.stride(2) == 1, "chain_attention: q fp32, rows of D contiguous");
+  const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+  TORCH_CHECK(T >= 1 && Hkv >= 1 && Hq % Hkv == 0 && S >= T && k.size(2) == D && v.sizes() == k.sizes(),
+              "chain_attention: q [Hq, T, D] with Hq a multiple of k's Hkv, k/v [Hkv, S >= T, D]");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "chain_attention: k and v of one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
+              "chain_attention: k/v rows must be contiguous");
+  const int64_t g = Hq / Hkv, n = std::max<int64_t>(1, rows / g);
+  auto out = torch::empty({T, Hq, D}, q.options());
+  std::vector<AttentionCall> calls;
+  for (int64_t t0 = 0; t0 < T; t0 += n) {
+    const int64_t tc = std::min(T, t0 + n) - t0;
+    AttentionCall c{q.data_ptr<float>() + t0 * q.stride(1), Hkv, g * tc, D, k.data_ptr(), v.data_ptr(), S - T + t0 + tc,
+                    k.stride(0), v.stride(0), k.scalar_type(), tc, true, nullptr, nullptr,
+                    out.data_ptr<float>() + t0 * Hq * D, g * D, D, Hq * D};
+    c.q_h = g * q.stride(0), c.q_g = q.stride(0), c.q_t = q.stride(1);
+    calls.push_back(c);
+  }
+  decode_attention_calls(calls, scale, 0);
   return out;
 }
 

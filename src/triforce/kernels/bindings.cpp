@@ -20,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         ".. gap[1 + t] - 1 hidden from new token t",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("T"), py::arg("causal"), py::arg("scale"),
         py::arg("path") = 0, py::arg("visible") = py::none(), py::arg("gap") = py::none());
+  m.def("chain_attention", &triforce::chain_attention, GIL_FREE,
+        "q [Hq, T, D] fp32, k/v [Hkv, S, D]: a causal chain over the last T keys in calls of `rows` rows, all in one "
+        "parallel region -> [T, Hq, D]");
   m.def("amx_attention", &triforce::amx_attention, GIL_FREE,
         "whether decode_attention's path 3 (bf16 K/V's rows in lanes: scores and p v) runs on AMX tiles in this process");
   m.def("bf16_dot_attention", &triforce::bf16_dot_attention, GIL_FREE,

@@ -61,10 +61,17 @@ struct AttentionCall {
   const int64_t* gap;
   float* out;
   int64_t out_h, out_g, out_t;
+  // q's row r of head h at q + h q_h + (r / T) q_g + (r % T) q_t (a chain's slice of a [Hq, T, D] tensor);
+  // q_h 0: contiguous [H, R, D]
+  int64_t q_h = 0, q_g = 0, q_t = 0;
 };
 // attention.cpp: several such calls at once (a serving batch's sequences, each over its own cache): every call's work
 // items in one parallel region per K/V dtype and head dim, each call's rows the same bits as alone.
 void decode_attention_calls(const std::vector<AttentionCall>& calls, double scale, int64_t path = 0);
+// attention.cpp: a causal chain of T new tokens (the last T of k / v's S keys) longer than one call takes (a prefill
+// chunk): q [Hq, T, D] (rows of D contiguous) in calls of `rows` rows (rows / g tokens) over the keys up to each
+// call's last token, all in one parallel region, into out [T, Hq, D]. Each row is the decode step's bits.
+torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t rows);
 // attention.cpp: whether decode_attention runs bf16 K/V's rows-in-lanes path on AMX tiles here (compiled
 // for a CPU with AMX-BF16, the tile state granted by Linux, TRIFORCE_AMX not 0).
 bool amx_attention();
