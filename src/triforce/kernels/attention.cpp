@@ -1290,7 +1290,7 @@ struct Attention {
   AttentionCall c;
   int64_t NV, RP, nb;
   bool lanes, amx, exact;
-  std::unique_ptr<float[]> qs, parts;  // the scaled queries (scaled_queries); the blocks' partial results
+  std::unique_ptr<float[]> qs;  // the scaled queries (scaled_queries)
   // AMX or AVX512-BF16 (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs]
   // [16 rows][2] (RP is a multiple of 16 on AVX-512, the only build with either)
   std::vector<uint16_t> qb;
@@ -1300,7 +1300,12 @@ struct Attention {
   // order): branch_anc[branch_keys[i] .. branch_keys[i + 1]) for token branch_tokens[i]
   std::vector<int64_t> branch_tokens, branch_keys, branch_anc;
 
-  Attention(const AttentionCall& call, double scale, bool lanes_, bool amx_, bool exact_)
+  // the blocks' partial results of a call (o, m, l per head, block and row): floats
+  static int64_t partial_floats(const AttentionCall& call) { return call.H * ((call.S + BS - 1) / BS) * call.R * (D + 2); }
+
+  // parts: partial_floats(call) floats for the blocks' partial results (not zero-filled: every block writes all of
+  // its rows)
+  Attention(const AttentionCall& call, double scale, bool lanes_, bool amx_, bool exact_, float* parts)
       : c(call), NV((call.R + W - 1) / W), RP(NV * W), nb((call.S + BS - 1) / BS), lanes(lanes_), amx(amx_),
         exact(exact_), kp(static_cast<const KV*>(call.k)), vp(static_cast<const KV*>(call.v)) {
     const int64_t H = c.H, R = c.R;
@@ -1344,9 +1349,7 @@ struct Attention {
       }
       branch_keys.push_back(static_cast<int64_t>(branch_anc.size()));
     }
-    // (not zero-filled: every block writes all of its rows)
-    parts.reset(new float[H * nb * R * (D + 2)]);
-    o_part = parts.get();
+    o_part = parts;
     m_part = o_part + H * nb * R * D;
     l_part = m_part + H * nb * R;
   }
@@ -1517,14 +1520,42 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
   else parallel_chunks(first.back(), calls.size() == 1 || heavy ? 1 : BATCH_CHUNK, run);
 }
 
+// The blocks' partial results of one attend's calls, in a buffer kept by the calling thread (grown, never shrunk,
+// up to PARTIALS_KEPT bytes; a larger one is freed at the next call). Why: a prefill chain's calls at 32K need 26 MB each; allocated per call, the memory
+// came back from the kernel zeroed page by page every time (glibc maps blocks that large, or trims them once freed):
+// a 512-token chain over 32K keys took 98 ms, 55 ms from a kept buffer (Zen 5).
+constexpr int64_t PARTIALS_KEPT = int64_t{1} << 28;  // 256 MB: a 32K chain's 155 MB, grown
+inline float* partials_buffer(int64_t floats) {
+  thread_local std::unique_ptr<float[]> kept;
+  thread_local int64_t kept_floats = 0;
+  thread_local std::unique_ptr<float[]> once;  // a larger request's, freed at the next
+  once.reset();
+  if (floats <= kept_floats) return kept.get();
+  if (floats * int64_t{sizeof(float)} > PARTIALS_KEPT) {
+    once.reset(new float[floats]);
+    return once.get();
+  }
+  // (grown by half again at least: a prefill's calls need more with every chunk)
+  const int64_t grown = std::min(std::max(floats, kept_floats + kept_floats / 2), PARTIALS_KEPT / int64_t{sizeof(float)});
+  kept.reset();  // (before the new one: not both at once)
+  kept.reset(new float[grown]);
+  kept_floats = grown;
+  return kept.get();
+}
+
 // Several calls (or one), all of one head dim and K/V dtype, each with its own cache, mask and row count; path as
 // decode_attention's. Each call's output goes where its AttentionCall says.
 template <int64_t D, typename KV>
 void attend(const std::vector<AttentionCall>& calls, double scale, bool lanes, bool amx, int64_t path) {
+  int64_t floats = 0;
+  for (const AttentionCall& c : calls) floats += Attention<D, KV>::partial_floats(c);
+  float* parts = partials_buffer(floats);
   std::vector<Attention<D, KV>> jobs;
   jobs.reserve(calls.size());
-  for (const AttentionCall& c : calls)
-    jobs.emplace_back(c, scale, lanes, amx, path == 4 || (path == 0 && exact_rows(c.R)));
+  for (const AttentionCall& c : calls) {
+    jobs.emplace_back(c, scale, lanes, amx, path == 4 || (path == 0 && exact_rows(c.R)), parts);
+    parts += Attention<D, KV>::partial_floats(c);
+  }
   run_items(jobs);
   for (const auto& j : jobs) j.merge();
 }
