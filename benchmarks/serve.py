@@ -732,6 +732,24 @@ def peer_compare(args) -> int:
         servers, urls, models, stacks, cold = {}, {}, {}, {}, {}
         rows: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in counts} for s in sides}
         try:
+            def cold_prefill(name: str) -> None:
+                """The document's cold prefill on `name`'s server, and its blocks into that server's prefix cache:
+                run as soon as the server is up, before the next one starts, on a quiet machine. (With vLLM's
+                server already up beside it, our first 2K prefill took 1.31-1.51 s on the Zen 5, against 1.13 s
+                with no vLLM.)"""
+                side = "vllm" if name == "vllm" else methods[0]
+                quiet_s = wait_until_quiet()
+                warm = asyncio.run(_load_guarded(urls[side], [doc + [doc[0]]], 4, args.deadline, models[side]))
+                r = warm["results"][0]
+                cold[name] = {"prompt_tokens": len(doc) + 1, "error": r["error"], "waited_for_quiet_s": round(quiet_s, 1),
+                              "ttft_s": None if r["first_at"] is None else round(r["first_at"], 2)}
+                print(f"{name}: cold prefill of {len(doc) + 1} tokens: first token after {cold[name]['ttft_s']} s "
+                      f"{r['error'] or ''}", flush=True)
+                # then the largest load once, 2 tokens a request, untimed: a server in service holds the buffers of
+                # the loads it served (our cache pool; vLLM's blocks), and their first touch (4-5 s for eight 8K
+                # caches here) is not what a load in service waits for
+                asyncio.run(_load_guarded(urls[side], prompts[:n], 2, args.deadline, models[side]))
+
             if not args.peer_only:
                 cache_bytes = max(byte_size(args.prefix_cache_bytes), 2 * bound.kv_token_bytes * len(doc))
                 ours = ServerProcess(["--method", args.method, "--prefix-cache-bytes", str(cache_bytes),
@@ -748,6 +766,7 @@ def peer_compare(args) -> int:
                                         if "--weights" not in args.serve_arg else "see command",
                                         "kv_dtype": kv_dtype, "methods": "each request's `stack`: " + ", ".join(methods)}
                 print(f"triforce: {ours.command} (ready in {ours.ready_seconds:.0f} s)", flush=True)
+                cold_prefill("triforce")
             if peer:
                 seq_len = min(max_len, -(-(length + question_room + args.max_tokens) // 256) * 256)
                 kv_gib = args.peer_kv_gib or _peer_kv_gib(n, seq_len, bound.kv_token_bytes_16, args.peer_dtype)
@@ -758,22 +777,7 @@ def peer_compare(args) -> int:
                                     "tcmalloc": vllm.env.get("LD_PRELOAD")}
                 print(f"vllm: {vllm.command} (ready in {vllm.ready_seconds:.0f} s)\n  {settings['vllm']}",
                       flush=True)
-            # the document's cold prefill, and its blocks into each server's prefix cache
-            for name, server in servers.items():
-                side = "vllm" if name == "vllm" else methods[0]
-                # (on a quiet machine, as every timed load: vLLM's engine stays busy for a while after it reports
-                # ready, and our first 2K prefill measured 1.51 s against 1.02-1.10 s alone on the Zen 5)
-                quiet_s = wait_until_quiet()
-                warm = asyncio.run(_load_guarded(urls[side], [doc + [doc[0]]], 4, args.deadline, models[side]))
-                r = warm["results"][0]
-                cold[name] = {"prompt_tokens": len(doc) + 1, "error": r["error"], "waited_for_quiet_s": round(quiet_s, 1),
-                              "ttft_s": None if r["first_at"] is None else round(r["first_at"], 2)}
-                print(f"{name}: cold prefill of {len(doc) + 1} tokens: first token after {cold[name]['ttft_s']} s "
-                      f"{r['error'] or ''}", flush=True)
-                # then the largest load once, 2 tokens a request, untimed: a server in service holds the buffers of
-                # the loads it served (our cache pool; vLLM's blocks), and their first touch (4-5 s for eight 8K
-                # caches here) is not what a load in service waits for
-                asyncio.run(_load_guarded(urls[side], prompts[:n], 2, args.deadline, models[side]))
+                cold_prefill("vllm")
             for rep in range(args.rounds):
                 for c in counts:
                     for side in sides:
