@@ -126,7 +126,7 @@ def test_packed_kernel_equals_dequantized_matmul(kern, qtype):
     """linear_packed is x @ dequantized^T within PACKED_TOL, for 1-300 rows of x (each row bit for bit
     what it gives alone: a verification's or a serving batch's row equals a decode step's, on the tile path and
     the many-row one, with its 64-row passes and 4-row tiles cut short, and across the call's slices of rows:
-    about 256 KB of codes, 252 rows at this width), parts of two formats concatenated,
+    about 256 KB of codes: 255-256 rows at this width), parts of two formats concatenated,
     an all-zero block of x. The bound has power: 8-bit activations alone (llama.cpp's) exceed it."""
     k = 512
     w, other = blocks(qtype, 37, k), blocks(Q.Q8_0 if qtype != Q.Q8_0 else Q.Q4_1, 21, k, seed=1)

@@ -75,9 +75,9 @@ def _kernel_reads(q: torch.Tensor, k: torch.Tensor, ops) -> bool:
             and (k.dtype == torch.float32 or capabilities(ops).half_kv))
 
 
-def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops, max_rows: int = KERNEL_MAX_ROWS) -> torch.Tensor:
+def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops) -> torch.Tensor:
     """The kernel over slots: a chain on its causal path, a draft tree with the block's own visibility, a
-    StreamingLLM window less its gap. max_rows: the query rows per KV head of one call."""
+    StreamingLLM window less its gap, KERNEL_MAX_ROWS query rows per KV head a call."""
     B, Hq, T, D = q.shape
     k, v = kv.keys, kv.values
     Hkv = k.shape[1]
@@ -86,10 +86,10 @@ def _kernel_attention(q: torch.Tensor, kv: SlotKV, scale: float, ops, max_rows: 
     if kv.window is not None:
         extra["gap"] = kv.window.gap
     causal = T > 1
-    if g * T <= max_rows:
+    if g * T <= KERNEL_MAX_ROWS:
         out = ops.decode_attention(q.reshape(Hkv, g * T, D), k[0], v[0], T, causal, scale, **extra)
     else:  # a large tree or chain: as many query heads of each group per call as fit (the K/V read again)
-        n = max_rows // T
+        n = KERNEL_MAX_ROWS // T
         qg = q.view(Hkv, g, T, D)
         out = torch.cat([ops.decode_attention(qg[:, j:j + n].reshape(Hkv, -1, D), k[0], v[0], T, causal, scale,
                                               **extra).view(Hkv, -1, T, D) for j in range(0, g, n)], dim=1)

@@ -1491,11 +1491,12 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
   constexpr int64_t BATCH_CHUNK = 4;  // items per chunk of a batch
   std::vector<int64_t> first(calls.size() + 1, 0);  // the calls' first items
   int64_t scratch = 0;  // scores_exact's keys x rows, the largest call's
-  bool amx = false;
+  bool amx = false, heavy = false;  // heavy: a call of more than MAX_ROWS rows (a prefill chain's)
   for (size_t c = 0; c < calls.size(); ++c) {
     first[c + 1] = first[c] + calls[c].items();
     if (calls[c].exact) scratch = std::max(scratch, BS * calls[c].RP);
     amx = amx || calls[c].uses_amx();
+    heavy = heavy || calls[c].c.R > MAX_ROWS;
   }
   // a thread's scratch: scores of up to MAX_ROWS rows (RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W), then
   // scores_exact's keys x rows
@@ -1514,26 +1515,23 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
   };
   // (a call of more than MAX_ROWS rows, a prefill chain's, is arithmetic: its items one at a time as threads come
   // free, where equal shares of a few uneven items left one thread waiting)
-  bool heavy = false;
-  for (const auto& c : calls) heavy = heavy || c.c.R > MAX_ROWS;
   if (calls.size() == 1 && !heavy) at::parallel_for(0, first.back(), 1, run);
   else parallel_chunks(first.back(), calls.size() == 1 || heavy ? 1 : BATCH_CHUNK, run);
 }
 
 // The blocks' partial results of one attend's calls, in a buffer kept by the calling thread (grown, never shrunk,
-// up to PARTIALS_KEPT bytes; a larger one is freed at the next call). Why: a prefill chain's calls at 32K need 26 MB each; allocated per call, the memory
-// came back from the kernel zeroed page by page every time (glibc maps blocks that large, or trims them once freed):
-// a 512-token chain over 32K keys took 98 ms, 55 ms from a kept buffer (Zen 5).
+// up to PARTIALS_KEPT bytes; a larger need gets its own, in `own`, freed with it). Why: a prefill chain's calls at 32K
+// need 26 MB each; allocated per call, the memory came back from the kernel zeroed page by page every time (glibc
+// maps blocks that large, or trims them once freed): a 512-token chain over 32K keys took 98 ms, 55 ms from a kept
+// buffer (Zen 5).
 constexpr int64_t PARTIALS_KEPT = int64_t{1} << 28;  // 256 MB: a 32K chain's 155 MB, grown
-inline float* partials_buffer(int64_t floats) {
+inline float* partials_buffer(int64_t floats, std::unique_ptr<float[]>& own) {
   thread_local std::unique_ptr<float[]> kept;
   thread_local int64_t kept_floats = 0;
-  thread_local std::unique_ptr<float[]> once;  // a larger request's, freed at the next
-  once.reset();
   if (floats <= kept_floats) return kept.get();
   if (floats * int64_t{sizeof(float)} > PARTIALS_KEPT) {
-    once.reset(new float[floats]);
-    return once.get();
+    own.reset(new float[floats]);
+    return own.get();
   }
   // (grown by half again at least: a prefill's calls need more with every chunk)
   const int64_t grown = std::min(std::max(floats, kept_floats + kept_floats / 2), PARTIALS_KEPT / int64_t{sizeof(float)});
@@ -1549,7 +1547,8 @@ template <int64_t D, typename KV>
 void attend(const std::vector<AttentionCall>& calls, double scale, bool lanes, bool amx, int64_t path) {
   int64_t floats = 0;
   for (const AttentionCall& c : calls) floats += Attention<D, KV>::partial_floats(c);
-  float* parts = partials_buffer(floats);
+  std::unique_ptr<float[]> own;
+  float* parts = partials_buffer(floats, own);
   std::vector<Attention<D, KV>> jobs;
   jobs.reserve(calls.size());
   for (const AttentionCall& c : calls) {
@@ -2002,6 +2001,13 @@ torch::Tensor run_quant(const torch::Tensor& q, const QuantLayer& L, const torch
 bool bf16_dot_attention() { return BF16_DOT || amx_usable(); }
 
 namespace {
+// k / v [H, S, D] of one dtype with rows of D contiguous (`who`: the op, for the message)
+void check_kv(const torch::Tensor& k, const torch::Tensor& v, int64_t D, const char* who) {
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), who, ": k and v of one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
+              who, ": k/v rows must be contiguous");
+}
+
 // decode_attention's checks of its operands -> the call, writing into out [H, R, D]
 AttentionCall checked_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T,
                            bool causal, const c10::optional<torch::Tensor>& visible,
@@ -2011,9 +2017,7 @@ AttentionCall checked_call(const torch::Tensor& q, const torch::Tensor& k, const
   const int64_t D = q.size(2);
   TORCH_CHECK(k.size(2) == D && v.size(2) == D, "decode_attention: q, k and v of one head dim");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "decode_attention: q must be contiguous fp32");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "decode_attention: k and v of one dtype");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
-              "decode_attention: k/v rows must be contiguous");
+  check_kv(k, v, D, "decode_attention");
   const int64_t H = q.size(0), R = q.size(1), S = k.size(1);
   TORCH_CHECK(k.size(0) == H && v.size(0) == H && v.size(1) == S, "decode_attention: bad shapes");
   const bool* vis = nullptr;
@@ -2103,9 +2107,7 @@ torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
   TORCH_CHECK(T >= 1 && Hkv >= 1 && Hq % Hkv == 0 && S >= T && k.size(2) == D && v.sizes() == k.sizes(),
               "chain_attention: q [Hq, T, D] with Hq a multiple of k's Hkv, k/v [Hkv, S >= T, D]");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "chain_attention: k and v of one dtype");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
-              "chain_attention: k/v rows must be contiguous");
+  check_kv(k, v, D, "chain_attention");
   const int64_t g = Hq / Hkv, n = std::max<int64_t>(1, rows / g);
   auto out = torch::empty({T, Hq, D}, q.options());
   std::vector<AttentionCall> calls;
