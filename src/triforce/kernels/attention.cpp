@@ -774,7 +774,11 @@ __attribute__((noinline)) void scores_dot(const uint16_t* qb, int64_t RP, const 
     pf.step(JT * D / 2 * NVG);
     tile(std::integral_constant<int, JT>{}, j);
   }
-  for (; j < n; ++j) tile(std::integral_constant<int, 1>{}, j);
+  while (j < n)  // the last n % JT keys in one tile (a key at a time, each score was a chain of D / 2 dependent dot products)
+    with_tile_rows<std::min(JT - 1, 6)>(n - j, [&](auto jn) {
+      tile(jn, j);
+      j += decltype(jn)::value;
+    });
   for (int g = 0; g < NVG; ++g) _mm512_storeu_ps(mx + g * 16, m[g]);
 }
 
@@ -782,7 +786,8 @@ __attribute__((noinline)) void scores_dot(const uint16_t* qb, int64_t RP, const 
 // low half; a last odd key paired with 0), v [n][D] bf16. Passes of 64 channels (4 vectors of accumulators per row:
 // NR x 4 + 4 registers). Per key pair, the two value rows interleaved by vpunpck{l,h}wd: lane i of a vector holds
 // one channel's pair, in unpack order (per 32 channels, lo: channels 0-3, 8-11, 16-19, 24-27; hi: 4-7, ...), put
-// back in channel order when stored.
+// back in channel order when stored. (Interleaved once per block for every tile of a row group instead, into an L1
+// scratch, the tiles' loads from it took 12% longer on Zen 5 than their own shuffles.)
 template <int64_t D, int NR>
 void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t n, float* o, Prefetch* pf) {
   const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
@@ -814,6 +819,17 @@ void pv_dot_tile(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t 
         _mm512_storeu_ps(oc, _mm512_permutex2var_ps(acc[r][2 * c], first, acc[r][2 * c + 1]));
         _mm512_storeu_ps(oc + 16, _mm512_permutex2var_ps(acc[r][2 * c], second, acc[r][2 * c + 1]));
       }
+  }
+}
+
+// o_b [R, D] = p v over the block's n keys from pp [(n + 1) / 2][RP], the rows' p in key pairs (softmax_pairs), in
+// tiles of up to TILE rows; pf stepped per key pair and tile.
+template <int64_t D>
+void pv_dot(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t R, int64_t n, float* o_b, Prefetch* pf) {
+  for (int64_t r0 = 0; r0 < R; r0 += TILE) {
+    with_tile_rows<TILE>(R - r0, [&](auto nr) {
+      pv_dot_tile<D, decltype(nr)::value>(pp + r0, RP, v, n, o_b + r0 * D, pf->pending() ? pf : nullptr);
+    });
   }
 }
 
@@ -877,17 +893,6 @@ inline Vec softmax_pairs(float* col, int64_t RP, int64_t n, const Vec& ms, int32
     }
   }
   return tree8(part);
-}
-
-// o_b [R, D] = p v over the block's n keys from pp [(n + 1) / 2][RP], the rows' p in key pairs (softmax_pairs), in
-// tiles of up to TILE rows; pf stepped per key pair and tile.
-template <int64_t D>
-void pv_dot(const int32_t* pp, int64_t RP, const c10::BFloat16* v, int64_t R, int64_t n, float* o_b, Prefetch* pf) {
-  for (int64_t r0 = 0; r0 < R; r0 += TILE) {
-    with_tile_rows<TILE>(R - r0, [&](auto nr) {
-      pv_dot_tile<D, decltype(nr)::value>(pp + r0, RP, v, n, o_b + r0 * D, pf->pending() ? pf : nullptr);
-    });
-  }
 }
 
 // ---- the same arithmetic for a few rows, keys in lanes ----
@@ -1202,11 +1207,34 @@ void block_lanes_rows(const float* qt, int64_t NV, const KV* k, const KV* v, int
                      l_b + full, qb + (full / 16) * (D / 2) * 32, false, row_end == nullptr ? nullptr : row_end + full);
 }
 
+// 2^e for an integer-valued e, 0 from -200 down (a block far below the row's largest adds nothing)
+ALWAYS_INLINE float pow2(float e) { return std::ldexp(1.f, static_cast<int>(std::max(e, -200.f))); }
+
+// One block's partial result merged into a row's running one, on the bf16 arithmetic (B2): blocks in order, m the
+// largest block reference so far, l and acc [D / W vectors] scaled to it. The references are integers, so every
+// weight is an exact power of two and rescaling changes no bits (short of underflow): merged as they come, the blocks
+// give what one pass under the final reference gives. The partial results' merge (merge_blocks) and a prefill
+// chain's item, which merges its blocks as it computes them (Attention::fused), both go through this function, so a
+// row's bits do not depend on which of them merged it. A block with l_b = 0 (every key masked for the row) is skipped.
+template <int64_t D>
+ALWAYS_INLINE void merge2(Vec* acc, float& m, float& l, const float* o_b, float m_b, float l_b) {
+  if (l_b == 0.f) return;
+  if (m_b > m) {  // (from m = -inf: acc and l are 0, scaled by 0)
+    const float s = pow2(m - m_b);
+    for (int c = 0; c < D / W; ++c) acc[c] = acc[c] * Vec(s);
+    l = l * s;
+    m = m_b;
+  }
+  const float wt = pow2(m_b - m);
+  l = std::fma(wt, l_b, l);  // (wt l_b exact: the same as l + wt l_b)
+  for (int c = 0; c < D / W; ++c) acc[c] = fma(Vec(wt), Vec::loadu(o_b + c * W), acc[c]);
+}
+
 // The blocks' partial results -> out: per row, the blocks' o_b merged by their log-sum-exp (blocks with l_b = 0,
 // every key masked for the row, are skipped). parts: o [H, nb, R, D], then m and l [H, nb, R]. Row r of head h
 // (query head h g + r / T of the group, token r % T) goes to out + h out_h + (r / T) out_g + (r % T) out_t: for
 // [H, R, D], out_h = R D, out_g = T D, out_t = D; for a layer's attention output [T, Hq D], g D, D and Hq D.
-// B2: m_b are base-2 references (integers), the weights exact powers of two.
+// B2: m_b are base-2 references (integers), merged as they come by merge2.
 template <int64_t D, bool B2 = false>
 void merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R, int64_t T, float* out, int64_t out_h,
                   int64_t out_g, int64_t out_t) {
@@ -1218,17 +1246,23 @@ void merge_blocks(const float* o_part, int64_t H, int64_t nb, int64_t R, int64_t
   at::parallel_for(0, H * R, grain, [&](int64_t b, int64_t e) {
     for (int64_t hr = b; hr < e; ++hr) {
       const int64_t h = hr / R, r = hr % R;
-      float m = NEG_INF;
-      for (int64_t blk = 0; blk < nb; ++blk) m = std::max(m, m_part[(h * nb + blk) * R + r]);
-      float l = 0.f;
-      Vec acc[D / W];
-      for (int64_t blk = 0; blk < nb; ++blk) {
-        const int64_t i = (h * nb + blk) * R + r;
-        if (l_part[i] == 0.f) continue;
-        const float wt = B2 ? std::ldexp(1.f, static_cast<int>(std::max(m_part[i] - m, -200.f))) : std::exp(m_part[i] - m);
-        l += wt * l_part[i];
-        const float* ob = o_part + i * D;
-        for (int c = 0; c < D / W; ++c) acc[c] = fma(Vec(wt), Vec::loadu(ob + c * W), acc[c]);
+      float m = NEG_INF, l = 0.f;
+      Vec acc[D / W];  // (zeros)
+      if constexpr (B2) {
+        for (int64_t blk = 0; blk < nb; ++blk) {
+          const int64_t i = (h * nb + blk) * R + r;
+          merge2<D>(acc, m, l, o_part + i * D, m_part[i], l_part[i]);
+        }
+      } else {
+        for (int64_t blk = 0; blk < nb; ++blk) m = std::max(m, m_part[(h * nb + blk) * R + r]);
+        for (int64_t blk = 0; blk < nb; ++blk) {
+          const int64_t i = (h * nb + blk) * R + r;
+          if (l_part[i] == 0.f) continue;
+          const float wt = std::exp(m_part[i] - m);
+          l += wt * l_part[i];
+          const float* ob = o_part + i * D;
+          for (int c = 0; c < D / W; ++c) acc[c] = fma(Vec(wt), Vec::loadu(ob + c * W), acc[c]);
+        }
       }
       const Vec inv(1.f / l);
       float* o = out + h * out_h + (r / T) * out_g + (r % T) * out_t;
@@ -1290,6 +1324,12 @@ struct Attention {
   AttentionCall c;
   int64_t NV, RP, nb;
   bool lanes, amx, exact;
+  // A call of more than MAX_ROWS rows (a prefill chain's, bf16 K/V on dot products): its items are (head, MAX_ROWS
+  // rows), each over every block in order, merging the blocks' results as it computes them (merge2) and writing its
+  // rows' output. With items (head, block) for all rows, the partial results of a 32K chain (155 MB) went out to
+  // memory and back for merge_blocks: 10% of the chain's time on Zen 5. The row groups of a head run side by side
+  // on the threads, so a block's K/V comes from memory about once.
+  bool fused;
   std::unique_ptr<float[]> qs;  // the scaled queries (scaled_queries)
   // AMX or AVX512-BF16 (bf16 K/V, lanes path): the rounded queries in the tiles' layout, [H][NV][D / 32][16 pairs]
   // [16 rows][2] (RP is a multiple of 16 on AVX-512, the only build with either)
@@ -1300,15 +1340,22 @@ struct Attention {
   // order): branch_anc[branch_keys[i] .. branch_keys[i + 1]) for token branch_tokens[i]
   std::vector<int64_t> branch_tokens, branch_keys, branch_anc;
 
-  // the blocks' partial results of a call (o, m, l per head, block and row): floats
-  static int64_t partial_floats(const AttentionCall& call) { return call.H * ((call.S + BS - 1) / BS) * call.R * (D + 2); }
+  static bool fuses(const AttentionCall& call) { return call.R > MAX_ROWS; }
+  // the blocks' partial results of a call (o, m, l per head, block and row): floats (none where fused)
+  static int64_t partial_floats(const AttentionCall& call) {
+    return fuses(call) ? 0 : call.H * ((call.S + BS - 1) / BS) * call.R * (D + 2);
+  }
+  // a thread's scratch for a fused item: a block's o_b, m_b, l_b and the running acc, m, l of MAX_ROWS rows
+  static constexpr int64_t FUSED_FLOATS = 2 * MAX_ROWS * (D + 2);
 
   // parts: partial_floats(call) floats for the blocks' partial results (not zero-filled: every block writes all of
   // its rows)
   Attention(const AttentionCall& call, double scale, bool lanes_, bool amx_, bool exact_, float* parts)
       : c(call), NV((call.R + W - 1) / W), RP(NV * W), nb((call.S + BS - 1) / BS), lanes(lanes_), amx(amx_),
-        exact(exact_), kp(static_cast<const KV*>(call.k)), vp(static_cast<const KV*>(call.v)) {
+        exact(exact_), fused(fuses(call)), kp(static_cast<const KV*>(call.k)), vp(static_cast<const KV*>(call.v)) {
     const int64_t H = c.H, R = c.R;
+    TORCH_CHECK(!fused || (lanes && RB && BF16_DOT && !amx),
+                "decode_attention: more than ", MAX_ROWS, " rows need bf16 K/V on dot products");
     const bool transposed = lanes || exact;  // scores_exact reads them transposed
     qs.reset(new float[H * (transposed ? D * RP : R * D)]);
     scaled_queries(c.q, H, R, D, scale, transposed, RP, RB, qs.get(), c.T, c.q_h, c.q_g, c.q_t);
@@ -1349,27 +1396,69 @@ struct Attention {
       }
       branch_keys.push_back(static_cast<int64_t>(branch_anc.size()));
     }
+    TORCH_CHECK(!fused || branch_tokens.empty(), "decode_attention: a draft tree of at most ", MAX_ROWS, " rows");
     o_part = parts;
     m_part = o_part + H * nb * R * D;
     l_part = m_part + H * nb * R;
   }
 
-  int64_t items() const { return c.H * nb; }
+  int64_t row_groups() const { return (c.R + MAX_ROWS - 1) / MAX_ROWS; }
+  int64_t items() const { return fused ? c.H * row_groups() : c.H * nb; }
   bool uses_amx() const { return !qb.empty() && amx; }
 
-  // Work item w = (head, block): its rows' p v, maximum and sum into the partial results. s: MAX_ROWS * BS floats,
-  // st: BS * RP (scores_exact's keys x rows), this thread's scratch.
-  void item(int64_t w, float* s, float* st) const {
+  // Work item w: (head, block) for every row into the partial results, or where fused (head, MAX_ROWS rows) over every
+  // block into the output. s: MAX_ROWS * BS floats, st: BS * RP (scores_exact's keys x rows), f: FUSED_FLOATS (fused
+  // calls), this thread's scratch.
+  void item(int64_t w, float* s, float* st, float* f) const {
+    if (!fused) {
+      const int64_t h = w / nb, blk = w % nb, j0 = blk * BS;
+      float* ob = o_part + w * c.R * D;
+      float* mb = m_part + w * c.R;
+      float* lb = l_part + w * c.R;
+      if (!block(h, blk, 0, c.R, s, st, ob, mb, lb))
+        for (int64_t r = 0; r < c.R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
+      else if (!branch_tokens.empty() && j0 + std::min(BS, c.S - j0) > c.S - c.T)
+        tree_rows(h, j0, s, ob, mb, lb);
+      return;
+    }
+    const int64_t groups = row_groups(), h = w / groups, r0 = (w % groups) * MAX_ROWS;
+    const int64_t rows = std::min(MAX_ROWS, c.R - r0);
+    float* ob = f;  // this block's
+    float* mb = ob + MAX_ROWS * D;
+    float* lb = mb + MAX_ROWS;
+    float* acc = lb + MAX_ROWS;  // the rows' running merge
+    float* m = acc + MAX_ROWS * D;
+    float* l = m + MAX_ROWS;
+    std::fill(acc, acc + rows * D, 0.f);
+    std::fill(m, m + rows, NEG_INF);
+    std::fill(l, l + rows, 0.f);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      if (!block(h, blk, r0, rows, s, st, ob, mb, lb)) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        Vec a[D / W];
+        for (int i = 0; i < D / W; ++i) a[i] = Vec::loadu(acc + r * D + i * W);
+        merge2<D>(a, m[r], l[r], ob + r * D, mb[r], lb[r]);
+        for (int i = 0; i < D / W; ++i) a[i].store(acc + r * D + i * W);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // as merge_blocks writes a row
+      const Vec inv(1.f / l[r]);
+      float* o = c.out + h * c.out_h + ((r0 + r) / c.T) * c.out_g + ((r0 + r) % c.T) * c.out_t;
+      for (int i = 0; i < D / W; ++i) (Vec::loadu(acc + r * D + i * W) * inv).store(o + i * W);
+    }
+  }
+
+  // Block blk of head h for the call's rows [r0, r0 + rows) (r0 > 0 or rows < R: dot products only): its p v, maximum
+  // and sum per row into o_b [rows, D], m_b, l_b; false where a gap hides the block from every row (nothing written).
+  bool block(int64_t h, int64_t blk, int64_t r0, int64_t rows, float* s, float* st, float* ob, float* mb,
+             float* lb) const {
     const int64_t R = c.R, S = c.S, T = c.T;
-    const int64_t h = w / nb, blk = w % nb, j0 = blk * BS, n = std::min(BS, S - j0);
+    const int64_t j0 = blk * BS, n = std::min(BS, S - j0);
     const KV* kh = kp + h * c.ks + j0 * D;
     const KV* vh = vp + h * c.vs + j0 * D;
     const bool last = blk + 1 == nb;
     const char* next_k = last ? nullptr : reinterpret_cast<const char*>(kh + BS * D);
     const char* next_v = last ? nullptr : reinterpret_cast<const char*>(vh + BS * D);
-    float* ob = o_part + w * R * D;
-    float* mb = m_part + w * R;
-    float* lb = l_part + w * R;
     // causal: the key at S - T + u is new token u, visible to the rows of tokens >= u; a token block (a draft
     // tree): to the rows of the tokens t with visible[t][u]. The keys before the new tokens are seen by every
     // row: only the new ones are checked, a division each. gap (a StreamingLLM window): keys gap[0] ..
@@ -1382,41 +1471,30 @@ struct Attention {
     if (gap != nullptr) {
       const int64_t from = std::max(gap[0], j0);  // the block's first key a gap can hide
       const auto [to_min, to_max] = std::minmax_element(gap + 1, gap + 1 + T);
-      if (from == j0 && *to_min >= j0 + n) {  // hidden from every row
-        for (int64_t r = 0; r < R; ++r) mb[r] = NEG_INF, lb[r] = 0.f;
-        return;
-      }
+      if (from == j0 && *to_min >= j0 + n) return false;  // hidden from every row
       if (from < j0 + n && *to_max > from) mask_from = std::min(mask_from, from - j0);
     }
-    const auto mask = [&](int64_t r, int64_t j) {
-      const int64_t u = j0 + j - (S - T), t = r % T;
+    const auto mask = [&](int64_t r, int64_t j) {  // r: the row within [r0, r0 + rows)
+      const int64_t u = j0 + j - (S - T), t = (r0 + r) % T;
       if (gap != nullptr && j0 + j >= gap[0] && j0 + j < gap[1 + t]) return false;
       if (u < 0) return true;
       return causal ? (visible ? visible[t * T + u] : u <= t) : true;
     };
-    const float* qp = qs.get();
-    int64_t row_end[DOT_MAX_ROWS];  // a plain causal chain on the lanes path: row r sees the block's keys below it
+    int64_t row_end[MAX_ROWS];  // a plain causal chain on the lanes path: row r sees the block's keys below it
     const bool plain = lanes && causal && visible == nullptr && gap == nullptr;
     if (plain)
-      for (int64_t r = 0; r < R; ++r) row_end[r] = S - T + r % T + 1 - j0;
-    if (lanes && R > MAX_ROWS) {  // dot products (a prefill chain's call): MAX_ROWS rows at a time over the block,
-      // which stays in L2 for the next ones (the next block prefetched over the first), where one call per MAX_ROWS
-      // rows read the keys from memory again (a 32K prefill's attention was as much reads as arithmetic). A row's
-      // arithmetic is its own lane's, whichever group it is in.
-      for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
-        const int64_t rows = std::min(MAX_ROWS, R - r0);
-        const auto group_mask = [&](int64_t r, int64_t j) { return mask(r0 + r, j); };
-        block_lanes_rows<D, RB>(nullptr, (rows + W - 1) / W, kh, vh, rows, n, mask_from, group_mask, s,
-                                r0 == 0 ? next_k : nullptr, r0 == 0 ? next_v : nullptr, ob + r0 * D, mb + r0, lb + r0,
-                                qb.data() + (h * (RP / 16) + r0 / 16) * D * 16, false, plain ? row_end + r0 : nullptr);
-      }
+      for (int64_t r = 0; r < rows; ++r) row_end[r] = S - T + (r0 + r) % T + 1 - j0;
+    if (rows < R) {  // a fused call's row group: dot products, the group's queries from its place in qb
+      block_lanes_rows<D, RB>(nullptr, (rows + W - 1) / W, kh, vh, rows, n, mask_from, mask, s, next_k, next_v, ob, mb,
+                              lb, qb.data() + (h * (RP / 16) + r0 / 16) * D * 16, false, plain ? row_end : nullptr);
     } else if (lanes) {
-      block_lanes_rows<D, RB>(qp + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob, mb, lb,
+      block_lanes_rows<D, RB>(qs.get() + h * D * RP, NV, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob, mb, lb,
                               qb.empty() ? nullptr : qb.data() + h * (RP / 16) * D * 16, amx, plain ? row_end : nullptr);
-    } else
-      block_rows<D, BS, RB>(exact ? nullptr : qp + h * R * D, kh, vh, R, n, mask_from, mask, s, next_k, next_v, ob,
-                            mb, lb, exact ? qp + h * D * RP : nullptr, RP, st);
-    if (!branch_tokens.empty() && j0 + n > S - T) tree_rows(h, j0, s, ob, mb, lb);
+    } else {
+      block_rows<D, BS, RB>(exact ? nullptr : qs.get() + h * R * D, kh, vh, R, n, mask_from, mask, s, next_k, next_v,
+                            ob, mb, lb, exact ? qs.get() + h * D * RP : nullptr, RP, st);
+    }
+    return true;
   }
 
   // A draft tree's token t whose visible new keys are not the first t + 1 (a branch after its first): its rows over
@@ -1479,7 +1557,9 @@ struct Attention {
     }
   }
 
-  void merge() const { merge_blocks<D, RB>(o_part, c.H, nb, c.R, c.T, c.out, c.out_h, c.out_g, c.out_t); }
+  void merge() const {  // (a fused call's items wrote its output)
+    if (!fused) merge_blocks<D, RB>(o_part, c.H, nb, c.R, c.T, c.out, c.out_h, c.out_g, c.out_t);
+  }
 };
 
 // Every item of every call in one parallel region (a thread's items may span calls: an item is the same whoever
@@ -1491,16 +1571,17 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
   constexpr int64_t BATCH_CHUNK = 4;  // items per chunk of a batch
   std::vector<int64_t> first(calls.size() + 1, 0);  // the calls' first items
   int64_t scratch = 0;  // scores_exact's keys x rows, the largest call's
-  bool amx = false, heavy = false;  // heavy: a call of more than MAX_ROWS rows (a prefill chain's)
+  bool amx = false, heavy = false;  // heavy: a call of more than MAX_ROWS rows (a prefill chain's: fused)
   for (size_t c = 0; c < calls.size(); ++c) {
     first[c + 1] = first[c] + calls[c].items();
     if (calls[c].exact) scratch = std::max(scratch, BS * calls[c].RP);
     amx = amx || calls[c].uses_amx();
-    heavy = heavy || calls[c].c.R > MAX_ROWS;
+    heavy = heavy || calls[c].fused;
   }
   // a thread's scratch: scores of up to MAX_ROWS rows (RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W), then
-  // scores_exact's keys x rows
-  const int64_t per_thread = MAX_ROWS * BS + scratch;
+  // scores_exact's keys x rows, then a fused item's blocks and merge
+  const int64_t fused = heavy ? Attention<D, KV>::FUSED_FLOATS : 0;
+  const int64_t per_thread = MAX_ROWS * BS + scratch + fused;
   const std::unique_ptr<float[]> buffers(new float[per_thread * at::get_num_threads()]);  // (not zero-filled: written before read)
   std::vector<char> configured(at::get_num_threads(), 0);
   const auto run = [&](int64_t b, int64_t e) {
@@ -1510,7 +1591,7 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
     size_t c = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
     for (int64_t w = b; w < e; ++w) {
       while (w >= first[c + 1]) ++c;
-      calls[c].item(w - first[c], s, s + MAX_ROWS * BS);
+      calls[c].item(w - first[c], s, s + MAX_ROWS * BS, s + MAX_ROWS * BS + scratch);
     }
   };
   // (a call of more than MAX_ROWS rows, a prefill chain's, is arithmetic: its items one at a time as threads come
