@@ -36,15 +36,20 @@ namespace {
 
 constexpr int P = 16;  // rows per packed group
 
-// One quantized x row, per 32-element block b: the int8 planes xq / xr (32 each), dx / 256, the integer
-// sum of X and the fp32 sum of x.
+// One quantized x row: per 32-element block b a record of XB bytes, the int8 planes xq / xr (32 each), dx / 256, the
+// integer sum of X, the fp32 sum of x and the integer sums of X's two 16-element halves (Q6_K's scale groups). Why one
+// record: with a pointer per plane and sum, a 6-row tile's 24 row pointers did not fit the general registers, and
+// the compiler kept them on the stack and in vector registers, reloaded in the loop; a record is one pointer per row,
+// every field at a constant offset.
+constexpr int64_t XB = 128;
 struct QX {
-  int8_t* q;
-  int8_t* r;
-  float* scale;  // dx / 256
-  int32_t* isum;  // sum X
-  float* fsum;    // sum x
-  int32_t* isum16;  // sum X of each 16-element half (Q6_K's scale groups)
+  uint8_t* p;  // block 0's record
+  ALWAYS_INLINE int8_t* q(int64_t b) const { return reinterpret_cast<int8_t*>(p + XB * b); }
+  ALWAYS_INLINE int8_t* r(int64_t b) const { return reinterpret_cast<int8_t*>(p + XB * b + 32); }
+  ALWAYS_INLINE float& scale(int64_t b) const { return *reinterpret_cast<float*>(p + XB * b + 64); }  // dx / 256
+  ALWAYS_INLINE int32_t& isum(int64_t b) const { return *reinterpret_cast<int32_t*>(p + XB * b + 68); }  // sum X
+  ALWAYS_INLINE float& fsum(int64_t b) const { return *reinterpret_cast<float*>(p + XB * b + 72); }  // sum x
+  ALWAYS_INLINE int32_t* isum16(int64_t b) const { return reinterpret_cast<int32_t*>(p + XB * b + 76); }  // 2 halves
 };
 
 // More operations on integer lanes (simd.h's IV; the shared ones and dot_us / dot_nibbles are there).
@@ -141,18 +146,18 @@ void quantize_row(const float* x, int64_t K, const QX& o) {
       const Vec y = v[i] * Vec(inv);
       const Vec q = y.round();  // to nearest even, as std::nearbyint
       const Vec r = at::vec::clamp((y - q) * Vec(256.f), Vec(-127.f), Vec(127.f)).round();
-      const IV qi = store_bytes(q, o.q + 32 * b + i * W);
-      const IV ri = store_bytes(r, o.r + 32 * b + i * W);
+      const IV qi = store_bytes(q, o.q(b) + i * W);
+      const IV ri = store_bytes(r, o.r(b) + i * W);
       X[i] = shl8_add(qi, ri);
     }
     IV first = X[0], second = X[NV / 2];  // weights 0-15 and 16-31
     for (int i = 1; i < NV / 2; ++i) first = iadd(first, X[i]), second = iadd(second, X[NV / 2 + i]);
     const int32_t half = ireduce(first), rest = ireduce(second);
-    o.isum16[2 * b] = half;
-    o.isum16[2 * b + 1] = rest;
-    o.scale[b] = amax / 127.f / 256.f;
-    o.isum[b] = half + rest;
-    o.fsum[b] = reduce_add(sum_v);
+    o.isum16(b)[0] = half;
+    o.isum16(b)[1] = rest;
+    o.scale(b) = amax / 127.f / 256.f;
+    o.isum(b) = half + rest;
+    o.fsum(b) = reduce_add(sum_v);
   }
 }
 
@@ -250,25 +255,25 @@ ALWAYS_INLINE void group_tile(const uint8_t* g, int64_t nb, int lane0, const QX*
           c = ior(c, fifth_bits(qh, 16 + 4 * j));
         }
         for (int t = 0; t < TB; ++t) {
-          const int8_t* xq = x[t].q + 32 * b + 4 * j;
-          const int8_t* xr = x[t].r + 32 * b + 4 * j;
+          const int8_t* xq = x[t].q(b) + 4 * j;
+          const int8_t* xr = x[t].r(b) + 4 * j;
           hi[t] = dot_us2(hi[t], a, bcast4(xq), c, bcast4(xq + 16));
           lo[t] = dot_us2(lo[t], a, bcast4(xr), c, bcast4(xr + 16));
         }
       } else {
         for (int t = 0; t < TB; ++t) {
-          hi[t] = q8_dot(hi[t], v, bcast4(x[t].q + 32 * b + 4 * j));
-          lo[t] = q8_dot(lo[t], v, bcast4(x[t].r + 32 * b + 4 * j));
+          hi[t] = q8_dot(hi[t], v, bcast4(x[t].q(b) + 4 * j));
+          lo[t] = q8_dot(lo[t], v, bcast4(x[t].r(b) + 4 * j));
         }
       }
     }
     const Vec d = half16(blk + 2 * lane0);
     for (int t = 0; t < TB; ++t) {
       IV s = shl8_add(hi[t], lo[t]);  // sum q X, exact
-      if constexpr (F::OFFSET != 0) s = isub(s, iset(F::OFFSET * x[t].isum[b]));
-      if constexpr (!F::FOUR && Q8_OFFSET) s = isub(s, iset(128 * x[t].isum[b]));
-      acc[t] = fma(tof(s), d * Vec(x[t].scale[b]), acc[t]);
-      if constexpr (F::MIN) acc[t] = fma(half16(blk + 2 * P + 2 * lane0), Vec(x[t].fsum[b]), acc[t]);
+      if constexpr (F::OFFSET != 0) s = isub(s, iset(F::OFFSET * x[t].isum(b)));
+      if constexpr (!F::FOUR && Q8_OFFSET) s = isub(s, iset(128 * x[t].isum(b)));
+      acc[t] = fma(tof(s), d * Vec(x[t].scale(b)), acc[t]);
+      if constexpr (F::MIN) acc[t] = fma(half16(blk + 2 * P + 2 * lane0), Vec(x[t].fsum(b)), acc[t]);
     }
   }
   for (int t = 0; t < TB; ++t) acc[t].store(y[t] + lane0);
@@ -317,7 +322,7 @@ ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const Q
     for (int i = 0; i < 4; ++i) {
       IV ha[TB], la[TB], hb[TB], lb[TB];  // sums q xq, q xr of sub-blocks 2i (a) and 2i + 1 (b)
       for (int t = 0; t < TB; ++t) ha[t] = la[t] = hb[t] = lb[t] = izero();
-      const int64_t xa = 32 * (8 * sb + 2 * i);
+      const int64_t xa = 8 * sb + 2 * i;  // x block of sub-block 2i
       for (int j = 0; j < 8; ++j) {
         const IV v = iload(codes + 4 * P * (8 * i + j));
         IV a = low_nibbles(v), c = high_nibbles(v);
@@ -327,10 +332,10 @@ ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const Q
           c = ior(c, sll16_4(bytes_and(srl16(h, 2 * i + 1), 1)));
         }
         for (int t = 0; t < TB; ++t) {
-          ha[t] = k_dot<F::HIGH>(ha[t], a, bcast4(x[t].q + xa + 4 * j));  // (Q4_K, 8 words: 8 pairs per 16-bit lane)
-          la[t] = k_dot<F::HIGH>(la[t], a, bcast4(x[t].r + xa + 4 * j));
-          hb[t] = k_dot<F::HIGH>(hb[t], c, bcast4(x[t].q + xa + 32 + 4 * j));
-          lb[t] = k_dot<F::HIGH>(lb[t], c, bcast4(x[t].r + xa + 32 + 4 * j));
+          ha[t] = k_dot<F::HIGH>(ha[t], a, bcast4(x[t].q(xa) + 4 * j));  // (Q4_K, 8 words: 8 pairs per 16-bit lane)
+          la[t] = k_dot<F::HIGH>(la[t], a, bcast4(x[t].r(xa) + 4 * j));
+          hb[t] = k_dot<F::HIGH>(hb[t], c, bcast4(x[t].q(xa + 1) + 4 * j));
+          lb[t] = k_dot<F::HIGH>(lb[t], c, bcast4(x[t].r(xa + 1) + 4 * j));
         }
       }
       IV sc, m;
@@ -340,10 +345,10 @@ ALWAYS_INLINE void group_tile_k(const uint8_t* g, int64_t nb, int lane0, const Q
       const Vec db = d * tof(sc), mb = dmin * tof(m);
       const int64_t ba = 8 * sb + 2 * i;  // x block of sub-block 2i
       for (int t = 0; t < TB; ++t) {
-        acc[t] = fma(tof(shl8_add(k_sum<F::HIGH>(ha[t]), k_sum<F::HIGH>(la[t]))), da * Vec(x[t].scale[ba]), acc[t]);
-        acc[t] = fma(ma, Vec(-x[t].fsum[ba]), acc[t]);
-        acc[t] = fma(tof(shl8_add(k_sum<F::HIGH>(hb[t]), k_sum<F::HIGH>(lb[t]))), db * Vec(x[t].scale[ba + 1]), acc[t]);
-        acc[t] = fma(mb, Vec(-x[t].fsum[ba + 1]), acc[t]);
+        acc[t] = fma(tof(shl8_add(k_sum<F::HIGH>(ha[t]), k_sum<F::HIGH>(la[t]))), da * Vec(x[t].scale(ba)), acc[t]);
+        acc[t] = fma(ma, Vec(-x[t].fsum(ba)), acc[t]);
+        acc[t] = fma(tof(shl8_add(k_sum<F::HIGH>(hb[t]), k_sum<F::HIGH>(lb[t]))), db * Vec(x[t].scale(ba + 1)), acc[t]);
+        acc[t] = fma(mb, Vec(-x[t].fsum(ba + 1)), acc[t]);
       }
     }
   }
@@ -372,7 +377,7 @@ ALWAYS_INLINE void group_tile_q6k(const uint8_t* g, int64_t nb, int lane0, const
           const IV qh = sll16_4(bytes_and(srl16(iload(words + 4 * P * (32 + 8 * n + j)), 2 * i), 3));
           const IV c = ior(ql, qh);
           for (int t = 0; t < TB; ++t) {
-            const IV xq = bcast4(x[t].q + 32 * b + 4 * j), xr = bcast4(x[t].r + 32 * b + 4 * j);
+            const IV xq = bcast4(x[t].q(b) + 4 * j), xr = bcast4(x[t].r(b) + 4 * j);
             if (j < 4) {
               h0[t] = dot_us(h0[t], c, xq);
               l0[t] = dot_us(l0[t], c, xr);
@@ -386,9 +391,9 @@ ALWAYS_INLINE void group_tile_q6k(const uint8_t* g, int64_t nb, int lane0, const
         const IV sw = iload(words + 4 * P * (48 + sg / 4));
         const Vec d0 = d * tof(signed_byte(sw, sg % 4)), d1 = d * tof(signed_byte(sw, sg % 4 + 1));
         for (int t = 0; t < TB; ++t) {
-          const IV s0 = isub(shl8_add(h0[t], l0[t]), iset(32 * x[t].isum16[2 * b]));
-          const IV s1 = isub(shl8_add(h1[t], l1[t]), iset(32 * x[t].isum16[2 * b + 1]));
-          const Vec sx(x[t].scale[b]);
+          const IV s0 = isub(shl8_add(h0[t], l0[t]), iset(32 * x[t].isum16(b)[0]));
+          const IV s1 = isub(shl8_add(h1[t], l1[t]), iset(32 * x[t].isum16(b)[1]));
+          const Vec sx(x[t].scale(b));
           acc[t] = fma(tof(s0), d0 * sx, acc[t]);
           acc[t] = fma(tof(s1), d1 * sx, acc[t]);
         }
@@ -627,16 +632,16 @@ void groups_many(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1
               Vec a = Vec::loadu(acc[r] + 8 * h);
               if constexpr (F::KIND == 0) {
                 IV v = s[h][0];
-                if constexpr (F::OFFSET != 0) v = isub(v, iset(F::OFFSET * xr.isum[bx]));
-                a = fma(tof(v), d[h] * Vec(xr.scale[bx]), a);
-                if constexpr (F::MIN) a = fma(f1[h], Vec(xr.fsum[bx]), a);
+                if constexpr (F::OFFSET != 0) v = isub(v, iset(F::OFFSET * xr.isum(bx)));
+                a = fma(tof(v), d[h] * Vec(xr.scale(bx)), a);
+                if constexpr (F::MIN) a = fma(f1[h], Vec(xr.fsum(bx)), a);
               } else if constexpr (F::KIND == 1) {
-                a = fma(tof(s[h][0]), f0[h] * Vec(xr.scale[bx]), a);
-                a = fma(f1[h], Vec(-xr.fsum[bx]), a);
+                a = fma(tof(s[h][0]), f0[h] * Vec(xr.scale(bx)), a);
+                a = fma(f1[h], Vec(-xr.fsum(bx)), a);
               } else {
-                const IV s0 = isub(s[h][0], iset(32 * xr.isum16[2 * bx]));
-                const IV s1 = isub(s[h][1], iset(32 * xr.isum16[2 * bx + 1]));
-                const Vec sx(xr.scale[bx]);
+                const IV s0 = isub(s[h][0], iset(32 * xr.isum16(bx)[0]));
+                const IV s1 = isub(s[h][1], iset(32 * xr.isum16(bx)[1]));
+                const Vec sx(xr.scale(bx));
                 a = fma(tof(s0), f0[h] * sx, a);
                 a = fma(tof(s1), f1[h] * sx, a);
               }
@@ -723,9 +728,7 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
   auto y = torch::empty(sizes, x.options());
   // the x rows, quantized once (each row on its own: a row's result does not depend on the others)
   // (plain vectors, not tensors: this runs 121 times a decode step)
-  std::vector<int8_t> planes(M * 2 * K);
-  std::vector<float> fl(M * 2 * nb);
-  std::vector<int32_t> is(M * 3 * nb);
+  std::vector<uint8_t> records(M * nb * XB);
   std::vector<QX> qx(M);
   const float* xp = x.data_ptr<float>();
   bool many = false;  // a part takes groups_many
@@ -733,11 +736,11 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
   std::vector<int16_t> X16(many ? M * K : 0);  // groups_many's X = 256 xq + xr
   auto quantize = [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
-      qx[m] = {planes.data() + m * 2 * K, planes.data() + m * 2 * K + K, fl.data() + m * 2 * nb,
-               is.data() + m * 3 * nb, fl.data() + m * 2 * nb + nb, is.data() + m * 3 * nb + nb};
+      qx[m] = {records.data() + m * nb * XB};
       quantize_row(xp + m * K, K, qx[m]);
       if (many)
-        for (int64_t k = 0; k < K; ++k) X16[m * K + k] = static_cast<int16_t>(256 * qx[m].q[k] + qx[m].r[k]);
+        for (int64_t k = 0; k < K; ++k)
+          X16[m * K + k] = static_cast<int16_t>(256 * qx[m].q(k / 32)[k % 32] + qx[m].r(k / 32)[k % 32]);
     }
   };
   // (each row on its own, as one row is; from 4 rows the fork is repaid: 2 us a row of 576)
