@@ -380,6 +380,10 @@ def test_vector_peak_is_this_builds_own(kern):
         assert dot > 1e9
     else:
         assert dot == 0.0 or dot > 1e9
+    # the linear layers' integer dot products (prefill_profile's linear peak): vpdpbusd only where the build has VNNI,
+    # which is where prefill chunks take the packed kernel (PACKED_PREFILL)
+    assert (kern.integer_peak_ops() > 1e9) == kern.PACKED_PREFILL
+    assert kern.integer_peak_ops() >= 0.0
 
 
 def test_kernel_amx_path_refused_where_unusable(kern):

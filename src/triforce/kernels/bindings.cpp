@@ -43,6 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_peak_flops", &triforce::vector_peak_flops, GIL_FREE,
         "this build's vector arithmetic peak on all threads in FLOP/s: FMAs, or with dot AVX512-BF16's vdpbf16ps (0 "
         "where the build has none); register-resident chains, about 10 ms", py::arg("dot") = false);
+  m.def("integer_peak_ops", &triforce::integer_peak_ops, GIL_FREE,
+        "this build's VNNI peak on all threads in operations a second (vpdpbusd: a byte product and its sum, 2 per "
+        "product; 0 where the build has no VNNI): the linear layers' arithmetic, two byte products per weight and x "
+        "row; register-resident chains, about 10 ms");
   m.def("quant_attention", &triforce::quant_attention, GIL_FREE,
         "softmax(q k^T * scale) v for q [H, R, D] fp32 over a quantized KV cache: planes k_hi/k_lo/v_hi/v_lo "
         "[H, Sq, D/2] uint8 (lower planes empty: 4-bit reading), fp16 scales/zeros (keys [H, Sq/64, D], values "

@@ -145,6 +145,8 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
 // the GGML types linear_packed has a many-row path for (from a few rows per format: the tiles' bits, faster)
 std::vector<int64_t> packed_many_rows_types();
 bool packed_prefill();
+// quant_packed.cpp: vpdpbusd's peak on all threads in operations a second (2 per byte product); 0 without VNNI
+double integer_peak_ops();
 
 // quant_packed.cpp: rows [start, stop) of such a packed part back in the file's layout [stop - start, blocks * size]
 // (quantized.pack_rows's inverse; head / tail: the block's scale bytes before and after its code words).
