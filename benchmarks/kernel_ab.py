@@ -15,6 +15,8 @@ one you want to keep before changing the source.
     python benchmarks/kernel_ab.py OLD.so NEW.so --bits 4 --rows 3 --rounds 8
     python benchmarks/kernel_ab.py OLD.so NEW.so --what linear --format Q6_K --shapes 3072x512 --rows 5,64
         # linear_packed's GMAC/s on one thread (higher is faster here)
+    python benchmarks/kernel_ab.py OLD.so NEW.so --what chain --context 32768,8192
+        # chain_attention: one layer of a 512-token prefill chunk over that many bf16 keys, ms
 """
 from __future__ import annotations
 
@@ -141,16 +143,42 @@ def linear_child(ops, args) -> dict:
     return out
 
 
+def chain_child(ops, args) -> dict:
+    """ms of chain_attention for one layer of a `--chunk`-token prefill chunk (the embedded model's 9 query heads over 3
+    KV heads of 64) whose last token is key `--context`, over random bf16 K/V, in the calls the model makes
+    (attention_chain_rows), best of `--loops` x 5 calls."""
+    import torch
+
+    out = {}
+    for context in args.contexts:
+        torch.manual_seed(0)
+        Hkv, D, T = args.heads, args.head_dim, args.chunk
+        q = torch.randn(Hkv * args.group, T, D)
+        k = (torch.randn(Hkv, context, D) * 2).to(torch.bfloat16)
+        v = torch.randn(Hkv, context, D).to(torch.bfloat16)
+        rows = ops.attention_chain_rows()
+        o = ops.chain_attention(q, k, v, D ** -0.5, rows)
+        best = float("inf")
+        for _ in range(args.loops):
+            t = time.perf_counter()
+            for _ in range(5):
+                ops.chain_attention(q, k, v, D ** -0.5, rows)
+            best = min(best, (time.perf_counter() - t) / 5)
+        out[f"{T}-token chain over {context} keys ms"] = (best * 1e3, digest(o))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("builds", nargs="+", help="kernel .so files, the first the reference")
-    ap.add_argument("--what", choices=("quant-attention", "step", "linear"), default="quant-attention")
+    ap.add_argument("--what", choices=("quant-attention", "step", "linear", "chain"), default="quant-attention")
     ap.add_argument("--rounds", type=int, default=6, help="processes per build (default 6)")
     ap.add_argument("--rows", default="3,15", help="quant-attention: row counts (3: a decode step of 3 query heads per "
                                                  "KV head; 15: a 5-token verification)")
     ap.add_argument("--bits", type=int, choices=(4, 8), default=8, help="quant-attention: the int8 or the 4-bit reading")
-    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--context", default="32768", help="the cached keys (chain: a list, the chunk's last key)")
+    ap.add_argument("--chunk", type=int, default=512, help="chain: the prefill chunk's tokens")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--loops", type=int, default=5, help="quant-attention: passes over the layers per process (median)")
     ap.add_argument("--heads", type=int, default=3)
@@ -164,15 +192,19 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.rows = [int(r) for r in str(args.rows).split(",")]
+    args.contexts = [int(c) for c in str(args.context).split(",")]
+    args.context = args.contexts[0]
     if args.child:
         ops = load_build(args.builds[0])
-        run = {"quant-attention": quant_attention_child, "step": step_child, "linear": linear_child}[args.what]
+        run = {"quant-attention": quant_attention_child, "step": step_child, "linear": linear_child,
+               "chain": chain_child}[args.what]
         print(json.dumps(run(ops, args)))
         return
     if missing := [b for b in args.builds if not Path(b).is_file()]:
         ap.error(f"no such build: {', '.join(missing)}")
     child = [sys.executable, __file__, "--child", "--what", args.what, "--rows", ",".join(map(str, args.rows)),
-             "--bits", str(args.bits), "--context", str(args.context), "--layers", str(args.layers), "--loops",
+             "--bits", str(args.bits), "--context", ",".join(map(str, args.contexts)), "--chunk", str(args.chunk),
+             "--layers", str(args.layers), "--loops",
              str(args.loops), "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--group", str(args.group),
              "--kv", args.kv, "--verify-tokens", str(args.verify_tokens), "--format", args.format, "--shapes",
              args.shapes]
@@ -187,7 +219,7 @@ def main() -> None:
     ref = args.builds[0]
     for key in results[ref][0]:
         base = statistics.median(x[key][0] for x in results[ref])
-        where = "one thread" if args.what == "linear" else f"{args.context} context"
+        where = {"linear": "one thread", "chain": "all threads"}.get(args.what, f"{args.context} context")
         print(f"\n{key} ({args.what}, {where}; median, min-max of {args.rounds} processes)")
         for b in args.builds:
             v = [x[key][0] for x in results[b]]
