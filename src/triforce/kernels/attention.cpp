@@ -1340,6 +1340,7 @@ struct Attention {
   // order): branch_anc[branch_keys[i] .. branch_keys[i + 1]) for token branch_tokens[i]
   std::vector<int64_t> branch_tokens, branch_keys, branch_anc;
 
+  // (attend_calls takes more than MAX_ROWS rows only over bf16 K/V on dot products: lanes, qb filled, no AMX)
   static bool fuses(const AttentionCall& call) { return call.R > MAX_ROWS; }
   // the blocks' partial results of a call (o, m, l per head, block and row): floats (none where fused)
   static int64_t partial_floats(const AttentionCall& call) {
@@ -1354,8 +1355,6 @@ struct Attention {
       : c(call), NV((call.R + W - 1) / W), RP(NV * W), nb((call.S + BS - 1) / BS), lanes(lanes_), amx(amx_),
         exact(exact_), fused(fuses(call)), kp(static_cast<const KV*>(call.k)), vp(static_cast<const KV*>(call.v)) {
     const int64_t H = c.H, R = c.R;
-    TORCH_CHECK(!fused || (lanes && RB && BF16_DOT && !amx),
-                "decode_attention: more than ", MAX_ROWS, " rows need bf16 K/V on dot products");
     const bool transposed = lanes || exact;  // scores_exact reads them transposed
     qs.reset(new float[H * (transposed ? D * RP : R * D)]);
     scaled_queries(c.q, H, R, D, scale, transposed, RP, RB, qs.get(), c.T, c.q_h, c.q_g, c.q_t);
@@ -1571,17 +1570,16 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
   constexpr int64_t BATCH_CHUNK = 4;  // items per chunk of a batch
   std::vector<int64_t> first(calls.size() + 1, 0);  // the calls' first items
   int64_t scratch = 0;  // scores_exact's keys x rows, the largest call's
-  bool amx = false, heavy = false;  // heavy: a call of more than MAX_ROWS rows (a prefill chain's: fused)
+  bool amx = false, any_fused = false;  // any_fused: a call of more than MAX_ROWS rows (a prefill chain's)
   for (size_t c = 0; c < calls.size(); ++c) {
     first[c + 1] = first[c] + calls[c].items();
     if (calls[c].exact) scratch = std::max(scratch, BS * calls[c].RP);
     amx = amx || calls[c].uses_amx();
-    heavy = heavy || calls[c].fused;
+    any_fused = any_fused || calls[c].fused;
   }
   // a thread's scratch: scores of up to MAX_ROWS rows (RP <= MAX_ROWS: R <= MAX_ROWS, a multiple of W), then
   // scores_exact's keys x rows, then a fused item's blocks and merge
-  const int64_t fused = heavy ? Attention<D, KV>::FUSED_FLOATS : 0;
-  const int64_t per_thread = MAX_ROWS * BS + scratch + fused;
+  const int64_t per_thread = MAX_ROWS * BS + scratch + (any_fused ? Attention<D, KV>::FUSED_FLOATS : 0);
   const std::unique_ptr<float[]> buffers(new float[per_thread * at::get_num_threads()]);  // (not zero-filled: written before read)
   std::vector<char> configured(at::get_num_threads(), 0);
   const auto run = [&](int64_t b, int64_t e) {
@@ -1596,16 +1594,17 @@ void run_items(const std::vector<Attention<D, KV>>& calls) {
   };
   // (a call of more than MAX_ROWS rows, a prefill chain's, is arithmetic: its items one at a time as threads come
   // free, where equal shares of a few uneven items left one thread waiting)
-  if (calls.size() == 1 && !heavy) at::parallel_for(0, first.back(), 1, run);
-  else parallel_chunks(first.back(), calls.size() == 1 || heavy ? 1 : BATCH_CHUNK, run);
+  if (calls.size() == 1 && !any_fused) at::parallel_for(0, first.back(), 1, run);
+  else parallel_chunks(first.back(), calls.size() == 1 || any_fused ? 1 : BATCH_CHUNK, run);
 }
 
-// The blocks' partial results of one attend's calls, in a buffer kept by the calling thread (grown, never shrunk,
-// up to PARTIALS_KEPT bytes; a larger need gets its own, in `own`, freed with it). Why: a prefill chain's calls at 32K
-// need 26 MB each; allocated per call, the memory came back from the kernel zeroed page by page every time (glibc
-// maps blocks that large, or trims them once freed): a 512-token chain over 32K keys took 98 ms, 55 ms from a kept
-// buffer (Zen 5).
-constexpr int64_t PARTIALS_KEPT = int64_t{1} << 28;  // 256 MB: a 32K chain's 155 MB, grown
+// The blocks' partial results of one attend's calls (those of 64 rows or fewer: a fused call keeps none), in a buffer
+// kept by the calling thread (grown, never shrunk, up to PARTIALS_KEPT bytes; a larger need gets its own, in `own`,
+// freed with it). Why: allocated per call, memory that large came back from the kernel zeroed page by page every time
+// (glibc maps such blocks, or trims them once freed): when a prefill chain's calls still kept partial results (26 MB
+// each at 32K), a 512-token chain over 32K keys took 98 ms, 55 ms from a kept buffer (Zen 5). A serving batch of 8
+// calls of 64 rows at 32K needs 52 MB.
+constexpr int64_t PARTIALS_KEPT = int64_t{1} << 28;  // 256 MB
 inline float* partials_buffer(int64_t floats, std::unique_ptr<float[]>& own) {
   thread_local std::unique_ptr<float[]> kept;
   thread_local int64_t kept_floats = 0;
