@@ -130,6 +130,8 @@ def main() -> None:
           f"({busy_b / span:.0%}), {busy_b / max(1, len(batched)) * 1e3:.1f} ms each; solo {len(solo)}, "
           f"{busy_s:.2f} s ({busy_s / span:.0%}); idle {span - busy_b - busy_s:.2f} s "
           f"({(span - busy_b - busy_s) / span:.0%}): host work between forwards")
+    by_size = dict(sorted(collections.Counter(r[3] for r in batched).items()))
+    print(f"tokens per request {counts}; batched forwards by size {by_size}")
     full = [r[1] for r in batched if r[3] == a.requests]
     if full:
         print(f"batched forwards of all {a.requests}: {len(full)}, median {statistics.median(full) * 1e3:.1f} ms")

@@ -134,12 +134,31 @@ def test_gate_runs_a_request_s_forwards_before_its_first_token_ahead_of_prefill_
 
     for due, expected in ((True, ["round"] * 3 + ["chunk"] * 3), (False, ["round", "chunk"] * 3)):
         order.clear()
-        threads = [threading.Thread(target=prefill), threading.Thread(target=first_round, args=(due,))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        _run_together(prefill, lambda: first_round(due))
         assert order == expected, due
+    # but a prompt with at most SHORT_PREFILL tokens left (a question after a cached document) goes first: its own
+    # first round then batches with the due one's
+    tokens_left = batching.SHORT_PREFILL
+
+    def short_prefill():
+        with gate.join():
+            joined.wait()
+            with batching.prefilling(tokens_left):
+                gate.solo(lambda: order.append("short"), tokens_left)
+
+    for tokens_left, expected in ((batching.SHORT_PREFILL, ["short"] + ["round"] * 3),
+                                  (batching.SHORT_PREFILL + 1, ["round"] * 3 + ["short"])):
+        order.clear()
+        _run_together(short_prefill, lambda: first_round(True))
+        assert order == expected, tokens_left
+
+
+def _run_together(*targets) -> None:
+    threads = [threading.Thread(target=t) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
 
 
 def test_each_batched_forward_is_timed_as_its_share_of_the_batch():

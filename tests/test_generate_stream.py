@@ -46,6 +46,41 @@ def test_text_deltas_concatenate_to_the_decoding():
         assert "".join(parts) + d.finish() == tok.decode(ids)
 
 
+def test_text_deltas_decode_a_window_not_the_whole_text():
+    """Each push decodes the tokens since the last complete delta (with those before them as context), so streaming n
+    tokens decodes O(n) ids in all, not O(n^2)."""
+    class Counting(ByteTokenizer):
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.decoded += len(ids)
+            return super().decode(ids, skip_special_tokens)
+
+    tok = Counting()
+    ids = torch.randint(0, 64, (2000,), generator=torch.Generator().manual_seed(3)).tolist()  # ASCII: all complete
+    d = TextDeltas(tok)
+    assert "".join(d.push([t]) for t in ids) + d.finish() == ByteTokenizer().decode(ids)
+    assert Counting.decoded <= 4 * len(ids)
+
+
+class LeadingSpaceTokenizer:
+    """SentencePiece's way: token t is a word "▁w" or a bare suffix; the decoding drops the text's leading space, so
+    a token's text depends on whether it starts the decoded ids."""
+
+    PIECES = ["\u2581the", "\u2581cat", "s", "\u2581sat", ".", "\u2581on", "ing"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids).replace("\u2581", " ").removeprefix(" ")
+
+
+def test_text_deltas_keep_the_spaces_a_leading_space_decoder_drops():
+    tok = LeadingSpaceTokenizer()
+    for seed in range(20):
+        ids = torch.randint(0, 7, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+        d = TextDeltas(tok)
+        assert "".join(d.push([t]) for t in ids) + d.finish() == tok.decode(ids)
+
+
 def test_split_character_is_held_until_complete():
     tok = ByteTokenizer()
     e_lead, e_cont = tok.TABLE.index(0xC3), tok.TABLE.index(0xA9)  # 'é' = C3 A9
@@ -91,3 +126,22 @@ def test_text_deltas_on_a_real_tokenizer_with_multibyte_characters(smollm):
     assert "".join(parts) + d.finish() == tok.decode(ids) == text
     assert all("\ufffd" not in p for p in parts)
     assert any(p == "" for p in parts)  # some character did span several tokens and was held back
+
+
+@pytest.mark.skipif(not embedded_available(), reason="embedded model not installed")
+def test_text_deltas_equal_the_decoding_on_the_real_tokenizer_whatever_the_tokens(smollm):
+    """Any ids of the real vocabulary (special tokens, characters split across tokens and bytes that never form one
+    included), pushed a few at a time as speculation rounds push them: the deltas join to the whole decoding."""
+    from hypothesis import given, strategies as st
+
+    tok, vocab = smollm.tokenizer, smollm.model.cfg.vocab_size
+    multibyte = tok("漢字 😀 é", add_special_tokens=False)["input_ids"]
+    token = st.one_of(st.integers(0, vocab - 1), st.sampled_from(multibyte), st.integers(0, 300))
+
+    @given(st.lists(st.lists(token, min_size=1, max_size=4), max_size=30))
+    def check(rounds):
+        d = TextDeltas(tok)
+        text = "".join(d.push(r) for r in rounds) + d.finish()
+        assert text == tok.decode([t for r in rounds for t in r], skip_special_tokens=True)
+
+    check()

@@ -22,7 +22,13 @@ forwards:
   passed over STARVATION times runs next whatever is left of it, so a long prompt is never starved.
 - the batched forwards of a request whose first token is still to come (`first_token_due`: its prefill is done, its
   first round is not) run before any solo forward, whatever the credit: a round takes a few forwards, and waiting a
-  prefill chunk before each would add seconds to that request's time to first token on a slow machine.
+  prefill chunk before each would add seconds to that request's time to first token on a slow machine. But for a
+  short prefill (at most SHORT_PREFILL tokens left, its cached blocks' restore included: a question after a cached
+  document), which runs first: it costs about what the due round's forward does, and its own first round then joins
+  that round's batch, so requests that arrive together start decoding together and end together, rather than the
+  first one's decode steps running with fewer requests while the others prefill (8 requests at 2K, a cached document,
+  128 tokens each, in process: batches of 6.64 requests on average, 7 prefills between decode steps, against 7.00,
+  the most there, one request having ended at once, and none; benchmarks/batch_profile.py).
 
 The group run is the one with the most waiting forwards (ties: the fewest rows): requests whose drafting forwards
 are done wait at their verification until the others get there, so the top-level verifications of different
@@ -44,6 +50,9 @@ from . import omp_threads
 from . import runner as runners
 
 _local = threading.local()
+# A prompt with at most this many tokens left to prefill (a question after a cached document) runs before the forwards
+# of a request whose first token is due (the module docstring)
+SHORT_PREFILL = 64
 STARVATION = 16  # solo forwards that may run ahead of a waiting one (shorter prefills first) before it runs
 
 
@@ -206,7 +215,8 @@ class ForwardGate:
                 groups.setdefault(w.key, []).append(w)
         due = any(w.first_token_due for g in groups.values() for w in g)
         first = min(solo, key=lambda w: (w.passed < STARVATION, w.prefill_left, w.arrived)) if solo else None
-        if first is not None and not due and (not groups or self._credit >= first.rows):
+        short = first is not None and 0 < first.prefill_left <= SHORT_PREFILL
+        if first is not None and (short or not due and (not groups or self._credit >= first.rows)):
             self._credit = max(0, self._credit - first.rows)
             for w in solo:
                 w.passed += w is not first and w.arrived < first.arrived
@@ -290,6 +300,21 @@ def _shares(chosen: list[_Waiting]) -> list[float]:
     return [(shared / len(chosen) + w.cost[1]) / total for w in chosen]
 
 
+def _layout(model, tokens, block, cache):
+    """runner.batch_layout of a forward that batches with others' (a decode-sized chain, no tree), else None."""
+    return runners.batch_layout(model, tokens.shape[1], cache) if tokens.shape[0] == 1 and block is None else None
+
+
+def _forward_batch(model, calls: list[tuple]) -> list:
+    """runner.forward_batch over calls (tokens, cache, last, argmax) -> each call's logits, or (logits, ids) where it
+    asked for the argmax: every row's in one call."""
+    logits = runners.forward_batch(model, [c[:3] for c in calls])
+    if not any(c[3] for c in calls):
+        return logits
+    ids = torch.cat(logits, dim=1).argmax(-1).split([l.shape[1] for l in logits], dim=1)
+    return [(l, i) if c[3] else l for l, i, c in zip(logits, ids, calls)]
+
+
 class GatedRunner(runners.ModelRunner):
     """The model runner of a serving batch's requests (execution/runner.py): each request thread, once it has joined
     `gate`, runs its forwards through it. A decode-sized chain over a cache with slots waits at the gate and runs
@@ -302,13 +327,30 @@ class GatedRunner(runners.ModelRunner):
     def forward(self, model, tokens, cache, last=None, block=None, hidden=False, layers=None):
         if current() is not self.gate:  # (a thread that is no member, or the gate's own thread: at once)
             return super().forward(model, tokens, cache, last, block, hidden, layers)
+        layout = None if hidden or layers is not None else _layout(model, tokens, block, cache)
+        if layout is None:
+            return self.gate.solo(lambda: model(tokens, cache, last=last, block=block, hidden=hidden, layers=layers),
+                                  tokens.shape[1])
+        return self._batched(model, tokens, cache, last, layout, False)
+
+    def forward_argmax(self, model, tokens, cache, last=None, block=None):
+        """The argmax where the forward runs: a batch's over all its rows in one call on the gate's thread. Why: on
+        each request thread it was one more call under the GIL per request and round (8 requests at 2K, `ar`: the
+        gate's idle time between batched forwards 3.1 -> 2.1 ms a step, benchmarks/serve.py)."""
+        if current() is not self.gate:
+            return super().forward_argmax(model, tokens, cache, last, block)
+        layout = _layout(model, tokens, block, cache)
+        if layout is None:
+            def solo():
+                logits = model(tokens, cache, last=last, block=block)
+                return logits, logits.argmax(-1)
+            return self.gate.solo(solo, tokens.shape[1])
+        return self._batched(model, tokens, cache, last, layout, True)
+
+    def _batched(self, model, tokens, cache, last, layout, argmax: bool):
         T = tokens.shape[1]
-        if (tokens.shape[0] == 1 and block is None and not hidden and layers is None
-                and (layout := runners.batch_layout(model, T, cache)) is not None):
-            return self.gate.batched(model, (tokens, cache, T if last is None else last), T,
-                                     lambda calls: runners.forward_batch(model, calls),
-                                     cost=runners.batch_cost(model, T, layout))
-        return self.gate.solo(lambda: model(tokens, cache, last=last, block=block, hidden=hidden, layers=layers), T)
+        return self.gate.batched(model, (tokens, cache, T if last is None else last, argmax), T,
+                                 lambda calls: _forward_batch(model, calls), cost=runners.batch_cost(model, T, layout))
 
     def catch_up_tokens(self, model, cache) -> int:
         """With other requests on the gate, the most tokens a forward batched with theirs takes; alone on it, 0 (a

@@ -96,6 +96,14 @@ class ModelRunner:
         """model(tokens, cache, ...) (Transformer.forward), run as this runner runs forwards."""
         return model(tokens, cache, last=last, block=block, hidden=hidden, layers=layers)
 
+    def forward_argmax(self, model, tokens: torch.Tensor, cache, last: int | None = None, block=None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(...) and each kept row's argmax (a greedy forward's next tokens) -> (logits [1, last, V], ids
+        [1, last]). Alone, the argmax after the forward; a serving batch's runner takes every request's in one call
+        where the batch ran (GatedRunner)."""
+        logits = self.forward(model, tokens, cache, last=last, block=block)
+        return logits, logits.argmax(-1)
+
     def catch_up_tokens(self, model, cache) -> int:
         """The most tokens a forward of a chain through `cache` may take so that it runs batched with other
         requests' (ModelState._catch_up feeds a longer backlog in forwards of this size); 0: no forward is batched

@@ -64,7 +64,8 @@ class CachedPrefill(PrefilledPrompt):
             # With the cores to itself, between the batch's forwards (runner.exclusive): on the request's thread (one
             # OpenMP thread) it held up the batch anyway, as the gate waits while any member works outside it, and
             # took longer (8 requests at 8K at once on the Zen 3 VM: first tokens after 1.26-1.39 s against 1.49-1.55)
-            self.cache = runner.exclusive(restore)
+            with runner.prefilling(max(1, len(self.head) - n)):  # (the gate's order: a prefill's part; 1: itself)
+                self.cache = runner.exclusive(restore)
             last_q = blocks[-1].q_last if blocks else None  # [n_layers, n_heads, D]
             ids = torch.tensor([self.head], device=model.device)
             for start in range(n, len(self.head), chunk):

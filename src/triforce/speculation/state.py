@@ -139,20 +139,21 @@ class ModelState:
         One forward over the ctx tokens not yet fed plus the draft: a list is a chain, a DraftTree
         is fed as a token block (each node at position len(ctx) + depth, seeing its ancestors) and
         must be followed by keep_path() before the next forward."""
-        logits = self._forward(ctx, committed, draft)
         if self.params.greedy:
-            return Scores(ids=logits.argmax(-1))
-        return Scores(probs=probs_from_logits(logits, self.params))
+            return Scores(ids=self._forward(ctx, committed, draft, argmax=True)[1])
+        return Scores(probs=probs_from_logits(self._forward(ctx, committed, draft)[0], self.params))
 
     @torch.inference_mode()
     def ranked(self, ctx: list[int], committed: int, draft: list[int] | DraftTree) -> torch.Tensor:
         """The same forward as score's -> rows [len(draft) + 1, V] a tree drafter ranks each vertex's children by:
         the fp32 logits when greedy (their top-k), else the distributions score gives (sampled)."""
-        logits = self._forward(ctx, committed, draft)
+        logits = self._forward(ctx, committed, draft)[0]
         return logits if self.params.greedy else probs_from_logits(logits, self.params)
 
-    def _forward(self, ctx: list[int], committed: int, draft: list[int] | DraftTree) -> torch.Tensor:
-        """The forward of score and ranked -> fp32 logits [len(draft) + 1, V]."""
+    def _forward(self, ctx: list[int], committed: int, draft: list[int] | DraftTree, argmax: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of score and ranked -> (fp32 logits [len(draft) + 1, V], their argmax per row [len(draft) +
+        1] with `argmax`, else None)."""
         n = self._sync(ctx, committed)
         pending = ctx[n:]
         tree = draft if isinstance(draft, DraftTree) else None
@@ -167,8 +168,13 @@ class ModelState:
         feed = pending + tokens
         t = time.perf_counter()
         graphs = self.model.graphs
+        ids = None
         if not recording and graphs is not None and graphs.usable(self.cache, block, len(feed)):
             logits = graphs.forward(feed, self.cache, last=len(tokens) + 1)
+        elif argmax and not recording:  # (where the forward runs: a serving batch's, all its requests' at once)
+            out, ids = self.runner.forward_argmax(self.model, torch.tensor([feed], device=self.model.device),
+                                                  self.cache, last=len(tokens) + 1, block=block)
+            logits, ids = out[0], ids[0]
         else:
             out = self.runner.forward(self.model, torch.tensor([feed], device=self.model.device), self.cache,
                                       last=len(tokens) + 1, block=block, hidden=recording, layers=self.feature_layers)
@@ -177,7 +183,9 @@ class ModelState:
                 self._store_features(n, hidden[0])
             logits = out[0]
         self._fed_by_forward(feed, t)
-        return logits
+        if argmax and ids is None:
+            ids = logits.argmax(-1)
+        return logits, ids
 
     def _fed_by_forward(self, tokens: list[int], started: float) -> None:
         """`tokens` were fed by a forward begun at `started` (perf_counter): counted, timed, and now in `fed`."""
