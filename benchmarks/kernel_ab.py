@@ -17,6 +17,8 @@ one you want to keep before changing the source.
         # linear_packed's GMAC/s on one thread (higher is faster here)
     python benchmarks/kernel_ab.py OLD.so NEW.so --what chain --context 32768,8192
         # chain_attention: one layer of a 512-token prefill chunk over that many bf16 keys, ms
+    python benchmarks/kernel_ab.py OLD.so NEW.so --what batch --kv bf16 --context 2176 --requests 8
+        # a serving batch's forward: the embedded model over that many one-row requests, each with its own cache, ms
 """
 from __future__ import annotations
 
@@ -107,6 +109,32 @@ def step_child(ops, args) -> dict:
     return out
 
 
+def batch_child(ops, args) -> dict:
+    """The embedded model's batched forward (runner.forward_batch) of --requests one-row requests, each over its own
+    random cache of --context tokens, kernels from `ops`."""
+    import torch
+
+    from triforce import kernels
+    from decode_step import random_cache
+    from triforce.execution.runner import forward_batch
+    from triforce.loading import load_model
+
+    with kernels.override(ops), torch.inference_mode():
+        torch.manual_seed(0)
+        model = load_model(None, progress=False, kv_dtype=args.kv).model
+        caches = [random_cache(model, args.context, 1) for _ in range(args.requests)]
+        calls = [(torch.full((1, 1), 42 + i), c, 1) for i, c in enumerate(caches)]
+        times = []
+        for rep in range(17):  # (2 untimed)
+            t = time.perf_counter()
+            logits = forward_batch(model, calls)
+            times.append(time.perf_counter() - t)
+            for c in caches:
+                c.rollback(args.context)
+        ms = statistics.median(times[2:]) * 1e3
+    return {f"{args.requests} x 1-row batched forward ms": (ms, digest(torch.cat(logits, dim=1).float()))}
+
+
 def linear_child(ops, args) -> dict:
     """ms of linear_packed per row count over random blocks of `--format` (gguf's quantization of N(0, 0.02) values,
     random K-quant blocks), one matrix per `--shapes` entry, one thread (a kernel's rate, not the machine's)."""
@@ -172,7 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("builds", nargs="+", help="kernel .so files, the first the reference")
-    ap.add_argument("--what", choices=("quant-attention", "step", "linear", "chain"), default="quant-attention")
+    ap.add_argument("--what", choices=("quant-attention", "step", "linear", "chain", "batch"), default="quant-attention")
     ap.add_argument("--rounds", type=int, default=6, help="processes per build (default 6)")
     ap.add_argument("--rows", default="3,15", help="quant-attention: row counts (3: a decode step of 3 query heads per "
                                                  "KV head; 15: a 5-token verification)")
@@ -186,6 +214,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
     ap.add_argument("--kv", default="int8", help="step: the KV dtype")
     ap.add_argument("--verify-tokens", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=8, help="batch: one-row requests in the batched forward")
     ap.add_argument("--format", default="Q4_1", help="linear: the GGML type (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K)")
     ap.add_argument("--shapes", default="3072x576,576x1536",
                     help="linear: N x K matrices (the embedded model's gate/up and down; K-quants need K %% 256 == 0)")
@@ -197,7 +226,7 @@ def main() -> None:
     if args.child:
         ops = load_build(args.builds[0])
         run = {"quant-attention": quant_attention_child, "step": step_child, "linear": linear_child,
-               "chain": chain_child}[args.what]
+               "chain": chain_child, "batch": batch_child}[args.what]
         print(json.dumps(run(ops, args)))
         return
     if missing := [b for b in args.builds if not Path(b).is_file()]:
@@ -206,7 +235,8 @@ def main() -> None:
              "--bits", str(args.bits), "--context", ",".join(map(str, args.contexts)), "--chunk", str(args.chunk),
              "--layers", str(args.layers), "--loops",
              str(args.loops), "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--group", str(args.group),
-             "--kv", args.kv, "--verify-tokens", str(args.verify_tokens), "--format", args.format, "--shapes",
+             "--kv", args.kv, "--verify-tokens", str(args.verify_tokens), "--requests", str(args.requests),
+             "--format", args.format, "--shapes",
              args.shapes]
     results: dict[str, list[dict]] = {b: [] for b in args.builds}
     for r in range(args.rounds):
