@@ -307,12 +307,11 @@ def _layout(model, tokens, block, cache):
 
 def _forward_batch(model, calls: list[tuple]) -> list:
     """runner.forward_batch over calls (tokens, cache, last, argmax) -> each call's logits, or (logits, ids) where it
-    asked for the argmax: every row's in one call."""
-    logits = runners.forward_batch(model, [c[:3] for c in calls])
+    asked for the argmax (every row's in one call, where any asked)."""
     if not any(c[3] for c in calls):
-        return logits
-    ids = torch.cat(logits, dim=1).argmax(-1).split([l.shape[1] for l in logits], dim=1)
-    return [(l, i) if c[3] else l for l, i, c in zip(logits, ids, calls)]
+        return runners.forward_batch(model, [c[:3] for c in calls])
+    out = runners.forward_batch(model, [c[:3] for c in calls], argmax=True)
+    return [pair if c[3] else pair[0] for pair, c in zip(out, calls)]
 
 
 class GatedRunner(runners.ModelRunner):
@@ -340,11 +339,8 @@ class GatedRunner(runners.ModelRunner):
         if current() is not self.gate:
             return super().forward_argmax(model, tokens, cache, last, block)
         layout = _layout(model, tokens, block, cache)
-        if layout is None:
-            def solo():
-                logits = model(tokens, cache, last=last, block=block)
-                return logits, logits.argmax(-1)
-            return self.gate.solo(solo, tokens.shape[1])
+        if layout is None:  # (run on the gate's thread, which is no member: there the plain runner's at once)
+            return self.gate.solo(lambda: self.forward_argmax(model, tokens, cache, last, block), tokens.shape[1])
         return self._batched(model, tokens, cache, last, layout, True)
 
     def _batched(self, model, tokens, cache, last, layout, argmax: bool):

@@ -63,15 +63,16 @@ def batch_tokens(model, cache) -> int:
     return most if most and batch_layout(model, most, cache) is not None else 0
 
 
-def forward_batch(model, calls: list[tuple[torch.Tensor, object, int]]) -> list[torch.Tensor]:
+def forward_batch(model, calls: list[tuple[torch.Tensor, object, int]], argmax: bool = False) -> list:
     """Several sequences' decode-sized chains in one forward of `model`, each over its own cache: calls (tokens
     [1, T], its cache, last) -> each one's fp32 logits [1, last, V], bit for bit what model(tokens, cache,
     last=last) gives it alone: the layers run as one call over every row (FusedDecode.run_batch) and the final norm
     and LM head over the kept rows, PANEL_MAX_ROWS at a time (a row's logits never depend on the rows beside it,
     and a forward alone runs these rows on the same kernels). A call the one call does not take (batch_layout)
-    runs alone."""
+    runs alone. `argmax`: each one's (logits, ids [1, last]) instead, every kept row's argmax in one call."""
     if any(batch_layout(model, t.shape[1], c) is None for t, c, _ in calls):
-        return [model(t, c, last=n) for t, c, n in calls]
+        alone = [model(t, c, last=n) for t, c, n in calls]
+        return [(l, l.argmax(-1)) for l in alone] if argmax else alone
     items = []
     for tokens, cache, _ in calls:
         T = tokens.shape[1]
@@ -84,7 +85,10 @@ def forward_batch(model, calls: list[tuple[torch.Tensor, object, int]]) -> list[
     kept = torch.cat([x[:, -n:] for x, (_, _, n) in zip(xs, calls)], dim=1)
     logits = torch.cat([model._logits(kept[:, r:r + PANEL_MAX_ROWS])
                         for r in range(0, kept.shape[1], PANEL_MAX_ROWS)], dim=1)
-    return list(logits.split([n for _, _, n in calls], dim=1))
+    sizes = [n for _, _, n in calls]
+    if argmax:
+        return list(zip(logits.split(sizes, dim=1), logits.argmax(-1).split(sizes, dim=1)))
+    return list(logits.split(sizes, dim=1))
 
 
 class ModelRunner:

@@ -36,11 +36,9 @@
 #include <cpuid.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
-#include <numeric>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -2213,44 +2211,35 @@ bool amx_attention() { return amx_usable(); }
 
 // The arithmetic peak of this build's vector units on all threads, in FLOP/s: W-lane FMAs (2 FLOPs per lane) or, with
 // dot, AVX512-BF16's vdpbf16ps (4 per fp32 lane: two products, two sums); 0 for dot where the build has no
-// AVX512-BF16. Twelve independent chains per thread (more than latency x issue rate, 4 x 2, on the CPUs we know),
-// operands in registers: what the attention's arithmetic is compared with (bench/decode_step.py). (MKL's sgemm,
-// the figure before, runs AVX2 code on AMD's AVX-512 CPUs: 225 GFLOP/s on Zen 5 against 536 for zmm FMAs.)
+// AVX512-BF16. The peak probes' chains (threads_rate: 12 a thread, more than latency x issue rate, 4 x 2, on the
+// CPUs we know), operands in registers: what the attention's arithmetic is compared with (bench/decode_step.py).
+// (MKL's sgemm, the figure before, runs AVX2 code on AMD's AVX-512 CPUs: 225 GFLOP/s on Zen 5 against 536 for zmm
+// FMAs.)
 double vector_peak_flops(bool dot) {
-  constexpr int CHAINS = 12;
-  constexpr int64_t ITERS = int64_t(1) << 21;  // x 12 x 2 threads: 50 M instructions, about 10 ms
   if (dot && !BF16_DOT) return 0.0;
-  const int64_t threads = at::get_num_threads();
-  std::vector<float> sink(threads, 0.f);
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      float total = 0.f;
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-      if (dot) {
-        __m512 acc[CHAINS];
-        for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_set1_ps(float(c));
-        const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3c00), y = (__m512bh)_mm512_set1_epi16(0x2000);  // tiny
-        for (int64_t i = 0; i < ITERS; ++i)
-          for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, y);
-        for (int c = 0; c < CHAINS; ++c) total += _mm512_reduce_add_ps(acc[c]);
-        sink[t] = total;
-        continue;
-      }
+  if (dot)
+    return threads_rate(double(PEAK_ITERS) * PEAK_CHAINS * W * 4, [] {
+      __m512 acc[PEAK_CHAINS];
+      for (int c = 0; c < PEAK_CHAINS; ++c) acc[c] = _mm512_set1_ps(float(c));
+      const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3c00), y = (__m512bh)_mm512_set1_epi16(0x2000);  // tiny
+      for (int64_t i = 0; i < PEAK_ITERS; ++i)
+        for (int c = 0; c < PEAK_CHAINS; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, y);
+      double total = 0.0;
+      for (int c = 0; c < PEAK_CHAINS; ++c) total += _mm512_reduce_add_ps(acc[c]);
+      return total;
+    });
 #endif
-      Vec acc[CHAINS];
-      for (int c = 0; c < CHAINS; ++c) acc[c] = Vec(float(c));
-      const Vec x(0.999f), y(0.001f);  // a fixed point at 1: no overflow, no denormals
-      for (int64_t i = 0; i < ITERS; ++i)
-        for (int c = 0; c < CHAINS; ++c) acc[c] = fma(acc[c], x, y);
-      for (int c = 0; c < CHAINS; ++c) total += reduce_add(acc[c]);
-      sink[t] = total;
-    }
+  return threads_rate(double(PEAK_ITERS) * PEAK_CHAINS * W * 2, [] {
+    Vec acc[PEAK_CHAINS];
+    for (int c = 0; c < PEAK_CHAINS; ++c) acc[c] = Vec(float(c));
+    const Vec x(0.999f), y(0.001f);  // a fixed point at 1: no overflow, no denormals
+    for (int64_t i = 0; i < PEAK_ITERS; ++i)
+      for (int c = 0; c < PEAK_CHAINS; ++c) acc[c] = fma(acc[c], x, y);
+    double total = 0.0;
+    for (int c = 0; c < PEAK_CHAINS; ++c) total += reduce_add(acc[c]);
+    return total;
   });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  volatile float keep = std::accumulate(sink.begin(), sink.end(), 0.f);
-  (void)keep;
-  return double(threads) * ITERS * CHAINS * W * (dot ? 4 : 2) / seconds;
 }
 int64_t attention_lanes_min_rows(bool bf16_dot) { return lanes_min_rows(bf16_dot); }
 bool attention_exact_rows(int64_t rows) { return exact_rows(rows); }

@@ -16,6 +16,7 @@ using namespace at;  // torch::Tensor, torch::empty, torch::kFloat: the names th
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <vector>
 
 namespace triforce {
@@ -36,6 +37,26 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) fn(c * chunk, std::min(n, (c + 1) * chunk));
   });
+}
+
+// The peak probes (vector_peak_flops, integer_peak_ops): PEAK_CHAINS independent chains of one instruction per thread,
+// PEAK_ITERS instructions each, operands in registers: about 10 ms on 2 threads.
+constexpr int PEAK_CHAINS = 12;
+constexpr int64_t PEAK_ITERS = int64_t(1) << 21;
+// chain() on every thread at once (one probe's chains; it returns a sum of them, kept so that the compiler keeps the
+// chains) -> operations a second over all threads, for `ops` operations per chain() call.
+template <class F>
+double threads_rate(double ops, const F& chain) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> sink(threads, 0.0);
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) sink[t] = chain();
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile double keep = 0.0;
+  for (double v : sink) keep = keep + v;
+  return double(threads) * ops / seconds;
 }
 
 // attention.cpp: softmax(q k^T * scale) v for q [H, R, D] fp32 over k/v [H, S, D] fp32/bf16/fp16 (see there).

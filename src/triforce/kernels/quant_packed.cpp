@@ -24,7 +24,6 @@
 // step's bit for bit.
 #include <ATen/Parallel.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -810,35 +809,23 @@ std::vector<int64_t> packed_many_rows_types() {
 bool packed_prefill() { return VNNI; }
 
 // The peak of the linear layers' arithmetic on all threads: VNNI's vpdpbusd, in operations a second (a byte product
-// and its sum, 2 per product: 4 per lane and instruction, 128 per 16-lane one); 0 where the build has no VNNI. Twelve
-// independent chains per thread, operands in registers, about 10 ms (as vector_peak_flops). A linear layer's weight
-// times an x row takes two byte products (x's xq and xr planes), so its FLOPs, 2 per weight and row, run at most at
-// half this.
+// and its sum, 2 per product: 4 per lane and instruction, 128 per 16-lane one); 0 where the build has no VNNI. The
+// peak probes' chains (threads_rate, as vector_peak_flops). A linear layer's weight times an x row takes two byte
+// products (x's xq and xr planes), so its FLOPs, 2 per weight and row, run at most at half this.
 double integer_peak_ops() {
   if constexpr (!VNNI) {
     return 0.0;
   } else {
-    constexpr int CHAINS = 12;
-    constexpr int64_t ITERS = int64_t(1) << 21;
-    const int64_t threads = at::get_num_threads();
-    std::vector<int32_t> sink(threads, 0);
-    const auto t0 = std::chrono::steady_clock::now();
-    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        IV acc[CHAINS];
-        for (int c = 0; c < CHAINS; ++c) acc[c] = iset(c);
-        const IV u = iset(0x01010101), v = iset(0x01FF01FF);  // products of +1 and -1: sums stay small
-        for (int64_t i = 0; i < ITERS; ++i)
-          for (int c = 0; c < CHAINS; ++c) acc[c] = dot_us(acc[c], u, v);
-        int32_t total = 0;
-        for (int c = 0; c < CHAINS; ++c) total += ireduce(acc[c]);
-        sink[t] = total;
-      }
+    return threads_rate(double(PEAK_ITERS) * PEAK_CHAINS * W * 4 * 2, [] {
+      IV acc[PEAK_CHAINS];
+      for (int c = 0; c < PEAK_CHAINS; ++c) acc[c] = iset(c);
+      const IV u = iset(0x01010101), v = iset(0x01FF01FF);  // products of +1 and -1: sums stay small
+      for (int64_t i = 0; i < PEAK_ITERS; ++i)
+        for (int c = 0; c < PEAK_CHAINS; ++c) acc[c] = dot_us(acc[c], u, v);
+      int32_t total = 0;
+      for (int c = 0; c < PEAK_CHAINS; ++c) total += ireduce(acc[c]);
+      return double(total);
     });
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    volatile int32_t keep = 0;
-    for (int32_t v : sink) keep = keep + v;
-    return double(threads) * ITERS * CHAINS * W * 4 * 2 / seconds;
   }
 }
 
