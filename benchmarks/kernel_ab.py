@@ -15,6 +15,8 @@ one you want to keep before changing the source.
     python benchmarks/kernel_ab.py OLD.so NEW.so --bits 4 --rows 3 --rounds 8
     python benchmarks/kernel_ab.py OLD.so NEW.so --what linear --format Q6_K --shapes 3072x512 --rows 5,64
         # linear_packed's GMAC/s on one thread (higher is faster here)
+    python benchmarks/kernel_ab.py OLD.so NEW.so --what layers --rows 1,5,8,16,48
+        # the embedded model's 121 linear layers, all threads, ms: in turn (weights from DRAM) and each in cache
     python benchmarks/kernel_ab.py OLD.so NEW.so --what chain --context 32768,8192
         # chain_attention: one layer of a 512-token prefill chunk over that many bf16 keys, ms
     python benchmarks/kernel_ab.py OLD.so NEW.so --what batch --kv bf16 --context 2176 --requests 8
@@ -171,6 +173,50 @@ def linear_child(ops, args) -> dict:
     return out
 
 
+def layers_child(ops, args) -> dict:
+    """ms of the embedded model's 121 linear layers (linear_packed, one call each, all threads) at each `--rows`:
+    "from DRAM", every layer in turn as a forward runs them (92 MB of weights: they come from memory), the median of 30
+    passes; "in cache", each layer repeated, the sum of their medians (the arithmetic alone)."""
+    import torch
+
+    from triforce import kernels
+    from triforce.execution.linear import QuantLinear
+    from triforce.loading import load_model
+
+    out = {}
+    with kernels.override(ops), torch.inference_mode():
+        model = load_model(None, progress=False).model
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        weights = [([m._buffers[n] for n in m._names], m.types, m.rows) for m in layers]
+        for rows in args.rows:
+            torch.manual_seed(rows)
+            xs = [torch.randn(rows, m.in_features) for m in layers]
+
+            def run(i):
+                return ops.linear_packed(xs[i], *weights[i])
+            for _ in range(3):
+                ys = [run(i) for i in range(len(layers))]
+            passes = []
+            for _ in range(30):
+                t = time.perf_counter()
+                for i in range(len(layers)):
+                    run(i)
+                passes.append(time.perf_counter() - t)
+            hot = 0.0
+            for i in range(len(layers)):
+                run(i)
+                times = []
+                for _ in range(7):
+                    t = time.perf_counter()
+                    run(i)
+                    times.append(time.perf_counter() - t)
+                hot += statistics.median(times)
+            d = digest(torch.cat([y.flatten() for y in ys]))
+            out[f"{rows} rows, from DRAM: ms"] = (statistics.median(passes) * 1e3, d)
+            out[f"{rows} rows, in cache: ms"] = (hot * 1e3, d)
+    return out
+
+
 def chain_child(ops, args) -> dict:
     """ms of chain_attention for one layer of a `--chunk`-token prefill chunk (the embedded model's 9 query heads over 3
     KV heads of 64) whose last token is key `--context`, over random bf16 K/V, in the calls the model makes
@@ -200,10 +246,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("builds", nargs="+", help="kernel .so files, the first the reference")
-    ap.add_argument("--what", choices=("quant-attention", "step", "linear", "chain", "batch"), default="quant-attention")
+    ap.add_argument("--what", choices=("quant-attention", "step", "linear", "layers", "chain", "batch"),
+                    default="quant-attention")
     ap.add_argument("--rounds", type=int, default=6, help="processes per build (default 6)")
     ap.add_argument("--rows", default="3,15", help="quant-attention: row counts (3: a decode step of 3 query heads per "
-                                                 "KV head; 15: a 5-token verification)")
+                                                 "KV head; 15: a 5-token verification); linear, layers: x rows")
     ap.add_argument("--bits", type=int, choices=(4, 8), default=8, help="quant-attention: the int8 or the 4-bit reading")
     ap.add_argument("--context", default="32768", help="the cached keys (chain: a list, the chunk's last key)")
     ap.add_argument("--chunk", type=int, default=512, help="chain: the prefill chunk's tokens")
@@ -226,7 +273,7 @@ def main() -> None:
     if args.child:
         ops = load_build(args.builds[0])
         run = {"quant-attention": quant_attention_child, "step": step_child, "linear": linear_child,
-               "chain": chain_child, "batch": batch_child}[args.what]
+               "layers": layers_child, "chain": chain_child, "batch": batch_child}[args.what]
         print(json.dumps(run(ops, args)))
         return
     if missing := [b for b in args.builds if not Path(b).is_file()]:
@@ -249,7 +296,8 @@ def main() -> None:
     ref = args.builds[0]
     for key in results[ref][0]:
         base = statistics.median(x[key][0] for x in results[ref])
-        where = {"linear": "one thread", "chain": "all threads"}.get(args.what, f"{args.context} context")
+        where = {"linear": "one thread", "chain": "all threads", "layers": "all threads"}.get(args.what,
+                                                                                          f"{args.context} context")
         print(f"\n{key} ({args.what}, {where}; median, min-max of {args.rounds} processes)")
         for b in args.builds:
             v = [x[key][0] for x in results[b]]

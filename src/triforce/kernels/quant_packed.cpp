@@ -224,6 +224,12 @@ constexpr int tile_rows_last() {
 // thread's groups requested before it starts, took the embedded model's linears from DRAM from 16 to 19.5
 // GB/s on an Intel Xeon (2 cores, 29 GB/s); 2 KB ahead (the distance before) left the loads waiting.
 constexpr int64_t PF_BYTES = 16384;
+// The most x rows whose call splits the groups into one contiguous share per thread (linear_packed). Why: chunks taken
+// as threads come free (a few groups each: 17 KB of a 960 x 576 Q4_1 matrix) began each chunk with its first 16 KB
+// asked for at once and waited for it, so the weights' reads added to the arithmetic instead of running under it. The
+// embedded model's 121 layers from DRAM, 2 threads, Zen 5 (benchmarks/kernel_ab.py --what layers): 5 rows 3.85 ->
+// 2.92 ms, 8 rows 4.77 -> 3.86, 16 rows 8.16 -> 7.24, 48 rows 21.3 -> 20.5; the AVX2 build 0.89-0.95x at 5-16 rows.
+constexpr int64_t STREAM_MAX_ROWS = 64;
 template <int GB>
 constexpr int pf_blocks() {
   return static_cast<int>((PF_BYTES + GB - 1) / GB);
@@ -770,12 +776,13 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
     }
   };
   const int64_t G = gfirst.back();
-  // One row (a decode step) streams the weights from memory: each thread an equal contiguous share, in order.
-  if (M < 4) {
+  // Up to STREAM_MAX_ROWS rows (a decode step, a verification, a serving batch's rows) stream the weights from
+  // memory: each thread an equal contiguous share, in order, so that its prefetches run ahead over the whole share.
+  if (M <= STREAM_MAX_ROWS) {
     at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) { run(0, M, b, e); });
     return y;
   }
-  // From 4 rows the arithmetic is the time: groups in chunks taken as threads come free (parallel_chunks), 8 a
+  // Past that the arithmetic is the time: groups in chunks taken as threads come free (parallel_chunks), 8 a
   // thread, x's rows in slices of about 256 KB of codes, slice by slice. Every group pass reads its rows' codes
   // again: a 512-row prefill chunk's x for the 1536-wide down projection (1.5 MB) came from L3 each time, and
   // the call ran at 364 GFLOP/s on 2 threads against 554 for 192 rows (Zen 5, 576 x 1536 Q4_1).
