@@ -776,18 +776,23 @@ torch::Tensor linear_packed(torch::Tensor x, std::vector<torch::Tensor> parts, s
     }
   };
   const int64_t G = gfirst.back();
+  // x's rows in slices of about 256 KB of codes, slice by slice: every group pass reads its rows' codes again, and a
+  // 512-row prefill chunk's x for the 1536-wide down projection (1.5 MB) came from L3 each time (the call ran at 364
+  // GFLOP/s on 2 threads against 554 for 192 rows; Zen 5, 576 x 1536 Q4_1). K = 576 takes 224 rows a slice, 1,536
+  // 80, 4,096 32: a 48-row call over a 4,096-wide layer (384 KB of codes) walks them in two slices, however the
+  // groups are shared out below.
+  const int64_t slice = std::max<int64_t>(TBMAX, (int64_t{1} << 18) / (2 * K) / TBMAX * TBMAX);
+  const int64_t slices = (M + slice - 1) / slice;
   // Up to STREAM_MAX_ROWS rows (a decode step, a verification, a serving batch's rows) stream the weights from
   // memory: each thread an equal contiguous share, in order, so that its prefetches run ahead over the whole share.
   if (M <= STREAM_MAX_ROWS) {
-    at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) { run(0, M, b, e); });
+    at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) {
+      for (int64_t m0 = 0; m0 < M; m0 += slice) run(m0, std::min(M, m0 + slice), b, e);
+    });
     return y;
   }
   // Past that the arithmetic is the time: groups in chunks taken as threads come free (parallel_chunks), 8 a
-  // thread, x's rows in slices of about 256 KB of codes, slice by slice. Every group pass reads its rows' codes
-  // again: a 512-row prefill chunk's x for the 1536-wide down projection (1.5 MB) came from L3 each time, and
-  // the call ran at 364 GFLOP/s on 2 threads against 554 for 192 rows (Zen 5, 576 x 1536 Q4_1).
-  const int64_t slice = std::max<int64_t>(TBMAX, (int64_t{1} << 18) / (2 * K) / TBMAX * TBMAX);
-  const int64_t slices = (M + slice - 1) / slice;
+  // thread, slice by slice.
   parallel_chunks(slices * G, std::max<int64_t>(1, G / (8 * at::get_num_threads())), [&](int64_t b, int64_t e) {
     while (b < e) {  // (a chunk may span two slices)
       const int64_t s = b / G, g0 = b % G, g1 = std::min(G, g0 + (e - b));
