@@ -213,6 +213,16 @@ constexpr int TBMAX_K = W == 16 ? 4 : 2;
 // Q8_0's 8-row tile ran 20% slower (its 8 code words and offset codes beside 24 accumulators: spilled), so 8-row
 // tiles are for Q4_0 / Q4_1 only.
 constexpr int TB_MANY = W == 16 ? 6 : 3;
+// Two groups' tiles (group_tile's G = 2; KIND 0 formats, AVX-512) from PAIR_ROWS_FROM x rows, PAIR_TB rows a tile (2
+// groups x 3 rows: 12 integer and 6 fp32 accumulators beside the codes within the 32 registers). Zen 5, one core, Q4_1
+// 576 x 1536 and 1536 x 576, 48 rows in cache (a lab copy of the tile): 6.8 G vpdpbusd a second at 3 rows, 6.4 at 2,
+// against 6.0-6.2 for one group at 6 or 8 rows. In the kernel (benchmarks/kernel_ab.py): the embedded model's layers
+// (Q4_1, Q8_0 head) at 8, 16 and 48 rows 0.98 / 0.90 / 0.85x from DRAM and 0.91 / 0.87 / 0.84x in cache; one thread,
+// 8-64 rows, Q8_0 1.33-1.51x the GMAC/s, Q4_0 1.07-1.14x, Q5_1 1.08-1.13x; bit-identical. 4-row tiles spilled (those
+// layers 0.98-1.04x). Below 5 rows the weights' reads bound a call: from DRAM pairs took the layers at 2 and 4 rows
+// 1.06-1.14x longer (two streams of reads against one group's one), at 3 and 5 0.98-0.99x.
+constexpr int64_t PAIR_ROWS_FROM = 5;
+constexpr int PAIR_TB = 3;
 template <class F>
 constexpr int tile_rows_last() {
   if constexpr (F::K) return TBMAX_K;
@@ -235,54 +245,79 @@ constexpr int pf_blocks() {
   return static_cast<int>((PF_BYTES + GB - 1) / GB);
 }
 
-// The W lanes [lane0, lane0 + W) of one group (`g`: its packed bytes, nb blocks) against TB rows of x.
-template <class F, int TB>
-ALWAYS_INLINE void group_tile(const uint8_t* g, int64_t nb, int lane0, const QX* x, float* const* y) {
+// The W lanes [lane0, lane0 + W) of G consecutive groups (`g`: the first one's packed bytes, gbytes apart, nb blocks
+// each) against TB rows of x; group k's outputs at y[t] + P k + lane0. Why G = 2 (AVX-512, PAIR_ROWS_FROM): each x
+// broadcast then feeds two groups' dot products. On Zen 5 a vpbroadcastd from memory costs about what a vpdpbusd does
+// (a loop of 12 independent vpdpbusd ran 8.1 G a second on one core, 5.2 with a broadcast each, 6.0 with one per two),
+// so one group's tile, a broadcast per dot product, ran at about 65% of the dot products' rate. Every output lane's
+// arithmetic is the same whatever G or TB: integer block sums, then the block's fp32 operations in block order.
+template <class F, int TB, int G = 1>
+ALWAYS_INLINE void group_tile(const uint8_t* g, int64_t gbytes, int64_t nb, int lane0, const QX* x, float* const* y) {
   constexpr int GB = P * F::BYTES;  // a block of the group
-  Vec acc[TB];
-  for (int t = 0; t < TB; ++t) acc[t] = Vec(0.f);
+  Vec acc[G][TB];
+  for (int k = 0; k < G; ++k)
+    for (int t = 0; t < TB; ++t) acc[k][t] = Vec(0.f);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = g + b * GB;
-    for (int l = 0; l < GB; l += 64) prefetch_l2(blk + pf_blocks<GB>() * GB + l);
-    const uint8_t* codes = blk + P * F::HEAD + 4 * lane0;
-    IV qh = izero();  // (Q5: the fifth bits, then the codes)
-    if constexpr (F::HIGH) {
-      qh = iload(codes);
-      codes += 4 * P;
+    const uint8_t* blk[G];
+    const uint8_t* codes[G];
+    IV qh[G];  // (Q5: the fifth bits, then the codes)
+    for (int k = 0; k < G; ++k) {
+      blk[k] = g + k * gbytes + b * GB;
+      for (int l = 0; l < GB; l += 64) prefetch_l2(blk[k] + pf_blocks<GB>() * GB + l);
+      codes[k] = blk[k] + P * F::HEAD + 4 * lane0;
+      qh[k] = izero();
+      if constexpr (F::HIGH) {
+        qh[k] = iload(codes[k]);
+        codes[k] += 4 * P;
+      }
     }
-    IV hi[TB], lo[TB];  // sum q xq and sum q xr of the block, per lane
-    for (int t = 0; t < TB; ++t) hi[t] = lo[t] = izero();
+    IV hi[G][TB], lo[G][TB];  // sum q xq and sum q xr of the block, per lane
+    for (int k = 0; k < G; ++k)
+      for (int t = 0; t < TB; ++t) hi[k][t] = lo[k][t] = izero();
     for (int j = 0; j < F::WORDS; ++j) {
-      const IV v = iload(codes + 4 * P * j);
+      IV v[G];
+      for (int k = 0; k < G; ++k) v[k] = iload(codes[k] + 4 * P * j);
       if constexpr (F::FOUR) {
-        IV a = low_nibbles(v), c = high_nibbles(v);
-        if constexpr (F::HIGH) {  // codes 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3 (5 bits: pairs within 2 * 31 * 128)
-          a = ior(a, fifth_bits(qh, 4 * j));
-          c = ior(c, fifth_bits(qh, 16 + 4 * j));
+        IV a[G], c[G];
+        for (int k = 0; k < G; ++k) {
+          a[k] = low_nibbles(v[k]), c[k] = high_nibbles(v[k]);
+          if constexpr (F::HIGH) {  // codes 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3 (5 bits: pairs within 2 * 31 * 128)
+            a[k] = ior(a[k], fifth_bits(qh[k], 4 * j));
+            c[k] = ior(c[k], fifth_bits(qh[k], 16 + 4 * j));
+          }
         }
         for (int t = 0; t < TB; ++t) {
           const int8_t* xq = x[t].q(b) + 4 * j;
           const int8_t* xr = x[t].r(b) + 4 * j;
-          hi[t] = dot_us2(hi[t], a, bcast4(xq), c, bcast4(xq + 16));
-          lo[t] = dot_us2(lo[t], a, bcast4(xr), c, bcast4(xr + 16));
+          const IV q0 = bcast4(xq), q1 = bcast4(xq + 16), r0 = bcast4(xr), r1 = bcast4(xr + 16);
+          for (int k = 0; k < G; ++k) {
+            hi[k][t] = dot_us2(hi[k][t], a[k], q0, c[k], q1);
+            lo[k][t] = dot_us2(lo[k][t], a[k], r0, c[k], r1);
+          }
         }
       } else {
         for (int t = 0; t < TB; ++t) {
-          hi[t] = q8_dot(hi[t], v, bcast4(x[t].q(b) + 4 * j));
-          lo[t] = q8_dot(lo[t], v, bcast4(x[t].r(b) + 4 * j));
+          const IV q0 = bcast4(x[t].q(b) + 4 * j), r0 = bcast4(x[t].r(b) + 4 * j);
+          for (int k = 0; k < G; ++k) {
+            hi[k][t] = q8_dot(hi[k][t], v[k], q0);
+            lo[k][t] = q8_dot(lo[k][t], v[k], r0);
+          }
         }
       }
     }
-    const Vec d = half16(blk + 2 * lane0);
-    for (int t = 0; t < TB; ++t) {
-      IV s = shl8_add(hi[t], lo[t]);  // sum q X, exact
-      if constexpr (F::OFFSET != 0) s = isub(s, iset(F::OFFSET * x[t].isum(b)));
-      if constexpr (!F::FOUR && Q8_OFFSET) s = isub(s, iset(128 * x[t].isum(b)));
-      acc[t] = fma(tof(s), d * Vec(x[t].scale(b)), acc[t]);
-      if constexpr (F::MIN) acc[t] = fma(half16(blk + 2 * P + 2 * lane0), Vec(x[t].fsum(b)), acc[t]);
+    for (int k = 0; k < G; ++k) {
+      const Vec d = half16(blk[k] + 2 * lane0);
+      for (int t = 0; t < TB; ++t) {
+        IV s = shl8_add(hi[k][t], lo[k][t]);  // sum q X, exact
+        if constexpr (F::OFFSET != 0) s = isub(s, iset(F::OFFSET * x[t].isum(b)));
+        if constexpr (!F::FOUR && Q8_OFFSET) s = isub(s, iset(128 * x[t].isum(b)));
+        acc[k][t] = fma(tof(s), d * Vec(x[t].scale(b)), acc[k][t]);
+        if constexpr (F::MIN) acc[k][t] = fma(half16(blk[k] + 2 * P + 2 * lane0), Vec(x[t].fsum(b)), acc[k][t]);
+      }
     }
   }
-  for (int t = 0; t < TB; ++t) acc[t].store(y[t] + lane0);
+  for (int k = 0; k < G; ++k)
+    for (int t = 0; t < TB; ++t) acc[k][t].store(y[t] + P * k + lane0);
 }
 
 // sc_s and m_s of Q4_K's sub-block s, per lane, from the rows' 3 scale words (ggml's get_scale_min_k4)
@@ -415,7 +450,7 @@ ALWAYS_INLINE void tile(const uint8_t* g, int64_t nb, int lane0, const QX* x, fl
   } else if constexpr (F::KIND == 1) {
     if constexpr (TB <= TBMAX_K) group_tile_k<F, TB>(g, nb, lane0, x, y);
   } else {
-    group_tile<F, TB>(g, nb, lane0, x, y);
+    group_tile<F, TB>(g, 0, nb, lane0, x, y);
   }
 }
 
@@ -430,6 +465,21 @@ void groups(const uint8_t* w, int64_t nb, int64_t N, int64_t g0, int64_t g1, con
   for (int64_t l = 0; l < std::min<int64_t>(PF_BYTES, (g1 - g0) * gbytes); l += 64) prefetch_l2(start + l);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = w + g * gbytes;
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (F::KIND == 0) {
+      if (M >= PAIR_ROWS_FROM && g + 2 <= g1 && (g + 2) * P <= N) {  // two whole groups at once
+        for (int64_t m0 = 0, tb; m0 < M; m0 += tb) {
+          tb = M - m0 == 4 ? 2 : std::min<int64_t>(M - m0, PAIR_TB);  // (4 rows as 2 + 2: a 4-row tile spilled)
+          float* out[PAIR_TB];
+          for (int t = 0; t < tb; ++t) out[t] = y + (m0 + t) * ldy + g * P;
+          if (tb == 3) group_tile<F, 3, 2>(gp, gbytes, nb, 0, x + m0, out);
+          else group_tile<F, 2, 2>(gp, gbytes, nb, 0, x + m0, out);  // (from 5 rows a tile has 2 or 3)
+        }
+        ++g;  // (and the loop's own step: past both)
+        continue;
+      }
+    }
+#endif
     const int64_t valid = std::min<int64_t>(P, N - g * P);
     for (int64_t m0 = 0, tb; m0 < M; m0 += tb) {
       tb = M - m0 <= last ? M - m0 : most;
