@@ -217,7 +217,7 @@ constexpr int TB_MANY = W == 16 ? 6 : 3;
 // groups x 3 rows: 12 integer and 6 fp32 accumulators beside the codes within the 32 registers). Zen 5, one core, Q4_1
 // 576 x 1536 and 1536 x 576, 48 rows in cache (a lab copy of the tile): 6.8 G vpdpbusd a second at 3 rows, 6.4 at 2,
 // against 6.0-6.2 for one group at 6 or 8 rows. In the kernel (benchmarks/kernel_ab.py): the embedded model's layers
-// (Q4_1, Q8_0 head) at 8, 16 and 48 rows 0.98 / 0.90 / 0.85x from DRAM and 0.91 / 0.87 / 0.84x in cache; one thread,
+// (Q4_1, Q8_0 head) at 8, 16 and 48 rows 0.98-1.01 / 0.90 / 0.84x from DRAM, 0.92 / 0.86 / 0.84x in cache; one thread,
 // 8-64 rows, Q8_0 1.33-1.51x the GMAC/s, Q4_0 1.07-1.14x, Q5_1 1.08-1.13x; bit-identical. 4-row tiles spilled (those
 // layers 0.98-1.04x). Below 5 rows the weights' reads bound a call: from DRAM pairs took the layers at 2 and 4 rows
 // 1.06-1.14x longer (two streams of reads against one group's one), at 3 and 5 0.98-0.99x.
