@@ -120,7 +120,7 @@ def llama_cpp(rel: str, n_ctx: int, machine: str) -> list[str]:
 B = "docs/benchmarks/"
 # (the row, its results file, the context, the machine kind it was measured on)
 ROWS = (
-    (adaptive, B + "2026-11-30-zen5-adaptive-8k-256/results.json", 8192, ZEN5),
+    (adaptive, B + "2026-12-01-zen5-adaptive-8k-256/results.json", 8192, ZEN5),
     (adaptive, B + "2026-12-01-zen5-adaptive-32k-256/results.json", 32000, ZEN5),
     (fixed, B + "2026-12-01-zen5-adaptive-32k-256/results.json", 32000, ZEN5),
     (llama_cpp, B + "2026-11-26-zen5-llamacpp-8k-32k/results.json", 32000, ZEN5),
