@@ -220,7 +220,8 @@ constexpr int TB_MANY = W == 16 ? 6 : 3;
 // (Q4_1, Q8_0 head) at 8, 16 and 48 rows 0.98-1.01 / 0.90 / 0.84x from DRAM, 0.92 / 0.86 / 0.84x in cache; one thread,
 // 8-64 rows, Q8_0 1.33-1.51x the GMAC/s, Q4_0 1.07-1.14x, Q5_1 1.08-1.13x; bit-identical. 4-row tiles spilled (those
 // layers 0.98-1.04x). Below 5 rows the weights' reads bound a call: from DRAM pairs took the layers at 2 and 4 rows
-// 1.06-1.14x longer (two streams of reads against one group's one), at 3 and 5 0.98-0.99x.
+// 1.06-1.14x longer (two streams of reads against one group's one), at 3 and 5 0.98-0.99x. Zen 4 and Intel's AVX-512
+// CPUs take the same tiles, not measured there (the outputs are the same bits either way).
 constexpr int64_t PAIR_ROWS_FROM = 5;
 constexpr int PAIR_TB = 3;
 template <class F>
