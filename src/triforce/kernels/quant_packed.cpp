@@ -224,6 +224,8 @@ constexpr int TB_MANY = W == 16 ? 6 : 3;
 // CPUs take the same tiles, not measured there (the outputs are the same bits either way).
 constexpr int64_t PAIR_ROWS_FROM = 5;
 constexpr int PAIR_TB = 3;
+// (groups() cuts M rows into tiles of 3, and 4 as 2 + 2, so every tile has 2 or 3 rows: from 1 row it would not)
+static_assert(PAIR_ROWS_FROM >= 2 && PAIR_TB == 3, "groups(): a pair tile of 1 row or of more than 3");
 template <class F>
 constexpr int tile_rows_last() {
   if constexpr (F::K) return TBMAX_K;
