@@ -126,14 +126,19 @@ constexpr int keys_per_tile() {
   return W == 16 ? (NVG == 1 ? 16 : NVG == 2 ? 12 : NVG == 3 ? 8 : 6) : (NVG == 1 ? 12 : 5);
 }
 
-// The next block's K and V, into L2 a few cache lines at a time over the whole of this block's work item, at the
-// pace of its arithmetic. The loops step it by their vector instructions (FMAs, dot products; an exp as 16), and
+// The next block's K and V, a few cache lines at a time over the whole of this block's work item, at the pace of
+// its arithmetic. The loops step it by their vector instructions (FMAs, dot products; an exp as 16), and
 // the work item paces it by their total, so the lines go out at an even rate: asked for in one phase of the item,
 // they queued behind each other, stalled that phase's own loads (a burst of 32 prefetches per tile of 16 keys took
 // the bf16 dot-product scores from 20 to 31 cycles per key) and left the rest of the item with no reads in flight.
 // Zen 5, 32K, 30 layers x 3 KV heads, bf16 K/V, 15 rows (a 5-token verification) on dot products: 26.3 -> 24 ms
 // with K and V over the whole item instead of K over the scores and V over p v. The per-row path (decode) keeps
 // the latter: its scores and p v are each as long, and one stream over both made fp16 decode steps 2-6% slower.
+// The hint is T0 (L1 and L2), though a block's lines run 64 KB ahead of their use: against T1 (L2 only), alternated
+// in one process on Zen 5, 32K, 30 layers x 3 KV heads, the bf16 decode step's attention took 0.93-0.96x the time
+// and a 5-token verification's 0.93-0.95x when the memory read fast (70-79 GB/s), 0.97-1.00x when it read slow
+// (46-48 GB/s); the AVX2 build's step, memory slow, 0.90-0.94x (fp16) and 0.91-1.00x (bf16). The linear layers' prefetches, 16 KB
+// ahead, measured the same either way and stay T1.
 struct Prefetch {
   const char* a = nullptr;  // the K lines left, then the V lines
   const char* a_end = nullptr;
@@ -154,10 +159,10 @@ struct Prefetch {
     owed += rate * static_cast<uint64_t>(units);
     for (; owed >= (uint64_t(1) << 32); owed -= uint64_t(1) << 32) {
       if (a < a_end) {
-        prefetch_l2(a);
+        prefetch_l1(a);
         a += 64;
       } else if (b < b_end) {
-        prefetch_l2(b);
+        prefetch_l1(b);
         b += 64;
       } else {
         owed = 0;
@@ -166,8 +171,8 @@ struct Prefetch {
     }
   }
   void finish() {
-    for (; a < a_end; a += 64) prefetch_l2(a);
-    for (; b < b_end; b += 64) prefetch_l2(b);
+    for (; a < a_end; a += 64) prefetch_l1(a);
+    for (; b < b_end; b += 64) prefetch_l1(b);
   }
 };
 

@@ -328,5 +328,6 @@ inline void store(const Vec& v, float* p, int64_t count) {
 }
 
 inline void prefetch_l2(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+inline void prefetch_l1(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
 }  // namespace triforce
