@@ -110,7 +110,10 @@ def variant(isa: str, optional: bool = True):
     if key in _state:
         return _state[key]
     try:
-        module = builder.build_and_load(f"triforce_cpu_{isa}" + ("" if optional else "_plain"), [_HERE / s for s in _SOURCES],
+        # (TRIFORCE_KERNEL_NAME_SUFFIX: a lab build under a name of its own, so that benchmarks/inprocess_ab.py can
+        # load it beside another build in one process)
+        name = f"triforce_cpu_{isa}" + ("" if optional else "_plain") + os.environ.get("TRIFORCE_KERNEL_NAME_SUFFIX", "")
+        module = builder.build_and_load(name, [_HERE / s for s in _SOURCES],
                                 [_HERE / h for h in _HEADERS],
                                 cflags=_COMMON_CFLAGS + _CFLAGS[isa] + (_optional_cflags(isa) if optional else []),
                                 ldflags=["-fopenmp"])

@@ -134,11 +134,11 @@ constexpr int keys_per_tile() {
 // Zen 5, 32K, 30 layers x 3 KV heads, bf16 K/V, 15 rows (a 5-token verification) on dot products: 26.3 -> 24 ms
 // with K and V over the whole item instead of K over the scores and V over p v. The per-row path (decode) keeps
 // the latter: its scores and p v are each as long, and one stream over both made fp16 decode steps 2-6% slower.
-// The hint is T0 (L1 and L2), though a block's lines run 64 KB ahead of their use: against T1 (L2 only), alternated
-// in one process on Zen 5, 32K, 30 layers x 3 KV heads, the bf16 decode step's attention took 0.93-0.96x the time
-// and a 5-token verification's 0.93-0.95x when the memory read fast (70-79 GB/s), 0.97-1.00x when it read slow
-// (46-48 GB/s); the AVX2 build's step, memory slow, 0.90-0.94x (fp16) and 0.91-1.00x (bf16). The linear layers' prefetches, 16 KB
-// ahead, measured the same either way and stay T1.
+// The hint is T0 (L1 and L2), though a block's lines run 64 KB ahead of their use. Against T1 (L2 only), the
+// embedded model at 32K on Zen 5, alternated in one process (benchmarks/inprocess_ab.py): the bf16 decode step
+// 0.95-0.96x when the memory reads fast (72-76 GB/s), 0.99-1.00x when slow (45-48 GB/s); a 5-token verification
+// 0.98-1.01x; the AVX2 build's step 0.90-0.99x (fp16 K/V) and 0.98x (bf16), its verification 0.97-1.00x. The
+// linear layers' prefetches, 16 KB ahead, measured the same either way and stay T1.
 struct Prefetch {
   const char* a = nullptr;  // the K lines left, then the V lines
   const char* a_end = nullptr;
