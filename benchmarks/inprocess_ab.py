@@ -22,41 +22,14 @@ The memory's read rate (a sum over 1 GiB, PyTorch's) is printed before and after
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
-import re
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-
-def load(path: Path, scratch: Path):
-    """The kernel module in `path`, from a copy under `scratch` (a build's cache directory may be replaced)."""
-    data = path.read_bytes()
-    found = re.search(rb"PyInit_([A-Za-z0-9_]+)", data)
-    if found is None:
-        sys.exit(f"inprocess_ab: {path} is not a Python extension module")
-    name = found.group(1).decode()
-    if name in sys.modules:
-        sys.exit(f"inprocess_ab: two builds are named {name}: build each with its own TRIFORCE_KERNEL_NAME_SUFFIX")
-    copy = scratch / f"{name}.so"
-    copy.write_bytes(data)
-    loader = importlib.machinery.ExtensionFileLoader(name, str(copy))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, copy, loader=loader))
-    loader.exec_module(module)
-    sys.modules[name] = module
-    return module
-
-
-def read_rate() -> float:
-    """GB/s of PyTorch's sum over 1 GiB (the best of 3)."""
-    x = torch.ones(256 * 1024 * 1024)
-    best = min(_timed(x.sum) for _ in range(3))
-    return x.numel() * 4 / best / 1e9
+from kernel_ab import load_build
+from triforce.bench.hardware import measure_bandwidth
 
 
 def _timed(fn) -> float:
@@ -94,7 +67,6 @@ def attention_runs(mods, args) -> dict:
 def model_runs(mods, args) -> dict:
     """Seconds of the embedded model's 1-token and --verify-tokens forwards over a random cache, per build and
     repetition (kernels.override)."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from decode_step import random_cache
 
     from triforce import kernels
@@ -130,11 +102,10 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as scratch:
-        mods = [load(path, Path(scratch)) for path in args.builds]
-        before = read_rate()
-        times = (attention_runs if args.what == "attention" else model_runs)(mods, args)
-        after = read_rate()
+    mods = [load_build(str(path)) for path in args.builds]
+    before = measure_bandwidth(repeats=3) / 1e9
+    times = (attention_runs if args.what == "attention" else model_runs)(mods, args)
+    after = measure_bandwidth(repeats=3) / 1e9
     print(f"memory read rate {before:.1f} GB/s before, {after:.1f} after; {args.reps} repetitions, "
           f"{torch.get_num_threads()} threads, context {args.context}, {args.kv} K/V")
     for figure, per_build in times.items():

@@ -51,7 +51,8 @@ def load_build(path: str):
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     if Path(module.__file__).resolve() != Path(path).resolve():
-        raise SystemExit(f"kernel_ab: {path} came back as {module.__file__}: one build per process")
+        raise SystemExit(f"kernel_ab: {path} came back as {module.__file__}: one build of a module name per "
+                         "process (a lab build takes a name of its own with TRIFORCE_KERNEL_NAME_SUFFIX)")
     return module
 
 
