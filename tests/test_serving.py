@@ -510,3 +510,47 @@ def test_embedded_model_greedy_text_equals_generate_with_a_cached_prefix():
         ref = generate(loaded.model, ids, 16, stack=stack, config=config, eos_ids=loaded.eos_token_ids, tokenizer=tok)
         # what `triforce generate --chat --prompt-file F --max-new-tokens 16` prints
         assert answer.choices[0].message.content == ref.text and ref.text.strip()
+
+
+def test_events_posted_from_many_threads_reach_their_queues_in_order_with_fewer_wake_ups_than_events():
+    """app._Mailbox: the engine's request threads post their events to the event loop's queues; every event arrives,
+    each queue's in the order it was posted, and the loop is woken once for all the events posted before it ran."""
+    import asyncio
+
+    from triforce.serving.app import _Mailbox
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        mailbox, queues = _Mailbox(loop), [asyncio.Queue() for _ in range(4)]
+        wake_ups = 0
+        flush = mailbox._flush
+
+        def counted():
+            nonlocal wake_ups
+            wake_ups += 1
+            flush()
+
+        mailbox._flush = counted
+        start = threading.Barrier(len(queues))
+
+        def post(i):
+            start.wait()
+            for n in range(200):
+                mailbox.post(queues[i], n)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(len(queues))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # (blocking the loop: every post comes before it runs)
+        got = [[await q.get() for _ in range(200)] for q in queues]
+        assert got == [list(range(200))] * len(queues) and all(q.empty() for q in queues)
+        assert wake_ups == 1
+        mailbox.post(queues[0], "after")  # and a post after that flush wakes it again
+        assert await queues[0].get() == "after" and wake_ups == 2
+        loop_closed = asyncio.new_event_loop()
+        loop_closed.close()
+        with pytest.raises(RuntimeError):
+            _Mailbox(loop_closed).post(queues[0], 0)
+
+    asyncio.run(main())
