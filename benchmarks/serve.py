@@ -623,7 +623,9 @@ def _counts(text: str, what: str, of: str, example: str) -> list[int]:
 
 class StepBound:
     """What one batched `ar` step of N requests must cost on this machine, from the model's sizes and this machine's
-    measured bandwidth and vector peak (measured at each prompt length, before its servers start):
+    measured bandwidth and vector peak (the peak at each prompt length, before its servers start; the bandwidth
+    then and again just before each load: this host's memory changes speed between minutes, 40-50 GB/s and 70-80,
+    and a load's own minute is the one its steps ran in):
     - bytes: every linear layer's weights once (as stored: runner.weight_bytes) and each request's K/V once, at
       the load's mean length (its prompt and half its answer), over the read bandwidth (bench/hardware.py);
     - FLOPs: N rows through the linear layers (2 per weight) and each row's attention over its K/V (4 per key and
@@ -650,10 +652,16 @@ class StepBound:
     def measure(self) -> dict:
         """This minute's bandwidth and peak (the machine's figures move between runs: both are recorded)."""
         from decode_step import arithmetic_peaks
-        from triforce.bench.hardware import measure_bandwidth
 
         peak = arithmetic_peaks(self.ops)["fma"]
-        return {"bandwidth_gb_s": round(measure_bandwidth() / 1e9, 1), "fma_peak_gflop_s": round(peak / 1e9, 1)}
+        return {"bandwidth_gb_s": self.bandwidth(), "fma_peak_gflop_s": round(peak / 1e9, 1)}
+
+    @staticmethod
+    def bandwidth() -> float:
+        """This minute's read bandwidth, GB/s (a quarter of a second)."""
+        from triforce.bench.hardware import measure_bandwidth
+
+        return round(measure_bandwidth() / 1e9, 1)
 
     def at(self, n: int, tokens: float, hw: dict) -> dict:
         step_bytes = self.weight_bytes + n * self.kv_token_bytes * tokens
@@ -784,10 +792,14 @@ def peer_compare(args) -> int:
                         if cold["vllm" if side == "vllm" else "triforce"]["error"]:
                             continue
                         quiet_s = wait_until_quiet()
+                        bandwidth = bound.bandwidth()  # (the load's own minute: StepBound)
                         run = asyncio.run(_load_guarded(urls[side], prompts[:c], args.max_tokens, args.deadline,
                                                         models[side], args.temperature, stacks[side]))
                         stats = _side_stats(run)
                         rows[side][c].append({**stats, "waited_for_quiet_s": round(quiet_s, 1),
+                                              "bandwidth_gb_s": bandwidth,
+                                              "bound": bound.at(c, length + args.max_tokens / 2,
+                                                                {**hw, "bandwidth_gb_s": bandwidth}),
                                               "texts": [r["text"] for r in run["results"]],
                                               "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
                                                             "tokens": r["tokens"], "server": r.get("server")}
@@ -830,11 +842,14 @@ def peer_compare(args) -> int:
               "any request was decoding; per request: the mean of each request's own rate.", "",
               f"Bound: one batched `ar` step of N requests reads the weights once ({bound.weight_bytes / 1e6:.0f} MB) "
               f"and each request's K/V ({bound.kv_token_bytes / 1e3:.1f} KB per token, {kv_dtype}) at prompt + "
-              f"{args.max_tokens // 2} tokens, over the read bandwidth measured before that length's servers "
-              "started (bytes); the roofline takes the slower of that and the step's FLOPs over the FMA peak on "
+              f"{args.max_tokens // 2} tokens, over the read bandwidth measured just before that load (bytes: "
+              "this host's memory changes speed between minutes); the roofline takes the slower of that and the step's FLOPs over the FMA peak on "
               "every core (benchmarks/serve.py, StepBound). Speculation may pass it.", "", *table, ""]
         for r in results:
-            md.append(f"- {r['prompt_tokens']} tokens: bandwidth {r['hardware']['bandwidth_gb_s']} GB/s, FMA peak "
+            loads = sorted(s["bandwidth_gb_s"] for side in sides for runs in r["runs"][side].values() for s in runs)
+            md.append(f"- {r['prompt_tokens']} tokens: bandwidth {r['hardware']['bandwidth_gb_s']} GB/s before the "
+                      f"servers started, {f'{loads[0]}-{loads[-1]}' if loads else 'no'} GB/s before the loads; FMA "
+                      f"peak "
                       f"{r['hardware']['fma_peak_gflop_s']} GFLOP/s; cold prefill of the document: " + "; ".join(
                           f"{name} {c['ttft_s']} s {c['error'] or ''}".strip() for name, c in r["cold_prefill"].items()))
         md += ["", *(f"{name} settings: `" + json.dumps(s) + "`" for name, s in settings.items())]
@@ -870,9 +885,9 @@ def _sweep_table(results: list[dict], sides: list[str], counts: list[int]) -> li
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for c in counts:
-            b = r["bound"][str(c)]
             for side in sides:
                 for s in r["runs"][side][str(c)]:
+                    b = s.get("bound", r["bound"][str(c)])  # (each load's own minute; older results: the length's)
                     agg = s["decode_tokens_per_s"]
                     table.append(f"| {r['prompt_tokens']} | {c} | {side} | {agg:.1f} | "
                                  f"{s['per_request_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} s | "
