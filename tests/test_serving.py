@@ -204,7 +204,8 @@ def test_bad_requests_get_400_naming_the_field(tiny):
                  ({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": "hi", "max_tokens": 10 ** 6}, "max_tokens"),
                  ({"prompt": "hi", "temperature": "hot"}, "temperature"), ({"prompt": "hi", "top_p": 2}, "top_p"),
                  ({"prompt": "hi", "stop": 5}, "stop"), ({"prompt": ["a", "b"]}, "prompt"), ({}, "prompt"),
-                 ({"prompt": [1, 10 ** 6]}, "prompt"), ({"prompt": "hi", "stream_options": {"include_usage": True}},
+                 ({"prompt": [1, 10 ** 6]}, "prompt"), ({"prompt": [-1, 2]}, "prompt"),
+                 ({"prompt": "hi", "stream_options": {"include_usage": True}},
                                                          "stream_options")]
         for body, param in cases:
             status, err = post(body)

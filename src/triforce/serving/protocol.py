@@ -179,8 +179,9 @@ def completion_prompt(prompt, tokenizer) -> list[int]:
             raise BadRequest("'prompt' is empty", "prompt")
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(not 0 <= t < len(tokenizer) for t in prompt):
-            raise BadRequest(f"'prompt' holds token ids outside the vocabulary [0, {len(tokenizer)})", "prompt")
+        vocab = len(tokenizer)  # (once: a fast tokenizer counts its vocabulary at each len, 1 us: 8 ms an 8K prompt)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise BadRequest(f"'prompt' holds token ids outside the vocabulary [0, {vocab})", "prompt")
         return list(prompt)
     if prompt is None:
         raise BadRequest("'prompt' is required", "prompt")
