@@ -1,6 +1,9 @@
 """The serve bench's load against two commits' servers at once: `triforce serve` of a base commit (a temporary git
 worktree, as prefill_verify_ab.py) and of this checkout, both up, the same load sent to each in turn, the order
-swapped every round, so that the host's minute-to-minute memory speed falls on both sides alike.
+swapped every round, so that the host's minute-to-minute memory speed falls on both sides alike; both servers
+started afresh every --restart-every rounds (default every round), because two server processes of the same code
+differ by a few percent for as long as they run (an A/A run on one pair: 1.033x by the mean of 8 rounds, 7 of them
+above 1; where their memory landed, huge pages or not), which one pair of servers would count as the change's.
 
     python benchmarks/serve_ab.py ee0cdfc --prompt-tokens 2048 --clients 8 --method ar --rounds 8
 
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="ar", help="both servers' --method (default ar)")
     ap.add_argument("--genre", default="dialogue", choices=sorted(QUESTIONS), help="the document's genre")
     ap.add_argument("--rounds", type=int, default=8, help="alternations (default 8)")
+    ap.add_argument("--restart-every", type=int, default=1,
+                    help="start both servers afresh every this many rounds (default 1: a new pair each round)")
     ap.add_argument("--out", type=Path, help="write every run as JSON here")
     args = ap.parse_args(argv)
     args.batch_compare = args.clients  # (serve._prompts' count)
@@ -61,13 +66,23 @@ def main(argv=None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="triforce-serve-ab-"))
     common = ["--method", args.method, "--max-batch", str(args.clients), "--prefix-cache-bytes", "2G"]
     servers, runs = {}, {"base": [], "new": []}
+    trees = {"base": base, "new": ROOT}
+
+    def start(side: str) -> ServerProcess:
+        server = ServerProcess(common, logs / f"{side}.log", env=dict(os.environ, PYTHONPATH=str(trees[side] / "src")))
+        asyncio.run(_single(server.url, doc + [doc[0]], 4, 600.0))  # (caches the document)
+        asyncio.run(_load_once(server.url, prompts, 2, 600.0))  # (the load's buffers touched once, untimed)
+        return server
+
     try:
-        for side, src in (("base", base), ("new", ROOT)):
-            env = dict(os.environ, PYTHONPATH=str(src / "src"))
-            servers[side] = ServerProcess(common, logs / f"{side}.log", env=env)
-            asyncio.run(_single(servers[side].url, doc + [doc[0]], 4, 600.0))  # (caches the document)
         for r in range(args.rounds):
-            for side in ("base", "new") if r % 2 == 0 else ("new", "base"):
+            order = ("base", "new") if r % 2 == 0 else ("new", "base")
+            if r % args.restart_every == 0:
+                for side in list(servers):
+                    servers.pop(side).stop()
+                for side in order:
+                    servers[side] = start(side)
+            for side in order:
                 wait_until_quiet()
                 run = summary(asyncio.run(_load_once(servers[side].url, prompts, args.max_tokens, 600.0)))
                 runs[side].append(run)

@@ -40,7 +40,7 @@ def reference_walk(tree: DraftTree, p: list[int]) -> tuple[list[int], int]:
 @given(tree_and_argmax())
 def test_greedy_tree_verification_walks_the_argmax(case):
     tree, p = case
-    path, nxt = verify_tree(tree, None, Scores(ids=p), None)
+    path, nxt = verify_tree(tree, None, Scores(ids=torch.tensor(p)), None)
     vertex = 0
     for node in path:
         parent = tree.parents[node]
@@ -57,6 +57,6 @@ def test_greedy_tree_verification_walks_the_argmax(case):
 @given(st.lists(st.integers(0, VOCAB - 1), max_size=10), st.data())
 def test_greedy_chain_accepts_the_longest_matching_prefix(draft, data):
     p = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(draft) + 1, max_size=len(draft) + 1))
-    path, nxt = verify_tree(DraftTree.chain(draft), None, Scores(ids=p), None)
+    path, nxt = verify_tree(DraftTree.chain(draft), None, Scores(ids=torch.tensor(p)), None)
     k = next((i for i, (d, q) in enumerate(zip(draft, p)) if d != q), len(draft))
     assert path == list(range(k)) and nxt == p[k]

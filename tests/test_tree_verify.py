@@ -31,11 +31,11 @@ def test_tree_shape():
 def test_greedy_tree_walks_the_argmax():
     t = DraftTree((1, 2, 3, 4, 5), (-1, -1, 1, 1, 3))
     # argmax after: root 2 (node 1), node 1 -> 4 (node 3), node 3 -> 5 (node 4), node 4 -> 0 (bonus)
-    p = [2, 9, 4, 9, 5, 0]
+    p = torch.tensor([2, 9, 4, 9, 5, 0])
     assert verify_tree(t, None, Scores(ids=p), None) == ([1, 3, 4], 0)
-    p = [2, 9, 1, 9, 5, 0]  # after node 1 the argmax 1 is no child: stop there
+    p = torch.tensor([2, 9, 1, 9, 5, 0])  # after node 1 the argmax 1 is no child: stop there
     assert verify_tree(t, None, Scores(ids=p), None) == ([1], 1)
-    p = [0, 9, 1, 9, 5, 0]
+    p = torch.tensor([0, 9, 1, 9, 5, 0])
     assert verify_tree(t, None, Scores(ids=p), None) == ([], 0)
 
 

@@ -95,12 +95,11 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 class Scores:
     """A model's next-token verdict after the context and after each drafted node: row 0 after the context, row
-    i + 1 after node i. Greedy, `ids` [n + 1]: each row's argmax as Python ints (a one-hot distribution is its
-    argmax, so greedy verification compares ids; read as ints where the forward ran: ModelRunner.forward_argmax).
-    Sampling, `probs` [n + 1, V]: fp32 distributions after temperature, top-k and top-p. Exactly one of the two is
-    set."""
+    i + 1 after node i. Greedy, `ids` [n + 1]: each row's argmax (a one-hot distribution is its argmax, so greedy
+    verification compares ids). Sampling, `probs` [n + 1, V]: fp32 distributions after temperature, top-k and
+    top-p. Exactly one of the two is set."""
 
-    def __init__(self, ids: list[int] | None = None, probs: torch.Tensor | None = None):
+    def __init__(self, ids: torch.Tensor | None = None, probs: torch.Tensor | None = None):
         assert (ids is None) != (probs is None)
         self.ids, self.probs = ids, probs
 
@@ -108,8 +107,16 @@ class Scores:
     def greedy(self) -> bool:
         return self.ids is not None
 
+    @property
+    def device(self) -> torch.device:
+        return (self.ids if self.probs is None else self.probs).device
+
     def __len__(self) -> int:
         return len(self.ids if self.probs is None else self.probs)
+
+    def __getitem__(self, rows) -> Scores:
+        """These rows (an index list, a slice)."""
+        return Scores(ids=self.ids[rows]) if self.probs is None else Scores(probs=self.probs[rows])
 
     def token(self, row: int, generator: torch.Generator | None) -> int:
         """The next token after `row`: its argmax when greedy, else a sample of its distribution."""

@@ -10,7 +10,6 @@ server's gate. What a model state asks of a runner beyond the forward (`catch_up
 the plain answer (no catch-up, the wall clock, the forward's time, run it now, nothing)."""
 from __future__ import annotations
 
-import itertools
 import time
 import weakref
 from contextlib import contextmanager
@@ -70,11 +69,10 @@ def forward_batch(model, calls: list[tuple[torch.Tensor, object, int]], argmax: 
     last=last) gives it alone: the layers run as one call over every row (FusedDecode.run_batch) and the final norm
     and LM head over the kept rows, PANEL_MAX_ROWS at a time (a row's logits never depend on the rows beside it,
     and a forward alone runs these rows on the same kernels). A call the one call does not take (batch_layout)
-    runs alone. `argmax`: each one's (logits, ids) instead, ids its kept rows' argmax as Python ints, every kept
-    row's in one call (ModelRunner.forward_argmax)."""
+    runs alone. `argmax`: each one's (logits, ids [1, last]) instead, every kept row's argmax in one call."""
     if any(batch_layout(model, t.shape[1], c) is None for t, c, _ in calls):
         alone = [model(t, c, last=n) for t, c, n in calls]
-        return [(l, l[0].argmax(-1).tolist()) for l in alone] if argmax else alone
+        return [(l, l.argmax(-1)) for l in alone] if argmax else alone
     items = []
     for tokens, cache, _ in calls:
         T = tokens.shape[1]
@@ -89,8 +87,7 @@ def forward_batch(model, calls: list[tuple[torch.Tensor, object, int]], argmax: 
                         for r in range(0, kept.shape[1], PANEL_MAX_ROWS)], dim=1)
     sizes = [n for _, _, n in calls]
     if argmax:
-        ids, ends = logits[0].argmax(-1).tolist(), itertools.accumulate(sizes)
-        return [(l, ids[end - n:end]) for l, n, end in zip(logits.split(sizes, dim=1), sizes, ends)]
+        return list(zip(logits.split(sizes, dim=1), logits.argmax(-1).split(sizes, dim=1)))
     return list(logits.split(sizes, dim=1))
 
 
@@ -104,15 +101,12 @@ class ModelRunner:
         return model(tokens, cache, last=last, block=block, hidden=hidden, layers=layers)
 
     def forward_argmax(self, model, tokens: torch.Tensor, cache, last: int | None = None, block=None
-                       ) -> tuple[torch.Tensor, list[int]]:
-        """forward(...) and each kept row's argmax (a greedy forward's next tokens) -> (logits [1, last, V], ids: last
-        Python ints). Alone, the argmax after the forward; a serving batch's runner takes every request's in one
-        call where the batch ran (GatedRunner), read there as ints, so that the request's thread needs no tensor
-        call to read its next token. Why: each tensor call on a request thread lets the GIL go, and in a server the
-        event loop and the other requests' threads take it in turn (cProfile of one request at 2K through the
-        server: a step's torch.tensor of one token took 290 us there against 3 us alone)."""
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(...) and each kept row's argmax (a greedy forward's next tokens) -> (logits [1, last, V], ids
+        [1, last]). Alone, the argmax after the forward; a serving batch's runner takes every request's in one call
+        where the batch ran (GatedRunner)."""
         logits = self.forward(model, tokens, cache, last=last, block=block)
-        return logits, logits[0].argmax(-1).tolist()
+        return logits, logits.argmax(-1)
 
     def catch_up_tokens(self, model, cache) -> int:
         """The most tokens a forward of a chain through `cache` may take so that it runs batched with other

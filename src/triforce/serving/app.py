@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
-import weakref
 from contextlib import asynccontextmanager
 
 import anyio
@@ -64,34 +62,6 @@ class _CountRequests:
         finally:
             path = scope.get("path", "")
             self.metrics.requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()
-
-
-class _Mailbox:
-    """The engine's events to the event loop's queues, from any thread, with one wake-up of the loop for all the
-    events that arrive before it runs. Why: a batched step delivers an event per request, each from its request's
-    thread between two forwards; with a wake-up each (call_soon_threadsafe), the loop took the GIL once per event,
-    in turn with the request threads, whose work the next forward waits for."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, dict]] = []
-
-    def post(self, queue: asyncio.Queue, event: dict) -> None:
-        """queue.put_nowait(event) on the loop, soon; RuntimeError once the loop is closed."""
-        if self.loop.is_closed():
-            raise RuntimeError("the event loop is closed")
-        with self._lock:
-            self._pending.append((queue, event))
-            if len(self._pending) > 1:  # (a wake-up is on its way)
-                return
-        self.loop.call_soon_threadsafe(self._flush)
-
-    def _flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for queue, event in pending:
-            queue.put_nowait(event)
 
 
 class _EventStream(StreamingResponse):
@@ -168,7 +138,6 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
     (page.py; None: no page)."""
     state = {"closing": False}
     max_body = max_body_bytes(max_context)
-    mailboxes = weakref.WeakKeyDictionary()  # event loop -> its _Mailbox (a test client may run the app on several)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -206,12 +175,11 @@ def create_app(engine: Engine, tokenizer, *, model_id: str, max_context: int, de
 
     async def _run(request: Request, req: GenerationRequest):
         loop = asyncio.get_running_loop()
-        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, _Mailbox(loop))
         events: asyncio.Queue = asyncio.Queue()
 
         def deliver(event: dict) -> None:  # on the engine's thread
             try:
-                mailbox.post(events, event)
+                loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
                 job.cancelled.set()
 

@@ -42,7 +42,7 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: Scores,
     every vertex is resolved at once on tensors, the walk from the root along accepted children too,
     and only the vertex where it ends is sampled; the `.tolist()` is the only host synchronisation.
     """
-    n, dev = len(tree), torch.device("cpu") if p.greedy else p.probs.device
+    n, dev = len(tree), p.device
     kids = tree.children
     width = max(1, max(len(c) for c in kids))
     child = torch.full((n + 1, width), -1, dtype=torch.long)
@@ -53,10 +53,9 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: Scores,
     chosen = torch.full((n + 1,), -1, dtype=torch.long, device=dev)
     vertices = torch.arange(n + 1, device=dev)
     if p.greedy:
-        ids = torch.as_tensor(p.ids)
         for b in range(width):  # greedy: the child equal to the argmax; else the argmax itself
             c = child[:, b]
-            chosen = torch.where((c >= 0) & (chosen < 0) & (token[c] == ids), c, chosen)
+            chosen = torch.where((c >= 0) & (chosen < 0) & (token[c] == p.ids), c, chosen)
     else:
         P, Q = p.probs, q
         for b in range(width):
@@ -85,7 +84,7 @@ def verify_tree(tree: DraftTree, q: torch.Tensor | None, p: Scores,
         path[d] = chosen[vertex]
         vertex = torch.where(path[d] >= 0, path[d] + 1, vertex)
     if p.greedy:
-        nxt = ids[vertex]
+        nxt = p.ids[vertex]
     else:  # the residual after the last tried child (none at a leaf: its bonus row)
         one = vertex.view(1)
         row = _residual(P[one], Q[one] if Q is not None else None, one.new_zeros(1), x[one], rejected[one][:, None])

@@ -151,9 +151,9 @@ class ModelState:
         return logits if self.params.greedy else probs_from_logits(logits, self.params)
 
     def _forward(self, ctx: list[int], committed: int, draft: list[int] | DraftTree, argmax: bool = False
-                 ) -> tuple[torch.Tensor, list[int] | None]:
-        """The forward of score and ranked -> (fp32 logits [len(draft) + 1, V], their argmax per row with `argmax`
-        (len(draft) + 1 Python ints), else None)."""
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of score and ranked -> (fp32 logits [len(draft) + 1, V], their argmax per row [len(draft) +
+        1] with `argmax`, else None)."""
         n = self._sync(ctx, committed)
         pending = ctx[n:]
         tree = draft if isinstance(draft, DraftTree) else None
@@ -174,7 +174,7 @@ class ModelState:
         elif argmax and not recording:  # (where the forward runs: a serving batch's, all its requests' at once)
             out, ids = self.runner.forward_argmax(self.model, torch.tensor([feed], device=self.model.device),
                                                   self.cache, last=len(tokens) + 1, block=block)
-            logits = out[0]
+            logits, ids = out[0], ids[0]
         else:
             out = self.runner.forward(self.model, torch.tensor([feed], device=self.model.device), self.cache,
                                       last=len(tokens) + 1, block=block, hidden=recording, layers=self.feature_layers)
@@ -184,7 +184,7 @@ class ModelState:
             logits = out[0]
         self._fed_by_forward(feed, t)
         if argmax and ids is None:
-            ids = logits.argmax(-1).tolist()
+            ids = logits.argmax(-1)
         return logits, ids
 
     def _fed_by_forward(self, tokens: list[int], started: float) -> None:
