@@ -76,6 +76,11 @@ def worktree(commit: str) -> Path:
     return path
 
 
+def remove_worktree(path: Path) -> None:
+    """worktree()'s checkout gone again (whatever state it is in)."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
+
+
 def run_side(src: Path, args) -> dict:
     # the side's package, and this checkout's lab instruments (decode_step.py) that time it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "src"), str(ROOT / "benchmarks")]))
@@ -121,7 +126,7 @@ def main(argv=None) -> None:
                 print(f"round {r + 1} {side:4s} ({run['isa']}, peak {run['peak_gflops']:.0f} GFLOP/s): {shown}",
                       flush=True)
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+        remove_worktree(base)
     print(f"\n{'figure':18s} {'base':>9s} {'new':>9s} {'new/base':>9s}   (medians over {args.rounds} rounds)")
     for key in figures(runs["new"][0]):
         b = statistics.median(figures(x)[key] for x in runs["base"])

@@ -733,6 +733,7 @@ def peer_compare(args) -> int:
     started = time.perf_counter()
     for length in lengths:
         doc, prompts = _prompts(args, tokenizer, n, length)
+        mean_tokens = length + args.max_tokens / 2  # (the bound's K/V: the prompt and half the answer)
         wait_until_quiet()
         hw = bound.measure()
         print(f"{length} tokens: bandwidth {hw['bandwidth_gb_s']} GB/s, FMA peak {hw['fma_peak_gflop_s']} GFLOP/s",
@@ -798,8 +799,7 @@ def peer_compare(args) -> int:
                         stats = _side_stats(run)
                         rows[side][c].append({**stats, "waited_for_quiet_s": round(quiet_s, 1),
                                               "bandwidth_gb_s": bandwidth,
-                                              "bound": bound.at(c, length + args.max_tokens / 2,
-                                                                {**hw, "bandwidth_gb_s": bandwidth}),
+                                              "bound": bound.at(c, mean_tokens, {**hw, "bandwidth_gb_s": bandwidth}),
                                               "texts": [r["text"] for r in run["results"]],
                                               "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
                                                             "tokens": r["tokens"], "server": r.get("server")}
@@ -807,7 +807,6 @@ def peer_compare(args) -> int:
                         print(f"{length} tokens, round {rep + 1}, N={c}, {side}: {stats}", flush=True)
         finally:
             codes = {name: server.stop() for name, server in servers.items()}
-        mean_tokens = length + args.max_tokens / 2
         results.append({"prompt_tokens": length, "hardware": hw, "cold_prefill": cold, "exit_codes": codes,
                         "bound": {str(c): bound.at(c, mean_tokens, hw) for c in counts},
                         "runs": {side: {str(c): rows[side][c] for c in counts} for side in sides},
@@ -849,8 +848,7 @@ def peer_compare(args) -> int:
             loads = sorted(s["bandwidth_gb_s"] for side in sides for runs in r["runs"][side].values() for s in runs)
             md.append(f"- {r['prompt_tokens']} tokens: bandwidth {r['hardware']['bandwidth_gb_s']} GB/s before the "
                       f"servers started, {f'{loads[0]}-{loads[-1]}' if loads else 'no'} GB/s before the loads; FMA "
-                      f"peak "
-                      f"{r['hardware']['fma_peak_gflop_s']} GFLOP/s; cold prefill of the document: " + "; ".join(
+                      f"peak {r['hardware']['fma_peak_gflop_s']} GFLOP/s; cold prefill of the document: " + "; ".join(
                           f"{name} {c['ttft_s']} s {c['error'] or ''}".strip() for name, c in r["cold_prefill"].items()))
         md += ["", *(f"{name} settings: `" + json.dumps(s) + "`" for name, s in settings.items())]
         atomic_write(args.out / "results.md", "\n".join(md) + "\n")
@@ -887,7 +885,7 @@ def _sweep_table(results: list[dict], sides: list[str], counts: list[int]) -> li
         for c in counts:
             for side in sides:
                 for s in r["runs"][side][str(c)]:
-                    b = s.get("bound", r["bound"][str(c)])  # (each load's own minute; older results: the length's)
+                    b = s["bound"]  # (each load's own minute)
                     agg = s["decode_tokens_per_s"]
                     table.append(f"| {r['prompt_tokens']} | {c} | {side} | {agg:.1f} | "
                                  f"{s['per_request_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} s | "

@@ -21,24 +21,19 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from prefill_verify_ab import ROOT, worktree
-from serve import QUESTIONS, _load_once, _prompts, _single, wait_until_quiet
+from prefill_verify_ab import ROOT, remove_worktree, worktree
+from serve import QUESTIONS, _load_once, _prompts, _side_stats, _single, wait_until_quiet
 
 from triforce.serving.harness import ServerProcess
 
 
 def summary(run: dict) -> dict:
-    gaps = [b - a for r in run["results"] for a, b in zip(r["times"], r["times"][1:])]
-    firsts = [r["first_at"] for r in run["results"] if r["first_at"] is not None]
-    return {"decode_tokens_per_s": run["decode_tokens_per_second"],
-            "itl_p50_ms": statistics.median(gaps) * 1e3 if gaps else float("nan"),
-            "ttft_p50_s": statistics.median(firsts) if firsts else float("nan"),
-            "texts": [r["text"] for r in run["results"]], "errors": [r["error"] for r in run["results"] if r["error"]]}
+    """serve.py's figures of the load (_side_stats), and its texts."""
+    return {**_side_stats(run), "texts": [r["text"] for r in run["results"]]}
 
 
 def main(argv=None) -> int:
@@ -91,7 +86,7 @@ def main(argv=None) -> int:
     finally:
         for server in servers.values():
             server.stop()
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+        remove_worktree(base)
     ratios = [n["decode_tokens_per_s"] / b["decode_tokens_per_s"] for b, n in zip(runs["base"], runs["new"])]
     same = all(run["texts"] == runs["base"][0]["texts"] for side in runs.values() for run in side)
     errors = [e for side in runs.values() for run in side for e in run["errors"]]
