@@ -13,6 +13,7 @@ The models have head_dim 64, so that their forwards take the compiled one-call p
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 
@@ -76,26 +77,16 @@ def test_batched_forward_logits_equal_each_requests_forward_alone(model):
 
 
 def _solo_order(prompts: list[tuple[str, int]]) -> list[str]:
-    """Each (name, chunks) a thread that prefills `chunks` 100-token chunks through one gate, the threads' first
+    """Each (name, chunks) a member that prefills `chunks` 100-token chunks through one gate, the members' first
     chunks arriving in list order; -> the names in the order the gate ran their chunks."""
     gate, order = ForwardGate(), []
-    joined = threading.Barrier(len(prompts), timeout=30)
 
-    def prompt(k, name, chunks):
-        with gate.join():
-            joined.wait()
-            wait_until = time.monotonic() + 30
-            while len(gate._waiting) < k and time.monotonic() < wait_until:  # arrive in list order
-                time.sleep(0.001)
-            for i in range(chunks):
-                with batching.prefilling((chunks - i) * 100):
-                    gate.solo(lambda: order.append(name), 100)
+    def prompt(name, chunks):
+        for i in range(chunks):
+            with batching.prefilling((chunks - i) * 100):
+                gate.solo(lambda: order.append(name), 100)
 
-    threads = [threading.Thread(target=prompt, args=(k, *p)) for k, p in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _run_together(gate, *(functools.partial(prompt, *p) for p in prompts))
     return order
 
 
@@ -110,55 +101,42 @@ def test_gate_runs_the_shortest_remaining_prefill_first_without_starving_a_long_
 def test_gate_runs_a_request_s_forwards_before_its_first_token_ahead_of_prefill_chunks():
     """A request past its prefill, before its first token, does not wait a prefill chunk per forward."""
     gate, order = ForwardGate(prefill_budget=100), []
-    joined = threading.Barrier(2, timeout=30)
 
     def prefill():  # arrives first
-        with gate.join():
-            joined.wait()
-            for i in range(3):
-                with batching.prefilling((3 - i) * 100):
-                    gate.solo(lambda: order.append("chunk"), 100)
+        for i in range(3):
+            with batching.prefilling((3 - i) * 100):
+                gate.solo(lambda: order.append("chunk"), 100)
 
     def first_round(due: bool):
-        with gate.join():
-            joined.wait()
-            wait_until = time.monotonic() + 30
-            while not gate._waiting and time.monotonic() < wait_until:
-                time.sleep(0.001)
-            batching.first_token_due(due)
-            try:
-                for _ in range(3):
-                    gate.batched("model", None, 1, lambda runs: [order.append("round")] * len(runs))
-            finally:
-                batching.first_token_due(False)
+        batching.first_token_due(due)
+        try:
+            for _ in range(3):
+                gate.batched("model", None, 1, lambda runs: [order.append("round")] * len(runs))
+        finally:
+            batching.first_token_due(False)
 
     for due, expected in ((True, ["round"] * 3 + ["chunk"] * 3), (False, ["round", "chunk"] * 3)):
         order.clear()
-        _run_together(prefill, lambda: first_round(due))
+        _run_together(gate, prefill, lambda: first_round(due))
         assert order == expected, due
     # but a prompt with at most SHORT_PREFILL tokens left (a question after a cached document) goes first: its own
     # first round then batches with the due one's
     tokens_left = batching.SHORT_PREFILL
 
     def short_prefill():
-        with gate.join():
-            joined.wait()
-            with batching.prefilling(tokens_left):
-                gate.solo(lambda: order.append("short"), tokens_left)
+        with batching.prefilling(tokens_left):
+            gate.solo(lambda: order.append("short"), tokens_left)
 
     for tokens_left, expected in ((batching.SHORT_PREFILL, ["short"] + ["round"] * 3),
                                   (batching.SHORT_PREFILL + 1, ["round"] * 3 + ["short"])):
         order.clear()
-        _run_together(short_prefill, lambda: first_round(True))
+        _run_together(gate, short_prefill, lambda: first_round(True))
         assert order == expected, tokens_left
 
 
-def _run_together(*targets) -> None:
-    threads = [threading.Thread(target=t) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+def _run_together(gate: ForwardGate, *members) -> list:
+    """Each member() started on `gate` together, in order -> their results."""
+    return [f.result(60) for f in gate.submit(*members)]
 
 
 def test_each_batched_forward_is_timed_as_its_share_of_the_batch():
@@ -167,20 +145,13 @@ def test_each_batched_forward_is_timed_as_its_share_of_the_batch():
     batch; forwards without a cost are charged the whole batch, as one alone is."""
 
     def batch_of(costs: list) -> list[float]:
-        gate, seconds = ForwardGate(), [0.0] * len(costs)
-        joined = threading.Barrier(len(costs), timeout=30)
+        gate = ForwardGate()
 
-        def one(i):
-            with gate.join():
-                joined.wait()  # (every thread a member before any waits at the gate: one batch)
-                gate.batched("model", None, 1, lambda runs: (time.sleep(0.2), [None] * len(runs))[1], cost=costs[i])
-                seconds[i] = batching.forward_seconds(time.perf_counter())
+        def one(cost):
+            gate.batched("model", None, 1, lambda runs: (time.sleep(0.2), [None] * len(runs))[1], cost=cost)
+            return batching.forward_seconds(time.perf_counter())
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(costs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        seconds = _run_together(gate, *(functools.partial(one, c) for c in costs))
         assert gate.stats.sizes == {len(costs): 1}
         return seconds
 
@@ -194,87 +165,77 @@ def test_each_batched_forward_is_timed_as_its_share_of_the_batch():
     assert seconds[0] == seconds[1] >= 0.2
 
 
-def test_every_forward_through_a_gate_runs_on_the_gate_s_one_thread():
-    """Solo and batched forwards run on one thread of the gate's, whichever member let them run: OpenMP gives each
-    thread that opens a parallel region a team, and with more teams than cores every region waits for sleeping
-    workers (execution/omp_threads.py)."""
+def test_members_and_every_forward_run_on_the_gate_s_one_thread():
+    """Members (greenlets) and their solo and batched forwards all run on one thread of the gate's, whichever thread
+    started them: OpenMP gives each thread that opens a parallel region a team, and with more teams than cores every
+    region waits for sleeping workers (execution/omp_threads.py)."""
     gate, ran = ForwardGate(), collections.defaultdict(set)
-    members, results = set(), []
-    joined = threading.Barrier(3, timeout=30)
 
     def record(kind):
         ran[kind].add(threading.get_ident())
         return kind
 
     def member():
-        members.add(threading.get_ident())
-        with gate.join():
-            joined.wait()
-            for _ in range(4):
-                results.append(gate.batched("model", None, 1, lambda runs: [record("batched") for _ in runs]))
-                results.append(gate.solo(lambda: record("solo"), 1))
+        record("member")
+        return [x for _ in range(4) for x in (gate.batched("model", None, 1, lambda runs: [record("batched")
+                                                                                         for _ in runs]),
+                                              gate.solo(lambda: record("solo"), 1))]
 
-    threads = [threading.Thread(target=member) for _ in range(3)]
+    starters, results = set(), []
+
+    def start():
+        starters.add(threading.get_ident())
+        results.extend(gate.run(member))
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     assert sorted(results) == ["batched"] * 12 + ["solo"] * 12
-    assert set(ran) == {"batched", "solo"}
+    assert set(ran) == {"member", "batched", "solo"}
     assert len(set().union(*ran.values())) == 1
-    assert not set().union(*ran.values()) & members
+    assert not set().union(*ran.values()) & starters
 
 
-def test_member_threads_keep_to_one_openmp_thread_and_get_their_count_back():
-    """While joined to a gate a thread's own PyTorch work runs on one OpenMP thread (it opens no team of its own);
-    its count comes back when it leaves, and no other thread's count changes (torch.set_num_threads would change
-    the process's)."""
-    from triforce.execution import omp_threads
+def test_a_member_s_error_reaches_its_caller_and_the_gate_goes_on():
+    """A member's exception (its own, or its forward's) is raised to the caller of ForwardGate.run; the other
+    members' forwards still run; a gate with no member lets its thread go after IDLE_SECONDS and starts another."""
+    gate = ForwardGate()
 
-    if omp_threads._runtime() is None:
-        pytest.skip("no OpenMP runtime found in this process: the counts are left alone")
-    gate, seen = ForwardGate(), {}
-    inside, leave = threading.Event(), threading.Event()
+    def failing_forward():
+        gate.batched("model", None, 1, lambda runs: 1 / 0)
 
-    def member():
-        with gate.join():
-            seen["joined"] = torch.get_num_threads()
-            inside.set()
-            leave.wait(30)
-        seen["left"] = torch.get_num_threads()
+    def good():
+        return gate.solo(lambda: "ran", 1)
 
-    suite = torch.get_num_threads()
-    torch.set_num_threads(2)  # (the suite runs on one: conftest.py)
-    try:
-        t = threading.Thread(target=member)
-        t.start()
-        assert inside.wait(30)
-        seen["main meanwhile"] = torch.get_num_threads()
-        leave.set()
-        t.join(30)
-    finally:
-        torch.set_num_threads(suite)
-    assert seen == {"joined": 1, "main meanwhile": 2, "left": 2}
+    with pytest.raises(ZeroDivisionError):
+        gate.run(failing_forward)
+    with pytest.raises(KeyError):
+        gate.run(lambda: {}["missing"])
+    assert gate.run(good) == "ran"
+    with pytest.raises(RuntimeError, match="members only"):
+        gate.solo(lambda: None, 1)  # (not a member)
+    first = gate._thread
+    first.join(batching.IDLE_SECONDS + 5)
+    assert not first.is_alive() and gate._thread is None
+    assert gate.run(good) == "ran" and gate.members == 0
 
 
 def test_a_members_own_clock_counts_its_forwards_shares_and_its_cpu_not_its_waits():
     """batching.own_clock (the adaptive planner's round costs): on a gate, a member's forwards' shares plus its
-    own CPU time; a wait (here a sleep, as for the GIL or the other requests' batch) adds nothing. Off a gate, the
-    wall clock."""
+    own CPU time; a wait (here a sleep, as for the other members' turns) adds nothing. Off a gate, the wall clock."""
     gate, grew = ForwardGate(), {}
 
     def member():
-        with gate.join():
-            t0 = batching.own_clock()
-            time.sleep(0.3)
-            grew["sleep"] = batching.own_clock() - t0
-            t0 = batching.own_clock()
-            gate.solo(lambda: time.sleep(0.2), 1)
-            grew["forward"] = batching.own_clock() - t0
+        t0 = batching.own_clock()
+        time.sleep(0.3)
+        grew["sleep"] = batching.own_clock() - t0
+        t0 = batching.own_clock()
+        gate.solo(lambda: time.sleep(0.2), 1)
+        grew["forward"] = batching.own_clock() - t0
 
-    t = threading.Thread(target=member)
-    t.start()
-    t.join(30)
+    gate.run(member)
     assert grew["sleep"] < 0.05
     assert grew["forward"] >= 0.2
     t0 = batching.own_clock()
@@ -282,10 +243,10 @@ def test_a_members_own_clock_counts_its_forwards_shares_and_its_cpu_not_its_wait
     assert batching.own_clock() - t0 >= 0.1
 
 
-def test_exclusive_work_of_a_member_runs_on_the_gate_s_thread_and_counts_in_its_own_clock():
-    """batching.exclusive (a retrieval level's build): on a gate, fn runs on the gate's thread while every member
-    waits, like a solo forward of no tokens, and its time is the member's own (own_clock); it is no forward, so
-    the next forward_seconds is not given its time. Off a gate, fn runs on the calling thread."""
+def test_exclusive_work_of_a_member_runs_between_batches_and_counts_in_its_own_clock():
+    """batching.exclusive (a retrieval level's build): on a gate, fn runs in the gate's turn, like a solo forward
+    of no tokens, and its time is the member's own (own_clock); it is no forward, so the next forward_seconds is
+    not given its time. Off a gate, fn runs at once."""
     gate, seen = ForwardGate(), {}
 
     def work():
@@ -294,19 +255,14 @@ def test_exclusive_work_of_a_member_runs_on_the_gate_s_thread_and_counts_in_its_
         return "built"
 
     def member():
-        seen["member"] = threading.get_ident()
-        with gate.join():
-            t0 = batching.own_clock()
-            seen["result"] = batching.exclusive(work)
-            seen["own"] = batching.own_clock() - t0
-            started = time.perf_counter()
-            seen["after"] = batching.forward_seconds(started)
+        t0 = batching.own_clock()
+        seen["result"] = batching.exclusive(work)
+        seen["own"] = batching.own_clock() - t0
+        started = time.perf_counter()
+        seen["after"] = batching.forward_seconds(started)
 
-    t = threading.Thread(target=member)
-    t.start()
-    t.join(30)
+    gate.run(member)
     assert seen["result"] == "built"
-    assert seen["member"] not in seen["ran on"]  # the gate's thread
     assert seen["own"] >= 0.2
     assert seen["after"] < 0.1
     assert gate.stats.solo == 1 and gate.stats.batches == 0
@@ -359,27 +315,10 @@ def test_a_level_that_sat_out_catches_up_in_forwards_that_batch(model):
 
 
 def _together(run, jobs: list, gate: ForwardGate) -> list:
-    """run(job, runner) for every job at once, each on a thread of its own that joined `gate`, its forwards run by
-    the gate's runner (as the server's engine runs them) -> their results in order."""
-    out = [None] * len(jobs)
+    """run(job, runner) for every job at once, each a member of `gate`, its forwards run by the gate's runner (as the
+    server's engine runs them) -> their results in order."""
     runner = GatedRunner(gate)
-    errors = []
-
-    def one(i, job):
-        try:
-            with gate.join():
-                out[i] = run(job, runner)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(i, j)) for i, j in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    if errors:
-        raise errors[0]
-    return out
+    return [f.result(300) for f in gate.submit(*(functools.partial(run, j, runner) for j in jobs))]
 
 
 def test_greedy_generations_batched_together_equal_each_alone(model):

@@ -1,11 +1,11 @@
-"""Forwards of several sequences batched into one: the gate that a serving batch's request threads pass their model
-forwards through (serving/engine.py).
+"""Forwards of several sequences batched into one: the gate that a serving batch's requests pass their model forwards
+through (serving/engine.py).
 
-Each request runs its own generation (its own speculation stack, caches, acceptance and sampling) on a thread of its
-own that has `join`ed the gate, its model states running their forwards through the gate's runner (GatedRunner, the
-execution/runner.ModelRunner of a request in the batch). Every model forward of such a thread waits at the gate
-instead of running. When no member thread is running (each waits at the gate, or has left), the gate runs the waiting
-forwards:
+Each request runs its own generation (its own speculation stack, caches, acceptance and sampling) as a member of
+the gate: a greenlet on the gate's one thread (`ForwardGate.run`), its model states running their forwards through
+the gate's runner (GatedRunner, the execution/runner.ModelRunner of a request in the batch). Every model forward of
+a member switches back to the gate instead of running. The gate resumes each member in turn until it waits at its
+next forward or ends; when every member waits, it runs the waiting forwards, and resumes their members:
 
 - decode-sized chains over a cache with slots (decode steps, verifications, drafting levels' forwards: what the one
   call through every layer takes, FusedDecode.layout) of one model's weights run as one forward
@@ -34,81 +34,132 @@ The group run is the one with the most waiting forwards (ties: the fewest rows):
 are done wait at their verification until the others get there, so the top-level verifications of different
 requests batch together (MagicDec's setting), and drafting levels over the same weights batch with each other.
 
+Why members are greenlets on one thread, not threads: between two batched forwards each request does a little host
+work (its acceptance, its sampling, its stream's next event). With a thread per request, the gate woke every
+thread after each forward, and each took the gate's lock and the GIL in turn: 8 requests at 2K (`ar`, through the
+server) left the gate idle 1.8-3.6 ms between forwards of 16.5-17.9 ms, of which the requests' own Python was about
+0.8 ms. On one thread the members run one after the other with nothing handed over, and every forward and every
+member's tensor work runs on the gate's one OpenMP team (execution/omp_threads.py: a second team slows each forward
+by a third). A member must not block (a lock held for long, a sleep, a wait for another member): the whole batch
+would wait with it; the engine does its waiting (for a prefix another request is prefilling) before `run`.
+
 Which forwards share a batch changes only how fast they run, never what they compute: the output of each request is
-exactly its output alone. A thread that has not joined a gate runs its forwards directly (`current()` is None)."""
+exactly its output alone. Code that is no member of a gate runs its forwards directly (`current()` is None)."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import greenlet
 import torch
 
-from . import omp_threads
 from . import runner as runners
 
-_local = threading.local()
 # A prompt with at most this many tokens left to prefill (a question after a cached document) runs before the forwards
 # of a request whose first token is due (the module docstring)
 SHORT_PREFILL = 64
 STARVATION = 16  # solo forwards that may run ahead of a waiting one (shorter prefills first) before it runs
+IDLE_SECONDS = 2.0  # a gate's thread with no member for this long ends (a later member starts a new one)
+
+
+class _Alone(threading.local):
+    """What `prefilling` and the clocks keep for code that is no member of a gate (a thread's own)."""
+    prefill_left = 0
+    first_token_due = False
+    seconds = None
+
+
+_alone = _Alone()
+
+
+class _Member(greenlet.greenlet):
+    """A member of a gate: fn() run as a greenlet on the gate's thread (ForwardGate.run), with what the module's
+    functions keep for it."""
+
+    def __init__(self, gate: ForwardGate, fn, done: concurrent.futures.Future):
+        super().__init__(self._body)
+        self.gate, self.fn, self.done = gate, fn, done
+        self.prefill_left = 0  # `prefilling`
+        self.first_token_due = False  # `first_token_due`
+        self.seconds = None  # its last forward's share of its batch (forward_seconds)
+        self.forwards = 0.0  # its forwards' shares, summed (own_clock)
+        self.cpu = 0.0  # the gate thread's CPU time while it ran, before its current turn (own_clock)
+        self.resumed = 0.0  # time.thread_time() when its current turn began
+
+    def _body(self):
+        try:
+            result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - the caller of ForwardGate.run raises it
+            self.done.set_exception(e)
+        else:
+            self.done.set_result(result)
+
+
+def _state():
+    """The calling member's state, or (no member) the calling thread's."""
+    g = greenlet.getcurrent()
+    return g if isinstance(g, _Member) else _alone
 
 
 def current() -> ForwardGate | None:
-    """The gate this thread's forwards go through, or None (run them directly)."""
-    return getattr(_local, "gate", None)
+    """The gate the calling code's forwards go through (it is a member of it), or None (run them directly)."""
+    g = greenlet.getcurrent()
+    return g.gate if isinstance(g, _Member) else None
 
 
 @contextmanager
 def prefilling(tokens_left: int):
-    """This thread's forwards in the block are a prefill chunk of a prompt that has `tokens_left` tokens left to
+    """The caller's forwards in the block are a prefill chunk of a prompt that has `tokens_left` tokens left to
     prefill, this chunk's included (the gate's order among solo forwards)."""
-    _local.prefill_left = tokens_left
+    state = _state()
+    state.prefill_left = tokens_left
     try:
         yield
     finally:
-        _local.prefill_left = 0
+        state.prefill_left = 0
 
 
 def first_token_due(due: bool) -> None:
-    """Mark this thread's next forwards as those of a request whose first token is still to come (or no longer)."""
-    _local.first_token_due = due
+    """Mark the caller's next forwards as those of a request whose first token is still to come (or no longer)."""
+    _state().first_token_due = due
 
 
 def forward_seconds(started: float) -> float:
-    """The time of this thread's last forward, begun at `started` (perf_counter): through a gate, its share of the
+    """The time of the caller's last forward, begun at `started` (perf_counter): through a gate, its share of the
     time its batch ran (`ForwardGate.batched`'s cost; not the wait for the other requests); else the time since
     `started`."""
-    seconds = getattr(_local, "seconds", None)
-    _local.seconds = None
+    state = _state()
+    seconds, state.seconds = state.seconds, None
     return time.perf_counter() - started if seconds is None else seconds
 
 
 def own_clock() -> float:
-    """A clock of this thread's own time, in seconds: a span of its work costs the clock's growth over it (the
+    """A clock of the caller's own time, in seconds: a span of its work costs the clock's growth over it (the
     adaptive planner's round costs, a rebuild's cost). Off a gate, the wall clock. On one, its forwards' times
-    (forward_seconds: a batched forward's share of its batch, a solo forward's whole time) plus the CPU time the
-    thread spent itself (time.thread_time: its forwards run on the gate's thread). Why not the wall clock less the
-    waits at the gate: between forwards a request thread also waits for the GIL while the other requests run their
-    Python, and each round charged that would carry every request's host work, N times over in a batch of N: a
-    plain step's host work came out at 3-6 ms against about 1.5 of its own."""
-    if current() is None:
+    (forward_seconds: a batched forward's share of its batch, a solo forward's whole time) plus the CPU time of its
+    own turns on the gate's thread. Why not the wall clock less the waits at the gate: between its forwards a
+    member also waits while the other members take their turns (and for the GIL), and each round charged that
+    would carry every request's host work, N times over in a batch of N."""
+    g = greenlet.getcurrent()
+    if not isinstance(g, _Member):
         return time.perf_counter()
-    return getattr(_local, "forwards", 0.0) + time.thread_time()
+    return g.forwards + g.cpu + (time.thread_time() - g.resumed)
 
 
 def exclusive(fn):
-    """fn() -> its result, run by this thread alone or, on a gate, as a solo forward of no tokens: on the gate's
-    thread, with the cores to itself, between batches (a retrieval level's build). Why: tensor work run on a request
-    thread beside the gate's forwards shares the two cores with them, and both slow down: an 8K retrieval build took
-    45 ms alone and 270-580 ms (wall clock) on its request's thread with 8 requests at once; 26-69 ms through here."""
+    """fn() -> its result, run by the caller or, on a gate, as a solo forward of no tokens: between batches, in the
+    gate's turn order (a retrieval level's build). Why: tensor work beside the gate's forwards would share the cores
+    with them, and both slow down: an 8K retrieval build took 45 ms alone and 270-580 ms (wall clock) on its
+    request's thread with 8 requests at once, when requests ran on threads of their own; 26-69 ms through here."""
     gate = current()
     if gate is None:
         return fn()
     result = gate.solo(fn, 0)
-    _local.seconds = None  # (its time is in own_clock; it is no forward of forward_seconds)
+    _state().seconds = None  # (its time is in own_clock; it is no forward of forward_seconds)
     return result
 
 
@@ -118,7 +169,7 @@ class _Waiting:
     rows: int
     run: object  # solo: () -> result; batched: the arguments for `batch`
     batch: object = None  # callable(list of run) -> list of results, for batched forwards
-    done: bool = False
+    member: _Member | None = None  # the member waiting for it
     result: object = None
     error: BaseException | None = None
     seconds: float = 0.0
@@ -143,42 +194,45 @@ class GateStats:
 class ForwardGate:
     def __init__(self, prefill_budget: int = 512):
         self.prefill_budget = prefill_budget
-        self._cv = threading.Condition()
-        self._running = 0  # member threads not waiting at the gate
-        self._members = 0
+        self._cv = threading.Condition()  # guards _arriving and _thread (the rest is the gate thread's alone)
+        self._arriving: list[tuple[object, concurrent.futures.Future]] = []  # members to start
+        self._thread: threading.Thread | None = None  # the gate's thread (_loop), while it has work
+        self._ready: collections.deque[_Member] = collections.deque()  # members to resume, in turn
         self._waiting: list[_Waiting] = []
-        self._executing = False
+        self._members = 0
         self._credit = 0  # solo tokens the batched forwards have earned (see the module docstring)
         self._arrivals = 0
         self.stats = GateStats()
         self.on_batch = None  # called with (forwards, rows) after each batched forward (the server's metrics)
-        self._forwards = None  # the one thread that runs every forward of the gate (_run_forwards)
 
-    @contextmanager
-    def join(self):
-        """This thread's forwards go through the gate until the block ends."""
-        assert current() is None, "a thread joins one gate once"
+    # ---- any thread -------------------------------------------------------------------------
+
+    def submit(self, *fns) -> list[concurrent.futures.Future]:
+        """Start each fn() as a member of the gate (all of them before the gate's next forward) -> a future of each
+        one's result."""
+        futures = [concurrent.futures.Future() for _ in fns]
         with self._cv:
-            self._members += 1
-            self._running += 1
-        _local.gate = self
-        try:
-            with omp_threads.one_thread():  # (its forwards run on the gate's thread: see _run_forwards)
-                yield self
-        finally:
-            _local.gate = None
-            with self._cv:
-                self._members -= 1
-                self._running -= 1
-                self._drain()
+            self._arriving.extend(zip(fns, futures))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="triforce-forwards", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return futures
+
+    def run(self, fn):
+        """fn() as a member of the gate -> its result (or its exception), once it has ended."""
+        return self.submit(fn)[0].result()
 
     @property
     def members(self) -> int:
+        """The members running now (their forwards can batch together)."""
         return self._members
+
+    # ---- a member ---------------------------------------------------------------------------
 
     def solo(self, fn, rows: int):
         """Run fn() (a forward that is not batched) when the gate's turn comes -> its result."""
-        return self._wait(_Waiting(None, rows, fn, prefill_left=getattr(_local, "prefill_left", 0)))
+        return self._wait(_Waiting(None, rows, fn, prefill_left=_state().prefill_left))
 
     def batched(self, key, args, rows: int, batch, cost: tuple[float, float] | None = None):
         """Run `args` in one call batch([args, ...]) with the other waiting forwards of the same key -> its result.
@@ -189,23 +243,71 @@ class ForwardGate:
         batch, a 1-token step would cost it as much as a 6-token verification beside others' verifications, so
         every request would verify the longest drafts whatever they yield. Without a cost (or where a forward of
         the batch has none): the whole batch's time."""
-        return self._wait(_Waiting(key, rows, args, batch, first_token_due=getattr(_local, "first_token_due", False),
-                                   cost=cost))
+        return self._wait(_Waiting(key, rows, args, batch, first_token_due=_state().first_token_due, cost=cost))
 
     def _wait(self, w: _Waiting):
-        with self._cv:
-            self._arrivals += 1
-            w.arrived = self._arrivals
-            self._waiting.append(w)
-            self._running -= 1
-            self._drain()
-            while not w.done:
-                self._cv.wait()
-        _local.seconds = w.seconds
-        _local.forwards = getattr(_local, "forwards", 0.0) + w.seconds  # (own_clock)
+        member = greenlet.getcurrent()
+        if not isinstance(member, _Member) or member.gate is not self:
+            raise RuntimeError("a gate's forwards are waited for by its members only (ForwardGate.run)")
+        self._arrivals += 1
+        w.arrived, w.member = self._arrivals, member
+        self._waiting.append(w)
+        member.parent.switch()  # (back to the gate's loop, which resumes this member once the forward has run)
+        member.seconds = w.seconds
+        member.forwards += w.seconds
         if w.error is not None:
             raise w.error
         return w.result
+
+    # ---- the gate's thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """Start arriving members, resume each ready one until it waits or ends, run the chosen forwards, again."""
+        try:
+            with torch.inference_mode():  # (every member's work is: the mode is the thread's, kept for its life)
+                while self._next_arrivals():
+                    while self._ready:
+                        self._resume(self._ready.popleft())
+                    if self._waiting:
+                        chosen = self._choose()
+                        for w in chosen:
+                            self._waiting.remove(w)
+                        self._execute(chosen)
+                        self._ready.extend(w.member for w in chosen)
+        except BaseException as e:  # noqa: BLE001 - a bug in the gate: no member may wait for ever
+            with self._cv:
+                self._thread = None
+                arriving, self._arriving = self._arriving, []
+            for done in [f for _, f in arriving] + [m.done for m in self._ready] + [w.member.done for w in
+                                                                                     self._waiting]:
+                if not done.done():
+                    done.set_exception(e)
+            self._ready.clear()
+            self._waiting.clear()
+            self._members = 0
+            raise
+
+    def _next_arrivals(self) -> bool:
+        """Take the members that arrived into the ready ones (waiting for one while there is nothing else to do);
+        -> False when the thread is to end (no member for IDLE_SECONDS)."""
+        with self._cv:
+            while not self._arriving and not self._members:
+                if not self._cv.wait(IDLE_SECONDS) and not self._arriving:
+                    self._thread = None
+                    return False
+            arriving, self._arriving = self._arriving, []
+        for fn, done in arriving:
+            if done.set_running_or_notify_cancel():
+                self._members += 1
+                self._ready.append(_Member(self, fn, done))
+        return True
+
+    def _resume(self, member: _Member) -> None:
+        member.resumed = time.thread_time()
+        member.switch()
+        member.cpu += time.thread_time() - member.resumed
+        if member.dead:
+            self._members -= 1
 
     def _choose(self) -> list[_Waiting]:
         solo = [w for w in self._waiting if w.key is None]
@@ -227,53 +329,18 @@ class ForwardGate:
             self._credit += self.prefill_budget
         return group
 
-    def _drain(self) -> None:
-        """With the lock held: while no member runs and forwards wait, run them (on this thread)."""
-        while self._running <= 0 and self._waiting and not self._executing:
-            chosen = self._choose()
-            for w in chosen:
-                self._waiting.remove(w)
-            self._executing = True
-            self._cv.release()
-            try:
-                self._run_forwards(chosen)
-            finally:
-                self._cv.acquire()
-                self._executing = False
-            for w in chosen:
-                w.done = True
-            self._running += len(chosen)  # they run again from now (before this loop could run a next group)
-            self._cv.notify_all()
-
-    def _run_forwards(self, chosen: list[_Waiting]) -> None:
-        """Run the chosen forwards on the gate's own thread, whichever member thread let them run. Why: OpenMP gives
-        each thread that opens a parallel region a team of its own, and with more teams than cores every region
-        waits for sleeping workers (execution/omp_threads.py): in a server whose request threads each ran their
-        turn of the batches, a batch of eight 8K decode steps took 112-126 ms, against 84 ms from one thread."""
-        if self._forwards is None:
-            self._forwards = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="triforce-forwards")
-        done = self._forwards.submit(self._execute, chosen)
-        try:
-            done.result()
-        except BaseException:  # (an interrupt of this thread): the forward finishes before the gate moves on
-            concurrent.futures.wait([done])
-            raise
-
     def _execute(self, chosen: list[_Waiting]) -> None:
+        """Run the chosen forwards (on the gate's thread, as no member: their own forwards run directly)."""
         t = time.perf_counter()
-        member, _local.gate = getattr(_local, "gate", None), None  # (the forwards run here, not through the gate)
         try:
-            with torch.inference_mode():
-                if chosen[0].key is None:
-                    chosen[0].result = chosen[0].run()
-                else:
-                    for w, r in zip(chosen, chosen[0].batch([w.run for w in chosen])):
-                        w.result = r
-        except BaseException as e:  # noqa: BLE001 - each waiting thread raises it as its own
+            if chosen[0].key is None:
+                chosen[0].result = chosen[0].run()
+            else:
+                for w, r in zip(chosen, chosen[0].batch([w.run for w in chosen])):
+                    w.result = r
+        except Exception as e:  # noqa: BLE001 - each waiting member raises it as its own
             for w in chosen:
                 w.error = e
-        finally:
-            _local.gate = member
         dt = time.perf_counter() - t
         s = self.stats
         if chosen[0].key is None:
@@ -315,8 +382,8 @@ def _forward_batch(model, calls: list[tuple]) -> list:
 
 
 class GatedRunner(runners.ModelRunner):
-    """The model runner of a serving batch's requests (execution/runner.py): each request thread, once it has joined
-    `gate`, runs its forwards through it. A decode-sized chain over a cache with slots waits at the gate and runs
+    """The model runner of a serving batch's requests (execution/runner.py): each request, a member of `gate`
+    (ForwardGate.run), runs its forwards through it. A decode-sized chain over a cache with slots waits at the gate and runs
     batched with other requests' (runner.forward_batch, the batch keyed by the model: forwards of one model's
     weights batch together); any other forward waits its turn there and runs alone."""
 
@@ -324,7 +391,7 @@ class GatedRunner(runners.ModelRunner):
         self.gate = gate
 
     def forward(self, model, tokens, cache, last=None, block=None, hidden=False, layers=None):
-        if current() is not self.gate:  # (a thread that is no member, or the gate's own thread: at once)
+        if current() is not self.gate:  # (code that is no member, or the gate's loop running a forward: at once)
             return super().forward(model, tokens, cache, last, block, hidden, layers)
         layout = None if hidden or layers is not None else _layout(model, tokens, block, cache)
         if layout is None:
@@ -333,13 +400,13 @@ class GatedRunner(runners.ModelRunner):
         return self._batched(model, tokens, cache, last, layout, False)
 
     def forward_argmax(self, model, tokens, cache, last=None, block=None):
-        """The argmax where the forward runs: a batch's over all its rows in one call on the gate's thread. Why: on
-        each request thread it was one more call under the GIL per request and round (8 requests at 2K, `ar`: the
-        gate's idle time between batched forwards 3.1 -> 2.1 ms a step, benchmarks/serve.py)."""
+        """The argmax where the forward runs: a batch's over all its rows in one call. Why: per request it was one
+        more tensor call per round (8 requests at 2K, `ar`, when requests ran on threads of their own: the gate's idle
+        time between batched forwards 3.1 -> 2.1 ms a step, benchmarks/serve.py)."""
         if current() is not self.gate:
             return super().forward_argmax(model, tokens, cache, last, block)
         layout = _layout(model, tokens, block, cache)
-        if layout is None:  # (run on the gate's thread, which is no member: there the plain runner's at once)
+        if layout is None:  # (run by the gate's loop, which is no member: there the plain runner's at once)
             return self.gate.solo(lambda: self.forward_argmax(model, tokens, cache, last, block), tokens.shape[1])
         return self._batched(model, tokens, cache, last, layout, True)
 

@@ -6,9 +6,10 @@ more OpenMP threads than the machine has cores, libgomp's idle workers stop spin
 (its "throttled" spin), and every region then waits for its workers to wake. A decode forward opens a few hundred
 regions, so this costs a third of its time: eight 8K decode steps batched took 84 ms from the main thread alone
 and 108-111 ms once one other thread had run a parallel region (2-core Xeon, benchmarks/omp_teams.py).
-A server whose request threads each run a little PyTorch work (sampling over the vocabulary, zeroing a cache)
-would make a team on each of them; the serving gate instead runs every forward on one thread of its own, and
-the request threads keep to one OpenMP thread (`one_thread`), which opens no team at all.
+A server whose request threads each ran a little PyTorch work (sampling over the vocabulary, zeroing a cache)
+would make a team on each of them; the serving gate instead runs every request's generation and every forward on
+one thread of its own (execution/batching.py), and a request's own thread (its caches' release) keeps to one OpenMP
+thread (`one_thread`), which opens no team at all.
 
 torch.set_num_threads cannot do this: it sets the process-wide default as well as the calling thread's. OpenMP's
 omp_set_num_threads sets the calling thread's alone; it is called from the OpenMP runtime PyTorch has loaded. Where

@@ -1,9 +1,11 @@
 """One engine that generates up to `max_batch` requests at once (continuous batching): requests wait in a FIFO
 queue of bounded length, and each admitted request runs `generate_stream` (its own speculation stack, caches,
-acceptance and sampling; the full-cache prefill reusing the prefix cache) on a thread of its own whose model forwards
-go through one ForwardGate (execution/batching.py): the decode-sized forwards of every running request run as one
-batched forward, prefill chunks in turn under a token budget. A request joins as soon as a place and its memory are
-free, and leaves when it finishes or is cancelled; the others go on.
+acceptance and sampling; the full-cache prefill reusing the prefix cache) as a member of one ForwardGate
+(execution/batching.py: a greenlet on the gate's one thread), whose model forwards go through the gate: the
+decode-sized forwards of every running request run as one batched forward, prefill chunks in turn under a token
+budget. Each request also has a thread of its own for what would stall the batch on the gate's thread: the wait
+for a prefix another request is prefilling, and the release of its caches at its end. A request joins as soon as a
+place and its memory are free, and leaves when it finishes or is cancelled; the others go on.
 
 One prefill per prefix: a request whose prompt starts with blocks that a running request is prefilling (not in
 the prefix cache yet) waits, before it joins the batch, until that request has prefilled and cached them, and then
@@ -15,7 +17,7 @@ full cache for prompt + max_tokens, its drafting levels' caches) out of `kv_budg
 waits in the queue, and one that could never fit (more than the whole budget) is refused when it arrives
 (PromptTooLarge, a 400).
 
-A request (`Job`) reports through `job.deliver(event)`, called on the worker thread, in order:
+A request (`Job`) reports through `job.deliver(event)`, called on the gate's thread, in order:
     {"type": "delta", "text": str, "tokens": [ids], "triforce": {...}}   one per speculation round (text may be "";
                                                                         triforce: its provenance, RoundProvenance;
                                                                         the first also has "opening": {...}, how
@@ -278,18 +280,17 @@ class Engine:
         return True
 
     def _serve(self, job: Job) -> None:
-        # One OpenMP thread for all of this thread's work, not only while joined to the gate (ForwardGate.join): zeroing
-        # the full cache's buffers for the pool, after the gate, would otherwise open a team (execution/omp_threads.py)
+        # One OpenMP thread for this thread's own work (the generation itself runs on the gate's thread): zeroing the
+        # full cache's buffers for the pool, after the gate, would otherwise open a team (execution/omp_threads.py)
         with omp_threads.one_thread():
             self._serve_job(job)
 
     def _serve_job(self, job: Job) -> None:
         t0 = time.perf_counter()
         try:
-            # outside the gate: a member thread that waits for anything but its forwards would stall the batch
+            # outside the gate: a member that waits for anything but its forwards would stall the batch
             self._claim_prefill(job)
-            with self.gate.join():
-                self._run(job)
+            self.gate.run(lambda: self._run(job))
         except TriforceError as e:  # what a request's own stack refuses at its start (stacks.py checks the rest)
             log.warning("request refused: %s", e)
             self._error(job, 400, "invalid_request", str(e))
@@ -381,7 +382,7 @@ class Engine:
         try:
             first, n = self._deliver_rounds(job, rounds, opening)
         finally:
-            rounds.close()  # here, not at garbage collection: the generator's inference_mode is thread-local
+            rounds.close()  # here, not at garbage collection (on whichever thread collects it)
             job.levels = stream.levels
         if stream.result is None:  # stopped between rounds
             if self.metrics is not None:
