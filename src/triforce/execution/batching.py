@@ -89,12 +89,19 @@ class _Member(greenlet.greenlet):
         self.forwards = 0.0  # its forwards' shares, summed (own_clock)
         self.cpu = 0.0  # the gate thread's CPU time while it ran, before its current turn (own_clock)
         self.resumed = 0.0  # time.thread_time() when its current turn began
+        self.outcome = (None, None)  # (its result, its exception) once it has ended
 
     def _body(self):
         try:
-            result = self.fn()
+            self.outcome = (self.fn(), None)
         except BaseException as e:  # noqa: BLE001 - the caller of ForwardGate.run raises it
-            self.done.set_exception(e)
+            self.outcome = (None, e)
+
+    def finish(self) -> None:
+        """Hand its outcome to the caller of ForwardGate.run (once it has ended)."""
+        result, error = self.outcome
+        if error is not None:
+            self.done.set_exception(error)
         else:
             self.done.set_result(result)
 
@@ -198,12 +205,17 @@ class ForwardGate:
         self._arriving: list[tuple[object, concurrent.futures.Future]] = []  # members to start
         self._thread: threading.Thread | None = None  # the gate's thread (_loop), while it has work
         self._ready: collections.deque[_Member] = collections.deque()  # members to resume, in turn
+        self._ended: list[_Member] = []  # members that ended in this round of turns (told after `after_turns`)
         self._waiting: list[_Waiting] = []
         self._members = 0
         self._credit = 0  # solo tokens the batched forwards have earned (see the module docstring)
         self._arrivals = 0
         self.stats = GateStats()
         self.on_batch = None  # called with (forwards, rows) after each batched forward (the server's metrics)
+        # called on the gate's thread once the ready members have had their turns, before the next forward runs and
+        # before an ended member's caller is told (the server's: send the events the turns produced, see
+        # serving/engine.py's Engine._send)
+        self.after_turns = None
 
     # ---- any thread -------------------------------------------------------------------------
 
@@ -267,7 +279,14 @@ class ForwardGate:
             with torch.inference_mode():  # (every member's work is: the mode is the thread's, kept for its life)
                 while self._next_arrivals():
                     while self._ready:
-                        self._resume(self._ready.popleft())
+                        member = self._ready.popleft()
+                        self._resume(member)
+                        if member.dead:
+                            self._ended.append(member)
+                    if self.after_turns is not None:
+                        self.after_turns()
+                    while self._ended:
+                        self._ended.pop().finish()
                     if self._waiting:
                         chosen = self._choose()
                         for w in chosen:
@@ -278,11 +297,12 @@ class ForwardGate:
             with self._cv:
                 self._thread = None
                 arriving, self._arriving = self._arriving, []
-            for done in [f for _, f in arriving] + [m.done for m in self._ready] + [w.member.done for w in
-                                                                                     self._waiting]:
+            members = list(self._ready) + self._ended + [w.member for w in self._waiting]
+            for done in [f for _, f in arriving] + [m.done for m in members]:
                 if not done.done():
                     done.set_exception(e)
             self._ready.clear()
+            self._ended.clear()
             self._waiting.clear()
             self._members = 0
             raise

@@ -17,7 +17,7 @@ full cache for prompt + max_tokens, its drafting levels' caches) out of `kv_budg
 waits in the queue, and one that could never fit (more than the whole budget) is refused when it arrives
 (PromptTooLarge, a 400).
 
-A request (`Job`) reports through `job.deliver(event)`, called on the gate's thread, in order:
+A request (`Job`) reports through `job.deliver(event)`, called on the gate's thread (Engine._send), in order:
     {"type": "delta", "text": str, "tokens": [ids], "triforce": {...}}   one per speculation round (text may be "";
                                                                         triforce: its provenance, RoundProvenance;
                                                                         the first also has "opening": {...}, how
@@ -175,6 +175,8 @@ class Engine:
         self._prefilling: dict[str, threading.Event] = {}  # block key -> set once the request prefilling it cached it
         self.gate = ForwardGate(settings.prefill_budget or settings.config.prefill_chunk)
         self.runner = GatedRunner(self.gate)  # how the requests' forwards run: through the gate, batched
+        self._outbox: list[tuple[Job, dict]] = []  # the events of the members' current turns (_send)
+        self.gate.after_turns = self._send_events
         self._thread = threading.Thread(target=self._admit, name="triforce-engine", daemon=True)
         # the prefix cache needs a FullCache whose blocks are contiguous slices (not a sliding-window ring)
         self._reuse = settings.model.windows is None
@@ -419,7 +421,7 @@ class Engine:
                 if extra is not None and opening:  # apart from the round's provenance, which stays --json's form
                     ev["opening"] = {**opening, "time_to_first_token": round(now - job.arrived, 4)}
                     opening = {}
-                job.deliver(ev)
+                self._send(job, ev)
                 if job.stopped():
                     break
         finally:
@@ -448,9 +450,25 @@ class Engine:
             "tokens_per_second": round(res.tokens_per_second, 3) if res.tokens else None,
             "stats": res.stats,
         }
-        job.deliver({"type": "done", "finish_reason": finish, "triforce": extra,
+        self._send(job, {"type": "done", "finish_reason": finish, "triforce": extra,
                      "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
                                "total_tokens": res.prompt_tokens + len(res.tokens)}})
+
+    def _send(self, job: Job, event: dict) -> None:
+        """job.deliver(event); from a request's generation on the gate, once every member has had its turn, just
+        before the next forward (`_send_events`). Why: each event wakes the HTTP event loop, whose work then took
+        the GIL in turns with the next members' host work between two forwards; sent together before the forward,
+        the loop's work runs while the forward holds no GIL."""
+        if batching.current() is self.gate:
+            self._outbox.append((job, event))
+        else:
+            job.deliver(event)
+
+    def _send_events(self) -> None:
+        """(ForwardGate.after_turns, on the gate's thread) Deliver the events of the members' turns, in order."""
+        events, self._outbox = self._outbox, []
+        for job, event in events:
+            job.deliver(event)
 
     def _end_stopped(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -463,7 +481,7 @@ class Engine:
         if job.finished:  # nothing after a job's last event
             return
         self._finished(job, {500: "error", 504: "timeout", 503: "shutdown"}.get(status, "error"))
-        job.deliver({"type": "error", "status": status, "code": code, "message": message})
+        self._send(job, {"type": "error", "status": status, "code": code, "message": message})
 
     def _finished(self, job: Job, reason: str) -> None:
         if job.finished:
