@@ -796,9 +796,12 @@ def peer_compare(args) -> int:
                         bandwidth = bound.bandwidth()  # (the load's own minute: StepBound)
                         run = asyncio.run(_load_guarded(urls[side], prompts[:c], args.max_tokens, args.deadline,
                                                         models[side], args.temperature, stacks[side]))
+                        # (and right after it: a load whose two probes differ ran in both of the memory's modes, and
+                        # its share of the bound is of neither)
+                        after = bound.bandwidth()
                         stats = _side_stats(run)
                         rows[side][c].append({**stats, "waited_for_quiet_s": round(quiet_s, 1),
-                                              "bandwidth_gb_s": bandwidth,
+                                              "bandwidth_gb_s": bandwidth, "bandwidth_after_gb_s": after,
                                               "bound": bound.at(c, mean_tokens, {**hw, "bandwidth_gb_s": bandwidth}),
                                               "texts": [r["text"] for r in run["results"]],
                                               "timeline": [{"first_at": r["first_at"], "last_at": r["last_at"],
@@ -842,7 +845,8 @@ def peer_compare(args) -> int:
               f"Bound: one batched `ar` step of N requests reads the weights once ({bound.weight_bytes / 1e6:.0f} MB) "
               f"and each request's K/V ({bound.kv_token_bytes / 1e3:.1f} KB per token, {kv_dtype}) at prompt + "
               f"{args.max_tokens // 2} tokens, over the read bandwidth measured just before that load (bytes: "
-              "this host's memory changes speed between minutes); the roofline takes the slower of that and the step's FLOPs over the FMA peak on "
+              "this host's memory changes speed between minutes; the last column has the probes before and after the load: "
+              "where they differ, the load ran in both speeds); the roofline takes the slower of that and the step's FLOPs over the FMA peak on "
               "every core (benchmarks/serve.py, StepBound). Speculation may pass it.", "", *table, ""]
         for r in results:
             loads = sorted(s["bandwidth_gb_s"] for side in sides for runs in r["runs"][side].values() for s in runs)
@@ -879,8 +883,8 @@ def _identical(rows: dict, sides: list[str], counts: list[int], temperature: flo
 
 def _sweep_table(results: list[dict], sides: list[str], counts: list[int]) -> list[str]:
     table = ["| prompt tokens | N | server | decode tokens/s (aggregate) | per request | TTFT p50 | TTFT p95 | "
-             "bound: bytes (of it) | bound: roofline (of it) | ITL p50 | completed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bound: bytes (of it) | bound: roofline (of it) | ITL p50 | completed | GB/s before / after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for c in counts:
             for side in sides:
@@ -892,7 +896,8 @@ def _sweep_table(results: list[dict], sides: list[str], counts: list[int]) -> li
                                  f"{s['ttft_p95_s']:.2f} s | {b['bytes_tokens_per_s']:.0f} "
                                  f"({agg / b['bytes_tokens_per_s']:.0%}) | {b['roofline_tokens_per_s']:.0f} "
                                  f"({agg / b['roofline_tokens_per_s']:.0%}) | {s['itl_p50_ms']:.1f} ms | "
-                                 f"{s['completed']}/{s['requests']} |")
+                                 f"{s['completed']}/{s['requests']} | {s['bandwidth_gb_s']} / "
+                                 f"{s.get('bandwidth_after_gb_s', '-')} |")
     return table
 
 
