@@ -451,8 +451,8 @@ class Engine:
             "stats": res.stats,
         }
         self._send(job, {"type": "done", "finish_reason": finish, "triforce": extra,
-                     "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
-                               "total_tokens": res.prompt_tokens + len(res.tokens)}})
+                         "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
+                                   "total_tokens": res.prompt_tokens + len(res.tokens)}})
 
     def _send(self, job: Job, event: dict) -> None:
         """job.deliver(event); from a request's generation on the gate, once every member has had its turn, just
