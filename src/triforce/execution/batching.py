@@ -279,10 +279,7 @@ class ForwardGate:
             with torch.inference_mode():  # (every member's work is: the mode is the thread's, kept for its life)
                 while self._next_arrivals():
                     while self._ready:
-                        member = self._ready.popleft()
-                        self._resume(member)
-                        if member.dead:
-                            self._ended.append(member)
+                        self._resume(self._ready.popleft())
                     if self.after_turns is not None:
                         self.after_turns()
                     while self._ended:
@@ -328,6 +325,7 @@ class ForwardGate:
         member.cpu += time.thread_time() - member.resumed
         if member.dead:
             self._members -= 1
+            self._ended.append(member)
 
     def _choose(self) -> list[_Waiting]:
         solo = [w for w in self._waiting if w.key is None]
@@ -403,9 +401,9 @@ def _forward_batch(model, calls: list[tuple]) -> list:
 
 class GatedRunner(runners.ModelRunner):
     """The model runner of a serving batch's requests (execution/runner.py): each request, a member of `gate`
-    (ForwardGate.run), runs its forwards through it. A decode-sized chain over a cache with slots waits at the gate and runs
-    batched with other requests' (runner.forward_batch, the batch keyed by the model: forwards of one model's
-    weights batch together); any other forward waits its turn there and runs alone."""
+    (ForwardGate.run), runs its forwards through it. A decode-sized chain over a cache with slots waits at the gate
+    and runs batched with other requests' (runner.forward_batch, the batch keyed by the model: forwards of one
+    model's weights batch together); any other forward waits its turn there and runs alone."""
 
     def __init__(self, gate: ForwardGate):
         self.gate = gate
