@@ -845,9 +845,10 @@ def peer_compare(args) -> int:
               f"Bound: one batched `ar` step of N requests reads the weights once ({bound.weight_bytes / 1e6:.0f} MB) "
               f"and each request's K/V ({bound.kv_token_bytes / 1e3:.1f} KB per token, {kv_dtype}) at prompt + "
               f"{args.max_tokens // 2} tokens, over the read bandwidth measured just before that load (bytes: "
-              "this host's memory changes speed between minutes; the last column has the probes before and after the load: "
-              "where they differ, the load ran in both speeds); the roofline takes the slower of that and the step's FLOPs over the FMA peak on "
-              "every core (benchmarks/serve.py, StepBound). Speculation may pass it.", "", *table, ""]
+              "this host's memory changes speed between minutes; the last column has the probes before and after "
+              "the load: where they differ, the load ran in both speeds); the roofline takes the slower of that and "
+              "the step's FLOPs over the FMA peak on every core (benchmarks/serve.py, StepBound). Speculation may pass "
+              "it.", "", *table, ""]
         for r in results:
             loads = sorted(s["bandwidth_gb_s"] for side in sides for runs in r["runs"][side].values() for s in runs)
             md.append(f"- {r['prompt_tokens']} tokens: bandwidth {r['hardware']['bandwidth_gb_s']} GB/s before the "

@@ -29,6 +29,7 @@ from prefill_verify_ab import ROOT, remove_worktree, worktree
 from serve import QUESTIONS, _load_once, _prompts, _side_stats, _single, wait_until_quiet
 
 from triforce.serving.harness import ServerProcess
+from triforce.storage import atomic_write
 
 
 def summary(run: dict) -> dict:
@@ -99,8 +100,8 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         kept = {side: [{k: v for k, v in run.items() if k != "texts"} for run in side_runs]
                 for side, side_runs in runs.items()}
-        args.out.write_text(json.dumps({"argv": sys.argv, "base": args.base, "runs": kept, "ratios": ratios,
-                                        "texts_same": same}))
+        atomic_write(args.out, json.dumps({"argv": sys.argv, "base": args.base, "runs": kept, "ratios": ratios,
+                                           "texts_same": same}))
     return 0 if same and not errors else 1
 
 
